@@ -1,0 +1,4 @@
+"""Adapters for RL frameworks and inference servers, installed as ``rollout_spec.integrations``.
+
+Each subpackage imports the framework it adapts lazily, so the core installs without them.
+"""

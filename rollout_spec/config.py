@@ -1,0 +1,137 @@
+"""Validated, immutable configuration objects shared by the drafter, the engine and the adapters.
+
+Every field is checked once, at construction; an error names the field and its allowed range.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Optional
+
+
+def check_int(name: str, value: object, lo: int, hi: Optional[int] = None) -> int:
+    """Return ``value`` as an int if it is an integer in ``[lo, hi]``, else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        upper = "inf" if hi is None else str(hi)
+        raise ValueError(f"{name} must be in [{lo}, {upper}], got {value}")
+    return value
+
+
+def check_float(
+    name: str, value: object, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
+) -> float:
+    """Return ``value`` as a float inside the stated interval, else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    too_low = value <= lo if lo_open else value < lo
+    too_high = value >= hi if hi_open else value > hi
+    if math.isnan(value) or too_low or too_high:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(value).__name__}")
+    return tuple(check_int(f"{name}[{i}]", t, 0, 2**31 - 1) for i, t in enumerate(value))
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How the n-gram/suffix drafter proposes draft trees and keeps its index.
+
+    Budgets bound the work per step; scope weights rank candidates from the request's own
+    context, its group (siblings and earlier RL steps of the same prompt) and all recent rollouts.
+    """
+
+    num_draft_tokens: int = 8
+    """Most draft nodes proposed for one request in one step (0 disables speculation)."""
+    max_batch_draft_tokens: int = 4096
+    """Most draft nodes proposed by one batched ``propose`` call, over all requests."""
+    max_depth: int = 24
+    """Longest root-to-leaf path of a draft tree."""
+    max_match_len: int = 32
+    """Longest context suffix matched against the index."""
+    min_match_len: int = 1
+    """Shortest context suffix whose continuations may be proposed."""
+    min_token_prob: float = 0.1
+    """Nodes whose estimated path probability falls below this are not proposed."""
+    tree: bool = True
+    """Propose branching trees; False proposes a single chain per request."""
+    adaptive_budget: bool = True
+    """Shrink a request's draft to what its match confidence supports."""
+    request_weight: float = 1.0
+    """Scope prior for the request's own prompt and output (0 disables the scope)."""
+    group_weight: float = 1.0
+    """Scope prior for samples of the same group_id, this step and history_steps before (0 disables)."""
+    global_weight: float = 0.5
+    """Scope prior for all recent rollouts and external corpora (0 disables)."""
+    history_steps: int = 4
+    """How many earlier RL steps of a group stay in its group scope."""
+    capacity_tokens: int = 16_000_000
+    """Memory bound of the shared indexes, in stored tokens; least-recently-used steps go first."""
+    external_corpora: tuple[str, ...] = field(default_factory=tuple)
+    """Token files (one int32 array per file, .npy) added to the global scope at start."""
+
+    def __post_init__(self) -> None:
+        check_int("num_draft_tokens", self.num_draft_tokens, 0, 1024)
+        check_int("max_batch_draft_tokens", self.max_batch_draft_tokens, 0, 1 << 24)
+        check_int("max_depth", self.max_depth, 1, 1024)
+        check_int("max_match_len", self.max_match_len, 1, 1024)
+        check_int("min_match_len", self.min_match_len, 1, self.max_match_len)
+        check_float("min_token_prob", self.min_token_prob, 0.0, 1.0)
+        for name in ("tree", "adaptive_budget"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("request_weight", "group_weight", "global_weight"):
+            check_float(name, getattr(self, name), 0.0, 1e6)
+        check_int("history_steps", self.history_steps, 0, 1 << 20)
+        check_int("capacity_tokens", self.capacity_tokens, 1024, 1 << 40)
+        if isinstance(self.external_corpora, str) or not all(
+            isinstance(p, str) for p in self.external_corpora
+        ):
+            raise TypeError("external_corpora must be a sequence of file paths (str)")
+        object.__setattr__(self, "external_corpora", tuple(self.external_corpora))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one prompt's samples are generated; ``temperature=0`` means greedy."""
+
+    n: int = 1
+    """Samples per prompt (GRPO's group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]; 1 keeps everything."""
+    top_k: int = -1
+    """Most tokens kept; -1 keeps all."""
+    max_new_tokens: int = 512
+    stop_token_ids: Optional[tuple[int, ...]] = None
+    """Tokens that end a sample (kept in the output); None means the model's EOS."""
+    seed: Optional[int] = 0
+    """Base seed; sample i of prompt p is seeded from (seed, p, i). None draws fresh entropy."""
+
+    def __post_init__(self) -> None:
+        check_int("n", self.n, 1, 1 << 16)
+        check_float("temperature", self.temperature, 0.0, 100.0)
+        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if check_int("top_k", self.top_k, -1, 1 << 31) == 0:
+            raise ValueError("top_k must be -1 (keep all) or in [1, 2147483648], got 0")
+        check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 24)
+        if self.stop_token_ids is not None:
+            object.__setattr__(
+                self, "stop_token_ids", _check_token_ids("stop_token_ids", self.stop_token_ids)
+            )
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**63 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax."""
+        return self.temperature == 0.0

