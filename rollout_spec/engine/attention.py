@@ -1,0 +1,61 @@
+"""Decode/verify attention over the static KV cache: the one entry point every layer calls.
+
+The torch implementation here is the reference (and the CPU path); a fused GPU kernel may be
+dispatched from ``tree_attention`` as long as it computes the same thing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+
+def tree_visibility(ctx_lens: Tensor, tree_mask: Tensor, kv_len: int) -> Tensor:
+    """Boolean mask ``[B, 1, W, kv_len]``: cached prefix plus tree ancestors among the new tokens.
+
+    Cache position ``c`` is visible to new row ``i`` when ``c < ctx_len`` or when
+    ``c = ctx_len + j`` with ``tree_mask[i, j]``.
+    """
+    B, W, _ = tree_mask.shape
+    rel = torch.arange(kv_len, device=tree_mask.device)[None, :] - ctx_lens[:, None]  # [B, L]
+    in_tree = (rel >= 0) & (rel < W)
+    cols = rel.clamp(0, W - 1)[:, None, :].expand(B, W, kv_len)
+    tree_part = torch.gather(tree_mask, 2, cols) & in_tree[:, None, :]
+    return ((rel < 0)[:, None, :] | tree_part)[:, None]
+
+
+def tree_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_ids: Tensor,
+    ctx_lens: Tensor,
+    tree_mask: Tensor,
+    scale: float,
+    kv_limit: Optional[int] = None,
+) -> Tensor:
+    """Attention of the step's W new queries per request over its slot of the cache.
+
+    Args:
+        q: ``[B, Hq, W, D]`` queries (RoPE applied).
+        k_cache, v_cache: ``[S, Hkv, Lmax, D]`` one layer's cache; the step's W new keys/values
+            are already written at positions ``ctx_len .. ctx_len+W-1`` of each request's slot.
+        slot_ids, ctx_lens: ``[B]`` int64, the slot and cached length of each request.
+        tree_mask: ``[B, W, W]`` bool, ancestor-or-self among the new tokens (causal for prefill).
+        scale: softmax scale, usually ``D ** -0.5``.
+        kv_limit: optional host-known bound on ``max(ctx_len) + W``; only that many cache
+            positions are read. ``None`` reads all of ``Lmax`` (static shape, graph-friendly).
+    Returns:
+        ``[B, Hq, W, D]`` attention outputs in ``q``'s dtype.
+    """
+    kv_len = k_cache.shape[2] if kv_limit is None else min(kv_limit, k_cache.shape[2])
+    k = k_cache[slot_ids, :, :kv_len]  # [B, Hkv, L, D]
+    v = v_cache[slot_ids, :, :kv_len]
+    mask = tree_visibility(ctx_lens, tree_mask, kv_len)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)

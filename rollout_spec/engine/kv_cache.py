@@ -1,0 +1,63 @@
+"""Static KV cache: one fixed-length row per request slot, for every layer.
+
+Fixed shapes keep each step's forward free of allocations and host syncs (capturable in CUDA
+graphs). Slot ``s`` holds one request's keys and values at positions ``0 .. ctx_len-1``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values ``[layers, slots, kv_heads, max_len, head_dim]`` plus the moves the engine needs."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len = num_slots, max_len
+
+    def write(
+        self, layer: int, slot_ids: Tensor, ctx_lens: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Store the step's ``k, v [B, Hkv, W, D]`` at ``ctx_len .. ctx_len+W-1``; return the layer's cache.
+
+        Padding columns are written too (their positions are overwritten by later steps before
+        anyone may attend to them), which keeps the write shape static.
+        """
+        W = k.shape[2]
+        pos = ctx_lens[:, None] + torch.arange(W, device=k.device)  # [B, W]
+        slots = slot_ids[:, None].expand_as(pos)
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        # Advanced indices on dims 0 and 2 put (B, W) first: values are [B, W, Hkv, D].
+        k_layer[slots, :, pos] = k.transpose(1, 2).to(k_layer.dtype)
+        v_layer[slots, :, pos] = v.transpose(1, 2).to(v_layer.dtype)
+        return k_layer, v_layer
+
+    def move(self, slots: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Copy position ``src[i]`` to ``dst[i]`` of slot ``slots[i]`` in every layer.
+
+        Used to pack accepted draft nodes onto their path positions. Callers guarantee that no
+        destination is the source of another entry (``dst <= src`` along one path holds that).
+        """
+        if slots.numel() == 0:
+            return
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
+
+    def copy_prefix(self, src_slot: int, dst_slots: Tensor, length: int) -> None:
+        """Copy the first ``length`` positions of one slot into others (n samples, one prefill)."""
+        if dst_slots.numel() == 0 or length == 0:
+            return
+        self.k[:, dst_slots, :, :length] = self.k[:, src_slot : src_slot + 1, :, :length]
+        self.v[:, dst_slots, :, :length] = self.v[:, src_slot : src_slot + 1, :, :length]

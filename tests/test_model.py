@@ -1,0 +1,105 @@
+"""Our Llama-family model against transformers' own forward, in fp32, on tiny random configs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_spec.engine.kv_cache import KVCache
+from rollout_spec.engine.model import StepContext, Transformer
+from rollout_spec.engine.weights import build_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+
+
+def tiny_config(kind: str):
+    """A small random config of one family, with the variant options switched on."""
+    if kind == "llama":
+        return transformers.LlamaConfig(**TINY, tie_word_embeddings=True)
+    if kind == "llama3-rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+        return transformers.LlamaConfig(**TINY, rope_parameters=rope, attention_bias=True)
+    if kind == "linear-rope":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        return transformers.LlamaConfig(**TINY, rope_parameters=rope)
+    if kind == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                "original_max_position_embeddings": 64}
+        return transformers.Qwen2Config(**TINY, rope_parameters=rope)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**TINY, head_dim=24)
+    raise ValueError(kind)
+
+
+def reference_and_ours(kind: str, seed: int = 0) -> tuple[torch.nn.Module, Transformer]:
+    """A random transformers model and ours loaded from its state dict."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(kind)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # random non-trivial norms and biases, so they are really tested
+        for name, p in ref.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    return ref, build_model(cfg, state, torch.device("cpu"), torch.float32)
+
+
+def causal_forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a full causal forward through our static cache (one slot per row)."""
+    B, T = ids.shape
+    c = model.config
+    cache = KVCache(c.num_layers, B, c.num_kv_heads, T, c.head_dim, torch.float32, "cpu")
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T)
+    ctx = StepContext(cache, torch.arange(B), torch.zeros(B, dtype=torch.long), mask)
+    return model(ids, torch.arange(T).expand(B, T), ctx)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "linear-rope", "yarn", "qwen2", "qwen3"])
+def test_logits_match_transformers(kind: str) -> None:
+    ref, ours = reference_and_ours(kind)
+    ids = torch.randint(0, TINY["vocab_size"], (3, 150))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        got = causal_forward(ours, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_step_matches_full_forward() -> None:
+    """Prefill, then a 2-branch tree step: each node's logits equal a causal forward of its path."""
+    ref, ours = reference_and_ours("qwen3", seed=1)
+    c = ours.config
+    prompt = torch.randint(0, TINY["vocab_size"], (1, 20))
+    cache = KVCache(c.num_layers, 2, c.num_kv_heads, 64, c.head_dim, torch.float32, "cpu")
+    mask = torch.tril(torch.ones(20, 20, dtype=torch.bool))[None]
+    slot = torch.tensor([1])
+    with torch.no_grad():
+        ours(prompt, torch.arange(20)[None], StepContext(cache, slot, torch.tensor([0]), mask))
+        # Tree: root r, children a (col 1) and b (col 2), a's child c (col 3).
+        toks = torch.tensor([[5, 7, 9, 11]])
+        depth = torch.tensor([[0, 1, 1, 2]])
+        tmask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        got = ours(toks, 20 + depth, StepContext(cache, slot, torch.tensor([20]), tmask[None]))
+        for col, path in ((0, [5]), (1, [5, 7]), (2, [5, 9]), (3, [5, 7, 11])):
+            full = ref(torch.cat([prompt, torch.tensor([path])], dim=1)).logits[0, -1]
+            torch.testing.assert_close(got[0, col], full, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_family_is_rejected() -> None:
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        build_model(cfg, {}, torch.device("cpu"), torch.float32)
+
+
+def test_mismatched_checkpoint_names_the_keys() -> None:
+    _, ours = reference_and_ours("llama")
+    state = {k: v for k, v in ours.state_dict().items() if "layers.1.mlp" not in k}
+    with pytest.raises(ValueError, match="layers.1.mlp"):
+        build_model(tiny_config("llama"), state, torch.device("cpu"), torch.float32)
