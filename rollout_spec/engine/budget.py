@@ -1,0 +1,188 @@
+"""Batch-aware draft budget: how many draft nodes per request each step should verify.
+
+Verifying k draft nodes per request makes a step of width W = k+1 cost ``T(B, W)`` instead of
+``T(B, 1)`` (the verify tax), and yields ``E(k)`` tokens per request instead of 1 (the TPF). The
+budget picks the k that maximises ``B * E(k) / T(B, k+1)``, i.e. tokens per second, which is
+k = 0 (plain decode) whenever no draft size pays for its tax. ``T`` comes from a few timed
+forwards at engine start (cached per GPU and model); ``E`` from running acceptance statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from rollout_spec.config import check_float, check_int
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured step time ``seconds[i, j]`` at ``batch_sizes[i]`` rows and ``widths[j]`` columns.
+
+    Between grid points time is interpolated linearly in B and W; beyond the grid it is held at
+    the edge per row (extrapolation in B scales linearly with the largest measured B).
+    """
+
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        grid = np.asarray(self.seconds, dtype=np.float64)
+        if grid.shape != (len(self.batch_sizes), len(self.widths)) or grid.size == 0:
+            raise ValueError(f"seconds must be a {len(self.batch_sizes)}x{len(self.widths)} grid, "
+                             f"got shape {grid.shape}")
+        if not np.all(np.isfinite(grid)) or np.any(grid <= 0):
+            raise ValueError("seconds must be finite and > 0")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes must be increasing positive ints, got {self.batch_sizes}")
+        if list(self.widths) != sorted(set(self.widths)) or self.widths[0] != 1:
+            raise ValueError(f"widths must be increasing and start at 1 (decode), got {self.widths}")
+
+    def step_time(self, batch: int, width: int) -> float:
+        """Predicted seconds of one step with ``batch`` rows of ``width`` tokens."""
+        grid = np.asarray(self.seconds, dtype=np.float64)
+        bs = np.asarray(self.batch_sizes, dtype=np.float64)
+        per_width = np.array([np.interp(width, self.widths, row) for row in grid])
+        if batch > bs[-1]:
+            return float(per_width[-1] * batch / bs[-1])
+        return float(np.interp(batch, bs, per_width))
+
+    def verify_tax(self, batch: int, width: int) -> float:
+        """Cost of a width-``width`` step relative to a decode step at the same batch size."""
+        return self.step_time(batch, width) / self.step_time(batch, 1)
+
+    def to_json(self) -> str:
+        """Serialise for the per-GPU cache file."""
+        return json.dumps({"batch_sizes": self.batch_sizes, "widths": self.widths,
+                           "seconds": self.seconds})
+
+    @staticmethod
+    def from_json(text: str) -> "CostModel":
+        """Inverse of ``to_json``; raises ValueError on a malformed or inconsistent file."""
+        raw = json.loads(text)
+        return CostModel(tuple(raw["batch_sizes"]), tuple(raw["widths"]),
+                         tuple(tuple(r) for r in raw["seconds"]))
+
+
+def measure_cost_model(step: Callable[[int, int], None], sync: Callable[[], None],
+                       batch_sizes: Sequence[int], widths: Sequence[int],
+                       repeats: int = 5, warmup: int = 2) -> CostModel:
+    """Time ``step(B, W)`` (one forward at that shape) on a grid; median of ``repeats`` runs."""
+    check_int("repeats", repeats, 1, 1000)
+    grid = []
+    for b in batch_sizes:
+        row = []
+        for w in widths:
+            for _ in range(warmup):
+                step(b, w)
+            times = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                step(b, w)
+                sync()
+                times.append(time.perf_counter() - t0)
+            row.append(float(np.median(times)))
+        grid.append(tuple(row))
+    return CostModel(tuple(batch_sizes), tuple(widths), tuple(grid))
+
+
+def cached_cost_model(cache_dir: str | Path, key: str, measure: Callable[[], CostModel]) -> CostModel:
+    """Load the cost model for ``key`` (GPU name, model, dtype...) or measure and store it."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+    path = Path(cache_dir) / f"cost_{safe}.json"
+    if path.exists():
+        try:
+            return CostModel.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"cost model cache {path} is corrupt ({err}); delete it to re-measure")
+    model = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(model.to_json())
+    return model
+
+
+class AcceptanceTracker:
+    """Running estimate of the tokens one step yields per request for each draft size k.
+
+    It keeps, for every draft depth d, how often a request that reached depth d-1 with a node at
+    depth d had that node accepted (an exponential moving average). ``expected_tokens(k)`` is
+    then 1 + sum over d <= k of the product of those rates: the bonus token plus the expected
+    accepted path. Depths never offered yet use ``prior``, so unexplored sizes stay reachable.
+    """
+
+    def __init__(self, max_draft: int, prior: float = 0.5, decay: float = 0.02) -> None:
+        check_int("max_draft", max_draft, 0, 4096)
+        check_float("prior", prior, 0.0, 1.0)
+        check_float("decay", decay, 1e-6, 1.0)
+        self.decay = decay
+        self.rate = np.full(max_draft + 1, prior, dtype=np.float64)  # index d: depth d (0 unused)
+        self.seen = np.zeros(max_draft + 1, dtype=np.int64)
+
+    def update(self, offered: np.ndarray, accepted: np.ndarray) -> None:
+        """Record one step: ``offered[r]`` draft depth shown to request r, ``accepted[r]`` kept."""
+        offered = np.asarray(offered, dtype=np.int64)
+        accepted = np.asarray(accepted, dtype=np.int64)
+        if offered.shape != accepted.shape or np.any(accepted > offered) or np.any(accepted < 0):
+            raise ValueError("accepted must have offered's shape with 0 <= accepted <= offered")
+        top = min(int(offered.max(initial=0)), len(self.rate) - 1)
+        for d in range(1, top + 1):
+            tried = (offered >= d) & (accepted >= d - 1)
+            n = int(tried.sum())
+            if n == 0:
+                continue
+            hit = float((accepted[tried] >= d).mean())
+            weight = 1.0 - (1.0 - self.decay) ** n  # n observations move the mean like n updates
+            self.rate[d] += weight * (hit - self.rate[d])
+            self.seen[d] += n
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens per request from a step that offers ``k`` draft nodes (>= 1.0)."""
+        k = min(k, len(self.rate) - 1)
+        return 1.0 + float(np.cumprod(self.rate[1 : k + 1]).sum())
+
+
+class DraftBudget:
+    """Callable budget policy: ``budget(batch_size) -> draft nodes per request`` (0 = no drafts).
+
+    Each call maximises ``B * E(k) / T(B, k+1)`` over the candidate sizes. Every
+    ``probe_every`` calls that chose 0 it offers the smallest positive size once, so the
+    acceptance estimates keep tracking the workload after speculation was switched off.
+    """
+
+    def __init__(self, cost: CostModel, tracker: AcceptanceTracker, candidates: Sequence[int],
+                 probe_every: int = 64) -> None:
+        cands = sorted(set(int(c) for c in candidates) | {0})
+        if cands[0] < 0:
+            raise ValueError(f"candidates must be >= 0, got {list(candidates)}")
+        check_int("probe_every", probe_every, 1, 1_000_000)
+        self.cost, self.tracker, self.candidates = cost, tracker, tuple(cands)
+        self.probe_every = probe_every
+        self._zeros = 0
+
+    def throughput(self, batch: int, k: int) -> float:
+        """Predicted tokens per second at ``batch`` requests offering ``k`` nodes each."""
+        return batch * self.tracker.expected_tokens(k) / self.cost.step_time(batch, k + 1)
+
+    def best(self, batch: int) -> int:
+        """The candidate draft size with the highest predicted tokens per second."""
+        return max(self.candidates, key=lambda k: (self.throughput(batch, k), -k))
+
+    def __call__(self, batch_size: int) -> int:
+        """Draft nodes per request for the next step of ``batch_size`` running requests."""
+        check_int("batch_size", batch_size, 1, 1 << 20)
+        k = self.best(batch_size)
+        if k > 0:
+            self._zeros = 0
+            return k
+        self._zeros += 1
+        if self._zeros >= self.probe_every and len(self.candidates) > 1:
+            self._zeros = 0
+            return self.candidates[1]
+        return 0

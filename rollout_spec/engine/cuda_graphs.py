@@ -1,0 +1,131 @@
+"""CUDA graphs for the decode and verify steps: a ladder of (batch, width) buckets.
+
+A step of the engine is a fixed-shape forward over a padded (B, W) batch. Launching its few
+hundred small kernels one by one costs more than the arithmetic at small batch sizes, so each
+bucket of the ladder is captured once and replayed. All buckets share one memory pool (captured
+largest first, so the smaller ones fit inside what the largest reserved). A step of size (b, w)
+replays the smallest bucket with B >= b and W >= w; its inputs are copied into the bucket's
+static buffers and the padding is filled with each input's pad value.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+StepFn = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How one step input is laid out: dim 0 is the batch; ``width_dims`` are sized by W.
+
+    ``trailing`` is the shape after the batch dim with every width dim given as 1 (it is
+    replaced by the bucket's W). ``pad_value`` fills padded rows and columns: e.g. a scratch KV
+    slot for slot ids, so padded rows never write into a live request's cache.
+    """
+
+    name: str
+    trailing: tuple[int, ...]
+    dtype: torch.dtype
+    width_dims: tuple[int, ...] = ()
+    pad_value: float | int | bool = 0
+
+    def shape(self, batch: int, width: int) -> tuple[int, ...]:
+        """Full shape of this input for a bucket."""
+        dims = list(self.trailing)
+        for d in self.width_dims:
+            dims[d - 1] = width
+        return (batch, *dims)
+
+
+def _ladder(values: Sequence[int], field: str) -> tuple[int, ...]:
+    out = tuple(sorted(set(int(v) for v in values)))
+    if not out or out[0] < 1:
+        raise ValueError(f"{field} must be a non-empty list of positive ints, got {list(values)}")
+    return out
+
+
+class GraphLadder:
+    """Captured (or eager) step functions for every (batch, width) bucket of a ladder.
+
+    ``step_fn(inputs)`` must be shape-static given its inputs' shapes, allocate nothing that
+    outlives the call except its output, and not sync the host. With ``eager=True`` (or on a
+    non-CUDA device) nothing is captured: ``run`` pads to the same bucket and calls step_fn,
+    which keeps the padding logic identical on CPU and in tests.
+    """
+
+    def __init__(self, step_fn: StepFn, specs: Sequence[InputSpec], batch_sizes: Sequence[int],
+                 widths: Sequence[int], device: torch.device | str, eager: bool = False) -> None:
+        self.step_fn = step_fn
+        self.specs = tuple(specs)
+        self.batch_sizes = _ladder(batch_sizes, "batch_sizes")
+        self.widths = _ladder(widths, "widths")
+        self.device = torch.device(device)
+        self.eager = eager or self.device.type != "cuda"
+        self.static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        for b in self.batch_sizes:
+            for w in self.widths:
+                self.static[(b, w)] = {s.name: torch.full(s.shape(b, w), s.pad_value, dtype=s.dtype,
+                                                          device=self.device) for s in self.specs}
+        if not self.eager:
+            self._capture_all()
+
+    def bucket(self, batch: int, width: int) -> tuple[int, int]:
+        """The smallest captured (B, W) that holds a step of ``batch`` rows and ``width`` columns."""
+        i = bisect.bisect_left(self.batch_sizes, batch)
+        j = bisect.bisect_left(self.widths, width)
+        if batch < 1 or width < 1 or i == len(self.batch_sizes) or j == len(self.widths):
+            raise ValueError(f"step (batch={batch}, width={width}) is outside the ladder: batch must "
+                             f"be in [1, {self.batch_sizes[-1]}], width in [1, {self.widths[-1]}]")
+        return self.batch_sizes[i], self.widths[j]
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for key in sorted(self.static, reverse=True):  # largest first: it sizes the shared pool
+            inputs = self.static[key]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up (lazy inits, autotune) outside the capture
+                self.step_fn(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[key] = self.step_fn(inputs)
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
+
+    def _fill(self, key: tuple[int, int], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        static = self.static[key]
+        for spec in self.specs:
+            if spec.name not in inputs:
+                raise ValueError(f"step input {spec.name!r} is missing")
+            src, dst = inputs[spec.name], static[spec.name]
+            if src.dim() != dst.dim():
+                raise ValueError(f"step input {spec.name!r} must have {dst.dim()} dims, got {src.dim()}")
+            if tuple(src.shape) != tuple(dst.shape):
+                dst.fill_(spec.pad_value)  # padding must hold the pad value, not the last step's data
+            dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+        return static
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Run one step: pad into the bucket, replay (or call eagerly), return the padded output.
+
+        The output is the bucket's static tensor (a view into the shared pool): read or copy it
+        before the next ``run``. Its first two dims are the bucket's (B, W); slice what you need.
+        """
+        first = self.specs[0]
+        ref = inputs[first.name]
+        batch = ref.shape[0]
+        width = ref.shape[first.width_dims[0]] if first.width_dims else 1
+        key = self.bucket(batch, width)
+        static = self._fill(key, inputs)
+        if self.eager:
+            return self.step_fn(static)
+        self.graphs[key].replay()
+        return self.outputs[key]

@@ -1,0 +1,129 @@
+"""Decision logic of the batch-aware draft budget on synthetic cost curves (CPU only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_spec.engine.budget import (AcceptanceTracker, CostModel, DraftBudget,
+                                        cached_cost_model, measure_cost_model)
+
+BATCHES = (1, 8, 32, 64, 128, 256)
+WIDTHS = (1, 2, 3, 5, 9)
+
+
+def synthetic_cost(launch: float, per_token: float, weights: float = 1e-3) -> CostModel:
+    """Step time = weight streaming (fixed) + launch + compute growing with B*W tokens.
+
+    Small B is memory/launch bound (verify tax ~1); large B is compute bound (tax ~W).
+    """
+    grid = tuple(tuple(weights + launch + per_token * b * w for w in WIDTHS) for b in BATCHES)
+    return CostModel(BATCHES, WIDTHS, grid)
+
+
+def tracker_with_rate(rate: float, max_draft: int = 8) -> AcceptanceTracker:
+    t = AcceptanceTracker(max_draft, prior=rate)
+    return t
+
+
+def test_small_batch_drafts_deep_large_batch_turns_speculation_off():
+    """Cheap verification at B=1 buys the deepest draft; compute-bound B=256 buys none."""
+    cost = synthetic_cost(launch=2e-4, per_token=2e-5)
+    budget = DraftBudget(cost, tracker_with_rate(0.8), candidates=[1, 2, 4, 8])
+    assert budget.best(1) == 8
+    assert budget.best(256) == 0
+    picks = [budget.best(b) for b in BATCHES]
+    assert picks == sorted(picks, reverse=True)  # never more drafting as the batch grows
+
+
+def test_no_acceptance_means_no_drafts_and_high_acceptance_means_drafts():
+    cost = synthetic_cost(launch=2e-4, per_token=2e-5)
+    assert DraftBudget(cost, tracker_with_rate(0.0), [1, 2, 4]).best(1) == 0
+    assert DraftBudget(cost, tracker_with_rate(0.95), [1, 2, 4]).best(8) == 4
+
+
+def test_choice_maximises_predicted_throughput():
+    """The pick is the argmax of B*E(k)/T(B,k+1) over the candidates, 0 included."""
+    cost = synthetic_cost(launch=1e-4, per_token=5e-6)
+    budget = DraftBudget(cost, tracker_with_rate(0.6), [1, 2, 4, 8])
+    for b in (1, 16, 64, 200, 300):
+        k = budget.best(b)
+        assert all(budget.throughput(b, k) >= budget.throughput(b, c) for c in (0, 1, 2, 4, 8))
+
+
+def test_probe_after_many_zero_steps():
+    cost = synthetic_cost(launch=2e-4, per_token=2e-5)
+    budget = DraftBudget(cost, tracker_with_rate(0.0), [2, 4], probe_every=3)
+    assert [budget(8) for _ in range(6)] == [0, 0, 2, 0, 0, 2]
+
+
+def test_tracker_learns_depth_rates_and_expected_tokens():
+    """Requests accept each depth with probability 0.7: estimates converge; E(k) follows."""
+    rng = np.random.default_rng(0)
+    t = AcceptanceTracker(4, prior=0.1, decay=0.002)
+    for _ in range(300):
+        offered = np.full(64, 4)
+        accepted = np.minimum((rng.random((64, 4)) < 0.7).cumprod(axis=1).sum(axis=1), offered)
+        t.update(offered, accepted)
+    assert np.allclose(t.rate[1:], 0.7, atol=0.05)
+    want = 1 + sum(0.7 ** d for d in range(1, 5))
+    assert t.expected_tokens(4) == pytest.approx(want, rel=0.05)
+    assert t.expected_tokens(0) == 1.0
+    assert t.expected_tokens(2) < t.expected_tokens(4)
+
+
+def test_tracker_only_updates_reached_depths():
+    t = AcceptanceTracker(3, prior=0.5, decay=1.0)
+    t.update(np.array([3, 3]), np.array([0, 0]))  # depth 1 rejected twice; deeper never reached
+    assert t.rate[1] == 0.0 and t.rate[2] == 0.5 and t.rate[3] == 0.5
+
+
+def test_tracker_rejects_inconsistent_counts():
+    t = AcceptanceTracker(3)
+    with pytest.raises(ValueError, match="accepted"):
+        t.update(np.array([1, 2]), np.array([2, 0]))
+    with pytest.raises(ValueError, match="prior"):
+        AcceptanceTracker(3, prior=1.5)
+
+
+def test_cost_model_interpolates_and_round_trips(tmp_path):
+    cost = synthetic_cost(launch=1e-4, per_token=1e-6)
+    assert cost.step_time(8, 1) == pytest.approx(1e-3 + 1e-4 + 8e-6)
+    assert cost.step_time(20, 4) == pytest.approx(1e-3 + 1e-4 + 80e-6)  # linear between points
+    assert cost.step_time(512, 1) == pytest.approx(2 * cost.step_time(256, 1))
+    assert cost.verify_tax(8, 1) == 1.0 and cost.verify_tax(256, 9) > cost.verify_tax(1, 9)
+    assert CostModel.from_json(cost.to_json()) == cost
+
+
+def test_cached_cost_model_measures_once(tmp_path):
+    calls = []
+
+    def measure() -> CostModel:
+        calls.append(1)
+        return synthetic_cost(1e-4, 1e-6)
+
+    a = cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
+    b = cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
+    assert a == b and len(calls) == 1
+    next(tmp_path.iterdir()).write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
+
+
+def test_measure_cost_model_times_each_cell():
+    seen = []
+    cost = measure_cost_model(lambda b, w: seen.append((b, w)), lambda: None, [1, 4], [1, 3],
+                              repeats=3, warmup=1)
+    assert cost.batch_sizes == (1, 4) and cost.widths == (1, 3)
+    assert len(seen) == 4 * (3 + 1) and seen.count((4, 3)) == 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch_sizes=(1, 8), widths=(2, 3), seconds=((1, 1), (1, 1))), "widths"),
+    (dict(batch_sizes=(8, 1), widths=(1, 2), seconds=((1, 1), (1, 1))), "batch_sizes"),
+    (dict(batch_sizes=(1, 8), widths=(1, 2), seconds=((1, 0), (1, 1))), "seconds"),
+    (dict(batch_sizes=(1,), widths=(1, 2), seconds=((1, 1), (1, 1))), "grid"),
+])
+def test_cost_model_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(**kwargs)
