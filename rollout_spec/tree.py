@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported lazily: the drafter side of the package must not need it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -90,3 +94,131 @@ class DraftBatch:
                 "DraftBatch.parents[i] must be -1 or in [0, i) within its request's slice "
                 "(topological order)"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# What one padded tree forward needs (torch).  Index math is O(N) numpy on the host, where the
+# DraftBatch already lives; the result travels to the device in two copies, so building inputs
+# for a step costs a handful of kernel launches and never waits on the GPU.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeInputs:
+    """Inputs of one padded tree-verify forward over B requests of width W.
+
+    Column 0 of request b is its root (the last committed token, whose KV is not cached yet);
+    column 1+j is node j of its slice; columns past 1+size are padding.
+    """
+
+    input_ids: torch.Tensor  # int64[B, W]; padding holds 0
+    positions: torch.Tensor  # int64[B, W] = root_position + depth; padding: root_position
+    tree_mask: torch.Tensor  # bool[B, W, W]; row i sees j iff j is i or i's ancestor
+    valid: torch.Tensor  # bool[B, W]; root and real nodes
+    flat_index: torch.Tensor  # int64[B+N]; verify row r lives at flattened cell flat_index[r]
+    depth: torch.Tensor  # int64[B, W]; 0 for the root and for padding
+    parent_col: torch.Tensor  # int64[B, W]; column of the parent, -1 for root and padding
+    row_index: torch.Tensor  # int64[B, W]; verify row of each cell; padding -> its root's row
+
+    @property
+    def width(self) -> int:
+        """W, the padded number of columns per request."""
+        return int(self.input_ids.shape[1])
+
+
+def _host_tree_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index arrays and ancestor mask of a validated batch, computed with numpy on the host.
+
+    Returns ``(packed int64[5, B*W + ...], mask bool[B, W, W])``; see build_tree_inputs.
+    """
+    num_req, num_nodes = batch.num_requests, batch.num_nodes
+    sizes = batch.sizes()
+    starts = batch.offsets[:-1].astype(np.int64)
+    req = np.repeat(np.arange(num_req, dtype=np.int64), sizes)
+    col = np.arange(num_nodes, dtype=np.int64) - starts[req] + 1
+    cell = req * width + col  # flattened [B*W] cell of every node
+    tokens = np.zeros(num_req * width, np.int64)
+    tokens[cell] = batch.tokens
+    # Parent columns: 0 (the root) for nodes hanging off it; the root and padding point at the
+    # root too, which makes the root a fixed point of the pointer jumping below.
+    parent = np.zeros(num_req * width, np.int64)
+    parent[cell] = batch.parents.astype(np.int64) + 1
+    parent = parent.reshape(num_req, width)
+    valid = np.zeros((num_req, width), bool)
+    valid[:, 0] = True
+    valid.reshape(-1)[cell] = True
+    # Pointer jumping: after step s, reach[i] holds i's ancestors up to distance 2**s - 1.
+    reach = np.zeros((num_req, width, width), bool)
+    diag = np.arange(width)
+    reach[:, diag, diag] = valid
+    reach[:, :, 0] = True
+    jump = parent
+    rows = np.arange(num_req)[:, None]
+    for _ in range(max(1, int(np.ceil(np.log2(width))))):
+        reach |= reach[rows, jump]
+        jump = np.take_along_axis(jump, jump, axis=1)
+    depth = reach.sum(axis=2) - 1
+    parent_col = np.where(valid, parent, -1)
+    parent_col[:, 0] = -1
+    root_rows = starts + np.arange(num_req, dtype=np.int64)  # verify row of each root
+    row_index = root_rows[:, None] + np.where(valid, np.arange(width), 0)
+    flat_index = np.empty(num_req + num_nodes, np.int64)
+    flat_index[root_rows] = np.arange(num_req, dtype=np.int64) * width
+    flat_index[root_rows[req] + col] = cell
+    packed = np.concatenate(
+        [tokens, depth.reshape(-1), parent_col.reshape(-1), row_index.reshape(-1), flat_index]
+    )
+    return packed, reach
+
+
+def build_tree_inputs(
+    batch: DraftBatch,
+    root_tokens: torch.Tensor,
+    root_positions: torch.Tensor,
+    device: torch.device | str | None = None,
+    width: int | None = None,
+) -> TreeInputs:
+    """Everything one padded tree-verify forward needs, from a DraftBatch (see TreeInputs).
+
+    ``root_tokens``/``root_positions`` are int64[B] (any device); ``width`` pads every request to
+    a fixed W (e.g. a CUDA-graph bucket) and must be at least 1 + the largest tree.
+    """
+    import torch
+
+    batch.validate()
+    num_req = batch.num_requests
+    for name, t in (("root_tokens", root_tokens), ("root_positions", root_positions)):
+        if not isinstance(t, torch.Tensor) or t.shape != (num_req,):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a tensor of shape [B]=[{num_req}], got {shape}")
+    need = 1 + int(batch.sizes().max(initial=0))
+    if width is None:
+        width = need
+    elif isinstance(width, bool) or not isinstance(width, int) or width < need:
+        raise ValueError(f"width must be an int >= 1 + largest tree = {need}, got {width!r}")
+    device = torch.device(device) if device is not None else root_tokens.device
+    packed, reach = _host_tree_arrays(batch, width)
+    cells = num_req * width
+    packed_t = torch.from_numpy(packed)
+    mask_t = torch.from_numpy(reach)
+    if device.type == "cuda":
+        packed_t = packed_t.pin_memory().to(device, non_blocking=True)
+        mask_t = mask_t.pin_memory().to(device, non_blocking=True)
+    else:
+        packed_t, mask_t = packed_t.to(device), mask_t.to(device)
+    tokens, depth, parent_col, row_index = packed_t[: 4 * cells].view(4, num_req, width).unbind(0)
+    input_ids = tokens.clone()
+    input_ids[:, 0] = root_tokens.to(device=device, dtype=torch.int64)
+    positions = root_positions.to(device=device, dtype=torch.int64)[:, None] + depth
+    valid = parent_col >= 0
+    valid[:, 0] = True
+    return TreeInputs(
+        input_ids=input_ids,
+        positions=positions,
+        tree_mask=mask_t,
+        valid=valid,
+        flat_index=packed_t[4 * cells :],
+        depth=depth,
+        parent_col=parent_col,
+        row_index=row_index,
+    )

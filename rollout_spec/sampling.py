@@ -1,0 +1,135 @@
+"""The target distribution that verification and plain sampling both draw from.
+
+For a row of raw logits ``l`` and its request's SamplingParams, the distribution is
+``softmax(mask(l / T))`` where ``mask`` keeps (1) tokens whose scaled logit is at least the k-th
+largest (top-k; ties at the boundary are kept) and then (2) the shortest most-likely prefix of
+that renormalised distribution whose mass reaches top_p (the token that crosses top_p is kept).
+Greedy rows (T = 0) use T = 1 and no truncation, so their log-probabilities are the raw
+log-softmax and their choice is the argmax. One function computes this for every row of a verify
+step, so speculative and plain decoding report identical log-probabilities.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout_spec.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingTable:
+    """Per-request sampling parameters of one batch as host arrays, plus flags that let the
+    verifier skip work no request needs (sorting for top-k/top-p, the greedy or the sampling law).
+    """
+
+    temperature: np.ndarray  # float32[B]; 0 means greedy
+    top_k: np.ndarray  # int64[B]; -1 keeps all
+    top_p: np.ndarray  # float32[B]; 1 keeps all
+    uniform: bool  # every request has the same parameters (scalars suffice on the device)
+
+    @staticmethod
+    def from_params(
+        sampling: SamplingParams | Sequence[SamplingParams], num_requests: int
+    ) -> "SamplingTable":
+        """Accept one SamplingParams for all requests or a sequence of B of them."""
+        if isinstance(sampling, SamplingParams):
+            params = [sampling]
+        elif isinstance(sampling, Sequence) and not isinstance(sampling, (str, bytes)):
+            params = list(sampling)
+            if len(params) != num_requests:
+                raise ValueError(
+                    f"sampling must be one SamplingParams or B={num_requests} of them, "
+                    f"got {len(params)}"
+                )
+        else:
+            raise TypeError(f"sampling must be SamplingParams or a sequence of them, "
+                            f"got {type(sampling).__name__}")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling[{i}] must be SamplingParams, got {type(p).__name__}")
+        keys = {(p.temperature, p.top_k, p.top_p) for p in params}
+        uniform = len(keys) <= 1
+        if uniform:
+            params = params[:1] * num_requests
+        return SamplingTable(
+            temperature=np.array([p.temperature for p in params], np.float32).reshape(-1),
+            top_k=np.array([p.top_k for p in params], np.int64).reshape(-1),
+            top_p=np.array([p.top_p for p in params], np.float32).reshape(-1),
+            uniform=uniform,
+        )
+
+    @property
+    def any_greedy(self) -> bool:
+        """Some request decodes greedily."""
+        return bool((self.temperature == 0).any())
+
+    @property
+    def any_sampling(self) -> bool:
+        """Some request samples (temperature > 0)."""
+        return bool((self.temperature > 0).any())
+
+    def truncates(self, vocab_size: int) -> bool:
+        """Some sampling request keeps fewer than all tokens (needs the per-row sort)."""
+        sampling = self.temperature > 0
+        k_cuts = (self.top_k > 0) & (self.top_k < vocab_size)
+        return bool((sampling & (k_cuts | (self.top_p < 1))).any())
+
+
+def target_scores(
+    logits: torch.Tensor, table: SamplingTable, rows_per_request: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked scaled logits and their log-normaliser for every row of a verify step.
+
+    Row r belongs to the request that ``rows_per_request`` (int64[B], summing to R) assigns it.
+    Returns ``scores`` float32[R, V] (-inf outside the kept set) and ``lse`` float32[R], so that
+    ``scores - lse[:, None]`` is the log-probability of the distribution sampled from. Never
+    modifies ``logits``.
+    """
+    vocab = logits.shape[1]
+    temp_eff = np.where(table.temperature > 0, table.temperature, np.float32(1.0))
+    if table.uniform:
+        scale: float | torch.Tensor = float(temp_eff[0])
+    else:
+        scale = _rows(temp_eff, rows_per_request, logits.device)[:, None]
+    scores = logits.float()
+    if not (isinstance(scale, float) and scale == 1.0):
+        scores = scores / scale
+    if table.truncates(vocab):
+        sampling = table.temperature > 0
+        top_k = np.where(sampling & (table.top_k > 0), np.minimum(table.top_k, vocab), vocab)
+        top_p = np.where(sampling, table.top_p, np.float32(1.0))
+        thr = _truncation_threshold(
+            scores,
+            _rows(top_k, rows_per_request, logits.device),
+            _rows(top_p, rows_per_request, logits.device),
+        )
+        # Out of place: with float32 logits and T = 1, scores still aliases the caller's logits.
+        scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
+    return scores, torch.logsumexp(scores, dim=-1)
+
+
+def _rows(per_request: np.ndarray, rows_per_request: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Expand a per-request host array to one entry per verify row, on ``device``."""
+    return torch.from_numpy(np.repeat(per_request, rows_per_request)).to(device)
+
+
+def _truncation_threshold(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per-row smallest scaled logit that top-k then top-p keep (float32[R]).
+
+    ``top_k`` int64[R] in [1, V] (V keeps all), ``top_p`` float32[R] in (0, 1] (1 keeps all).
+    """
+    ordered = scores.sort(dim=-1, descending=True).values
+    thr_k = ordered.gather(1, (top_k - 1)[:, None])
+    kept = ordered.masked_fill(ordered < thr_k, float("-inf"))
+    probs = torch.softmax(kept, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep_n = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    thr_p = ordered.gather(1, (keep_n - 1)[:, None])
+    # Rounding can make the cumulative mass reach 1 before the tail: top_p = 1 must keep all.
+    thr_p = thr_p.masked_fill((top_p >= 1)[:, None], float("-inf"))
+    return torch.maximum(thr_k, thr_p).squeeze(1)
