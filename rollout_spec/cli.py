@@ -1,0 +1,285 @@
+"""The ``rollout-spec`` command: ``bench`` (the main job) and ``replay`` (drafters on a trace).
+
+``bench`` runs S GRPO-style rollout steps: each step samples n responses per prompt with
+speculation off and on (same prompts, same seeds, one run), scores them with the task's own
+checker, ends the RL step for the drafter, and prints a table; then a summary, optional wandb
+panels, a PNG dashboard and a recorded trace.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from rollout_spec.config import SamplingParams, check_float, check_int
+from rollout_spec.metrics import SpecStats, step_table, stats_from_outputs
+
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def _int_arg(name: str, lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], with an error naming the option and range."""
+
+    def parse(text: str) -> int:
+        try:
+            return check_int(name, int(text), lo, hi)
+        except ValueError as exc:  # int() failures and range failures read the same way
+            msg = str(exc) if "must be" in str(exc) else f"{name} must be an integer, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def _float_arg(name: str, lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a float inside the stated interval."""
+
+    def parse(text: str) -> float:
+        try:
+            return check_float(name, float(text), lo, hi, lo_open=lo_open)
+        except ValueError as exc:
+            msg = str(exc) if "must be" in str(exc) else f"{name} must be a number, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def _top_k_arg(text: str) -> int:
+    value = _int_arg("top_k", -1)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("top_k must be -1 (keep all) or >= 1, got 0")
+    return value
+
+
+def _device_arg(text: str) -> str:
+    if not DEVICE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"device must be auto, cpu, mps, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _task_arg(text: str) -> str:
+    from rollout_spec.workloads import task_names
+
+    names = task_names()
+    if text not in names:
+        raise argparse.ArgumentTypeError(
+            f"task must be a reasoning-gym task or 'humaneval' (e.g. gsm_symbolic, basic_arithmetic, "
+            f"chain_sum; {len(names)} in all), got {text!r}"
+        )
+    return text
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="'smollm2-135m', a .gguf file or a safetensors model directory")
+    p.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
+    p.add_argument("--task", type=_task_arg, default="gsm_symbolic",
+                   help="a reasoning-gym task name, or 'humaneval'")
+    p.add_argument("--steps", type=_int_arg("steps", 1, 100_000), default=2, help="RL steps")
+    p.add_argument("--prompts", type=_int_arg("prompts", 1, 100_000), default=4, help="prompts per step")
+    p.add_argument("--n", type=_int_arg("n", 1, 1024), default=4, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=_int_arg("max_new_tokens", 1, 1 << 20), default=128)
+    p.add_argument("--temperature", type=_float_arg("temperature", 0.0, 100.0), default=1.0,
+                   help="0 means greedy")
+    p.add_argument("--top-p", type=_float_arg("top_p", 0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--top-k", type=_top_k_arg, default=-1, help="-1 keeps all tokens")
+    p.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=8,
+                   help="most draft nodes per request per verify step")
+    p.add_argument("--seed", type=_int_arg("seed", 0, 2**62), default=0)
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="new prompts every step (default: the same pool each step, like epochs)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the speculation-off pass (no speedup figure)")
+    p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
+                   help="default: offline when wandb is installed, else disabled")
+    p.add_argument("--wandb-project", default="rollout-spec")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="write a PNG dashboard here")
+    p.add_argument("--record", type=Path, metavar="TRACE.json",
+                   help="write the rollouts in the shared trace format (.gz for gzip)")
+    p.add_argument("--json", type=Path, metavar="OUT.json", help="write per-step figures as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``rollout-spec`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="rollout-spec", description="Model-free speculative decoding for RL rollouts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="GRPO-style rollout steps with speculation on and off",
+                           description=__doc__.split("\n\n")[1])
+    _add_bench_args(bench)
+    replay = sub.add_parser("replay", help="compare drafters in lock-step on a recorded trace")
+    replay.add_argument("trace", type=Path, metavar="TRACE.json")
+    replay.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=8)
+    replay.add_argument("--max-steps", type=_int_arg("max_steps", 1, 1 << 20), default=None,
+                        help="replay only the first RL steps of the trace")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``rollout-spec`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from rollout_spec.metrics import resolve_wandb_mode
+
+        try:
+            args.wandb = resolve_wandb_mode(args.wandb)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.record is not None and args.record.suffix not in (".json", ".gz"):
+            parser.error(f"--record must end in .json or .json.gz, got {str(args.record)!r}")
+        history = run_bench(args)
+        if args.json is not None:
+            args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))
+        return 0
+    if not args.trace.is_file():
+        parser.error(f"trace file not found: {args.trace}")
+    return run_replay(args)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """``rollout-spec replay``: the lock-step drafter comparison of ``rollout_spec.replay``."""
+    from rollout_spec import replay
+
+    replay.main([str(args.trace), "--draft-tokens", str(args.draft_tokens)]
+                + ([] if args.max_steps is None else ["--max-steps", str(args.max_steps)]))
+    return 0
+
+
+
+@dataclass
+class Engines:
+    """The engine with speculation and, for the speedup figure, the same model without it."""
+
+    spec: Any
+    base: Optional[Any]
+
+
+def open_engines(args: argparse.Namespace) -> Engines:
+    """The speculative engine and, unless ``--no-baseline``, a plain one on the same weights."""
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.engine import RolloutEngine
+
+    spec = RolloutEngine.from_pretrained(
+        args.model, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens))
+    base = None
+    if not args.no_baseline:
+        base = RolloutEngine.from_pretrained(args.model, device=args.device, spec=None)
+    return Engines(spec=spec, base=base)
+
+
+def _timed(fn: Callable[..., Any], *a: Any, **kw: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - start
+
+
+def _sampling(args: argparse.Namespace, step: int) -> SamplingParams:
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed + step)
+
+
+def drafter_figures(engine: Any, outputs: Sequence[Any]) -> dict:
+    """Drafter cost and index size from ``engine.drafter.stats()``, when it reports them."""
+    drafter = getattr(engine, "drafter", None)
+    stats = drafter.stats() if drafter is not None and hasattr(drafter, "stats") else None
+    if stats is None:
+        return {}
+    stats = stats if isinstance(stats, dict) else vars(stats)
+    out = {"index_tokens": stats.get("index_tokens"), "index_bytes": stats.get("memory_bytes")}
+    busy_us = stats.get("propose_us", 0) + stats.get("extend_us", 0)
+    request_steps = sum(o.num_verify_steps for o in outputs)
+    if busy_us and request_steps:
+        out["us_per_request"] = busy_us / request_steps
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: Any,
+             recorder: Optional[Any]) -> SpecStats:
+    """One RL step: baseline and speculative generation, rewards, the drafter's step boundary."""
+    prompts = workload.batch(step)
+    ids = [list(p.prompt_ids) for p in prompts]
+    groups = [p.group_id for p in prompts]
+    params = _sampling(args, step)
+
+    def spec_pass() -> tuple[Any, float]:
+        return _timed(engines.spec.generate, ids, params, group_ids=groups)
+
+    def base_pass() -> tuple[Any, float]:
+        return _timed(engines.base.generate, ids, params) if engines.base else (None, None)
+
+    # Alternate which pass goes first so warm caches and clocks favour neither side.
+    if step % 2 == 0:
+        (base_out, base_s), (spec_out, spec_s) = base_pass(), spec_pass()
+    else:
+        (spec_out, spec_s), (base_out, base_s) = spec_pass(), base_pass()
+    texts = engines.spec.tokenizer.batch_decode([o.token_ids for o in spec_out], skip_special_tokens=True)
+    rewards = workload.score_many([prompts[o.prompt_index] for o in spec_out], texts)
+    stats = stats_from_outputs(step, spec_out, spec_s, draft_budget=args.draft_tokens,
+                               base_outputs=base_out, base_seconds=base_s, rewards=rewards,
+                               drafter=drafter_figures(engines.spec, spec_out))
+    engines.spec.end_step()
+    if recorder is not None:
+        recorder.add_step(prompts, [(o.prompt_index, o.token_ids) for o in spec_out])
+    return stats
+
+
+def _warm_up(engines: Engines, prompt_ids: list[int]) -> None:
+    """One short untimed generation per engine (lazy init, allocator, kernels), ungrouped."""
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=4, seed=0)
+    for engine in (engines.base, engines.spec):
+        if engine is not None:
+            engine.generate([prompt_ids], params)
+
+
+def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[SpecStats]:
+    """The main job: ``args.steps`` RL steps; prints tables, logs panels, writes plot and trace."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from rollout_spec.metrics import make_sink, plot_dashboard, summary_table, wandb_metrics
+    from rollout_spec.workloads import TraceRecorder, Workload
+
+    console = console or Console()
+    with console.status(f"loading {args.model} ..."):
+        engines = open_engines(args)
+        tok = engines.spec.tokenizer
+        workload = Workload(args.task, tok, args.prompts, seed=args.seed,
+                            fresh_each_step=args.fresh_prompts, max_steps=args.steps)
+        _warm_up(engines, list(workload.batch(0)[0].prompt_ids))
+    recorder = None if args.record is None else TraceRecorder(
+        args.model, vars(_sampling(args, 0)), getattr(tok, "eos_token_id", None))
+    sink = make_sink(args.wandb, args.wandb_project, _jsonable(vars(args)))
+    history: list[SpecStats] = []
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task("RL steps", total=args.steps)
+        for step in range(args.steps):
+            stats = run_step(step, args, engines, workload, recorder)
+            history.append(stats)
+            sink.log(wandb_metrics(stats), step=step)
+            progress.console.print(step_table(stats))
+            progress.advance(bar)
+    sink.finish()
+    console.print(summary_table(history))
+    if args.plot is not None:
+        console.print(f"dashboard: {plot_dashboard(history, args.plot, title=_title(args))}")
+    if recorder is not None:
+        console.print(f"trace: {recorder.save(args.record)}")
+    return history
+
+
+def _title(args: argparse.Namespace) -> str:
+    return (f"{args.model} on {args.task}: {args.prompts} prompts x n={args.n}, "
+            f"T={args.temperature}, {args.draft_tokens} draft tokens")
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

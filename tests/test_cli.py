@@ -1,0 +1,126 @@
+"""``rollout-spec`` argument errors and the bench loop over a stand-in engine (engine contract)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from rollout_spec import cli
+from rollout_spec.workloads import load_trace
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "--steps", "0"], "--steps: steps must be in [1, 100000], got 0"),
+    (["bench", "--n", "four"], "--n: n must be an integer, got 'four'"),
+    (["bench", "--temperature", "-1"], "--temperature: temperature must be in [0.0, 100.0]"),
+    (["bench", "--top-p", "0"], "--top-p: top_p must be in (0.0, 1.0]"),
+    (["bench", "--top-k", "0"], "--top-k: top_k must be -1 (keep all) or >= 1"),
+    (["bench", "--draft-tokens", "0"], "--draft-tokens: draft_tokens must be in [1, 1024]"),
+    (["bench", "--max-new-tokens", "1.5"], "max_new_tokens must be an integer"),
+    (["bench", "--device", "gpu"], "device must be auto, cpu, mps, cuda or cuda:N"),
+    (["bench", "--task", "no_such_task"], "--task: task must be a reasoning-gym task"),
+    (["bench", "--wandb", "sometimes"], "invalid choice: 'sometimes'"),
+    (["bench", "--record", "trace.txt", "--wandb", "disabled"], "--record must end in .json"),
+    ([], "the following arguments are required: command"),
+    (["replay", "/no/such/trace.json"], "trace file not found"),
+])
+def test_argument_errors(capsys, argv, needle):
+    assert needle in _error(capsys, argv)
+
+
+def test_wandb_requested_without_package(capsys, monkeypatch):
+    monkeypatch.setattr("rollout_spec.metrics.wandb_available", lambda: False)
+    assert "needs the wandb package" in _error(capsys, ["bench", "--wandb", "offline"])
+
+
+@dataclass
+class FakeOutput:
+    prompt_index: int
+    sample_index: int
+    token_ids: list
+    logprobs: list
+    finish_reason: str
+    num_verify_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class FakeTokenizer:
+    """One id per character; decoding maps ids back to characters."""
+
+    chat_template = None
+    eos_token_id = 3
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return ["".join(chr(t) for t in row) for row in rows]
+
+
+class FakeEngine:
+    """Answers every prompt with the right answer to prompt 0 and made-up spec counters."""
+
+    def __init__(self, speculative: bool, answer: str):
+        self.speculative, self.answer = speculative, answer
+        self.tokenizer, self.calls, self.steps_ended = FakeTokenizer(), [], 0
+
+    def generate(self, prompts, params, group_ids=None):
+        self.calls.append((len(prompts), params, group_ids))
+        ids = [ord(c) for c in f"#### {self.answer}"]
+        verifies = len(ids) // 2 if self.speculative else len(ids)
+        return [FakeOutput(p, i, ids, [0.0] * len(ids), "stop", verifies,
+                           2 * verifies if self.speculative else 0, len(ids) - verifies if self.speculative else 0)
+                for p in range(len(prompts)) for i in range(params.n)]
+
+    def end_step(self):
+        self.steps_ended += 1
+
+
+def test_bench_loop_with_stand_in_engine(tmp_path, monkeypatch):
+    from rollout_spec.workloads import Workload
+
+    answer = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)[0].answer
+    engines = cli.Engines(spec=FakeEngine(True, answer), base=FakeEngine(False, answer))
+    monkeypatch.setattr(cli, "open_engines", lambda args: engines)
+    argv = ["bench", "--task", "chain_sum", "--steps", "3", "--prompts", "2", "--n", "3",
+            "--wandb", "disabled", "--plot", str(tmp_path / "d.png"), "--record",
+            str(tmp_path / "t.json.gz"), "--json", str(tmp_path / "r.json")]
+    console = Console(record=True, width=160)
+    monkeypatch.setattr("rich.console.Console", lambda *a, **k: console)
+    assert cli.main(argv) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    length = len(f"#### {answer}")
+    assert rows[0]["tpf"] == pytest.approx(length / (length // 2))
+    assert rows[0]["accept_rate"] == pytest.approx((length - length // 2) / (2 * (length // 2)))
+    assert rows[0]["mean_reward"] == pytest.approx(0.5)  # right for prompt 0 only
+    assert engines.spec.steps_ended == 3 and engines.base.steps_ended == 0
+    _, params, groups = engines.spec.calls[-1]
+    assert groups == [0, 1] and params.seed == 2 and params.n == 3
+    assert engines.base.calls[-1][1] == params  # same seeds both ways
+    trace = load_trace(tmp_path / "t.json.gz")
+    assert len(trace["steps"]) == 3 and len(trace["steps"][0]) == 6
+    assert trace["eos_token_id"] == 3 and trace["sampling"]["n"] == 3
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    text = console.export_text()
+    assert "summary" in text and "step 2" in text
+
+
+def test_drafter_figures_read_the_drafter_stats():
+    outs = [SimpleNamespace(num_verify_steps=10), SimpleNamespace(num_verify_steps=30)]
+    drafter = SimpleNamespace(stats=lambda: {"index_tokens": 500, "memory_bytes": 9000,
+                                             "propose_us": 300.0, "extend_us": 100.0})
+    figures = cli.drafter_figures(SimpleNamespace(drafter=drafter), outs)
+    assert figures == {"index_tokens": 500, "index_bytes": 9000, "us_per_request": 10.0}
+    assert cli.drafter_figures(SimpleNamespace(), outs) == {}
