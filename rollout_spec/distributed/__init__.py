@@ -1,0 +1,27 @@
+"""Scale-out across rollout replicas: group-sticky routing and a drafter index shared over Ray.
+
+The router needs only numpy; the shared index imports Ray when it is used (``pip install
+rollout-spec[ray]``).
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from rollout_spec.distributed.keys import group_key, group_keys
+from rollout_spec.distributed.router import GroupRouter
+
+_LAZY = {
+    "IndexCoordinator": "rollout_spec.distributed.coordinator",
+    "coordinator_handles": "rollout_spec.distributed.coordinator",
+    "SharedIndexClient": "rollout_spec.distributed.shared_index",
+    "SharedIndexConfig": "rollout_spec.distributed.shared_index",
+}
+
+__all__ = ["GroupRouter", "group_key", "group_keys", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rollout_spec.distributed' has no attribute {name!r}")

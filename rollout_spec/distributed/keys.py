@@ -1,0 +1,72 @@
+"""Stable 63-bit group keys and the hash that ranks replicas for a group.
+
+Python's ``hash`` of a str is salted per process, so two Ray workers would disagree on where a
+group lives; everything here is a pure function of the bytes, identical in every process.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from numbers import Integral
+
+import numpy as np
+
+_KEY_MASK = (1 << 63) - 1
+
+
+def group_key(group: object) -> int:
+    """Map a group identity to a non-negative 63-bit int, the same in every process.
+
+    Ints in ``[0, 2**63)`` are returned unchanged, so a framework's integer group ids keep their
+    meaning for the drafter; str and bytes are hashed; a sequence of ints (the prompt's token
+    ids, which identify a prompt across RL steps) is hashed as int64 bytes.
+
+    Raises:
+        TypeError: for None, bool or any other type.
+        ValueError: for a negative int or one of 2**63 or more.
+    """
+    if isinstance(group, bool) or group is None:
+        raise TypeError(f"group id must be an int, str, bytes or token sequence, got {group!r}")
+    if isinstance(group, Integral):
+        value = int(group)
+        if not 0 <= value <= _KEY_MASK:
+            raise ValueError(f"group id must be in [0, {_KEY_MASK}], got {value}")
+        return value
+    if isinstance(group, str):
+        data = group.encode("utf-8")
+    elif isinstance(group, (bytes, bytearray, memoryview)):
+        data = bytes(group)
+    elif isinstance(group, (Sequence, np.ndarray)):
+        data = np.asarray(group, dtype=np.int64).tobytes()
+    else:
+        raise TypeError(f"group id must be an int, str, bytes or token sequence, got {type(group).__name__}")
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _KEY_MASK
+
+
+def group_keys(groups: Iterable[object]) -> np.ndarray:
+    """Vector form of :func:`group_key`: int64[G]."""
+    return np.fromiter((group_key(g) for g in groups), dtype=np.int64)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 values: a cheap bijection whose output bits look random."""
+    z = np.asarray(x, dtype=np.uint64).copy()
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def rendezvous_scores(keys: np.ndarray, num_replicas: int, seed: int = 0) -> np.ndarray:
+    """Highest-random-weight scores, uint64[G, N]: a group prefers replicas in descending score.
+
+    Adding or removing one replica changes the first choice of only the groups that move to or
+    from it (about 1/N of them), which is what keeps a group's history where it was.
+    """
+    salts = mix64(np.arange(num_replicas, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 ^ seed))
+    hashed = mix64(np.asarray(keys, dtype=np.int64).astype(np.uint64))
+    return mix64(hashed[:, None] ^ salts[None, :])

@@ -1,0 +1,115 @@
+"""Group-sticky routing, stable keys and bucket packing (no Ray needed)."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rollout_spec.distributed import GroupRouter, group_key, group_keys
+from rollout_spec.distributed.coordinator import IndexCoordinator
+from rollout_spec.distributed.packing import pack, split_by_destination, unpack
+
+
+def test_group_key_is_stable_across_processes() -> None:
+    code = "from rollout_spec.distributed import group_key; print(group_key('uid-42'), group_key([5, 6, 7]))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(x) for x in out] == [group_key("uid-42"), group_key([5, 6, 7])]
+    expected = int.from_bytes(hashlib.blake2b(b"uid-42", digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    assert group_key("uid-42") == expected
+    assert group_key(12345) == 12345  # framework int ids keep their meaning for the drafter
+    assert group_key(np.array([5, 6, 7])) == group_key((5, 6, 7))
+
+
+@pytest.mark.parametrize("bad, exc", [(None, TypeError), (True, TypeError), (-1, ValueError), (1.5, TypeError)])
+def test_group_key_rejects_bad_ids(bad: object, exc: type) -> None:
+    with pytest.raises(exc, match="group id"):
+        group_key(bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field", [({"num_replicas": 0}, "num_replicas"), ({"num_replicas": 4, "load_factor": 0.5}, "load_factor"),
+                      ({"num_replicas": 4, "slack": -1}, "slack")]
+)
+def test_router_validates_arguments(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GroupRouter(**kwargs)
+
+
+def test_preferences_are_a_deterministic_permutation_prefix() -> None:
+    a, b = GroupRouter(16), GroupRouter(16)
+    prefs = a.preferences(list(range(500)), 16)
+    assert (prefs == b.preferences(list(range(500)), 16)).all()
+    assert all(sorted(row) == list(range(16)) for row in prefs.tolist())
+    assert (a.preferences(list(range(500)), 3) == prefs[:, :3]).all()
+    firsts = np.bincount(prefs[:, 0], minlength=16)
+    assert firsts.min() > 10  # every replica is somebody's first choice (500/16 ~ 31 each)
+    assert not (GroupRouter(16, seed=1).preferences(list(range(500)), 1)[:, 0] == prefs[:, 0]).all()
+
+
+def test_adding_a_replica_moves_about_one_group_in_n() -> None:
+    keys = list(range(4000))
+    before = GroupRouter(20).preferences(keys, 1)[:, 0]
+    after = GroupRouter(21).preferences(keys, 1)[:, 0]
+    moved = before != after
+    assert (after[moved] == 20).all()  # groups only move to the newcomer
+    assert 0.02 < moved.mean() < 0.08  # ~1/21
+
+
+def test_assign_keeps_groups_whole_and_load_bounded() -> None:
+    router = GroupRouter(8, load_factor=1.1, slack=0)
+    groups = [f"prompt-{i}" for i in range(64)]
+    placed = router.assign(groups, weights=[8] * 64)
+    load = np.bincount(placed, weights=[8] * 64, minlength=8)
+    assert load.max() <= router.capacity(512) and load.sum() == 512
+    assert (router.assign(groups, weights=[8] * 64) == placed).all()  # same step again: same places
+    shuffled = groups[::-1]
+    assert (router.assign(shuffled, weights=[8] * 64) == placed[::-1]).all()  # order does not matter
+    unbounded = GroupRouter(8, load_factor=16.0).assign(groups, weights=[8] * 64)
+    assert (unbounded == router.preferences(groups, 1)[:, 0]).all()  # without pressure: first choice
+
+
+def test_acquire_is_sticky_until_the_replica_is_full() -> None:
+    router = GroupRouter(4, load_factor=1.0, slack=2)
+    first = [router.acquire("g") for _ in range(3)]
+    assert first[0] == first[1] == first[2]
+    for _ in range(3):
+        router.acquire("other")
+    overflow = router.acquire("g")  # 7 in flight, cap ceil(7/4)+2 = 4: "g"'s replica holds 3 -> stays
+    assert overflow == first[0]
+    spilled = router.acquire("g")  # now it holds 4 = cap: the group spills to its next choice
+    assert spilled != first[0] and spilled == router.preferences(["g"], 2)[0, 1]
+    router.release(first[0])
+    assert router.inflight().sum() == 7
+    with pytest.raises(ValueError, match="replica"):
+        GroupRouter(2).release(0)
+
+
+def test_pack_roundtrip_and_split_by_destination() -> None:
+    seqs = [np.array([1, 2, 3]), np.array([], np.int64), np.array([9])]
+    groups = np.array([7, 8, 9], np.int64)
+    assert unpack(pack(groups, seqs)) == ([7, 8, 9], [[1, 2, 3], [], [9]])
+    dests = np.array([[0, 2], [2, 1], [1, 0]], np.int32)
+    buckets = split_by_destination(groups, seqs, dests)
+    assert sorted(buckets) == [0, 1, 2]
+    assert unpack(buckets[0]) == ([7, 9], [[1, 2, 3], [9]])
+    assert unpack(buckets[2]) == ([7, 8], [[1, 2, 3], []])
+    with pytest.raises(ValueError, match="differ in length"):
+        pack([1], [])
+
+
+def test_coordinator_keeps_only_recent_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_ray = type(sys)("ray")
+    fake_ray.put = lambda value: ("ref", value)  # the plain class, outside Ray
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    coord = IndexCoordinator(retain_steps=2)
+    for step in range(4):
+        coord.publish(0, step, [1, 2], pack([step], [np.arange(3)]), pack([step], [np.arange(5)]))
+    head, entries = coord.pull(1, -1)
+    assert head == 4 and [e.step for e in entries] == [2, 3]
+    assert [e.step for e in coord.pull(1, 3)[1]] == [3]  # a cursor skips what was already seen
+    assert coord.stats()["tokens"] == 2 * (3 + 5)
+    with pytest.raises(ValueError, match="differ in length"):
+        coord.publish(0, 5, [1], pack([1], [np.arange(2)]), pack([1], [np.arange(2)]))
