@@ -1,9 +1,154 @@
-// The only file that knows Python: a thin nanobind layer over the rollout_spec core.
+// The only file that knows Python: a thin nanobind layer over rollout_spec::DrafterCore.
+// Arrays come in as contiguous numpy arrays of fixed dtypes (the facade converts and validates);
+// every batch call releases the GIL while the core works.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <fstream>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+#include "core_config.h"
+#include "drafter_core.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
+using rollout_spec::CoreConfig;
+using rollout_spec::DrafterCore;
+using rollout_spec::DraftOutput;
+
+namespace {
+
+template <class T>
+using Vec = nb::ndarray<const T, nb::numpy, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// CSR shape check shared by start/extend/add_sequences.
+void check_csr(size_t n, const Vec<int32_t>& tokens, const Vec<int64_t>& offsets) {
+  if (offsets.shape(0) != n + 1) throw std::invalid_argument("offsets must have len(ids) + 1 entries");
+  const int64_t* o = offsets.data();
+  if (o[0] != 0 || o[n] != static_cast<int64_t>(tokens.shape(0)))
+    throw std::invalid_argument("offsets must start at 0 and end at len(tokens)");
+  for (size_t i = 0; i < n; ++i)
+    if (o[i + 1] < o[i]) throw std::invalid_argument("offsets must be non-decreasing");
+  const int32_t* t = tokens.data();
+  for (size_t i = 0; i < tokens.shape(0); ++i)
+    if (t[i] < 0) throw std::invalid_argument("token ids must be >= 0");
+}
+
+template <class T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
+  auto* heap = new std::vector<T>(std::move(v));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
+}
+
+nb::dict stats_dict(const DrafterCore& core) {
+  rollout_spec::CoreStats s = core.stats();
+  nb::dict d;
+  d["num_requests"] = s.num_requests;
+  d["num_sequences"] = s.num_sequences;
+  d["index_tokens"] = s.index_tokens;
+  d["memory_bytes"] = s.memory_bytes;
+  d["step"] = s.step;
+  d["num_groups"] = s.num_groups;
+  d["request_records"] = s.request_records;
+  d["group_records"] = s.group_records;
+  d["global_records"] = s.global_records;
+  d["evictions"] = s.evictions;
+  return d;
+}
+
+nb::tuple propose(DrafterCore& core, Vec<int64_t> ids, std::optional<Vec<int32_t>> budgets) {
+  size_t n = ids.shape(0);
+  if (budgets && budgets->shape(0) != n) throw std::invalid_argument("budgets must have len(req_ids) entries");
+  DraftOutput out;
+  {
+    nb::gil_scoped_release release;
+    core.propose(ids.data(), budgets ? budgets->data() : nullptr, n, out);
+  }
+  return nb::make_tuple(to_numpy(std::move(out.offsets)), to_numpy(std::move(out.tokens)),
+                        to_numpy(std::move(out.parents)), to_numpy(std::move(out.probs)));
+}
+
+void bind_config(nb::module_& m) {
+  nb::class_<CoreConfig>(m, "CoreConfig")
+      .def(nb::init<>())
+      .def_rw("num_draft_tokens", &CoreConfig::num_draft_tokens)
+      .def_rw("max_batch_draft_tokens", &CoreConfig::max_batch_draft_tokens)
+      .def_rw("max_depth", &CoreConfig::max_depth)
+      .def_rw("max_match_len", &CoreConfig::max_match_len)
+      .def_rw("min_match_len", &CoreConfig::min_match_len)
+      .def_rw("min_token_prob", &CoreConfig::min_token_prob)
+      .def_rw("tree", &CoreConfig::tree)
+      .def_rw("adaptive_budget", &CoreConfig::adaptive_budget)
+      .def_rw("history_steps", &CoreConfig::history_steps)
+      .def_rw("capacity_tokens", &CoreConfig::capacity_tokens)
+      .def_rw("max_occurrences", &CoreConfig::max_occurrences)
+      .def_rw("chain_walk", &CoreConfig::chain_walk)
+      .def("set_scope_weights", [](CoreConfig& c, double r, double g, double w) {
+        c.scope_weight[0] = r;
+        c.scope_weight[1] = g;
+        c.scope_weight[2] = w;
+      });
+}
+
+}  // namespace
 
 NB_MODULE(_core, m) {
-    m.doc() = "rollout-spec native core (suffix index, match state, tree proposal)";
-    m.attr("ABI_VERSION") = 1;
+  m.doc() = "rollout-spec native core: multi-scope n-gram chain index and draft-tree proposals";
+  m.attr("ABI_VERSION") = 2;
+  m.attr("KEY_LENGTHS") = nb::make_tuple(8, 4, 2, 1);
+  bind_config(m);
+  nb::class_<DrafterCore>(m, "DrafterCore")
+      .def(nb::init<const CoreConfig&>(), "config"_a)
+      .def("start", [](DrafterCore& c, Vec<int64_t> ids, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs) {
+        if (groups.shape(0) != ids.shape(0)) throw std::invalid_argument("group_ids must have len(req_ids) entries");
+        check_csr(ids.shape(0), toks, offs);
+        nb::gil_scoped_release release;
+        c.start(ids.data(), groups.data(), toks.data(), offs.data(), ids.shape(0));
+      })
+      .def("extend", [](DrafterCore& c, Vec<int64_t> ids, Vec<int32_t> toks, Vec<int64_t> offs) {
+        check_csr(ids.shape(0), toks, offs);
+        nb::gil_scoped_release release;
+        c.extend(ids.data(), toks.data(), offs.data(), ids.shape(0));
+      })
+      .def("finish", [](DrafterCore& c, Vec<int64_t> ids) {
+        nb::gil_scoped_release release;
+        c.finish(ids.data(), ids.shape(0));
+      })
+      .def("propose", &propose, "ids"_a, "budgets"_a = nb::none())
+      .def("add_sequences", [](DrafterCore& c, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs, bool pinned) {
+        check_csr(groups.shape(0), toks, offs);
+        nb::gil_scoped_release release;
+        c.add_sequences(groups.data(), toks.data(), offs.data(), groups.shape(0), pinned);
+      })
+      .def("end_step", [](DrafterCore& c) {
+        nb::gil_scoped_release release;
+        c.end_step();
+      })
+      .def("has_request", &DrafterCore::has_request)
+      .def("stats", &stats_dict)
+      .def("check_integrity", [](const DrafterCore& c) {
+        nb::gil_scoped_release release;
+        return c.check_integrity();
+      })
+      .def("save", [](const DrafterCore& c, const std::string& path, const std::string& meta) {
+        nb::gil_scoped_release release;
+        std::ofstream os(path, std::ios::binary);
+        if (!os) throw std::runtime_error("cannot open " + path + " for writing");
+        c.save(os, meta);
+      })
+      .def("load", [](DrafterCore& c, const std::string& path) {
+        std::string meta;
+        {
+          nb::gil_scoped_release release;
+          std::ifstream is(path, std::ios::binary);
+          if (!is) throw std::runtime_error("cannot open " + path + " for reading");
+          meta = c.load(is);
+        }
+        return nb::bytes(meta.data(), meta.size());
+      });
 }

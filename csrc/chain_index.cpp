@@ -1,0 +1,83 @@
+#include "chain_index.h"
+
+namespace rollout_spec {
+
+uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k) {
+  // FNV-style mixing with a final avalanche (splitmix64); k is mixed in so that the chains of
+  // different key lengths never share a key.
+  uint64_t h = 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(k + 1);
+  for (int32_t i = pos - k + 1; i <= pos; ++i) {
+    h ^= static_cast<uint32_t>(tokens[i]);
+    h *= 0x100000001B3ULL;
+    h = (h << 29) | (h >> 35);
+  }
+  h ^= h >> 30;
+  h *= 0xBF58476D1CE4E5B9ULL;
+  h ^= h >> 27;
+  h *= 0x94D049BB133111EBULL;
+  h ^= h >> 31;
+  return h | 1;
+}
+
+void ChainIndex::append(int ki, int32_t seq, const int32_t* tokens, int32_t pos) {
+  auto& recs = recs_[ki];
+  int32_t idx = static_cast<int32_t>(recs.size());
+  int32_t prev = heads_[ki].put(ngram_key(tokens, pos, kKeyLens[ki]), idx);
+  recs.push_back(ChainRecord{seq, pos, prev});
+}
+
+void ChainIndex::insert(int32_t seq, const int32_t* tokens, int32_t pos) {
+  for (int ki = 0; ki < kNumKeys; ++ki)
+    if (pos + 1 >= kKeyLens[ki]) append(ki, seq, tokens, pos);
+}
+
+void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,
+                         const std::function<const int32_t*(int32_t)>& tokens_of) {
+  for (int ki = 0; ki < kNumKeys; ++ki) {
+    std::vector<ChainRecord> old = std::move(recs_[ki]);
+    recs_[ki] = {};
+    heads_[ki].clear();
+    for (const ChainRecord& r : old)
+      if (keep(r.seq)) append(ki, r.seq, tokens_of(r.seq), r.pos);
+  }
+}
+
+void ChainIndex::restore(int ki, const std::vector<ChainRecord>& recs,
+                         const int32_t* const* tokens_by_seq) {
+  recs_[ki].clear();
+  heads_[ki].clear();
+  recs_[ki].reserve(recs.size());
+  for (const ChainRecord& r : recs) append(ki, r.seq, tokens_by_seq[r.seq], r.pos);
+}
+
+size_t ChainIndex::num_records() const {
+  size_t n = 0;
+  for (const auto& r : recs_) n += r.size();
+  return n;
+}
+
+size_t ChainIndex::memory_bytes() const {
+  size_t n = sizeof(*this);
+  for (int ki = 0; ki < kNumKeys; ++ki)
+    n += heads_[ki].memory_bytes() + recs_[ki].capacity() * sizeof(ChainRecord);
+  return n;
+}
+
+bool ChainIndex::check(const std::function<const int32_t*(int32_t)>& tokens_of) const {
+  for (int ki = 0; ki < kNumKeys; ++ki) {
+    const auto& recs = recs_[ki];
+    for (size_t i = 0; i < recs.size(); ++i) {
+      const ChainRecord& r = recs[i];
+      if (r.pos + 1 < kKeyLens[ki]) return false;
+      uint64_t key = ngram_key(tokens_of(r.seq), r.pos, kKeyLens[ki]);
+      if (r.prev >= static_cast<int32_t>(i)) return false;
+      if (r.prev >= 0 && ngram_key(tokens_of(recs[r.prev].seq), recs[r.prev].pos, kKeyLens[ki]) != key)
+        return false;
+      // The newest record of each key must be the chain head.
+      if (heads_[ki].get(key) < static_cast<int32_t>(i)) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace rollout_spec

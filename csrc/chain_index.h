@@ -1,0 +1,57 @@
+// Hash chains over stored positions, one chain per n-gram, for the key lengths in kKeyLens.
+//
+// Inserting position p of a sequence adds, for every key length k <= p + 1, a record to the
+// chain of the k tokens ending at p. A chain is walked newest first through `prev` links, so a
+// lookup sees recent rollouts before old ones. Records are only appended; removal happens by
+// `rebuild`, which re-inserts the kept records in their original order (recency is preserved,
+// which keeps save/load and eviction from changing later proposals).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "chain_record.h"
+#include "flat_map.h"
+
+namespace rollout_spec {
+
+constexpr int kNumKeys = 4;
+constexpr int32_t kKeyLens[kNumKeys] = {8, 4, 2, 1};  // longest first: lookups try these in order
+
+// Hash of tokens[pos-k+1 .. pos] tagged with k; never 0 (0 marks an empty FlatMap slot).
+uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k);
+
+class ChainIndex {
+ public:
+  // Add records for position `pos` of sequence `seq` (whose tokens are `tokens`).
+  void insert(int32_t seq, const int32_t* tokens, int32_t pos);
+
+  // Index of the newest record of key length kKeyLens[ki] with this key, or -1.
+  int32_t head(int ki, uint64_t key) const { return heads_[ki].get(key); }
+
+  const ChainRecord& record(int ki, int32_t i) const { return recs_[ki][i]; }
+  const std::vector<ChainRecord>& records(int ki) const { return recs_[ki]; }
+
+  // Keep only the records for which `keep(seq)` holds, in their original order.
+  void rebuild(const std::function<bool(int32_t)>& keep,
+               const std::function<const int32_t*(int32_t)>& tokens_of);
+
+  // Re-insert records exactly as listed (used by load); `recs` hold seq/pos, prev is recomputed.
+  void restore(int ki, const std::vector<ChainRecord>& recs, const int32_t* const* tokens_by_seq);
+
+  size_t num_records() const;
+  size_t memory_bytes() const;
+  bool empty() const { return num_records() == 0; }
+
+  // Integrity check: every chain link points backwards to a record of the same key.
+  bool check(const std::function<const int32_t*(int32_t)>& tokens_of) const;
+
+ private:
+  void append(int ki, int32_t seq, const int32_t* tokens, int32_t pos);
+
+  FlatMap heads_[kNumKeys];                  // per key length: n-gram key -> newest record index
+  std::vector<ChainRecord> recs_[kNumKeys];  // per key length: records in insertion order
+};
+
+}  // namespace rollout_spec

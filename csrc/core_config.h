@@ -1,0 +1,24 @@
+// Plain copy of SpecConfig's fields plus the search constants, handed to the core at construction.
+#pragma once
+
+#include <cstdint>
+
+namespace rollout_spec {
+
+struct CoreConfig {
+  int32_t num_draft_tokens = 8;            // default nodes per request per propose
+  int64_t max_batch_draft_tokens = 4096;   // nodes per propose call, over all requests
+  int32_t max_depth = 24;                  // longest root-to-leaf path of a draft
+  int32_t max_match_len = 32;              // longest backward match measured per occurrence
+  int32_t min_match_len = 1;               // occurrences matching fewer tokens are ignored
+  double min_token_prob = 0.1;             // path-probability floor when adaptive_budget
+  bool tree = true;                        // branching trees (false: one chain)
+  bool adaptive_budget = true;             // stop a draft when its path probability is too low
+  double scope_weight[3] = {1.0, 1.0, 0.5};// priors of the request, group and global scopes
+  int64_t history_steps = 4;               // earlier RL steps kept in a group's scope
+  int64_t capacity_tokens = 16000000;      // stored-token bound of finished sequences
+  int32_t max_occurrences = 16;            // occurrences gathered per scope per propose
+  int32_t chain_walk = 64;                 // chain records inspected per key length per scope
+};
+
+}  // namespace rollout_spec

@@ -1,0 +1,73 @@
+#include "draft_builder.h"
+
+#include <algorithm>
+
+namespace rollout_spec {
+
+int32_t DraftBuilder::child(int32_t parent, int32_t token) {
+  for (int32_t c = nodes_[parent].first_child; c >= 0; c = nodes_[c].next_sibling)
+    if (nodes_[c].token == token) return c;
+  int32_t id = static_cast<int32_t>(nodes_.size());
+  nodes_.push_back(TrieNode{token, parent, -1, -1, -1, -1, 0.0, 0.0});
+  TrieNode& p = nodes_[parent];
+  if (p.last_child >= 0) nodes_[p.last_child].next_sibling = id;
+  else p.first_child = id;
+  p.last_child = id;
+  return id;
+}
+
+void DraftBuilder::grow_trie(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
+                             const CoreConfig& cfg, int32_t depth) {
+  nodes_.clear();
+  nodes_.push_back(TrieNode{-1, -1, -1, -1, -1, -1, 0.0, 1.0});
+  for (const Occurrence& o : occ) {
+    // Longer matches are far more predictive; the square makes one long match outweigh several
+    // short ones while still letting frequent continuations win among equals.
+    double w = cfg.scope_weight[o.scope] * static_cast<double>(o.match_len) * o.match_len;
+    const std::vector<int32_t>& toks = seqs[o.seq].tokens;
+    int32_t end = std::min<int64_t>(static_cast<int64_t>(toks.size()), int64_t(o.pos) + 1 + depth);
+    nodes_[0].weight += w;
+    int32_t cur = 0;
+    for (int32_t i = o.pos + 1; i < end; ++i) {
+      cur = child(cur, toks[i]);
+      nodes_[cur].weight += w;
+    }
+  }
+}
+
+void DraftBuilder::push_children(int32_t node) {
+  const TrieNode& p = nodes_[node];
+  for (int32_t c = p.first_child; c >= 0; c = nodes_[c].next_sibling) {
+    nodes_[c].prob = p.prob * (nodes_[c].weight / p.weight);
+    heap_.emplace_back(nodes_[c].prob, -c);  // ties: the older node (smaller id) wins
+    std::push_heap(heap_.begin(), heap_.end());
+  }
+}
+
+void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
+                         const CoreConfig& cfg, int32_t budget, DraftOutput& out) {
+  int32_t emitted = 0;
+  if (budget > 0 && !occ.empty()) {
+    grow_trie(occ, seqs, cfg, std::min(budget, cfg.max_depth));
+    double floor = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
+    heap_.clear();
+    push_children(0);
+    while (emitted < budget && !heap_.empty()) {
+      std::pop_heap(heap_.begin(), heap_.end());
+      auto [prob, neg_id] = heap_.back();
+      heap_.pop_back();
+      if (prob < floor || prob <= 0.0) break;  // the heap is ordered: nothing better remains
+      TrieNode& n = nodes_[-neg_id];
+      n.out_index = emitted++;
+      out.tokens.push_back(n.token);
+      out.probs.push_back(static_cast<float>(prob));
+      // A node enters the frontier only after its parent was emitted, so out_index is set.
+      out.parents.push_back(n.parent == 0 ? -1 : nodes_[n.parent].out_index);
+      if (!cfg.tree) heap_.clear();  // chain: only the chosen node's children stay candidates
+      push_children(-neg_id);
+    }
+  }
+  out.offsets.push_back(out.offsets.back() + emitted);
+}
+
+}  // namespace rollout_spec

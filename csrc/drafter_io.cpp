@@ -1,0 +1,132 @@
+// Checkpoint format of DrafterCore: a versioned little-endian binary dump of the sequences and
+// of every chain index's records in insertion order (prev links and hash heads are rebuilt on
+// load by re-inserting them in that order, which reproduces the exact chains).
+#include <istream>
+#include <ostream>
+#include <stdexcept>
+
+#include "drafter_core.h"
+
+namespace rollout_spec {
+
+namespace {
+constexpr uint64_t kMagic = 0x3152444150535352ULL;  // "RSSPADR1"
+
+template <class T>
+void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
+
+template <class T>
+T get(std::istream& is) {
+  T v{};
+  if (!is.read(reinterpret_cast<char*>(&v), sizeof(T))) throw std::runtime_error("drafter checkpoint is truncated");
+  return v;
+}
+
+template <class T>
+void put_vec(std::ostream& os, const std::vector<T>& v) {
+  put<uint64_t>(os, v.size());
+  os.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
+}
+
+template <class T>
+std::vector<T> get_vec(std::istream& is) {
+  uint64_t n = get<uint64_t>(is);
+  if (n > (uint64_t(1) << 40)) throw std::runtime_error("drafter checkpoint is corrupt");
+  std::vector<T> v(n);
+  if (!is.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T))))
+    throw std::runtime_error("drafter checkpoint is truncated");
+  return v;
+}
+
+void put_index(std::ostream& os, const ChainIndex& index) {
+  for (int ki = 0; ki < kNumKeys; ++ki) put_vec(os, index.records(ki));
+}
+
+void get_index(std::istream& is, ChainIndex& index, const std::vector<Sequence>& seqs) {
+  std::vector<const int32_t*> toks(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) toks[i] = seqs[i].tokens.data();
+  for (int ki = 0; ki < kNumKeys; ++ki) {
+    std::vector<ChainRecord> recs = get_vec<ChainRecord>(is);
+    for (const ChainRecord& r : recs)
+      if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs.size()) || r.pos < 0 ||
+          r.pos >= static_cast<int32_t>(seqs[r.seq].tokens.size()))
+        throw std::runtime_error("drafter checkpoint is corrupt (record out of range)");
+    index.restore(ki, recs, toks.data());
+  }
+}
+}  // namespace
+
+void DrafterCore::save(std::ostream& os, const std::string& meta) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  put(os, kMagic);
+  put_vec(os, std::vector<char>(meta.begin(), meta.end()));
+  put(os, step_);
+  put(os, next_order_);
+  put(os, evictions_);
+  put<uint64_t>(os, seqs_.size());
+  for (const Sequence& s : seqs_) {
+    put_vec(os, s.tokens);
+    put(os, s.req_id);
+    put(os, s.group);
+    put(os, s.prompt_len);
+    put(os, s.step);
+    put(os, s.order);
+    put<uint8_t>(os, static_cast<uint8_t>(s.live | (s.alive << 1) | (s.pinned << 2)));
+  }
+  put_vec(os, free_slots_);
+  put<uint64_t>(os, requests_.size());
+  for (const auto& [id, req] : requests_) {
+    put(os, id);
+    put(os, req.slot);
+    put_index(os, req.own);
+  }
+  put<uint64_t>(os, groups_.size());
+  for (const auto& [g, index] : groups_) {
+    put(os, g);
+    put_index(os, index);
+  }
+  put_index(os, global_);
+  if (!os) throw std::runtime_error("writing the drafter checkpoint failed");
+}
+
+std::string DrafterCore::load(std::istream& is) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (get<uint64_t>(is) != kMagic) throw std::runtime_error("not a rollout-spec drafter checkpoint");
+  std::vector<char> meta = get_vec<char>(is);
+  step_ = get<int64_t>(is);
+  next_order_ = get<uint64_t>(is);
+  evictions_ = get<int64_t>(is);
+  seqs_.assign(get<uint64_t>(is), Sequence{});
+  stored_tokens_ = 0;
+  for (Sequence& s : seqs_) {
+    s.tokens = get_vec<int32_t>(is);
+    s.req_id = get<int64_t>(is);
+    s.group = get<int32_t>(is);
+    s.prompt_len = get<int32_t>(is);
+    s.step = get<int64_t>(is);
+    s.order = get<uint64_t>(is);
+    uint8_t flags = get<uint8_t>(is);
+    s.live = flags & 1;
+    s.alive = flags & 2;
+    s.pinned = flags & 4;
+    stored_tokens_ += static_cast<int64_t>(s.tokens.size());
+  }
+  free_slots_ = get_vec<int32_t>(is);
+  requests_.clear();
+  for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
+    int64_t id = get<int64_t>(is);
+    RequestState& req = requests_[id];
+    req.slot = get<int32_t>(is);
+    get_index(is, req.own, seqs_);
+  }
+  groups_.clear();
+  for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
+    int32_t g = get<int32_t>(is);
+    get_index(is, groups_[g], seqs_);
+  }
+  global_ = ChainIndex{};
+  get_index(is, global_, seqs_);
+  return std::string(meta.begin(), meta.end());
+}
+
+}  // namespace rollout_spec

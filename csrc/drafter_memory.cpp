@@ -1,0 +1,111 @@
+// Capacity, eviction, statistics and self-checks of DrafterCore.
+#include <algorithm>
+
+#include "drafter_core.h"
+
+namespace rollout_spec {
+
+void DrafterCore::maybe_evict() {
+  if (stored_tokens_ <= cfg_.capacity_tokens) return;
+  std::vector<int32_t> victims;
+  for (int32_t i = 0; i < static_cast<int32_t>(seqs_.size()); ++i) {
+    const Sequence& s = seqs_[i];
+    if (s.alive && !s.live && !s.pinned) victims.push_back(i);
+  }
+  std::sort(victims.begin(), victims.end(), [&](int32_t a, int32_t b) {
+    return seqs_[a].step != seqs_[b].step ? seqs_[a].step < seqs_[b].step
+                                          : seqs_[a].order < seqs_[b].order;
+  });
+  // Evict down to 3/4 of capacity so that the O(stored) rebuild below is amortised over at
+  // least capacity/4 newly stored tokens.
+  const int64_t target = cfg_.capacity_tokens - cfg_.capacity_tokens / 4;
+  std::vector<int32_t> freed;
+  for (int32_t v : victims) {
+    if (stored_tokens_ <= target) break;
+    Sequence& s = seqs_[v];
+    stored_tokens_ -= static_cast<int64_t>(s.tokens.size());
+    s = Sequence{};  // alive = false, tokens released
+    freed.push_back(v);
+    ++evictions_;
+  }
+  if (freed.empty()) return;
+  rebuild_shared();
+  free_slots_.insert(free_slots_.end(), freed.begin(), freed.end());
+}
+
+void DrafterCore::rebuild_shared() {
+  auto tokens_of = [&](int32_t seq) { return seqs_[seq].tokens.data(); };
+  auto alive = [&](int32_t seq) { return seqs_[seq].alive; };
+  global_.rebuild(alive, tokens_of);
+  for (auto it = groups_.begin(); it != groups_.end();) {
+    it->second.rebuild(alive, tokens_of);
+    it = it->second.empty() ? groups_.erase(it) : std::next(it);
+  }
+}
+
+CoreStats DrafterCore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CoreStats st;
+  st.num_requests = static_cast<int64_t>(requests_.size());
+  st.index_tokens = stored_tokens_;
+  st.step = step_;
+  st.num_groups = static_cast<int64_t>(groups_.size());
+  st.evictions = evictions_;
+  int64_t mem = sizeof(*this) + seqs_.capacity() * sizeof(Sequence) +
+                free_slots_.capacity() * sizeof(int32_t);
+  for (const Sequence& s : seqs_) {
+    st.num_sequences += s.alive;
+    mem += static_cast<int64_t>(s.tokens.capacity() * sizeof(int32_t));
+  }
+  for (const auto& [id, req] : requests_) {
+    st.request_records += req.own.num_records();
+    mem += req.own.memory_bytes() + 32;  // + hash node overhead
+  }
+  for (const auto& [g, index] : groups_) {
+    st.group_records += index.num_records();
+    mem += index.memory_bytes() + 32;
+  }
+  st.global_records = global_.num_records();
+  st.memory_bytes = mem + global_.memory_bytes();
+  return st;
+}
+
+std::string DrafterCore::check_integrity() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto tokens_of = [&](int32_t seq) { return seqs_[seq].tokens.data(); };
+  int64_t stored = 0;
+  for (const Sequence& s : seqs_) {
+    if (!s.alive && !s.tokens.empty()) return "dead sequence still holds tokens";
+    stored += static_cast<int64_t>(s.tokens.size());
+  }
+  if (stored != stored_tokens_) return "stored token count out of sync";
+  for (int32_t f : free_slots_)
+    if (seqs_[f].alive) return "free slot is alive";
+  for (const auto& [id, req] : requests_) {
+    const Sequence& s = seqs_[req.slot];
+    if (!s.alive || !s.live || s.req_id != id) return "request state points at a wrong sequence";
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      for (const ChainRecord& r : req.own.records(ki))
+        if (r.seq != req.slot || r.pos >= static_cast<int32_t>(s.tokens.size()))
+          return "request index refers outside its own sequence";
+    if (!req.own.check(tokens_of)) return "request index chains broken";
+  }
+  auto shared_ok = [&](const ChainIndex& index) {
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      for (const ChainRecord& r : index.records(ki))
+        if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs_.size()) || !seqs_[r.seq].alive ||
+            r.pos >= static_cast<int32_t>(seqs_[r.seq].tokens.size()))
+          return false;
+    return index.check(tokens_of);
+  };
+  if (!shared_ok(global_)) return "global index refers to dead or short sequences";
+  for (const auto& [g, index] : groups_) {
+    if (!shared_ok(index)) return "group index refers to dead or short sequences";
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      for (const ChainRecord& r : index.records(ki))
+        if (seqs_[r.seq].group != g) return "group index holds another group's sequence";
+  }
+  return "";
+}
+
+}  // namespace rollout_spec

@@ -1,0 +1,15 @@
+// A place in the stored corpus whose preceding tokens match the end of a request's context.
+#pragma once
+
+#include <cstdint>
+
+namespace rollout_spec {
+
+struct Occurrence {
+  int32_t seq = 0;        // sequence slot
+  int32_t pos = 0;        // index of the last matched token; the continuation starts at pos + 1
+  int32_t match_len = 0;  // matched tokens, counted backwards from pos, capped at max_match_len
+  int32_t scope = 0;      // 0 request, 1 group, 2 global: selects the weight prior
+};
+
+}  // namespace rollout_spec

@@ -1,0 +1,19 @@
+// A node of the scratch continuation trie that DraftBuilder grows from one request's occurrences.
+#pragma once
+
+#include <cstdint>
+
+namespace rollout_spec {
+
+struct TrieNode {
+  int32_t token;         // token on the edge into this node (unused for the root)
+  int32_t parent;        // parent node id, -1 for the root
+  int32_t first_child;   // oldest child (children are kept in discovery order), -1 if none
+  int32_t last_child;    // newest child, so appends are O(1)
+  int32_t next_sibling;  // next younger sibling, -1 if none
+  int32_t out_index;     // index in the request's draft slice once emitted, -1 before
+  double weight;         // summed occurrence weights passing through this node
+  double prob;           // path probability: product of weight ratios from the root
+};
+
+}  // namespace rollout_spec

@@ -1,0 +1,253 @@
+"""NgramDrafter: the Python facade over the C++ multi-scope n-gram drafter (``rollout_spec._core``).
+
+The facade owns validation (clear ValueError/TypeError before any native state changes), the
+conversion of Python lists and numpy arrays into the flat int32/int64 arrays the core takes, and
+the conversion of native results into ``DraftBatch``. The core does the work with the GIL released.
+
+How a draft is made (docs/drafter.md has the full story): the request's context is matched
+against three scopes -- its own prompt and output (prompt lookup), the other samples of its
+``group_id`` (siblings in flight, finished ones, and the last ``history_steps`` RL steps) and all
+recent rollouts. Each scope yields up to 16 occurrences of the context's suffix (n-gram chains of
+length 8, 4, 2, 1, newest first), weighted by ``scope_weight * match_len**2``; their continuations
+form a weighted trie that is expanded best first by estimated path probability.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from itertools import chain
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+from rollout_spec import _core
+from rollout_spec.config import SpecConfig, check_int
+from rollout_spec.tree import DraftBatch
+
+TokenIds = Union[Sequence[int], np.ndarray]
+_MAX_TOKEN = 2**31 - 1
+_MAX_REQ_ID = 2**63 - 1
+
+#: Occurrences gathered per scope per proposal, and chain records inspected per key length.
+MAX_OCCURRENCES = 16
+CHAIN_WALK = 64
+
+
+def _int_array(name: str, values: object) -> np.ndarray:
+    """``values`` as a 1-D integer numpy array (not yet range-checked); TypeError otherwise."""
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got dtype {arr.dtype} shape {arr.shape}")
+    return arr
+
+
+def _token_array(name: str, values: object) -> np.ndarray:
+    """Validated int32 token ids from a list or integer array."""
+    arr = _int_array(name, values)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        raise ValueError(f"{name} must hold token ids in [0, {_MAX_TOKEN}]")
+    return arr.astype(np.int32, copy=False)
+
+
+def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate per-request token lists into (int32 tokens, int64 offsets[count+1])."""
+    if isinstance(lists, (str, bytes)) or len(lists) != count:
+        raise ValueError(f"{name} must have one token list per request ({count})")
+    for i, part in enumerate(lists):
+        if isinstance(part, np.ndarray):
+            if part.ndim != 1 or (part.size and part.dtype.kind not in "iu"):
+                raise TypeError(f"{name}[{i}] must be a 1-D integer array, got dtype {part.dtype}")
+        elif isinstance(part, (str, bytes)) or not hasattr(part, "__len__"):
+            raise TypeError(f"{name}[{i}] must be a sequence of token ids, got {type(part).__name__}")
+    offsets = np.zeros(count + 1, np.int64)
+    np.cumsum([len(p) for p in lists], out=offsets[1:])
+    return _token_array(name, list(chain.from_iterable(lists))), offsets
+
+
+def _group_id(name: str, value: Optional[int]) -> int:
+    """-1 for None, else the validated group id."""
+    return -1 if value is None else check_int(name, value, 0, 2**31 - 1)
+
+
+def _core_config(config: SpecConfig) -> "_core.CoreConfig":
+    """Copy SpecConfig's fields into the native config struct."""
+    c = _core.CoreConfig()
+    for name in ("num_draft_tokens", "max_batch_draft_tokens", "max_depth", "max_match_len",
+                 "min_match_len", "min_token_prob", "tree", "adaptive_budget", "history_steps",
+                 "capacity_tokens"):
+        setattr(c, name, getattr(config, name))
+    c.set_scope_weights(config.request_weight, config.group_weight, config.global_weight)
+    c.max_occurrences = MAX_OCCURRENCES
+    c.chain_walk = CHAIN_WALK
+    return c
+
+
+class NgramDrafter:
+    """Model-free drafter: proposes draft trees from the request, group and global n-gram scopes.
+
+    Thread safety: one thread may ``extend`` while another ``propose``s (the core serialises
+    calls with a mutex and releases the GIL); ``start``/``finish`` belong to one thread.
+    """
+
+    def __init__(self, config: Optional[SpecConfig] = None, *, _load_from: Optional[str] = None):
+        """Create an empty drafter; ``config.external_corpora`` .npy files go into the global scope.
+
+        Raises:
+            TypeError: config is not a SpecConfig, or a corpus file is not a 1-D integer array.
+            ValueError: a corpus holds token ids outside [0, 2**31-1].
+        """
+        if config is None:
+            config = SpecConfig()
+        if not isinstance(config, SpecConfig):
+            raise TypeError(f"config must be a SpecConfig, got {type(config).__name__}")
+        self.config = config
+        self._core = _core.DrafterCore(_core_config(config))
+        self._live: set[int] = set()
+        if _load_from is None:
+            for path in config.external_corpora:
+                self._add(np.array([-1], np.int32), *_flatten(f"corpus {path}", [np.load(path)], 1),
+                          pinned=True)
+
+    # ----------------------------------------------------------------- request lifecycle
+    def start(self, req_id: int, prompt_ids: TokenIds, group_id: Optional[int] = None) -> None:
+        """Register a live request with its prompt; ``group_id`` identifies the prompt across samples and RL steps."""
+        self.start_batch([req_id], [prompt_ids], [group_id])
+
+    def start_batch(self, req_ids: Sequence[int], prompts: Sequence[TokenIds],
+                    group_ids: Optional[Sequence[Optional[int]]] = None) -> None:
+        """Batch form of ``start``.
+
+        Raises:
+            ValueError: a request id is live already or repeated, lengths differ, bad token ids.
+            TypeError: ids or tokens are not integers.
+        """
+        ids = self._ids(req_ids, must_be_live=False)
+        if group_ids is None:
+            group_ids = [None] * len(ids)
+        if len(group_ids) != len(ids):
+            raise ValueError(f"group_ids must have one entry per request ({len(ids)})")
+        groups = np.array([_group_id(f"group_ids[{i}]", g) for i, g in enumerate(group_ids)], np.int32)
+        tokens, offsets = _flatten("prompts", prompts, len(ids))
+        self._core.start(ids, groups, tokens, offsets)
+        self._live.update(ids.tolist())
+
+    def extend(self, req_id: int, token_ids: TokenIds) -> None:
+        """Append newly committed tokens (accepted + bonus) to a live request."""
+        self.extend_batch([req_id], [token_ids])
+
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[TokenIds]) -> None:
+        """Batch form of ``extend``; raises ValueError for unknown or repeated ids or bad tokens."""
+        ids = self._ids(req_ids, must_be_live=True)
+        tokens, offsets = _flatten("token_ids", token_lists, len(ids))
+        self._core.extend(ids, tokens, offsets)
+
+    def finish(self, req_id: int) -> None:
+        """End a request: its tokens stay in the group and global scopes, its own index is freed."""
+        self.finish_batch([req_id])
+
+    def finish_batch(self, req_ids: Sequence[int]) -> None:
+        """Batch form of ``finish``."""
+        ids = self._ids(req_ids, must_be_live=True)
+        self._core.finish(ids)
+        self._live.difference_update(ids.tolist())
+
+    # ----------------------------------------------------------------- proposals
+    def propose(self, req_ids: Sequence[int],
+                budgets: Union[Sequence[int], np.ndarray, None] = None) -> DraftBatch:
+        """Draft trees for ``req_ids``, in that order.
+
+        Args:
+            req_ids: live request ids, no repeats.
+            budgets: most nodes per request (default ``num_draft_tokens``); the whole call is also
+                capped by ``max_batch_draft_tokens``, filled in request order.
+        Returns:
+            A DraftBatch; siblings are ordered best first, ``probs`` are path probabilities.
+        """
+        ids = self._ids(req_ids, must_be_live=True)
+        native_budgets = None
+        if budgets is not None:
+            arr = _int_array("budgets", budgets)
+            if len(arr) != len(ids):
+                raise ValueError(f"budgets must have one entry per request ({len(ids)})")
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1 << 20):
+                raise ValueError(f"budgets must be in [0, {1 << 20}]")
+            native_budgets = arr.astype(np.int32)
+        offsets, tokens, parents, probs = self._core.propose(ids, native_budgets)
+        return DraftBatch(offsets=offsets, tokens=tokens, parents=parents, probs=probs)
+
+    # ----------------------------------------------------------------- shared scopes
+    def add_sequences(self, group_ids: Sequence[Optional[int]], sequences: Sequence[TokenIds]) -> None:
+        """Ingest finished responses produced elsewhere (another replica, a recorded step).
+
+        They enter the group scope of their group id (None: global only) and the global scope as
+        if generated in the current RL step; every position of them is indexed, so pass the
+        response tokens (a prompt prefix, if included, is indexed as well).
+        """
+        if len(group_ids) != len(sequences):
+            raise ValueError(f"group_ids and sequences must have the same length ({len(group_ids)} != {len(sequences)})")
+        groups = np.array([_group_id(f"group_ids[{i}]", g) for i, g in enumerate(group_ids)], np.int32)
+        self._add(groups, *_flatten("sequences", sequences, len(groups)), pinned=False)
+
+    def _add(self, groups: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *, pinned: bool) -> None:
+        self._core.add_sequences(groups, tokens, offsets, pinned)
+
+    def end_step(self) -> None:
+        """RL step boundary: advance the step counter and drop group entries older than ``history_steps``."""
+        self._core.end_step()
+
+    # ----------------------------------------------------------------- introspection
+    def stats(self) -> dict:
+        """Sizes and memory: num_requests, index_tokens, memory_bytes, step, per-scope record counts."""
+        return dict(self._core.stats())
+
+    def check_integrity(self) -> None:
+        """Run the core's invariant checks (chains, slots, counts); RuntimeError on a violation."""
+        problem = self._core.check_integrity()
+        if problem:
+            raise RuntimeError(f"drafter integrity check failed: {problem}")
+
+    def is_live(self, req_id: int) -> bool:
+        """Whether ``req_id`` was started and not finished."""
+        return req_id in self._live
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the whole drafter state (config, sequences, indexes, live requests) to ``path``."""
+        meta = json.dumps({"config": asdict(self.config), "live": sorted(self._live)})
+        self._core.save(os.fspath(path), meta)
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "NgramDrafter":
+        """Restore a drafter written by ``save``; it proposes exactly what the saved one would."""
+        # The checkpoint carries its SpecConfig: read it with a throw-away core first, then
+        # load into a core built from that config.
+        meta = json.loads(_core.DrafterCore(_core.CoreConfig()).load(os.fspath(path)).decode())
+        config = meta["config"]
+        config["external_corpora"] = tuple(config["external_corpora"])
+        drafter = cls(SpecConfig(**config), _load_from=os.fspath(path))
+        drafter._core.load(os.fspath(path))
+        drafter._live = set(meta["live"])
+        return drafter
+
+    # ----------------------------------------------------------------- helpers
+    def _ids(self, req_ids: Iterable[int], *, must_be_live: bool) -> np.ndarray:
+        """Validated int64 id array: integers in range, no repeats, live (or not) as required."""
+        ids = _int_array("req_ids", req_ids if isinstance(req_ids, np.ndarray) else list(req_ids))
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_REQ_ID):
+            raise ValueError(f"req_ids must be in [0, {_MAX_REQ_ID}]")
+        as_list = ids.tolist()
+        unique = set(as_list)
+        if len(unique) != len(as_list):
+            raise ValueError("req_ids must not repeat a request id")
+        if must_be_live:
+            unknown = unique - self._live
+            if unknown:
+                raise ValueError(f"req_ids: unknown request id(s) {sorted(unknown)[:5]}")
+        else:
+            taken = unique & self._live
+            if taken:
+                raise ValueError(f"req_ids: request id(s) {sorted(taken)[:5]} already live")
+        return ids.astype(np.int64, copy=False)
