@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from rollout_spec.engine import triton_attention
+
 
 def tree_visibility(ctx_lens: Tensor, tree_mask: Tensor, kv_len: int) -> Tensor:
     """Boolean mask ``[B, 1, W, kv_len]``: cached prefix plus tree ancestors among the new tokens.
@@ -50,6 +52,9 @@ def tree_attention(
     Returns:
         ``[B, Hq, W, D]`` attention outputs in ``q``'s dtype.
     """
+    if triton_attention.should_dispatch(q, k_cache):  # fused GPU kernel, same semantics
+        return triton_attention.tree_attention_triton(
+            q, k_cache, v_cache, slot_ids, ctx_lens, tree_mask, scale)
     kv_len = k_cache.shape[2] if kv_limit is None else min(kv_limit, k_cache.shape[2])
     k = k_cache[slot_ids, :, :kv_len]  # [B, Hkv, L, D]
     v = v_cache[slot_ids, :, :kv_len]

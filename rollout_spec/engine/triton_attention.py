@@ -15,7 +15,7 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 
@@ -30,9 +30,43 @@ BLOCK_N = 64  # keys per inner iteration; 64 x head_dim 64 x bf16 keeps K and V 
 _MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 
 
+MAX_ROWS = 64  # G*W query rows per program; wider steps (prefill) stay on the torch path
+BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("ROLLOUT_SPEC_ATTENTION", "auto")
+
+
 def is_available() -> bool:
     """Whether triton is importable (the kernel itself also needs a CUDA tensor or TRITON_INTERPRET=1)."""
     return triton is not None
+
+
+def set_backend(name: str) -> None:
+    """Choose the attention backend: "auto" (triton for CUDA decode/verify), "torch" or "triton"."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def should_dispatch(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``attention.tree_attention`` should run this call through the Triton kernel.
+
+    "auto" and "triton" take the kernel for CUDA tensors of a decode/verify step whose G*W rows
+    fit one program (wide prefill steps use torch); "triton" raises where triton or CUDA is
+    missing instead of quietly running torch.
+    """
+    if _backend not in BACKENDS:
+        raise ValueError(f"ROLLOUT_SPEC_ATTENTION must be one of {BACKENDS}, got {_backend!r}")
+    if _backend == "torch":
+        return False
+    group = q.shape[1] // k_cache.shape[1]
+    dim = q.shape[3]
+    fits = group * q.shape[2] <= MAX_ROWS and dim >= 16 and dim & (dim - 1) == 0
+    runnable = triton is not None and q.is_cuda
+    if _backend == "triton" and not runnable:
+        raise RuntimeError(f"attention backend 'triton' needs triton and CUDA tensors (triton "
+                           f"installed: {triton is not None}, cuda: {q.is_cuda})")
+    return runnable and fits
 
 
 if triton is not None:
