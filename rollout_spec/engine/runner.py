@@ -1,0 +1,99 @@
+"""Model runner: turns scheduled sequences into padded tensors, runs the forward, keeps the KV.
+
+Two kinds of forward share one attention path: prefill (causal mask over the padded prompts,
+``ctx_len = 0``) and verify (each request's root plus its draft nodes under the tree mask).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollout_spec.engine.kv_cache import KVCache
+from rollout_spec.engine.model import StepContext, Transformer
+from rollout_spec.engine.sequence import Sequence
+from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs
+
+
+class ModelRunner:
+    """Owns the model and its static KV cache on one device."""
+
+    def __init__(self, model: Transformer, num_slots: int, cache_len: int) -> None:
+        self.model = model
+        c = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        # One extra slot that no request owns: padded rows of a captured graph may write there.
+        self.scratch_slot = num_slots
+        self.cache = KVCache(
+            c.num_layers, num_slots + 1, c.num_kv_heads, cache_len, c.head_dim, p.dtype, p.device
+        )
+        self.prefill_tokens = 0  # prompt tokens run through prefill (padding excluded), for stats/tests
+
+    def _long(self, values: list[int] | np.ndarray) -> Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, groups: list[list[Sequence]]) -> Tensor:
+        """Run each group's prompt once into its first slot, copy it to the others.
+
+        Returns fp32 logits ``[G, V]`` of each prompt's last token.
+        """
+        lens = [len(g[0].prompt) for g in groups]
+        G, T = len(groups), max(lens)
+        ids = np.zeros((G, T), np.int64)
+        for i, g in enumerate(groups):
+            ids[i, : lens[i]] = g[0].prompt
+        # Padding rows stay causal: they attend only to earlier columns, never fully masked.
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(G, T, T)
+        ctx = StepContext(
+            self.cache, self._long([g[0].slot for g in groups]),
+            torch.zeros(G, dtype=torch.long, device=self.device), causal, kv_limit=T,
+        )
+        positions = torch.arange(T, device=self.device).expand(G, T)
+        hidden = self.model.hidden(self._long(ids), positions, ctx)
+        last = hidden[torch.arange(G, device=self.device), self._long(lens) - 1]
+        for g, n in zip(groups, lens):
+            self.cache.copy_prefix(g[0].slot, self._long([s.slot for s in g[1:]]), n)
+        self.prefill_tokens += sum(lens)
+        return self.model.logits(last)
+
+    @torch.inference_mode()
+    def verify_forward(self, seqs: list[Sequence], batch: DraftBatch) -> tuple[Tensor, TreeInputs]:
+        """One forward over every request's root and draft nodes; logits ``[B + N, V]``.
+
+        Rows follow verify's order (request b's root, then its nodes in slice order); the tree
+        inputs are returned too so verification does not rebuild them.
+        """
+        ctx_lens = np.array([s.ctx_len for s in seqs], np.int64)
+        width = 1 + int(batch.sizes().max(initial=0))
+        ti = build_tree_inputs(
+            batch, self._long([s.root for s in seqs]), self._long(ctx_lens), self.device, width=width
+        )
+        ctx = StepContext(
+            self.cache, self._long([s.slot for s in seqs]), self._long(ctx_lens), ti.tree_mask,
+            kv_limit=int(ctx_lens.max()) + width,
+        )
+        hidden = self.model.hidden(ti.input_ids, ti.positions, ctx)
+        rows = hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]
+        return self.model.logits(rows), ti
+
+    def keep_accepted_kv(
+        self, seqs: list[Sequence], accepted_offsets: np.ndarray, accepted_nodes: np.ndarray
+    ) -> None:
+        """Move accepted nodes' KV from their tree columns onto their path positions.
+
+        Node j was written at ``ctx_len + 1 + j``; the d-th accepted node (1-based) belongs at
+        ``ctx_len + d``. Must run before the sequences' ``ctx_len`` advances.
+        """
+        counts = np.diff(accepted_offsets)
+        if counts.sum() == 0:
+            return
+        base = np.repeat(np.array([s.ctx_len for s in seqs], np.int64), counts)
+        depth = np.arange(len(accepted_nodes)) - np.repeat(accepted_offsets[:-1], counts) + 1
+        src = base + 1 + accepted_nodes
+        dst = base + depth
+        moved = src != dst  # a chain accepted from its first node is already in place
+        if moved.any():
+            slots = np.repeat(np.array([s.slot for s in seqs], np.int64), counts)
+            self.cache.move(self._long(slots[moved]), self._long(src[moved]), self._long(dst[moved]))

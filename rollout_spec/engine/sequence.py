@@ -1,0 +1,70 @@
+"""Per-request state of the engine: one sample of one prompt, from admission to its finish."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollout_spec.config import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One sample being generated.
+
+    Invariant while running: the KV of ``prompt + output[:-1]`` is cached in ``slot`` at positions
+    ``0 .. ctx_len-1`` (``ctx_len = len(prompt) + len(output) - 1``) and ``output[-1]`` is the root
+    of the next draft tree (its KV is written by the next verify forward).
+    """
+
+    req_id: int  # the drafter's id, unique for the engine's lifetime
+    prompt_index: int  # position of the prompt in the caller's list
+    sample_index: int  # 0 .. n-1 within the prompt's group
+    prompt: list[int]
+    params: SamplingParams
+    group_id: Optional[int]  # the prompt's identity for the drafter's group scope
+    stop_ids: frozenset[int]
+    slot: int = -1  # KV slot while running, -1 otherwise
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None  # "stop", "length" or "error"
+    error: Optional[str] = None
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def ctx_len(self) -> int:
+        """Tokens whose KV is cached: everything committed except the root."""
+        return len(self.prompt) + len(self.output) - 1
+
+    @property
+    def root(self) -> int:
+        """The last committed token, column 0 of the next draft tree."""
+        return self.output[-1]
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+    def append(self, tokens: list[int], logprobs: list[float], max_len: int) -> list[int]:
+        """Commit a step's emitted tokens, cut at a stop token, max_new_tokens or ``max_len``.
+
+        Returns the tokens actually kept (what the drafter may be extended with); sets the
+        finish reason when the sample ends here.
+        """
+        room = min(self.params.max_new_tokens - len(self.output), max_len - len(self.prompt) - len(self.output))
+        kept = tokens[: max(room, 0)]
+        for i, tok in enumerate(kept):
+            if tok in self.stop_ids:
+                kept = kept[: i + 1]
+                self.finish_reason = "stop"
+                break
+        self.output.extend(kept)
+        self.logprobs.extend(logprobs[: len(kept)])
+        if self.finish_reason is None and (
+            len(self.output) >= self.params.max_new_tokens
+            or len(self.prompt) + len(self.output) >= max_len
+        ):
+            self.finish_reason = "length"
+        return kept

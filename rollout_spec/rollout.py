@@ -1,0 +1,133 @@
+"""One rollout call: prompts in, n samples per prompt out, with speculation counters.
+
+``RolloutSession`` validates the prompts (a bad prompt becomes an ``"error"`` output; the rest
+of the batch still runs), queues the samples on the engine, drives ``engine.step`` until every
+sample finishes and returns ``RolloutOutput``s in (prompt, sample) order.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from rollout_spec.config import SamplingParams
+from rollout_spec.engine.scheduler import Scheduler
+from rollout_spec.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from rollout_spec.engine.engine import RolloutEngine
+
+
+@dataclass(frozen=True)
+class RolloutOutput:
+    """One finished sample; the counters are what verl aggregates into its spec panels.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the distribution it was
+    sampled from (temperature, top-k, top-p applied; raw log-softmax for greedy).
+    """
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop", "length" or "error"
+    num_verify_steps: int  # target forwards that produced tokens for this sample (prefill included)
+    num_draft_tokens: int  # draft nodes verified
+    num_accepted_tokens: int  # draft nodes accepted and kept
+    error: Optional[str] = None  # why, when finish_reason == "error"
+
+    @staticmethod
+    def of(seq: Sequence) -> "RolloutOutput":
+        """Freeze a finished engine sequence."""
+        return RolloutOutput(
+            seq.prompt_index, seq.sample_index, list(seq.output), list(seq.logprobs),
+            seq.finish_reason or "error", seq.num_verify_steps, seq.num_draft_tokens,
+            seq.num_accepted_tokens, seq.error,
+        )
+
+
+def prompt_group_id(prompt: Seq[int]) -> int:
+    """A stable id of a prompt's content, so the same prompt shares its group across RL steps."""
+    digest = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class RolloutSession:
+    """Runs one ``generate`` call on an engine (see module docstring)."""
+
+    def __init__(self, engine: "RolloutEngine", params: SamplingParams, progress: bool = False) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self.engine, self.params, self.progress = engine, params, progress
+        stops = params.stop_token_ids if params.stop_token_ids is not None else engine.eos_token_ids
+        self.stop_ids = frozenset(stops)
+
+    def run(
+        self, prompts: Seq[Seq[int]] | Seq[str], group_ids: Optional[Seq[Optional[int]]] = None
+    ) -> list[RolloutOutput]:
+        """Generate ``params.n`` samples for every prompt; outputs ordered by (prompt, sample)."""
+        token_prompts = self._tokenize(prompts)
+        if group_ids is not None and len(group_ids) != len(token_prompts):
+            raise ValueError(f"group_ids has {len(group_ids)} entries, prompts has {len(token_prompts)}")
+        sched = Scheduler(self.engine.num_slots, self.engine.max_prefill_tokens)
+        seqs: list[Sequence] = []
+        for p, prompt in enumerate(token_prompts):
+            gid = group_ids[p] if group_ids is not None else prompt_group_id(prompt)
+            error = self._check_prompt(prompt)
+            for i in range(self.params.n):
+                seq = Sequence(self.engine.new_request_id(), p, i, list(prompt), self.params, gid, self.stop_ids)
+                if error:
+                    seq.finish_reason, seq.error = "error", error
+                else:
+                    sched.add(seq)
+                seqs.append(seq)
+        self._drive(sched, sum(1 for s in seqs if not s.finished))
+        return [RolloutOutput.of(s) for s in seqs]
+
+    def _drive(self, sched: Scheduler, total: int) -> None:
+        """Step the engine until every queued sample has finished."""
+        gen = torch.Generator(device=self.engine.device)
+        if self.params.seed is not None:
+            gen.manual_seed(self.params.seed)
+        else:
+            gen.seed()
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="rollout", unit="sample")
+        try:
+            while not sched.done:
+                finished = self.engine.step(sched, gen)
+                if bar is not None and finished:
+                    bar.update(len(finished))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _tokenize(self, prompts: Seq[Seq[int]] | Seq[str]) -> list[list[int]]:
+        """Token ids for every prompt (strings go through the engine's tokenizer)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise TypeError("prompts must be a list of token-id lists or a list of strings")
+        if any(isinstance(p, str) for p in prompts):
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise ValueError("string prompts need a tokenizer; this engine has none")
+            return [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
+        return [list(p) for p in prompts]
+
+    def _check_prompt(self, prompt: list[int]) -> Optional[str]:
+        """Why a prompt cannot run, or None. Errors stay per request."""
+        vocab, limit = self.engine.model.config.vocab_size, self.engine.max_model_len
+        if not prompt:
+            return "empty prompt: a prompt needs at least one token"
+        if len(prompt) >= limit:
+            return f"prompt has {len(prompt)} tokens; max_model_len={limit} leaves no room to generate"
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            return f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}"
+        return None
