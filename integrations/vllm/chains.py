@@ -1,0 +1,68 @@
+"""Reduce draft trees to the single chains vLLM verifies, and name request groups.
+
+vLLM's rejection sampler checks one chain of draft tokens per request. Siblings in a DraftBatch
+are ordered best first, so the best root-to-leaf path follows the first child at every level.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from rollout_spec.config import check_int
+from rollout_spec.tree import DraftBatch
+
+_GROUP_ID_MAX = 2**63 - 1
+
+
+def best_chain(parents: np.ndarray, tokens: np.ndarray, max_len: int) -> list[int]:
+    """Tokens of the first-child path of one request's tree slice, at most ``max_len`` long.
+
+    Nodes are topologically ordered, so a node's first child is the first later index whose
+    parent is that node: one forward scan finds the whole path.
+    """
+    chain: list[int] = []
+    current = -1
+    for i in range(len(parents)):
+        if len(chain) >= max_len:
+            break
+        if parents[i] == current:
+            chain.append(int(tokens[i]))
+            current = i
+    return chain
+
+
+def best_chains(batch: DraftBatch, max_lens: Sequence[int]) -> list[list[int]]:
+    """Best chain of every request in ``batch``; request b's chain has at most ``max_lens[b]``."""
+    if len(max_lens) != batch.num_requests:
+        raise ValueError(
+            f"max_lens has {len(max_lens)} entries, the DraftBatch has {batch.num_requests} requests"
+        )
+    out = []
+    for b in range(batch.num_requests):
+        lo, hi = int(batch.offsets[b]), int(batch.offsets[b + 1])
+        out.append(best_chain(batch.parents[lo:hi], batch.tokens[lo:hi], max_lens[b]))
+    return out
+
+
+def prompt_group_id(prompt_ids: np.ndarray | Sequence[int]) -> int:
+    """A stable 63-bit id for a prompt: identical token ids give the same id in every process
+    and RL step, so the n samples of a prompt (sent by OpenRLHF as n separate requests with
+    random ids) and the prompt's later revisits share one group."""
+    data = np.ascontiguousarray(np.asarray(prompt_ids, dtype=np.int32)).tobytes()
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _GROUP_ID_MAX
+
+
+def explicit_group_id(value: Any) -> int:
+    """Group id given by the caller in ``SamplingParams.extra_args``: a non-negative int is used
+    as is, a string is hashed to a stable int.
+
+    Raises:
+        TypeError / ValueError: anything else, naming the extra_args key and the allowed forms.
+    """
+    if isinstance(value, str):
+        digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & _GROUP_ID_MAX
+    return check_int("extra_args['rollout_spec_group']", value, 0, _GROUP_ID_MAX)

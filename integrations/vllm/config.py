@@ -1,0 +1,97 @@
+"""Translate a rollout-spec ``SpecConfig`` into vLLM engine arguments and back.
+
+vLLM picks a speculative proposer from ``speculative_config``; an out-of-tree proposer is named by
+its dotted class path (vLLM's ``custom_class`` method). Our drafter's own options travel in
+``additional_config["rollout_spec"]``, which vLLM hands unchanged to every worker process. Nothing
+here imports vLLM, so the translation is testable without it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from rollout_spec.config import SpecConfig, check_int
+
+PROPOSER_CLASS_PATH = "rollout_spec.integrations.vllm.proposer.RolloutSpecProposer"
+"""What vLLM's ``speculative_config.model`` must name for vLLM to build our proposer."""
+ADDITIONAL_CONFIG_KEY = "rollout_spec"
+"""Key of our options inside vLLM's ``additional_config`` dict."""
+GROUP_ID_EXTRA_ARG = "rollout_spec_group"
+"""``SamplingParams.extra_args`` key naming a request's group (its prompt) explicitly."""
+
+
+def default_num_speculative_tokens(spec: SpecConfig) -> int:
+    """Chain length vLLM verifies when none is given: the drafter's per-request node budget,
+    bounded by its tree depth (vLLM verifies one root-to-leaf path, never a whole tree)."""
+    return max(1, min(spec.num_draft_tokens, spec.max_depth))
+
+
+def speculative_config(spec: SpecConfig, num_speculative_tokens: int | None = None) -> dict:
+    """The ``speculative_config`` dict that makes vLLM draft with our proposer.
+
+    Raises:
+        ValueError: ``spec.num_draft_tokens`` is 0 (speculation off: pass no speculative_config),
+            or ``num_speculative_tokens`` is outside [1, 1024].
+    """
+    if spec.num_draft_tokens == 0:
+        raise ValueError(
+            "SpecConfig.num_draft_tokens is 0 (speculation disabled); build the engine without "
+            "a speculative_config instead"
+        )
+    k = default_num_speculative_tokens(spec) if num_speculative_tokens is None else (
+        check_int("num_speculative_tokens", num_speculative_tokens, 1, 1024)
+    )
+    return {"method": "custom_class", "model": PROPOSER_CLASS_PATH, "num_speculative_tokens": k}
+
+
+def spec_to_dict(spec: SpecConfig) -> dict[str, Any]:
+    """Plain, JSON-able form of ``spec`` (tuples become lists) for vLLM's additional_config."""
+    out = dataclasses.asdict(spec)
+    out["external_corpora"] = list(spec.external_corpora)
+    return out
+
+
+def spec_from_dict(options: Mapping[str, Any]) -> SpecConfig:
+    """Rebuild a validated ``SpecConfig`` from ``spec_to_dict`` output or hand-written options.
+
+    Raises:
+        TypeError / ValueError: an unknown key (named, with the known ones) or a bad value
+            (``SpecConfig`` names the field and its range).
+    """
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict of SpecConfig fields, "
+            f"got {type(options).__name__}"
+        )
+    known = {f.name for f in dataclasses.fields(SpecConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has unknown key(s) {unknown}; "
+            f"allowed: {sorted(known)}"
+        )
+    kwargs = dict(options)
+    if "external_corpora" in kwargs and isinstance(kwargs["external_corpora"], list):
+        kwargs["external_corpora"] = tuple(kwargs["external_corpora"])
+    return SpecConfig(**kwargs)
+
+
+def engine_kwargs(spec: SpecConfig, num_speculative_tokens: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM``/``vllm.EngineArgs``/``AsyncEngineArgs``.
+
+    ``disable_log_stats=False`` keeps vLLM's spec-decode counters (drafts, drafted and accepted
+    tokens) flowing into its metrics, which is where acceptance is read from.
+    """
+    return {
+        "speculative_config": speculative_config(spec, num_speculative_tokens),
+        "additional_config": {ADDITIONAL_CONFIG_KEY: spec_to_dict(spec)},
+        "disable_log_stats": False,
+    }
+
+
+def spec_from_vllm_config(vllm_config: Any) -> SpecConfig:
+    """The ``SpecConfig`` a vLLM engine was built with (defaults when none was passed)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"vLLM additional_config must be a dict, got {type(extra).__name__}")
+    return spec_from_dict(extra.get(ADDITIONAL_CONFIG_KEY, {}))

@@ -1,0 +1,106 @@
+"""The ``vllm.general_plugins`` entry point: routes vLLM's draft step to our proposer.
+
+vLLM loads general plugins in every process it starts (engine core, workers) before building the
+model runner. ``register`` wraps ``GPUModelRunner.propose_draft_token_ids`` once: when the runner's
+drafter is a ``RolloutSpecProposer`` (vLLM built it because ``speculative_config.model`` names it),
+the wrapper hands it the runner, so it sees request ids, prompts and sampling params that vLLM's
+plain ``custom_class`` call leaves out; every other method runs vLLM's code untouched. It also adds
+two worker methods for ``collective_rpc``: ``rollout_spec_end_step`` (the trainer's RL step
+boundary) and ``rollout_spec_stats``. This is the only file that patches vLLM.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer
+
+TESTED_VLLM = ("0.29.0", "0.33.0")
+"""vLLM releases whose runner source this patch was checked against (OpenRLHF 0.11 pins 0.29)."""
+DISABLE_ENV = "ROLLOUT_SPEC_VLLM_PLUGIN"
+"""Set to 0 to keep the plugin from touching vLLM in a process."""
+_EXPECTED_PARAMS = ("self", "scheduler_output", "sampled_token_ids")
+_MARK = "_rollout_spec_wrapped"
+
+
+def register() -> None:
+    """Entry point named in pyproject.toml; safe to call many times (vLLM may)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    install(GPUModelRunner, Worker)
+
+
+def check_runner(runner_cls: type) -> None:
+    """Raise if vLLM's draft-step method no longer has the shape the wrapper relies on.
+
+    Raises:
+        RuntimeError: naming the vLLM version and what changed.
+    """
+    method = getattr(runner_cls, "propose_draft_token_ids", None)
+    if method is None:
+        raise RuntimeError(f"{_vllm_version()}: GPUModelRunner.propose_draft_token_ids is gone")
+    params = tuple(inspect.signature(method).parameters)[: len(_EXPECTED_PARAMS)]
+    if params != _EXPECTED_PARAMS and not getattr(method, _MARK, False):
+        raise RuntimeError(
+            f"{_vllm_version()}: GPUModelRunner.propose_draft_token_ids starts with {params}, "
+            f"expected {_EXPECTED_PARAMS}; rollout-spec's plugin was checked on {TESTED_VLLM}"
+        )
+
+
+def install(runner_cls: type, worker_cls: type) -> None:
+    """Wrap ``runner_cls.propose_draft_token_ids`` and add the worker RPC methods (idempotent)."""
+    check_runner(runner_cls)
+    original = runner_cls.propose_draft_token_ids
+    if not getattr(original, _MARK, False):
+
+        @functools.wraps(original)
+        def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any,
+                                    *args: Any, **kwargs: Any) -> Any:
+            drafter = getattr(self, "drafter", None)
+            if isinstance(drafter, RolloutSpecProposer):
+                return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids)
+            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+
+        setattr(propose_draft_token_ids, _MARK, True)
+        runner_cls.propose_draft_token_ids = propose_draft_token_ids
+    worker_cls.rollout_spec_end_step = worker_end_step
+    worker_cls.rollout_spec_stats = worker_stats
+
+
+def worker_end_step(worker: Any) -> dict[str, Any]:
+    """``collective_rpc("rollout_spec_end_step")``: RL step boundary on this worker's drafter."""
+    proposer = _proposer_of(worker)
+    return proposer.end_step() if proposer is not None else {}
+
+
+def worker_stats(worker: Any) -> dict[str, Any]:
+    """``collective_rpc("rollout_spec_stats")``: this worker's proposer and drafter counters."""
+    proposer = _proposer_of(worker)
+    return proposer.stats() if proposer is not None else {}
+
+
+def _proposer_of(worker: Any) -> RolloutSpecProposer | None:
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or not hasattr(runner, "drafter"):
+        return None  # pipeline stages before the last hold no drafter
+    if not isinstance(runner.drafter, RolloutSpecProposer):
+        raise RuntimeError(
+            "this vLLM engine drafts with "
+            f"{type(runner.drafter).__name__}, not rollout-spec's proposer; build it with "
+            "rollout_spec.integrations.vllm.engine_kwargs(...)"
+        )
+    return runner.drafter
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return f"vllm {vllm.__version__}"
+    except ImportError:
+        return "vllm (not importable)"

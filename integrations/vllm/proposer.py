@@ -1,0 +1,161 @@
+"""The vLLM speculative proposer backed by rollout-spec's n-gram/suffix drafter.
+
+vLLM builds it through its ``custom_class`` speculative method (``speculative_config.model`` =
+this class's dotted path). vLLM's own call for that method passes no request ids, and our drafter
+keeps per-request and per-group state, so ``rollout_spec.integrations.vllm.plugin`` routes the
+GPU model runner's draft step to ``propose_for_runner``, which reads request ids, prompts and
+sampling params from the runner. Nothing in this file imports vLLM.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from rollout_spec.integrations.vllm.chains import best_chains, explicit_group_id, prompt_group_id
+from rollout_spec.integrations.vllm.config import GROUP_ID_EXTRA_ARG, spec_from_vllm_config
+from rollout_spec.config import SpecConfig
+
+GroupLookup = Callable[[str, np.ndarray], int]
+
+
+class RolloutSpecProposer:
+    """Drafts chains for vLLM from one ``NgramDrafter`` per worker process.
+
+    Request ids (strings in vLLM) map to fresh ints; a request starts in the drafter on its first
+    sampled token, is extended with every committed token, and finishes when vLLM's scheduler
+    reports it finished or when the trainer signals the RL step boundary (``end_step``).
+    """
+
+    def __init__(self, vllm_config: Any, drafter: Optional[Any] = None) -> None:
+        self.spec: SpecConfig = spec_from_vllm_config(vllm_config)
+        self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        if drafter is None:
+            from rollout_spec.drafter import NgramDrafter
+
+            drafter = NgramDrafter(self.spec)
+        self.drafter = drafter
+        self._ids: dict[str, int] = {}
+        self._next_id = 0
+        self.counters = {"requests_started": 0, "requests_finished": 0, "rows_drafted": 0,
+                         "chain_tokens_proposed": 0, "steps_ended": 0}
+
+    # -- vLLM entry points ------------------------------------------------------------------
+    def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        """vLLM's plain custom_class call; it carries no request ids, so it cannot be served.
+
+        Raises:
+            RuntimeError: always -- the plugin that routes drafting to ``propose_for_runner`` is
+                not active in this process (entry point not installed, or VLLM_PLUGINS omits it).
+        """
+        raise RuntimeError(
+            "RolloutSpecProposer was called through vLLM's plain custom_class path: the "
+            "'rollout_spec' vllm.general_plugins entry point is not active in this worker. "
+            "Reinstall rollout-spec (pip install -e .) and, if VLLM_PLUGINS is set, add "
+            "'rollout_spec' to it."
+        )
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No weights: the drafter is model-free (vLLM calls this for every proposer)."""
+
+    def propose_for_runner(
+        self, runner: Any, scheduler_output: Any, sampled_token_ids: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """Draft for every row of the GPU model runner's persistent batch (one chain per row)."""
+        self.finish(scheduler_output.finished_req_ids)
+        k = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 0) or 0)
+        k = min(k, self.num_speculative_tokens) if k > 0 else self.num_speculative_tokens
+        batch = runner.input_batch
+        return self.propose_rows(
+            list(batch.req_ids), sampled_token_ids, batch.num_tokens_no_spec,
+            batch.num_prompt_tokens, batch.token_ids_cpu, _runner_group_lookup(runner), k,
+        )
+
+    # -- engine-independent core --------------------------------------------------------------
+    def propose_rows(
+        self,
+        req_ids: Sequence[str],
+        sampled_token_ids: Sequence[Sequence[int]],
+        num_tokens: np.ndarray,
+        num_prompt_tokens: np.ndarray,
+        token_ids: np.ndarray,
+        group_of: GroupLookup,
+        k: int,
+    ) -> list[list[int]]:
+        """Commit each row's new tokens to the drafter and return its best chain (<= k tokens).
+
+        Rows with no sampled token (a prefill chunk) or at the model's length limit get no draft.
+        ``token_ids[i, :num_tokens[i]]`` is row i's prompt followed by its committed output.
+        """
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        rows, ids, tails, caps = [], [], [], []
+        for i, (rid, new) in enumerate(zip(req_ids, sampled_token_ids)):
+            n = int(num_tokens[i])
+            if len(new) == 0 or n >= self.max_model_len:
+                continue
+            int_id = self._ids.get(rid)
+            if int_id is None:
+                p = int(num_prompt_tokens[i])
+                int_id = self._start(rid, token_ids[i, :p], group_of(rid, token_ids[i, :p]))
+                new = token_ids[i, p:n]  # all output so far: covers requests seen mid-flight
+            rows.append(i)
+            ids.append(int_id)
+            tails.append([int(t) for t in new])
+            caps.append(min(k, self.max_model_len - n - 1))
+        if not ids:
+            return drafts
+        self.drafter.extend_batch(ids, tails)
+        chains = best_chains(self.drafter.propose(ids), caps)
+        for i, chain in zip(rows, chains):
+            drafts[i] = chain
+        self.counters["rows_drafted"] += sum(1 for c in chains if c)
+        self.counters["chain_tokens_proposed"] += sum(len(c) for c in chains)
+        return drafts
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """Mark requests done; their tokens stay in the group and global indexes."""
+        done = [self._ids.pop(r) for r in req_ids if r in self._ids]
+        if done:
+            self.drafter.finish_batch(done)
+            self.counters["requests_finished"] += len(done)
+
+    def end_step(self) -> dict[str, Any]:
+        """RL step boundary (new policy weights): finish what is left, age the drafter's
+        indexes, and return the counters so the trainer can log them."""
+        self.finish(list(self._ids))
+        self.drafter.end_step()
+        self.counters["steps_ended"] += 1
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """This proposer's counters plus the drafter's own statistics under ``drafter/``."""
+        raw = self.drafter.stats()
+        if dataclasses.is_dataclass(raw):
+            raw = dataclasses.asdict(raw)
+        drafter_stats = {f"drafter/{k}": v for k, v in dict(raw or {}).items()}
+        return {**self.counters, "active_requests": len(self._ids), **drafter_stats}
+
+    def _start(self, req_id: str, prompt: np.ndarray, group_id: int) -> int:
+        int_id = self._next_id
+        self._next_id += 1
+        self.drafter.start(int_id, np.asarray(prompt, dtype=np.int32), group_id=group_id)
+        self._ids[req_id] = int_id
+        self.counters["requests_started"] += 1
+        return int_id
+
+
+def _runner_group_lookup(runner: Any) -> GroupLookup:
+    """Group of a request: ``extra_args['rollout_spec_group']`` when the caller set it, else a
+    hash of the prompt tokens (the n samples of a prompt share it, in this step and later ones)."""
+
+    def lookup(req_id: str, prompt: np.ndarray) -> int:
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        if GROUP_ID_EXTRA_ARG in extra:
+            return explicit_group_id(extra[GROUP_ID_EXTRA_ARG])
+        return prompt_group_id(prompt)
+
+    return lookup

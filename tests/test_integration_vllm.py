@@ -1,0 +1,233 @@
+"""rollout-spec's vLLM proposer and plugin, tested without vLLM installed.
+
+vLLM's runner, worker and metric objects are stood in for by plain objects with the same
+attribute names; tests/test_integration_vllm_real.py repeats the vLLM-facing checks against the
+real package when it is importable.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.vllm import SpecDecodeCounters, engine_kwargs, spec_from_vllm_config
+from rollout_spec.integrations.vllm.chains import best_chain, best_chains, explicit_group_id, prompt_group_id
+from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH, speculative_config
+from rollout_spec.integrations.vllm.plugin import check_runner, install
+from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer
+from rollout_spec.tree import DraftBatch
+
+
+class RecordingDrafter:
+    """Follows the NgramDrafter contract; drafts a 2-branch tree from each request's last token."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, tuple[list[int], int]] = {}
+        self.context: dict[int, list[int]] = {}
+        self.finished: list[int] = []
+        self.steps = 0
+
+    def start(self, req_id: int, prompt_ids: np.ndarray, group_id: int | None = None) -> None:
+        self.started[req_id] = (list(map(int, prompt_ids)), group_id)
+        self.context[req_id] = list(map(int, prompt_ids))
+
+    def extend_batch(self, req_ids: list[int], token_lists: list[list[int]]) -> None:
+        for r, toks in zip(req_ids, token_lists):
+            self.context[r] += list(toks)
+
+    def propose(self, req_ids: list[int], budgets=None) -> DraftBatch:
+        trees = []
+        for r in req_ids:
+            last = self.context[r][-1]
+            # best branch last+1, last+2, last+3; a worse sibling 999 under the root
+            trees.append([(last + 1, -1), (999, -1), (last + 2, 0), (last + 3, 2)])
+        return DraftBatch.from_lists(trees)
+
+    def finish_batch(self, req_ids: list[int]) -> None:
+        self.finished += list(req_ids)
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def stats(self) -> dict:
+        return {"requests": len(self.started)}
+
+
+def vllm_config(spec: SpecConfig | None = None, k: int = 3, max_model_len: int = 64):
+    extra = engine_kwargs(spec or SpecConfig(), k)["additional_config"]
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        additional_config=extra,
+    )
+
+
+class FakeRunner:
+    """The attributes of vLLM's GPUModelRunner that the proposer reads."""
+
+    def __init__(self, rows: list[tuple[str, list[int], list[int]]], extra_args=None) -> None:
+        width = 64
+        self.input_batch = SimpleNamespace(
+            req_ids=[r for r, _, _ in rows],
+            token_ids_cpu=np.zeros((len(rows), width), np.int32),
+            num_tokens_no_spec=np.array([len(p) + len(o) for _, p, o in rows], np.int32),
+            num_prompt_tokens=np.array([len(p) for _, p, _ in rows], np.int32),
+        )
+        for i, (_, prompt, out) in enumerate(rows):
+            seq = prompt + out
+            self.input_batch.token_ids_cpu[i, : len(seq)] = seq
+        self.requests = {
+            r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=(extra_args or {}).get(r)))
+            for r, _, _ in rows
+        }
+
+
+def sched(finished=(), k=0):
+    return SimpleNamespace(finished_req_ids=set(finished), num_spec_tokens_to_schedule=k)
+
+
+def test_engine_kwargs_round_trip_and_name_the_proposer():
+    spec = SpecConfig(num_draft_tokens=6, group_weight=2.0, external_corpora=("a.npy",))
+    kw = engine_kwargs(spec)
+    assert kw["speculative_config"] == {
+        "method": "custom_class", "model": PROPOSER_CLASS_PATH, "num_speculative_tokens": 6
+    }
+    assert kw["disable_log_stats"] is False
+    assert spec_from_vllm_config(SimpleNamespace(additional_config=kw["additional_config"])) == spec
+    assert spec_from_vllm_config(SimpleNamespace(additional_config=None)) == SpecConfig()
+    assert PROPOSER_CLASS_PATH == f"{RolloutSpecProposer.__module__}.{RolloutSpecProposer.__name__}"
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        speculative_config(SpecConfig(), 0)
+    with pytest.raises(ValueError, match="num_draft_tokens is 0"):
+        speculative_config(SpecConfig(num_draft_tokens=0))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['typo'\]"):
+        spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {"typo": 1}}))
+    with pytest.raises(ValueError, match="max_depth must be in"):
+        spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {"max_depth": 0}}))
+
+
+def test_best_chain_follows_first_children_and_stops_at_the_cap():
+    batch = DraftBatch.from_lists([
+        [(5, -1), (6, -1), (7, 0), (8, 1), (9, 2)],  # 5 -> 7 -> 9 is the first-child path
+        [],
+        [(1, -1), (2, 0), (3, 1), (4, 2)],
+    ])
+    assert best_chains(batch, [8, 8, 2]) == [[5, 7, 9], [], [1, 2]]
+    assert best_chain(np.array([-1, -1, 1], np.int32), np.array([4, 5, 6], np.int32), 0) == []
+    with pytest.raises(ValueError, match="max_lens has 1 entries"):
+        best_chains(batch, [1])
+
+
+def test_group_ids_are_stable_and_explicit_ones_are_checked():
+    assert prompt_group_id([1, 2, 3]) == prompt_group_id(np.array([1, 2, 3], np.int32))
+    assert prompt_group_id([1, 2, 3]) != prompt_group_id([1, 2, 4])
+    assert 0 <= prompt_group_id([7]) < 2**63
+    assert explicit_group_id(42) == 42
+    assert explicit_group_id("prompt-17") == explicit_group_id("prompt-17")
+    with pytest.raises(TypeError, match="rollout_spec_group"):
+        explicit_group_id(1.5)
+    with pytest.raises(ValueError, match="rollout_spec_group"):
+        explicit_group_id(-1)
+
+
+def test_proposer_lifecycle_over_vllm_steps():
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    # step 1: "a" sampled its first token; "b" is still prefilling (no sampled token)
+    runner = FakeRunner([("a", [10, 11], [20]), ("b", [10, 11, 12], [])],
+                        extra_args={"a": {"rollout_spec_group": 5}})
+    assert prop.propose_for_runner(runner, sched(), [[20], []]) == [[21, 22, 23], []]
+    assert drafter.started[0] == ([10, 11], 5)
+    # step 2: "a" accepted two tokens plus a bonus; "b" starts with its prompt-hash group
+    runner = FakeRunner([("a", [10, 11], [20, 21, 22, 30]), ("b", [10, 11, 12], [40])])
+    assert prop.propose_for_runner(runner, sched(k=2), [[21, 22, 30], [40]]) == [[31, 32], [41, 42]]
+    assert drafter.context[0] == [10, 11, 20, 21, 22, 30]
+    assert drafter.started[1] == ([10, 11, 12], prompt_group_id([10, 11, 12]))
+    # step 3: "a" finished last step; "b" is near max_model_len=64
+    runner = FakeRunner([("b", [10, 11, 12], [40] + [1] * 58)])  # 62 of 64: room for 1
+    assert prop.propose_for_runner(runner, sched(finished={"a"}), [[1]]) == [[2]]
+    assert drafter.finished == [0]
+    stats = prop.end_step()
+    assert drafter.finished == [0, 1] and drafter.steps == 1
+    assert stats["requests_started"] == 2 and stats["active_requests"] == 0
+    assert stats["drafter/requests"] == 2
+
+
+def test_plain_custom_class_call_refuses_without_the_plugin():
+    prop = RolloutSpecProposer(vllm_config(), drafter=RecordingDrafter())
+    with pytest.raises(RuntimeError, match="general_plugins entry point is not active"):
+        prop.propose([[1]], np.zeros(1), np.zeros((1, 4)))
+
+
+def make_runner_cls():
+    class Runner:
+        def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata):
+            return "vllm's own path"
+
+    return Runner
+
+
+def test_plugin_routes_only_our_proposer_and_is_idempotent():
+    runner_cls, worker_cls = make_runner_cls(), type("Worker", (), {})
+    install(runner_cls, worker_cls)
+    wrapped = runner_cls.propose_draft_token_ids
+    install(runner_cls, worker_cls)
+    assert runner_cls.propose_draft_token_ids is wrapped
+    other = runner_cls()
+    other.drafter = object()
+    assert other.propose_draft_token_ids(sched(), [[1]], None) == "vllm's own path"
+    ours = FakeRunner([("a", [3, 4], [5])])
+    ours.__class__ = type("R", (runner_cls,), {"__init__": lambda self: None})
+    ours.drafter = RolloutSpecProposer(vllm_config(), drafter=RecordingDrafter())
+    assert ours.propose_draft_token_ids(sched(), [[5]], None) == [[6, 7, 8]]
+    worker = worker_cls()
+    worker.model_runner = ours
+    assert worker.rollout_spec_end_step()["steps_ended"] == 1
+    worker.model_runner = other
+    with pytest.raises(RuntimeError, match="not rollout-spec's proposer"):
+        worker.rollout_spec_stats()
+
+
+def test_plugin_refuses_a_changed_upstream_signature():
+    class Runner:
+        def propose_draft_token_ids(self, sampled_token_ids, scheduler_output):
+            return None
+
+    with pytest.raises(RuntimeError, match="expected \\('self', 'scheduler_output'"):
+        check_runner(Runner)
+
+
+def test_counters_from_a_metrics_snapshot():
+    def metric(name, **kw):
+        return SimpleNamespace(name=name, labels={}, **kw)
+
+    snap = [
+        metric("vllm:spec_decode_num_drafts", value=10),
+        metric("vllm:spec_decode_num_draft_tokens", value=40),
+        metric("vllm:spec_decode_num_accepted_tokens", value=20),
+        metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[9, 6, 4, 1]),
+        metric("vllm:spec_decode_num_drafts", value=2),  # a second engine
+        metric("vllm:num_requests_running", value=3),
+    ]
+    c = SpecDecodeCounters.from_metrics(snap)
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (12, 40, 20)
+    assert c.accepted_per_pos == (9, 6, 4, 1)
+    assert c.accept_rate == 0.5 and c.accept_length == pytest.approx(1 + 20 / 12)
+    step = c - SpecDecodeCounters(2, 10, 2, (2,))
+    assert step.as_log_dict()["rollout/spec_accept_rate"] == pytest.approx(18 / 30)
+    assert SpecDecodeCounters().accept_rate == 0.0 and SpecDecodeCounters().accept_length == 1.0
+
+
+def test_entry_point_is_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "rollout_spec"]
+    assert ours, "reinstall rollout-spec (pip install -e .) to register the vLLM plugin"
+    from rollout_spec.integrations.vllm.plugin import register
+
+    assert ours[0].load() is register
