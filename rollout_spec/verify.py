@@ -160,7 +160,8 @@ def _first_accepted_child(
     if greedy is not True:
         p = logp.exp().masked_fill(dup | ~node, 0.0)
         left = (1.0 - (earlier.to(p.dtype) * p[:, None, :]).sum(dim=-1)).clamp(min=0.0)
-        u = torch.rand(p.shape, generator=generator, device=p.device, dtype=p.dtype)
+        # One draw per verify row, not per padded cell, so results do not depend on the width.
+        u = torch.rand(scores.shape[0], generator=generator, device=p.device)[tree.row_index]
         hit_sample = (p > 0) & ((u * left < p) | (p >= left * _CERTAIN))
         hit = hit_sample if greedy is False else hit | (hit_sample & ~greedy)
     hit = hit & node & ~dup

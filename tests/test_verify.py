@@ -1,0 +1,183 @@
+"""verify(): greedy equals the argmax walk, logprobs equal a reference, results are well formed
+and reproducible, bad input is refused. The sampling law itself is tested in test_verify_law.py.
+"""
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from rollout_spec.config import SamplingParams
+from rollout_spec.tree import DraftBatch, build_tree_inputs
+from rollout_spec.verify import verify
+from test_tree import random_batch
+
+
+def reference_logprobs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log p over the vocabulary for one row, via transformers' own logits warpers (float64)."""
+    scores = row.double()[None]
+    if params.greedy:
+        return torch.log_softmax(scores, -1)[0]
+    scores = TemperatureLogitsWarper(params.temperature)(None, scores)
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return torch.log_softmax(scores, -1)[0]
+
+
+def children(batch: DraftBatch, b: int, col: int) -> list[int]:
+    """Node indices (within request b's slice) whose parent is column ``col`` (0 = root)."""
+    lo, hi = batch.offsets[b], batch.offsets[b + 1]
+    return [j for j in range(hi - lo) if batch.parents[lo + j] + 1 == col]
+
+
+def greedy_walk(logits: torch.Tensor, batch: DraftBatch, b: int):
+    """Follow the first child equal to the argmax; return (accepted nodes, emitted tokens, logps)."""
+    lo = int(batch.offsets[b])
+    col, nodes, toks, lps = 0, [], [], []
+    while True:
+        row = logits[lo + b + col]
+        best = int(row.argmax())
+        toks.append(best)
+        lps.append(float(torch.log_softmax(row.double(), -1)[best]))
+        hit = [j for j in children(batch, b, col) if batch.tokens[lo + j] == best]
+        if not hit:
+            return nodes, toks, lps
+        nodes.append(hit[0])
+        col = hit[0] + 1
+
+
+def split(res, b: int):
+    """Request b's accepted nodes, emitted tokens and logprobs as lists."""
+    a0, a1 = res.accepted_offsets[b : b + 2].tolist()
+    e0, e1 = res.emitted_offsets[b : b + 2].tolist()
+    return (res.accepted_nodes[a0:a1].tolist(), res.emitted_tokens[e0:e1].tolist(),
+            res.emitted_logprobs[e0:e1].tolist())
+
+
+def draft_friendly_logits(batch: DraftBatch, vocab: int, seed: int) -> torch.Tensor:
+    """Random logits where most nodes' parent rows favour that node's token (long accepts)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch.num_requests + batch.num_nodes, vocab, generator=gen)
+    for b in range(batch.num_requests):
+        lo = int(batch.offsets[b])
+        for j in range(int(batch.sizes()[b])):
+            if torch.rand((), generator=gen) < 0.7:
+                parent_row = lo + b + int(batch.parents[lo + j]) + 1
+                logits[parent_row, batch.tokens[lo + j]] += 4.0
+    return logits
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_is_the_argmax_walk(seed):
+    batch = random_batch(np.random.default_rng(seed), num_req=12, max_size=10, vocab=6)
+    logits = draft_friendly_logits(batch, 6, seed)
+    res = verify(logits, batch, SamplingParams(temperature=0))
+    for b in range(batch.num_requests):
+        nodes, toks, lps = greedy_walk(logits, batch, b)
+        got = split(res, b)
+        assert got[0] == nodes and got[1] == toks
+        np.testing.assert_allclose(got[2], lps, atol=1e-5)
+        assert res.bonus[b] == toks[-1] and res.num_accepted[b] == len(nodes)
+    assert int(res.num_accepted.max()) >= 2  # the walk went deeper than one node somewhere
+
+
+MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+         SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.3, top_p=0.6),
+         SamplingParams(temperature=0.9, top_k=5, top_p=0.8)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paths_and_logprobs_match_reference(seed):
+    """Per-request parameters in one batch: every emitted token walks the tree and reports
+    log p(token) of its parent's sampling distribution, computed by transformers' warpers."""
+    batch = random_batch(np.random.default_rng(seed), num_req=40, max_size=8, vocab=7)
+    logits = draft_friendly_logits(batch, 7, seed)
+    params = [MIXED[b % len(MIXED)] for b in range(batch.num_requests)]
+    res = verify(logits, batch, params, torch.Generator().manual_seed(seed))
+    for b in range(batch.num_requests):
+        nodes, toks, lps = split(res, b)
+        lo, col = int(batch.offsets[b]), 0
+        for i, tok in enumerate(toks):
+            ref = reference_logprobs(logits[lo + b + col], params[b])
+            assert np.isfinite(lps[i]) and lps[i] == pytest.approx(float(ref[tok]), abs=1e-5)
+            if i < len(nodes):
+                assert batch.parents[lo + nodes[i]] + 1 == col and batch.tokens[lo + nodes[i]] == tok
+                col = nodes[i] + 1
+            else:  # bonus: never a child of the final node that the sampling law rejected
+                kids = {int(batch.tokens[lo + j]) for j in children(batch, b, col)}
+                assert tok not in kids or params[b].greedy
+
+
+def test_empty_batch_is_plain_sampling_with_same_logprobs():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
+    params = [MIXED[b] for b in range(5)]
+    res = verify(logits, DraftBatch.empty(5), params, torch.Generator().manual_seed(0))
+    assert res.num_accepted.tolist() == [0] * 5 and res.emitted_offsets.tolist() == list(range(6))
+    for b in range(5):
+        ref = reference_logprobs(logits[b], params[b])
+        assert float(res.emitted_logprobs[b]) == pytest.approx(float(ref[res.bonus[b]]), abs=1e-5)
+    assert int(res.bonus[0]) == int(logits[0].argmax())
+
+
+def test_seeded_runs_reproduce_and_seeds_matter():
+    batch = random_batch(np.random.default_rng(0), num_req=64, max_size=8, vocab=5)
+    logits = draft_friendly_logits(batch, 5, 0)
+    sp = SamplingParams(temperature=1.0)
+    runs = [verify(logits, batch, sp, torch.Generator().manual_seed(s)) for s in (3, 3, 4)]
+    assert torch.equal(runs[0].emitted_tokens, runs[1].emitted_tokens)
+    assert torch.equal(runs[0].accepted_nodes, runs[1].accepted_nodes)
+    assert not torch.equal(runs[0].emitted_tokens, runs[2].emitted_tokens)
+
+
+def test_prebuilt_tree_inputs_give_the_same_result():
+    batch = random_batch(np.random.default_rng(5), num_req=9, max_size=6, vocab=8)
+    logits = draft_friendly_logits(batch, 8, 5)
+    zeros = torch.zeros(9, dtype=torch.int64)
+    tree = build_tree_inputs(batch, zeros, zeros, width=10)  # wider than needed
+    sp = SamplingParams(temperature=0.8, top_p=0.9)
+    a = verify(logits, batch, sp, torch.Generator().manual_seed(1), tree=tree)
+    b = verify(logits, batch, sp, torch.Generator().manual_seed(1))
+    assert torch.equal(a.emitted_tokens, b.emitted_tokens)
+    assert torch.equal(a.emitted_logprobs, b.emitted_logprobs)
+
+
+def test_input_logits_are_not_modified():
+    batch = DraftBatch.from_lists([[(1, -1), (2, 0)]])
+    logits = torch.randn(3, 4)
+    before = logits.clone()
+    verify(logits, batch, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.equal(logits, before)
+
+
+BATCH = DraftBatch.from_lists([[(1, -1), (2, 0)], [(3, -1)]])
+
+
+@pytest.mark.parametrize(
+    "logits, sampling, message",
+    [
+        (torch.zeros(4, 5), SamplingParams(), r"logits must have shape \[B \+ N, V\] = \[5, V\]"),
+        (torch.zeros(5), SamplingParams(), "logits must have shape"),
+        (torch.zeros(5, 5, dtype=torch.int64), SamplingParams(), "floating point"),
+        (torch.zeros(5, 3), SamplingParams(), "DraftBatch.tokens must be < V=3"),
+        (torch.zeros(5, 5), [SamplingParams()] * 3, "B=2"),
+    ],
+)
+def test_bad_input_names_the_field(logits, sampling, message):
+    with pytest.raises(ValueError, match=message):
+        verify(logits, BATCH, sampling)
+
+
+def test_bad_types_are_refused():
+    with pytest.raises(TypeError, match=r"sampling\[1\]"):
+        verify(torch.zeros(5, 5), BATCH, [SamplingParams(), {"temperature": 1.0}])
+    with pytest.raises(TypeError, match="batch"):
+        verify(torch.zeros(5, 5), [[(1, -1)]], SamplingParams())
+    bad = DraftBatch(offsets=np.array([0, 2], np.int32), tokens=np.array([1, 2], np.int32),
+                     parents=np.array([-1, 5], np.int32), probs=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="parents"):
+        verify(torch.zeros(3, 5), bad, SamplingParams())
