@@ -1,0 +1,242 @@
+"""A drop-in for SGLang's NGRAM corpus (``NgramCorpus``) backed by rollout-spec's drafter.
+
+SGLang's NGRAM worker calls, per decode step: ``synchronize``; ``batch_get(req_ids,
+batch_tokens, total_lens)`` with the last few tokens of every running request and its full
+length; ``batch_put`` with those same tails after verification; ``erase_match_state`` for
+requests that left the batch; and ``reset`` from ``flush_cache``. Our drafter wants the whole
+token stream of each request instead, so the adapter rebuilds it: a request's new tokens are the
+last ``total_len - known_len`` of its tail. The index is never wiped: ``reset`` (which verl
+triggers at every weight update) is the RL step boundary, so history survives it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.sglang.config import spec_from_env
+from rollout_spec.integrations.sglang.rid import group_from_rid
+from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask
+
+logger = logging.getLogger(__name__)
+
+MATCH_TYPES = ("BFS", "PROB")
+
+
+@dataclass
+class _Request:
+    """What the adapter knows of one live SGLang request."""
+
+    drafter_id: int  # our int id for SGLang's string rid
+    known_len: int  # prompt + output tokens the drafter has seen the end of
+    last_tail: tuple[int, ...] = ()  # tokens of the latest batch_get, to recognise batch_put
+
+
+class RolloutSpecCorpus:
+    """SGLang's ``NgramCorpus`` interface over an ``NgramDrafter``.
+
+    The constructor accepts SGLang's keywords so the worker can build it unchanged;
+    ``draft_token_num`` fixes the output layout, ``external_corpus_max_tokens`` bounds external
+    corpora, and the trie/BFS options of SGLang's own corpus are accepted but unused (our drafter
+    is configured by ``spec``, by default from the ``ROLLOUT_SPEC_SGLANG`` variable).
+    """
+
+    def __init__(
+        self,
+        max_trie_depth: int = 18,
+        min_bfs_breadth: int = 1,
+        max_bfs_breadth: int = 8,
+        draft_token_num: int = 8,
+        match_type: str = "BFS",
+        capacity: int = 1_000_000,
+        external_sam_budget: int = 0,
+        external_corpus_max_tokens: int = 10_000_000,
+        *,
+        spec: Optional[SpecConfig] = None,
+        drafter: Any = None,
+    ) -> None:
+        if isinstance(draft_token_num, bool) or not isinstance(draft_token_num, int) or draft_token_num < 1:
+            raise ValueError(f"draft_token_num must be an integer in [1, inf], got {draft_token_num!r}")
+        if match_type not in MATCH_TYPES:
+            raise ValueError(f"match_type must be one of {MATCH_TYPES}, got {match_type!r}")
+        if spec is None:
+            spec = spec_from_env() or SpecConfig()
+        if drafter is None:
+            from rollout_spec.drafter import NgramDrafter
+
+            drafter = NgramDrafter(spec)
+        self.spec = spec
+        self.drafter = drafter
+        self.draft_token_num = draft_token_num
+        self.max_trie_depth = max_trie_depth
+        self.external_corpus_max_tokens = external_corpus_max_tokens
+        self._budget = min(spec.num_draft_tokens, draft_token_num - 1)
+        self._live: dict[str, _Request] = {}
+        self._last_get: list[str] = []
+        self._next_id = 0
+        self._corpora: dict[str, int] = {}
+        self._counters = dict(requests=0, gets=0, gap_tokens=0, restarts=0, steps=0,
+                              put_sequences=0, put_skipped=0, committed_tokens=0)
+        self._committed_since_step = 0
+
+    # ------------------------------------------------------------ the worker's per-step calls
+    def synchronize(self) -> None:
+        """No-op: our drafter ingests synchronously, so every put is visible to the next get."""
+
+    def batch_get(
+        self, req_ids: Sequence[str], batch_tokens: Sequence[Sequence[int]], total_lens: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Draft trees for the running requests, as SGLang's flat ``(ids, mask)`` int64 arrays.
+
+        ``batch_tokens[i]`` are the last tokens of request ``req_ids[i]`` and ``total_lens[i]`` its
+        full length; tokens beyond what the drafter saw are committed to it before drafting.
+
+        Raises:
+            ValueError: lengths differ, a tail is empty, or a request id repeats.
+        """
+        if not len(req_ids) == len(batch_tokens) == len(total_lens):
+            raise ValueError(
+                f"req_ids, batch_tokens and total_lens must have equal lengths, got "
+                f"{len(req_ids)}, {len(batch_tokens)}, {len(total_lens)}"
+            )
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError("req_ids must not repeat within one batch_get")
+        drafter_ids = [
+            self._sync(rid, tuple(int(t) for t in toks), int(n))
+            for rid, toks, n in zip(req_ids, batch_tokens, total_lens)
+        ]
+        self._last_get = list(req_ids)
+        self._counters["gets"] += 1
+        batch = self.drafter.propose(drafter_ids, [self._budget] * len(drafter_ids))
+        roots = [self._live[rid].last_tail[-1] for rid in req_ids]
+        return to_ids_mask(batch, roots, self.draft_token_num)
+
+    def batch_put(self, batch_tokens: Sequence[Sequence[int]]) -> None:
+        """Add token sequences to the global scope.
+
+        The worker puts back the very tails it just passed to ``batch_get`` (same order); those
+        tokens already reach the drafter through their request, so they are recognised and
+        skipped instead of being indexed again. Anything else is indexed as a new sequence.
+        """
+        fresh = []
+        for i, seq in enumerate(batch_tokens):
+            tail = tuple(int(t) for t in seq)
+            req = self._live.get(self._last_get[i]) if i < len(self._last_get) else None
+            if req is not None and req.last_tail == tail:
+                self._counters["put_skipped"] += 1
+            elif tail:
+                fresh.append(tail)
+        self._last_get = []
+        if fresh:
+            self.drafter.add_sequences([None] * len(fresh), fresh)
+            self._counters["put_sequences"] += len(fresh)
+            self._committed_since_step += sum(map(len, fresh))
+
+    def erase_match_state(self, req_ids: Iterable[str]) -> None:
+        """Finish requests that left the batch: their tokens stay in the group/global scopes."""
+        done = [self._live.pop(rid).drafter_id for rid in req_ids if rid in self._live]
+        if done:
+            self.drafter.finish_batch(done)
+
+    def reset(self) -> None:
+        """SGLang's ``flush_cache``: an RL step boundary for us, never a wipe of the index.
+
+        Live requests are finished (SGLang flushes only when idle). verl may flush more than once
+        per weight update, so a step is ended only when tokens arrived since the last one.
+        """
+        self.erase_match_state(list(self._live))
+        self._last_get = []
+        if self._committed_since_step > 0:
+            self.drafter.end_step()
+            self._counters["steps"] += 1
+            self._committed_since_step = 0
+
+    # ------------------------------------------------------------ request bookkeeping
+    def _sync(self, rid: str, tail: tuple[int, ...], total_len: int) -> int:
+        """Bring the drafter up to date with request ``rid``; returns its drafter id."""
+        if not tail:
+            raise ValueError(f"batch_tokens for request {rid!r} is empty; SGLang always sends >= 1 token")
+        if total_len < len(tail):
+            raise ValueError(f"total_lens for request {rid!r} is {total_len}, below its {len(tail)} tokens")
+        req = self._live.get(rid)
+        if req is not None and total_len < req.known_len:
+            # The request was rolled back (e.g. retracted and re-run): start it over.
+            self.erase_match_state([rid])
+            self._counters["restarts"] += 1
+            req = None
+        if req is None:
+            req = _Request(self._next_id, total_len, tail)
+            self._next_id += 1
+            self.drafter.start(req.drafter_id, tail, group_from_rid(rid))
+            self._live[rid] = req
+            self._counters["requests"] += 1
+            self._commit(len(tail))
+            return req.drafter_id
+        new = total_len - req.known_len
+        if new > len(tail):
+            self._counters["gap_tokens"] += new - len(tail)
+        if new > 0:
+            self.drafter.extend(req.drafter_id, tail[-new:])
+            self._commit(min(new, len(tail)))
+        req.known_len, req.last_tail = total_len, tail
+        return req.drafter_id
+
+    def _commit(self, count: int) -> None:
+        self._counters["committed_tokens"] += count
+        self._committed_since_step += count
+
+    # ------------------------------------------------------------ external corpora (SGLang API)
+    @property
+    def remaining_token_budget(self) -> int:
+        """Tokens external corpora may still add (``external_corpus_max_tokens`` minus loaded)."""
+        return self.external_corpus_max_tokens - sum(self._corpora.values())
+
+    def load_external_corpus_named(self, corpus_id: str, chunks: Iterable[Sequence[int]]) -> int:
+        """Index token chunks into the global scope; returns how many tokens were loaded.
+
+        Raises:
+            ValueError: ``corpus_id`` is loaded already, or the chunks exceed the token budget.
+        """
+        if corpus_id in self._corpora:
+            raise ValueError(f"external corpus {corpus_id!r} is loaded already")
+        seqs = [[int(t) for t in chunk] for chunk in chunks]
+        total = sum(map(len, seqs))
+        if total > self.remaining_token_budget:
+            raise ValueError(
+                f"external corpus {corpus_id!r} has {total} tokens, over the remaining budget "
+                f"of {self.remaining_token_budget} (external_corpus_max_tokens)"
+            )
+        if seqs:
+            self.drafter.add_sequences([None] * len(seqs), seqs)
+        return total
+
+    def commit_external_corpus_load(self, corpus_id: str, loaded_token_count: int) -> None:
+        """Record a loaded corpus (SGLang calls this after ``load_external_corpus_named``)."""
+        self._corpora[corpus_id] = int(loaded_token_count)
+
+    def remove_external_corpus(self, corpus_id: str) -> None:
+        """Not supported: the drafter's index cannot take back one corpus's tokens.
+
+        Raises:
+            NotImplementedError: always; restart the server without the corpus instead.
+        """
+        raise NotImplementedError(
+            f"rollout-spec's corpus cannot remove external corpus {corpus_id!r}: its tokens are "
+            "merged into the global index; restart the server without it"
+        )
+
+    def list_external_corpora(self) -> dict[str, int]:
+        """Loaded external corpora and their token counts."""
+        return dict(self._corpora)
+
+    # ------------------------------------------------------------ inspection
+    def leaf_paths_from_mask(self, tokens: list[int], tree_mask: list[list[int]]) -> list[list[int]]:
+        """Root-to-leaf token paths of one request's tree (SGLang's debugging helper)."""
+        return leaf_paths(tokens, tree_mask)
+
+    def stats(self) -> dict[str, Any]:
+        """Adapter counters (requests, gaps, skipped puts, steps) merged with the drafter's stats."""
+        return {**self._counters, "live_requests": len(self._live), **self.drafter.stats()}
