@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from rollout_spec.config import SamplingParams, check_float, check_int
-from rollout_spec.metrics import SpecStats, step_table, stats_from_outputs
+from rollout_spec.metrics import DrafterTimer, SpecStats, step_table, stats_from_outputs
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -160,15 +160,21 @@ class Engines:
 
 
 def open_engines(args: argparse.Namespace) -> Engines:
-    """The speculative engine and, unless ``--no-baseline``, a plain one on the same weights."""
+    """The speculative engine and, unless ``--no-baseline``, a plain engine on the same model.
+
+    Both engines wrap one ``Transformer`` (weights loaded once); only the drafter differs, so the
+    speedup compares speculation against nothing else.
+    """
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine import RolloutEngine
 
     spec = RolloutEngine.from_pretrained(
         args.model, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens))
+    spec.drafter = DrafterTimer(spec.drafter)
     base = None
     if not args.no_baseline:
-        base = RolloutEngine.from_pretrained(args.model, device=args.device, spec=None)
+        base = RolloutEngine(spec.model, spec.tokenizer, None, eos_token_ids=spec.eos_token_ids,
+                             max_model_len=spec.max_model_len)
     return Engines(spec=spec, base=base)
 
 
@@ -184,17 +190,22 @@ def _sampling(args: argparse.Namespace, step: int) -> SamplingParams:
 
 
 def drafter_figures(engine: Any, outputs: Sequence[Any]) -> dict:
-    """Drafter cost and index size from ``engine.drafter.stats()``, when it reports them."""
+    """Drafter CPU time per request step and index size, from the engine's (timed) drafter.
+
+    Time comes from a ``DrafterTimer`` wrapped around the drafter (reset here, once per step);
+    index figures from ``drafter.stats()`` when it reports them.
+    """
     drafter = getattr(engine, "drafter", None)
-    stats = drafter.stats() if drafter is not None and hasattr(drafter, "stats") else None
-    if stats is None:
+    if drafter is None:
         return {}
-    stats = stats if isinstance(stats, dict) else vars(stats)
-    out = {"index_tokens": stats.get("index_tokens"), "index_bytes": stats.get("memory_bytes")}
-    busy_us = stats.get("propose_us", 0) + stats.get("extend_us", 0)
+    out: dict = {}
+    stats = drafter.stats() if callable(getattr(drafter, "stats", None)) else None
+    if stats is not None:
+        stats = stats if isinstance(stats, dict) else vars(stats)
+        out = {"index_tokens": stats.get("index_tokens"), "index_bytes": stats.get("memory_bytes")}
     request_steps = sum(o.num_verify_steps for o in outputs)
-    if busy_us and request_steps:
-        out["us_per_request"] = busy_us / request_steps
+    if isinstance(drafter, DrafterTimer) and request_steps:
+        out["us_per_request"] = drafter.take_seconds() * 1e6 / request_steps
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -217,6 +228,7 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
         (base_out, base_s), (spec_out, spec_s) = base_pass(), spec_pass()
     else:
         (spec_out, spec_s), (base_out, base_s) = spec_pass(), base_pass()
+    _raise_on_errors(spec_out if base_out is None else [*spec_out, *base_out])
     texts = engines.spec.tokenizer.batch_decode([o.token_ids for o in spec_out], skip_special_tokens=True)
     rewards = workload.score_many([prompts[o.prompt_index] for o in spec_out], texts)
     stats = stats_from_outputs(step, spec_out, spec_s, draft_budget=args.draft_tokens,
@@ -228,12 +240,22 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
     return stats
 
 
+def _raise_on_errors(outputs: Sequence[Any]) -> None:
+    """The engine reports a bad prompt per request; a benchmark with holes would mislead."""
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, e.g. prompt {errors[0].prompt_index}: "
+                           f"{getattr(errors[0], 'error', None)}")
+
+
 def _warm_up(engines: Engines, prompt_ids: list[int]) -> None:
     """One short untimed generation per engine (lazy init, allocator, kernels), ungrouped."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=4, seed=0)
     for engine in (engines.base, engines.spec):
         if engine is not None:
-            engine.generate([prompt_ids], params)
+            engine.generate([prompt_ids], params, group_ids=[None])  # None: no group scope
+    if isinstance(getattr(engines.spec, "drafter", None), DrafterTimer):
+        engines.spec.drafter.take_seconds()  # step 0's drafter time starts after the warm-up
 
 
 def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[SpecStats]:

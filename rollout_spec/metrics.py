@@ -8,6 +8,7 @@ our curves sit beside a verl run's.
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
@@ -360,3 +361,38 @@ def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
         "accept_rate": sum(s.accepted_tokens for s in history) / drafted if drafted else 0.0,
         "mean_reward": sum(rewards) / len(rewards) if rewards else None,
     }
+
+
+class DrafterTimer:
+    """Wraps an engine's drafter and adds up the wall time of its per-step calls.
+
+    The engine calls propose, extend and start/finish on the drafter from its own thread, so
+    the summed time is the drafter's share of the rollout; everything else is delegated.
+    """
+
+    TIMED = ("propose", "extend_batch", "start_batch", "finish_batch", "extend", "start", "finish")
+
+    def __init__(self, drafter: Any) -> None:
+        if drafter is None:
+            raise ValueError("drafter must be a drafter object, got None (speculation is off)")
+        self._drafter = drafter
+        self._seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._drafter, name)
+        if name not in self.TIMED or not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._seconds += time.perf_counter() - start
+
+        return timed
+
+    def take_seconds(self) -> float:
+        """Seconds spent in the drafter since the last call, and reset the sum."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -117,10 +118,14 @@ def test_bench_loop_with_stand_in_engine(tmp_path, monkeypatch):
     assert "summary" in text and "step 2" in text
 
 
-def test_drafter_figures_read_the_drafter_stats():
+def test_drafter_figures_read_stats_and_timer():
     outs = [SimpleNamespace(num_verify_steps=10), SimpleNamespace(num_verify_steps=30)]
-    drafter = SimpleNamespace(stats=lambda: {"index_tokens": 500, "memory_bytes": 9000,
-                                             "propose_us": 300.0, "extend_us": 100.0})
-    figures = cli.drafter_figures(SimpleNamespace(drafter=drafter), outs)
-    assert figures == {"index_tokens": 500, "index_bytes": 9000, "us_per_request": 10.0}
-    assert cli.drafter_figures(SimpleNamespace(), outs) == {}
+    inner = SimpleNamespace(stats=lambda: {"index_tokens": 500, "memory_bytes": 9000},
+                            propose=lambda ids: time.sleep(0.01))
+    timer = cli.DrafterTimer(inner)
+    timer.propose([1])
+    figures = cli.drafter_figures(SimpleNamespace(drafter=timer), outs)
+    assert figures["index_tokens"] == 500 and figures["index_bytes"] == 9000
+    assert 10_000 / 40 <= figures["us_per_request"] < 1e6 / 40  # >= 10 ms over 40 request steps
+    assert timer.take_seconds() == 0.0  # taken once per step
+    assert cli.drafter_figures(SimpleNamespace(drafter=None), outs) == {}

@@ -1,0 +1,74 @@
+"""``rollout-spec bench`` end to end on a tiny random Llama with the default model's tokenizer.
+
+``tiny_model_dir`` is also used by the GRPO example's smoke test: a safetensors directory that
+the engine loads like any Hugging Face checkpoint, small enough for a CPU test.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rollout_spec.drafter")  # the engine's drafter (task A) must be built
+
+
+def _default_tokenizer():
+    """The SmolLM2 tokenizer: from the converted default model if cached, else from its GGUF."""
+    from transformers import AutoTokenizer
+
+    from rollout_spec.engine.weights import cache_root, packaged_gguf
+
+    cached = cache_root() / "models" / "smollm2-135m"
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    gguf = packaged_gguf("smollm2-135m")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def tiny_model_dir(root: Path) -> Path:
+    """Build (once per ``root``) a 2-layer random Llama with SmolLM2's tokenizer and chat template."""
+    out = root / "tiny-llama"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
+
+    tok = _default_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.getbasetemp())
+
+
+def test_bench_runs_on_a_model_directory(tiny_model, tmp_path):
+    from rollout_spec import cli
+
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(tiny_model), "--device", "cpu", "--task", "basic_arithmetic",
+            "--steps", "2", "--prompts", "2", "--n", "2", "--max-new-tokens", "16",
+            "--wandb", "disabled", "--plot", str(tmp_path / "d.png"),
+            "--record", str(tmp_path / "t.json"), "--json", str(out)]
+    assert cli.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["num_requests"] == 4 and 4 <= r["spec_tokens"] <= 64
+        assert r["base_tokens"] is not None and r["speedup"] > 0
+        assert r["tpf"] >= 1.0 and 0.0 <= r["accept_rate"] <= 1.0
+        assert r["mean_reward"] is not None
+        assert r["drafter_us_per_request"] > 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert len(trace["steps"]) == 2 and all(len(s) == 4 for s in trace["steps"])
+    assert trace["prompts"][0]["prompt_ids"][0] == 1  # chat template starts with <|im_start|>
+    assert (tmp_path / "d.png").stat().st_size > 10_000
