@@ -14,6 +14,8 @@ from rollout_spec.distributed.router import GroupRouter
 _LAZY = {
     "IndexCoordinator": "rollout_spec.distributed.coordinator",
     "coordinator_handles": "rollout_spec.distributed.coordinator",
+    "create_coordinators": "rollout_spec.distributed.coordinator",
+    "destroy_coordinators": "rollout_spec.distributed.coordinator",
     "SharedIndexClient": "rollout_spec.distributed.shared_index",
     "SharedIndexConfig": "rollout_spec.distributed.shared_index",
 }

@@ -7,6 +7,7 @@ a few ints live in the actor's heap; the token arrays live in the object store.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -81,20 +82,66 @@ class IndexCoordinator:
                 queue.extend(kept)
 
 
-def coordinator_handles(
+_KEEP_ALIVE: dict[tuple[str | None, str], list[Any]] = {}  # driver-side handles, by (namespace, name)
+
+
+def create_coordinators(
     name: str, num_shards: int = 1, retain_steps: int = 4, namespace: str | None = None, detached: bool = False
 ) -> list[Any]:
-    """Get or create the named coordinator actors (one per shard); every replica calls this.
+    """Create the named coordinator actors (one per shard); call it once, in the driver.
 
-    Shard ``s`` serves destination replicas ``r`` with ``r % num_shards == s``, so at many
-    replicas the publish traffic is spread over several actors. ``detached`` keeps them alive
-    after the driver that created them exits (a long job's trainer may restart).
+    The driver (the trainer) creates them because a non-detached actor dies with its creator: a
+    replica that created them would take the job's index down when it crashes. Shard ``s`` serves
+    destination replicas ``r`` with ``r % num_shards == s``, spreading publish traffic at scale.
+    ``detached`` keeps them past the driver's exit; then call :func:`destroy_coordinators`.
     """
     import ray
 
     check_int("num_shards", num_shards, 1, 4096)
+    check_int("retain_steps", retain_steps, 1, 1 << 20)
     remote_cls = ray.remote(num_cpus=0, max_concurrency=1)(IndexCoordinator)
-    options: dict[str, Any] = {"namespace": namespace, "get_if_exists": True}
+    options: dict[str, Any] = {"namespace": namespace}
     if detached:
         options["lifetime"] = "detached"
-    return [remote_cls.options(name=f"{name}-{s}", **options).remote(retain_steps) for s in range(num_shards)]
+    handles = [remote_cls.options(name=_shard_name(name, s), **options).remote(retain_steps) for s in range(num_shards)]
+    ray.get([h.stats.remote() for h in handles])  # constructed and registered before replicas look
+    _KEEP_ALIVE[(namespace, name)] = handles  # a named actor still dies when its handles are dropped
+    return handles
+
+
+def coordinator_handles(name: str, num_shards: int, namespace: str | None = None, timeout_s: float = 60.0) -> list[Any]:
+    """Look up the coordinators :func:`create_coordinators` made, waiting up to ``timeout_s``.
+
+    Raises:
+        LookupError: naming the missing actor, when the driver has not created it in time.
+    """
+    import ray
+
+    handles = []
+    deadline = time.monotonic() + timeout_s
+    for s in range(num_shards):
+        while True:
+            try:
+                handles.append(ray.get_actor(_shard_name(name, s), namespace=namespace))
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise LookupError(
+                        f"no index coordinator {_shard_name(name, s)!r}: call "
+                        "rollout_spec.distributed.create_coordinators() in the driver first"
+                    ) from None
+                time.sleep(0.1)
+    return handles
+
+
+def destroy_coordinators(name: str, num_shards: int, namespace: str | None = None) -> None:
+    """Kill the coordinators (and so free every retained publication)."""
+    import ray
+
+    for handle in coordinator_handles(name, num_shards, namespace, timeout_s=0.0):
+        ray.kill(handle)
+    _KEEP_ALIVE.pop((namespace, name), None)
+
+
+def _shard_name(name: str, shard: int) -> str:
+    return f"{name}-{shard}"

@@ -1,4 +1,4 @@
-"""Stable 63-bit group keys and the hash that ranks replicas for a group.
+"""Stable 31-bit group keys and the hash that ranks replicas for a group.
 
 Python's ``hash`` of a str is salted per process, so two Ray workers would disagree on where a
 group lives; everything here is a pure function of the bytes, identical in every process.
@@ -11,19 +11,19 @@ from numbers import Integral
 
 import numpy as np
 
-_KEY_MASK = (1 << 63) - 1
+_KEY_MASK = (1 << 31) - 1  # the drafter stores group ids as int32
 
 
 def group_key(group: object) -> int:
-    """Map a group identity to a non-negative 63-bit int, the same in every process.
+    """Map a group identity to an int in ``[0, 2**31)`` (the drafter's group ids), the same in every process.
 
-    Ints in ``[0, 2**63)`` are returned unchanged, so a framework's integer group ids keep their
+    Ints in that range are returned unchanged, so a framework's integer group ids keep their
     meaning for the drafter; str and bytes are hashed; a sequence of ints (the prompt's token
     ids, which identify a prompt across RL steps) is hashed as int64 bytes.
 
     Raises:
         TypeError: for None, bool or any other type.
-        ValueError: for a negative int or one of 2**63 or more.
+        ValueError: for a negative int or one of 2**31 or more.
     """
     if isinstance(group, bool) or group is None:
         raise TypeError(f"group id must be an int, str, bytes or token sequence, got {group!r}")

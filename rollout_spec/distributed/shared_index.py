@@ -1,0 +1,272 @@
+"""One drafter index shared across rollout replicas through Ray's object store.
+
+At each step boundary a replica publishes its finished responses, split by destination: a
+response of group g goes to the ``affinity_k`` replicas the router ranks first for g (those that
+will serve g next, or take it over when the first is full). A background thread pulls the
+buckets meant for this replica from the coordinator and ingests them with
+``drafter.add_sequences``, so generation never waits on the network. A replica that starts late
+or restarts pulls everything still retained for it, its own earlier publications included.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from rollout_spec.config import check_float, check_int
+from rollout_spec.distributed.coordinator import Entry, coordinator_handles
+from rollout_spec.distributed.packing import split_by_destination, unpack
+from rollout_spec.distributed.router import GroupRouter
+
+
+class IngestingDrafter(Protocol):
+    """The part of the drafter contract the shared index needs (``NgramDrafter`` has it)."""
+
+    def add_sequences(self, group_ids: list[Optional[int]], sequences: list[list[int]]) -> None:
+        """Add finished responses produced elsewhere to the group and global scopes."""
+
+
+@dataclass(frozen=True)
+class SharedIndexConfig:
+    """Where a replica sits in the job and how it shares its index; checked at construction."""
+
+    replica_id: int
+    """This replica's index, in [0, num_replicas); a restarted replica reuses its old one."""
+    num_replicas: int
+    """Replicas in the job (the router's N), in [1, 65536]."""
+    affinity_k: int = 2
+    """Replicas that receive each group's responses: the router's first k choices for the group."""
+    ingest_budget_tokens: int = 4_000_000
+    """Most tokens ingested from one pull, newest first; keep it at or below capacity_tokens."""
+    poll_interval_s: float = 0.05
+    """Pause of the background thread between pulls."""
+    name: str = "rollout-spec-index"
+    """Name prefix of the coordinator actors (one job, one name)."""
+    namespace: Optional[str] = None
+    """Ray namespace of the coordinator actors (None: the caller's)."""
+    num_shards: int = 1
+    """Coordinator actors; destination r is served by shard r % num_shards."""
+    router_seed: int = 0
+    """Seed of the router's ranking; must match the request router's."""
+    apply_in_thread: bool = False
+    """Ingest from the background thread (the drafter must accept a concurrent writer);
+    False stages fetched responses until the owner calls ``apply()``."""
+    lookup_timeout_s: float = 60.0
+    """How long a starting replica waits for the driver to create the coordinators."""
+
+    def __post_init__(self) -> None:
+        check_int("num_replicas", self.num_replicas, 1, 1 << 16)
+        check_int("replica_id", self.replica_id, 0, self.num_replicas - 1)
+        check_int("affinity_k", self.affinity_k, 1, 1 << 16)  # above num_replicas means all
+        check_int("ingest_budget_tokens", self.ingest_budget_tokens, 1, 1 << 40)
+        check_float("poll_interval_s", self.poll_interval_s, 0.0, 3600.0)
+        check_int("num_shards", self.num_shards, 1, 4096)
+        check_int("router_seed", self.router_seed, 0, 2**63 - 1)
+        check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0)
+        if not isinstance(self.apply_in_thread, bool):
+            raise TypeError(f"apply_in_thread must be a bool, got {self.apply_in_thread!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("name must be a non-empty str")
+
+
+class SharedIndexClient:
+    """A replica's end of the shared index: ``record`` + ``publish`` out, a puller thread in.
+
+    Args:
+        drafter: the replica's drafter (anything with ``add_sequences``).
+        config: the replica's :class:`SharedIndexConfig`.
+        start: start the background puller now (tests may drive :meth:`poll` by hand).
+
+    Raises:
+        TypeError: when the drafter has no ``add_sequences``.
+    """
+
+    def __init__(self, drafter: IngestingDrafter, config: SharedIndexConfig, start: bool = True) -> None:
+        if not callable(getattr(drafter, "add_sequences", None)):
+            raise TypeError(f"drafter {type(drafter).__name__} has no add_sequences(group_ids, sequences)")
+        self.drafter = drafter
+        self.config = config
+        self.router = GroupRouter(config.num_replicas, seed=config.router_seed)
+        self._coords = coordinator_handles(config.name, config.num_shards, config.namespace, config.lookup_timeout_s)
+        self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
+        self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
+        self._cursors = [-1] * config.num_shards  # -1: the first pull also takes our own history
+        self._inflight_publishes: list[Any] = []
+        self._poll_lock = threading.Lock()
+        self._pub_lock = threading.Lock()  # the owner appends publishes, the puller reaps them
+        self._stage_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._stats = dict.fromkeys(_COUNTERS, 0.0)
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self.start()
+
+    def record(self, group_id: Optional[int], token_ids: Sequence[int] | np.ndarray) -> None:
+        """Note one finished response generated here; groupless ones (None) are not shared."""
+        if group_id is None:
+            return
+        check_int("group_id", group_id, 0, 2**31 - 1)
+        self._recorded[0].append(int(group_id))
+        self._recorded[1].append(np.asarray(token_ids, dtype=np.int32).reshape(-1))
+
+    def publish(self, step: int) -> dict[str, float]:
+        """Send what was recorded since the last publish, as step ``step``; returns at once.
+
+        Returns the cost paid on the calling thread: ``seconds``, ``bytes``, ``tokens``, ``buckets``.
+        """
+        check_int("step", step, 0)
+        self._raise_background_error()
+        t0 = time.perf_counter()
+        groups, seqs = self._recorded
+        self._recorded = ([], [])
+        gids = np.asarray(groups, np.int64)
+        buckets = split_by_destination(gids, seqs, self.router.preferences(gids, self.config.affinity_k))
+        per_shard: dict[int, list[int]] = {}
+        for dest in buckets:
+            per_shard.setdefault(dest % self.config.num_shards, []).append(dest)
+        for shard, dests in per_shard.items():
+            ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, *(buckets[d] for d in dests))
+            with self._pub_lock:
+                self._inflight_publishes.append(ref)
+        nbytes = sum(sum(int(a.nbytes) for a in b.values()) for b in buckets.values())
+        cost = {"seconds": time.perf_counter() - t0, "bytes": nbytes,
+                "tokens": sum(len(s) for s in seqs), "buckets": len(buckets)}
+        self._add_stats(publish_s=cost["seconds"], published_bytes=nbytes, published_tokens=cost["tokens"],
+                        publishes=1)
+        return cost
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every publish has reached its coordinator (tests, shutdown)."""
+        import ray
+
+        with self._pub_lock:
+            refs, self._inflight_publishes = self._inflight_publishes, []
+        ray.get(refs, timeout=timeout_s)
+
+    def poll(self) -> int:
+        """Pull and fetch what the coordinators hold for this replica; returns sequences fetched.
+
+        The background thread calls this in a loop; call it yourself only with ``start=False``.
+        """
+        import ray
+
+        with self._poll_lock:
+            self._reap_publishes()
+            pulls = [c.pull.remote(self.config.replica_id, cur) for c, cur in zip(self._coords, self._cursors)]
+            entries: list[Entry] = []
+            for shard, (head, got) in enumerate(ray.get(pulls)):
+                first = self._cursors[shard] < 0
+                entries += [e for e in got if first or e.src != self.config.replica_id]
+                self._cursors[shard] = head
+            return self._fetch(entries)
+
+    def apply(self, max_sequences: Optional[int] = None) -> int:
+        """Ingest staged responses into the drafter on the calling thread; never waits on Ray.
+
+        Call it between decode steps or at a step boundary (with ``apply_in_thread=False``).
+        """
+        done = 0
+        while max_sequences is None or done < max_sequences:
+            with self._stage_lock:
+                if not self._staged:
+                    break
+                groups, seqs = self._staged.popleft()
+            done += self._ingest(groups, seqs)
+        return done
+
+    def start(self) -> None:
+        """Start the background puller (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rollout-spec-index-puller", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the puller; re-raise an error it hit."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._raise_background_error()
+
+    def stats(self) -> dict[str, float]:
+        """Counters: published/fetched bytes and tokens, seconds spent, entries lost, staged."""
+        self._raise_background_error()
+        with self._stage_lock:
+            out = dict(self._stats)
+            out["staged_sequences"] = float(sum(len(s) for _, s in self._staged))
+        return out
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.poll()
+                if self.config.apply_in_thread:
+                    self.apply()
+                self._stop.wait(self.config.poll_interval_s)
+        except BaseException as exc:  # surfaced on the owner's next publish/stats/close
+            self._error = exc
+
+    def _fetch(self, entries: list[Entry]) -> int:
+        import ray
+
+        t0 = time.perf_counter()
+        budget, chosen = self.config.ingest_budget_tokens, []
+        for e in sorted(entries, key=lambda e: e.seq, reverse=True):  # newest first under budget
+            if e.tokens > budget:
+                continue
+            budget -= e.tokens
+            chosen.append(e)
+        chosen.reverse()
+        fetched = lost = nbytes = ntok = 0
+        for e in chosen:
+            try:
+                bucket = ray.get(e.ref[0])
+            except ray.exceptions.RayError:  # object lost with its node: counted, not hidden
+                lost += 1
+                continue
+            groups, seqs = unpack(bucket)
+            with self._stage_lock:
+                self._staged.append((groups, seqs))
+            fetched, nbytes, ntok = fetched + len(seqs), nbytes + e.nbytes, ntok + e.tokens
+        self._add_stats(fetch_s=time.perf_counter() - t0, fetched_bytes=nbytes, fetched_tokens=ntok,
+                        entries_fetched=len(chosen) - lost, entries_lost=lost,
+                        entries_over_budget=len(entries) - len(chosen))
+        return fetched
+
+    def _ingest(self, groups: list[Optional[int]], seqs: list[list[int]]) -> int:
+        t0 = time.perf_counter()
+        self.drafter.add_sequences(groups, seqs)
+        self._add_stats(apply_s=time.perf_counter() - t0, sequences_applied=len(seqs))
+        return len(seqs)
+
+    def _reap_publishes(self) -> None:
+        import ray
+
+        with self._pub_lock:
+            if not self._inflight_publishes:
+                return
+            done, self._inflight_publishes = ray.wait(
+                self._inflight_publishes, num_returns=len(self._inflight_publishes), timeout=0
+            )
+        ray.get(done)  # raises a coordinator-side error instead of dropping it
+
+    def _add_stats(self, **kw: float) -> None:
+        with self._stage_lock:
+            for k, v in kw.items():
+                self._stats[k] += v
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("shared-index puller thread failed") from self._error
+
+
+_COUNTERS = (
+    "publishes", "publish_s", "published_bytes", "published_tokens", "fetch_s", "fetched_bytes",
+    "fetched_tokens", "entries_fetched", "entries_lost", "entries_over_budget", "apply_s",
+    "sequences_applied",
+)

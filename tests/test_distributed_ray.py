@@ -1,0 +1,178 @@
+"""The shared index on a local Ray cluster: replica actors in separate worker processes, the real
+NgramDrafter in each, publications through the object store and the coordinator actor."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the shared index needs Ray: pip install 'rollout-spec[ray]'")
+
+from rollout_spec.config import SpecConfig  # noqa: E402
+from rollout_spec.distributed import (  # noqa: E402
+    GroupRouter,
+    SharedIndexClient,
+    SharedIndexConfig,
+    create_coordinators,
+    destroy_coordinators,
+)
+from rollout_spec.drafter import NgramDrafter  # noqa: E402
+
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster; worker processes import this module, so they get tests/ on their path."""
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Replica:
+    """A rollout replica reduced to what the index sees: its drafter and its shared-index client."""
+
+    def __init__(self, replica_id: int, num_replicas: int, name: str, affinity_k: int, in_thread: bool) -> None:
+        self.drafter = NgramDrafter(SpecConfig(num_draft_tokens=8, history_steps=4))
+        cfg = SharedIndexConfig(replica_id=replica_id, num_replicas=num_replicas, affinity_k=affinity_k,
+                                name=name, poll_interval_s=0.02, apply_in_thread=in_thread)
+        self.client = SharedIndexClient(self.drafter, cfg)
+        self.next_req = 0
+
+    def generate(self, group_id: int, responses: list[list[int]]) -> None:
+        """Stand-in for a rollout: the drafter sees the samples as the engine would feed them."""
+        for resp in responses:
+            req = self._req()
+            self.drafter.start(req, PROMPT, group_id)
+            self.drafter.extend(req, resp)
+            self.drafter.finish(req)
+            self.client.record(group_id, resp)
+
+    def end_step(self, step: int) -> dict:
+        cost = self.client.publish(step)
+        self.client.flush()
+        self.drafter.end_step()
+        return cost
+
+    def wait_applied(self, count: int, timeout_s: float = 30.0) -> dict:
+        """Apply staged responses between 'decode steps' until ``count`` were ingested."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.client.apply()
+            stats = self.client.stats()
+            if stats["sequences_applied"] >= count:
+                return stats
+            time.sleep(0.02)
+        raise TimeoutError(f"ingested {self.client.stats()['sequences_applied']} of {count} sequences")
+
+    def propose(self, group_id: int, context: list[int]) -> list[int]:
+        req = self._req()
+        self.drafter.start(req, PROMPT, group_id)
+        self.drafter.extend(req, context)
+        draft = self.drafter.propose([req])
+        self.drafter.finish(req)
+        return draft.tokens[draft.parents == np.arange(-1, len(draft.parents) - 1)].tolist()  # main chain
+
+    def end_drafter_step(self) -> None:
+        self.drafter.end_step()
+
+    def stats(self) -> dict:
+        return self.client.stats()
+
+    def _req(self) -> int:
+        self.next_req += 1
+        return self.next_req
+
+
+def _coordinator() -> str:
+    """A fresh coordinator, created by the driver as a real job's trainer would."""
+    name = f"idx-{uuid.uuid4().hex[:8]}"
+    create_coordinators(name, num_shards=1, retain_steps=4)
+    return name
+
+
+def _group_preferring(prefs: list[int], num_replicas: int) -> int:
+    """A group id whose router ranking starts with ``prefs``."""
+    router = GroupRouter(num_replicas)
+    for gid in range(10_000):
+        if router.preferences([gid], len(prefs))[0].tolist() == prefs:
+            return gid
+    raise AssertionError(f"no group prefers {prefs}")
+
+
+def _responses(seed: int, count: int = 4, length: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)  # distinct token ids: a proposal can only come from these
+    return [rng.choice(np.arange(1000, 30000), size=length, replace=False).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("in_thread", [False, True], ids=["owner-applies", "thread-applies"])
+def test_siblings_from_another_replica_are_proposed_after_a_step(ray_cluster, in_thread: bool) -> None:
+    name = _coordinator()
+    reps = [Replica.remote(i, 3, name, 1, in_thread) for i in range(3)]
+    gid = _group_preferring([1], 3)  # the router sends this group to replica 1 ...
+    responses = _responses(seed=7)
+    ray.get(reps[0].generate.remote(gid, responses))  # ... but a non-sticky framework ran it on 0
+    assert ray.get(reps[1].propose.remote(gid, responses[2][:6])) == []  # before the step: nothing
+    cost = ray.get(reps[0].end_step.remote(0))
+    assert cost["tokens"] == 4 * 40 and cost["buckets"] == 1
+    stats = ray.get(reps[1].wait_applied.remote(4))
+    assert stats["fetched_tokens"] == 160 and stats["entries_lost"] == 0
+    assert ray.get(reps[1].propose.remote(gid, responses[2][:6])) == responses[2][6:14]
+    ray.get(reps[1].end_drafter_step.remote())  # next RL step: the siblings are now group history
+    assert ray.get(reps[1].propose.remote(gid, responses[3][10:16])) == responses[3][16:24]
+    # replica 2 is not among the group's affinity_k=1 choices: it fetched nothing
+    assert ray.get(reps[2].stats.remote())["fetched_tokens"] == 0
+    assert ray.get(reps[2].propose.remote(gid, responses[2][:6])) == []
+    for r in reps:
+        ray.kill(r)
+    destroy_coordinators(name, 1)
+
+
+def test_killed_replica_recovers_its_and_others_publications(ray_cluster) -> None:
+    name = _coordinator()
+    reps = [Replica.remote(i, 3, name, 2, False) for i in range(3)]
+    own = _group_preferring([1, 2], 3)  # replica 1 serves it, replica 2 keeps a copy
+    other = _group_preferring([2, 1], 3)
+    own_resp, other_resp = _responses(seed=1), _responses(seed=2)
+    ray.get(reps[1].generate.remote(own, own_resp))
+    ray.get(reps[2].generate.remote(other, other_resp))
+    ray.get([reps[1].end_step.remote(0), reps[2].end_step.remote(0)])
+    ray.get(reps[1].wait_applied.remote(4))  # the copy of `other` reached replica 1 before it died
+    ray.kill(reps[1])  # its process, drafter and in-memory index are gone
+    reborn = Replica.remote(1, 3, name, 2, False)
+    assert ray.get(reborn.propose.remote(own, own_resp[0][:6])) == []  # fresh drafter
+    stats = ray.get(reborn.wait_applied.remote(8))  # catch-up: its own last step + the copy of `other`
+    assert stats["entries_lost"] == 0 and stats["fetched_tokens"] == 8 * 40
+    assert ray.get(reborn.propose.remote(own, own_resp[1][:6])) == own_resp[1][6:14]
+    assert ray.get(reborn.propose.remote(other, other_resp[3][:6])) == other_resp[3][6:14]
+    # after catching up it ingests only others' new publications, not its own again
+    ray.get(reborn.generate.remote(own, _responses(seed=3)))
+    ray.get(reborn.end_step.remote(1))
+    time.sleep(0.2)
+    assert ray.get(reborn.stats.remote())["fetched_tokens"] == 8 * 40
+    for r in (reps[0], reps[2], reborn):
+        ray.kill(r)
+    destroy_coordinators(name, 1)
+
+
+def test_config_and_client_validate_inputs() -> None:
+    with pytest.raises(ValueError, match="replica_id"):
+        SharedIndexConfig(replica_id=3, num_replicas=3)
+    with pytest.raises(ValueError, match="affinity_k"):
+        SharedIndexConfig(replica_id=0, num_replicas=2, affinity_k=0)
+    with pytest.raises(TypeError, match="add_sequences"):
+        SharedIndexClient(object(), SharedIndexConfig(replica_id=0, num_replicas=1), start=False)
+
+
+def test_missing_coordinator_is_a_clear_error(ray_cluster) -> None:
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=1, name="never-created", lookup_timeout_s=0.0)
+    with pytest.raises(LookupError, match="create_coordinators"):
+        SharedIndexClient(NgramDrafter(), cfg, start=False)
