@@ -127,7 +127,7 @@ def test_best_chain_follows_first_children_and_stops_at_the_cap():
 def test_group_ids_are_stable_and_explicit_ones_are_checked():
     assert prompt_group_id([1, 2, 3]) == prompt_group_id(np.array([1, 2, 3], np.int32))
     assert prompt_group_id([1, 2, 3]) != prompt_group_id([1, 2, 4])
-    assert 0 <= prompt_group_id([7]) < 2**63
+    assert 0 <= prompt_group_id([7]) < 2**31
     assert explicit_group_id(42) == 42
     assert explicit_group_id("prompt-17") == explicit_group_id("prompt-17")
     with pytest.raises(TypeError, match="rollout_spec_group"):
@@ -231,3 +231,16 @@ def test_entry_point_is_installed():
     from rollout_spec.integrations.vllm.plugin import register
 
     assert ours[0].load() is register
+
+
+def test_real_drafter_drafts_a_siblings_continuation():
+    from rollout_spec.drafter import NgramDrafter
+
+    prop = RolloutSpecProposer(vllm_config(SpecConfig(num_draft_tokens=4), k=4))
+    assert isinstance(prop.drafter, NgramDrafter)
+    prompt, answer = [101, 102, 103, 104, 105, 106], [7, 8, 9, 10, 11, 12, 13, 14]
+    for t in range(len(answer)):  # sibling "0_p" writes its answer while "1_p" is prefilling
+        runner = FakeRunner([("0_p", prompt, answer[: t + 1])])
+        prop.propose_for_runner(runner, sched(), [[answer[t]]])
+    runner = FakeRunner([("1_p", prompt, answer[:2])])
+    assert prop.propose_for_runner(runner, sched(finished={"0_p"}), [answer[:2]]) == [answer[2:6]]

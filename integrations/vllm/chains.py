@@ -13,7 +13,7 @@ import numpy as np
 from rollout_spec.config import check_int
 from rollout_spec.tree import DraftBatch
 
-_GROUP_ID_MAX = 2**63 - 1
+_GROUP_ID_MAX = 2**31 - 1  # the drafter's group ids are int32; a collision only merges two groups
 
 
 def best_chain(parents: np.ndarray, tokens: np.ndarray, max_len: int) -> list[int]:
@@ -47,12 +47,12 @@ def best_chains(batch: DraftBatch, max_lens: Sequence[int]) -> list[list[int]]:
 
 
 def prompt_group_id(prompt_ids: np.ndarray | Sequence[int]) -> int:
-    """A stable 63-bit id for a prompt: identical token ids give the same id in every process
+    """A stable 31-bit id for a prompt: identical token ids give the same id in every process
     and RL step, so the n samples of a prompt (sent by OpenRLHF as n separate requests with
     random ids) and the prompt's later revisits share one group."""
     data = np.ascontiguousarray(np.asarray(prompt_ids, dtype=np.int32)).tobytes()
     digest = hashlib.blake2b(data, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _GROUP_ID_MAX
+    return int.from_bytes(digest, "little") % (_GROUP_ID_MAX + 1)
 
 
 def explicit_group_id(value: Any) -> int:
@@ -64,5 +64,5 @@ def explicit_group_id(value: Any) -> int:
     """
     if isinstance(value, str):
         digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") & _GROUP_ID_MAX
+        return int.from_bytes(digest, "little") % (_GROUP_ID_MAX + 1)
     return check_int("extra_args['rollout_spec_group']", value, 0, _GROUP_ID_MAX)
