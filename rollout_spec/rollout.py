@@ -53,7 +53,7 @@ class RolloutOutput:
 def prompt_group_id(prompt: Seq[int]) -> int:
     """A stable id of a prompt's content, so the same prompt shares its group across RL steps."""
     digest = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    return int.from_bytes(digest, "little") & ((1 << 31) - 1)  # the drafter takes int32 ids
 
 
 class RolloutSession:

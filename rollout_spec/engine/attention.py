@@ -59,8 +59,6 @@ def tree_attention(
     k = k_cache[slot_ids, :, :kv_len]  # [B, Hkv, L, D]
     v = v_cache[slot_ids, :, :kv_len]
     mask = tree_visibility(ctx_lens, tree_mask, kv_len)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )

@@ -41,7 +41,8 @@ class RolloutEngine:
             interface (start_batch/extend_batch/propose/finish_batch/end_step/stats), or None to
             decode without speculation.
         num_slots: KV slots, i.e. the most requests running at once.
-        max_model_len: the most tokens (prompt + output) of one request.
+        max_model_len: the most tokens (prompt + output) of one request; default
+            ``min(2048, max_position_embeddings)``.
         max_prefill_tokens: bound on the padded tokens of one prefill forward.
         draft_budget: per-step budget callable (see ``DraftBudget``); default
             ``spec.num_draft_tokens`` per request.
@@ -55,7 +56,7 @@ class RolloutEngine:
         spec: Any = None,
         *,
         num_slots: int = 64,
-        max_model_len: int = 2048,
+        max_model_len: Optional[int] = None,
         max_prefill_tokens: int = 16384,
         draft_budget: Optional[DraftBudget] = None,
         eos_token_ids: Seq[int] = (),
@@ -64,6 +65,7 @@ class RolloutEngine:
         self.model, self.tokenizer = model, tokenizer
         self.num_slots = check_int("num_slots", num_slots, 1, 1 << 20)
         limit = model.config.max_position_embeddings
+        max_model_len = min(2048, limit) if max_model_len is None else max_model_len
         self.max_model_len = check_int("max_model_len", max_model_len, 2, limit)
         self.max_prefill_tokens = check_int("max_prefill_tokens", max_prefill_tokens, 1, 1 << 30)
         self.max_draft_tokens = check_int("max_draft_tokens", max_draft_tokens, 0, 1024)
@@ -95,7 +97,6 @@ class RolloutEngine:
         model, hf_config, tokenizer = load_pretrained(name_or_path, dev, dtype)
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        kwargs.setdefault("max_model_len", min(2048, model.config.max_position_embeddings))
         return cls(model, tokenizer, spec, eos_token_ids=eos_ids, **kwargs)
 
     @property

@@ -1,0 +1,297 @@
+"""The engine's outputs against plain decoding and transformers, with adversarial drafters.
+
+Tiny random Llama and Qwen3 models in fp32 on the CPU. Speculation must never change greedy
+output, whatever the drafter proposes; sampling must reproduce from a seed; logprobs must equal a
+teacher-forced recomputation. ``ROLLOUT_SPEC_TEST_DEVICE=cuda`` runs the same tests on a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_spec import SamplingParams, SpecConfig
+from rollout_spec.engine import RolloutEngine
+from rollout_spec.engine.weights import build_model
+from rollout_spec.tree import DraftBatch
+
+transformers = pytest.importorskip("transformers")
+
+DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
+VOCAB = 101
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    initializer_range=0.3,  # peaked logits: greedy ties are rare, so equality is meaningful
+)
+
+
+class ScriptedDrafter:
+    """Test drafter: proposes trees built from each request's true continuation (if known).
+
+    ``mode`` picks the adversary: "random" (random tokens in random wide/deep trees), "oracle"
+    (the true continuation as a chain, with random siblings), "corrupt" (the true continuation
+    with a wrong token in the middle, the right one as a later sibling).
+    """
+
+    def __init__(self, mode: str, truth: dict[tuple[int, ...], list[int]] | None = None, seed: int = 0):
+        self.mode, self.truth = mode, truth or {}
+        self.rng = np.random.default_rng(seed)
+        self.ctx: dict[int, list[int]] = {}
+        self.prompt_len: dict[int, int] = {}
+        self.steps = 0
+
+    def start_batch(self, req_ids, prompts, group_ids) -> None:
+        for r, p in zip(req_ids, prompts):
+            self.ctx[r], self.prompt_len[r] = list(p), len(p)
+
+    def extend_batch(self, req_ids, token_lists) -> None:
+        for r, toks in zip(req_ids, token_lists):
+            self.ctx[r].extend(int(t) for t in toks)
+
+    def finish_batch(self, req_ids) -> None:
+        for r in req_ids:
+            del self.ctx[r]
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def stats(self) -> dict:
+        return {"steps": self.steps}
+
+    def propose(self, req_ids, budgets) -> DraftBatch:
+        return DraftBatch.from_lists([self._tree(r, int(b)) for r, b in zip(req_ids, budgets)])
+
+    def _future(self, r: int) -> list[int]:
+        prompt = tuple(self.ctx[r][: self.prompt_len[r]])
+        done = len(self.ctx[r]) - self.prompt_len[r]
+        return self.truth.get(prompt, [])[done:]
+
+    def _tree(self, r: int, budget: int) -> list[tuple[int, int]]:
+        if budget == 0:
+            return []
+        rand = lambda: int(self.rng.integers(VOCAB))  # noqa: E731
+        if self.mode == "random" or not self._future(r):
+            nodes: list[tuple[int, int]] = []
+            for i in range(int(self.rng.integers(1, budget + 1))):
+                nodes.append((rand(), int(self.rng.integers(-1, i))))  # any earlier node or root
+            return nodes
+        future = self._future(r)
+        chain = future[: max(1, budget // 2)]
+        if self.mode == "corrupt" and len(chain) > 2:
+            chain = chain[:]
+            chain[len(chain) // 2] = (chain[len(chain) // 2] + 1) % VOCAB
+        nodes = [(t, i - 1) for i, t in enumerate(chain)]
+        while len(nodes) < budget:  # siblings and cousins hanging off the chain
+            parent = int(self.rng.integers(-1, len(chain)))
+            truth_next = future[parent + 1] if parent + 1 < len(future) else rand()
+            nodes.append((truth_next if self.mode == "corrupt" else rand(), parent))
+        return nodes
+
+
+def tiny_pair(kind: str, seed: int = 0):
+    """A random transformers model and ours with the same weights."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY)
+    else:
+        cfg = transformers.Qwen3Config(**TINY, head_dim=16)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    return ref, build_model(cfg, state, DEVICE, dtype)
+
+
+def mixed_prompts(count: int, seed: int = 1) -> list[list[int]]:
+    """Prompts of lengths 1 .. ~60, some sharing prefixes."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, int(rng.integers(1, 60))).tolist() for _ in range(count)]
+    if count > 3:
+        prompts[3] = prompts[2] + [5, 6]  # a shared prefix
+    return prompts
+
+
+def engine(model, spec=None, **kw) -> RolloutEngine:
+    kw.setdefault("num_slots", 8)
+    kw.setdefault("max_model_len", 256)
+    return RolloutEngine(model, None, spec, **kw)
+
+
+def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                       eos_token_id=None, pad_token_id=VOCAB - 1)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def pair(request):
+    return tiny_pair(request.param)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="exact equality is checked in fp32 on the CPU")
+def test_greedy_speculation_is_token_identical(pair) -> None:
+    """>= 20 mixed-length prompts, 8 slots (slots reused): every drafter gives plain's output."""
+    ref, model = pair
+    prompts = mixed_prompts(22)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24)
+    plain = [o.token_ids for o in engine(model).generate(prompts, params)]
+    for p, toks in zip(prompts[:6], plain):
+        assert toks == hf_greedy(ref, p, 24)
+    truth = {tuple(p): t for p, t in zip(prompts, plain)}
+    for mode in ("oracle", "corrupt", "random"):
+        outs = engine(model, ScriptedDrafter(mode, truth), draft_budget=lambda b: 10).generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain, mode
+        assert all(o.finish_reason == "length" and o.num_draft_tokens > 0 for o in outs)
+        accepted = sum(o.num_accepted_tokens for o in outs)
+        steps = sum(o.num_verify_steps for o in outs)
+        if mode == "oracle":
+            assert steps < 22 * 24 / 2  # speculation really cut the forwards
+        if mode != "random":
+            assert accepted > 0
+
+
+def test_tpf_is_one_without_speculation(pair) -> None:
+    _, model = pair
+    outs = engine(model).generate(mixed_prompts(4), SamplingParams(temperature=0.0, max_new_tokens=9))
+    assert all(o.num_verify_steps == 9 and o.num_draft_tokens == 0 for o in outs)
+
+
+def test_seeded_sampling_reproduces(pair) -> None:
+    _, model = pair
+    prompts = mixed_prompts(6, seed=3)
+    params = SamplingParams(n=3, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=16, seed=7)
+    for spec in (None, ScriptedDrafter("random", seed=2)):
+        a = engine(model, spec).generate(prompts, params)
+        spec = ScriptedDrafter("random", seed=2) if spec is not None else None
+        b = engine(model, spec).generate(prompts, params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    other = engine(model).generate(prompts, SamplingParams(**{**params.__dict__, "seed": 8}))
+    assert [o.token_ids for o in other] != [o.token_ids for o in a]
+    samples = [o.token_ids for o in a if o.prompt_index == 0]
+    assert len({tuple(s) for s in samples}) > 1  # the n samples of a prompt differ
+
+
+def reference_logprobs(ref, prompt: list[int], out: list[int], temperature: float, top_k: int) -> torch.Tensor:
+    """Teacher-forced logprobs of ``out`` under temperature + top-k (plain torch, no speculation)."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].double()
+    if temperature == 0:
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None])[:, 0]
+    scores = logits / temperature
+    kth = scores.topk(top_k, dim=-1).values[:, -1:]
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    return torch.log_softmax(scores, -1).gather(1, torch.tensor(out)[:, None])[:, 0]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="compared in fp32")
+@pytest.mark.parametrize("temperature,top_k", [(0.0, -1), (0.7, 12)])
+def test_logprobs_equal_teacher_forced_recomputation(pair, temperature: float, top_k: int) -> None:
+    ref, model = pair
+    prompts = mixed_prompts(5, seed=4)
+    params = SamplingParams(n=2, temperature=temperature, top_k=top_k, max_new_tokens=20, seed=1)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, engine(model).generate(prompts, params))}
+    outs = engine(model, ScriptedDrafter("corrupt", truth), draft_budget=lambda b: 8).generate(prompts, params)
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    for o in outs:
+        want = reference_logprobs(ref, prompts[o.prompt_index], o.token_ids, temperature, top_k)
+        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), want, rtol=0, atol=2e-4)
+
+
+def test_n_samples_share_one_prefill(pair) -> None:
+    _, model = pair
+    prompts = mixed_prompts(3, seed=5)
+    eng = engine(model, ScriptedDrafter("random"), num_slots=12)
+    outs = eng.generate(prompts, SamplingParams(n=4, temperature=0.0, max_new_tokens=6))
+    assert eng.prefill_tokens == sum(len(p) for p in prompts)  # once per prompt, not per sample
+    assert len(outs) == 12 and [(o.prompt_index, o.sample_index) for o in outs][:5] == [
+        (0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    for p in range(3):  # greedy samples of one prompt are identical, whichever slot they ran in
+        assert len({tuple(o.token_ids) for o in outs if o.prompt_index == p}) == 1
+    # Fewer slots than samples: groups split over several prefills, output unchanged.
+    small = engine(model, num_slots=3)
+    again = small.generate(prompts, SamplingParams(n=4, temperature=0.0, max_new_tokens=6))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert small.prefill_tokens > sum(len(p) for p in prompts)
+
+
+def test_stop_tokens_and_max_new_tokens(pair) -> None:
+    _, model = pair
+    prompts = mixed_prompts(6, seed=6)
+    plain = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=30))
+    stop = plain[0].token_ids[7]
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[stop])
+    for spec in (None, ScriptedDrafter("oracle", truth)):
+        for p, o, base in zip(prompts, engine(model, spec, draft_budget=lambda b: 12).generate(prompts, params), plain):
+            cut = base.token_ids.index(stop) + 1 if stop in base.token_ids else 30
+            assert o.token_ids == base.token_ids[:cut]
+            assert o.finish_reason == ("stop" if stop in base.token_ids else "length")
+            assert len(o.logprobs) == len(o.token_ids)
+    for max_new in (1, 5):  # long oracle drafts never push past max_new_tokens
+        outs = engine(model, ScriptedDrafter("oracle", truth)).generate(
+            prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+        assert [o.token_ids for o in outs] == [o.token_ids[:max_new] for o in plain]
+
+
+def test_context_limit_finishes_with_length(pair) -> None:
+    _, model = pair
+    eng = engine(model, ScriptedDrafter("random"), max_model_len=40)
+    outs = eng.generate([list(range(30)), [1, 2]], SamplingParams(temperature=0.0, max_new_tokens=100))
+    assert [len(o.token_ids) for o in outs] == [10, 38]
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_bad_prompts_error_and_the_rest_finish(pair) -> None:
+    _, model = pair
+    good = mixed_prompts(3, seed=8)
+    prompts = [good[0], [], list(range(70)) * 4, good[1], [VOCAB + 5], good[2]]
+    outs = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=5))
+    reasons = [o.finish_reason for o in outs]
+    assert reasons == ["length", "error", "error", "length", "error", "length"]
+    assert "empty prompt" in outs[1].error and "max_model_len=256" in outs[2].error
+    assert "[0, 101)" in outs[4].error
+    ref_outs = engine(model).generate(good, SamplingParams(temperature=0.0, max_new_tokens=5))
+    assert [outs[i].token_ids for i in (0, 3, 5)] == [o.token_ids for o in ref_outs]
+
+
+def test_unknown_model_and_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="model must be one of"):
+        RolloutEngine.from_pretrained("no-such-model", device="cpu", spec=None)
+    _, model = tiny_pair("llama")
+    with pytest.raises(ValueError, match="num_slots"):
+        RolloutEngine(model, None, None, num_slots=0)
+    with pytest.raises(TypeError, match="lacks"):
+        RolloutEngine(model, None, object())
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine(model).generate(["hello"], SamplingParams())
+
+
+def test_drafter_over_budget_is_rejected() -> None:
+    _, model = tiny_pair("llama")
+
+    class Greedy(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            return DraftBatch.from_lists([[(1, -1)] * (int(b) + 1) for b in budgets])
+
+    with pytest.raises(ValueError, match="budgets"):
+        engine(model, Greedy("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+
+def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
+    """The real drafter through SpecConfig; repeated prompts share a group and get accepted drafts."""
+    _, model = pair
+    prompts = [[7, 8, 9, 10] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=24)
+    plain = engine(model).generate(prompts, params)
+    eng = engine(model, SpecConfig(num_draft_tokens=6))
+    first = eng.generate(prompts, params)
+    eng.end_step()
+    second = eng.generate(prompts, params)
+    for outs in (first, second):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    # The second RL step sees the first step's responses to the same prompts in its group scope.
+    assert sum(o.num_accepted_tokens for o in second) > sum(o.num_accepted_tokens for o in first) >= 0
+    assert sum(o.num_verify_steps for o in second) < sum(o.num_verify_steps for o in plain)
