@@ -73,6 +73,13 @@ class Replica:
             time.sleep(0.02)
         raise TimeoutError(f"ingested {self.client.stats()['sequences_applied']} of {count} sequences")
 
+    def apply_staged(self, max_sequences: int, timeout_s: float = 30.0) -> int:
+        """Wait until at least ``max_sequences`` are staged, then apply that many."""
+        deadline = time.monotonic() + timeout_s
+        while self.client.stats()["staged_sequences"] < max_sequences and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.client.apply(max_sequences)
+
     def propose(self, group_id: int, context: list[int]) -> list[int]:
         req = self._req()
         self.drafter.start(req, PROMPT, group_id)
@@ -149,6 +156,7 @@ def test_killed_replica_recovers_its_and_others_publications(ray_cluster) -> Non
     ray.kill(reps[1])  # its process, drafter and in-memory index are gone
     reborn = Replica.remote(1, 3, name, 2, False)
     assert ray.get(reborn.propose.remote(own, own_resp[0][:6])) == []  # fresh drafter
+    assert ray.get(reborn.apply_staged.remote(1)) == 1  # the owner applies in small installments
     stats = ray.get(reborn.wait_applied.remote(8))  # catch-up: its own last step + the copy of `other`
     assert stats["entries_lost"] == 0 and stats["fetched_tokens"] == 8 * 40
     assert ray.get(reborn.propose.remote(own, own_resp[1][:6])) == own_resp[1][6:14]

@@ -53,9 +53,12 @@ class SharedIndexConfig:
     """Coordinator actors; destination r is served by shard r % num_shards."""
     router_seed: int = 0
     """Seed of the router's ranking; must match the request router's."""
-    apply_in_thread: bool = False
-    """Ingest from the background thread (the drafter must accept a concurrent writer);
-    False stages fetched responses until the owner calls ``apply()``."""
+    apply_in_thread: bool = True
+    """Ingest from the background thread (NgramDrafter serialises calls with a mutex and
+    releases the GIL); False stages fetched responses until the owner calls ``apply()``."""
+    apply_chunk_sequences: int = 16
+    """Sequences per ``add_sequences`` call, so a concurrent ``propose`` waits for at most one
+    small chunk (the drafter indexes a few microseconds per token)."""
     lookup_timeout_s: float = 60.0
     """How long a starting replica waits for the driver to create the coordinators."""
 
@@ -68,6 +71,7 @@ class SharedIndexConfig:
         check_int("num_shards", self.num_shards, 1, 4096)
         check_int("router_seed", self.router_seed, 0, 2**63 - 1)
         check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0)
+        check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20)
         if not isinstance(self.apply_in_thread, bool):
             raise TypeError(f"apply_in_thread must be a bool, got {self.apply_in_thread!r}")
         if not isinstance(self.name, str) or not self.name:
@@ -171,12 +175,16 @@ class SharedIndexClient:
 
         Call it between decode steps or at a step boundary (with ``apply_in_thread=False``).
         """
-        done = 0
+        done, chunk = 0, self.config.apply_chunk_sequences
         while max_sequences is None or done < max_sequences:
+            take = chunk if max_sequences is None else min(chunk, max_sequences - done)
             with self._stage_lock:
                 if not self._staged:
                     break
                 groups, seqs = self._staged.popleft()
+                if len(seqs) > take:  # put the rest back in front: order is kept
+                    self._staged.appendleft((groups[take:], seqs[take:]))
+                    groups, seqs = groups[:take], seqs[:take]
             done += self._ingest(groups, seqs)
         return done
 
@@ -241,7 +249,10 @@ class SharedIndexClient:
     def _ingest(self, groups: list[Optional[int]], seqs: list[list[int]]) -> int:
         t0 = time.perf_counter()
         self.drafter.add_sequences(groups, seqs)
-        self._add_stats(apply_s=time.perf_counter() - t0, sequences_applied=len(seqs))
+        took = time.perf_counter() - t0
+        self._add_stats(apply_s=took, sequences_applied=len(seqs))
+        with self._stage_lock:  # the longest the drafter's mutex was held by one ingest call
+            self._stats["apply_max_s"] = max(self._stats["apply_max_s"], took)
         return len(seqs)
 
     def _reap_publishes(self) -> None:
@@ -268,5 +279,5 @@ class SharedIndexClient:
 _COUNTERS = (
     "publishes", "publish_s", "published_bytes", "published_tokens", "fetch_s", "fetched_bytes",
     "fetched_tokens", "entries_fetched", "entries_lost", "entries_over_budget", "apply_s",
-    "sequences_applied",
+    "apply_max_s", "sequences_applied",
 )
