@@ -54,7 +54,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--format-bonus", type=float, default=0.1,
                    help="reward added when the reply states a final answer ('#### ...')")
+    p.add_argument("--max-batch", type=int, default=256, help="most requests decoded at once")
     p.add_argument("--no-baseline", action="store_true", help="skip the speculation-off pass")
+    p.set_defaults(fresh_prompts=False)  # the same prompt pool every step, as in epochs
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -62,20 +64,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace) -> tuple[Any, Optional[Any], torch.nn.Module]:
     """The speculative engine, a plain engine on the same weights, and the trainable policy."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from rollout_spec.cli import engine_sizes
     from rollout_spec.engine import RolloutEngine
     from rollout_spec.engine.weights import resolve_model_dir
 
+    model_dir = str(resolve_model_dir(args.model))
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    sizes = engine_sizes(args, AutoTokenizer.from_pretrained(model_dir), limit)
     # fp32 on every device: the engine's weights are copied from the policy after each update.
-    engine = RolloutEngine.from_pretrained(args.model, device=args.device, dtype=torch.float32,
-                                           spec=SpecConfig(num_draft_tokens=args.draft_tokens))
+    engine = RolloutEngine.from_pretrained(model_dir, device=args.device, dtype=torch.float32,
+                                           spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
     engine.drafter = DrafterTimer(engine.drafter)
     base = None if args.no_baseline else RolloutEngine(
-        engine.model, engine.tokenizer, None, eos_token_ids=engine.eos_token_ids,
-        max_model_len=engine.max_model_len)
-    policy = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(args.model)),
-                                                  dtype=torch.float32).to(engine.device)
+        engine.model, engine.tokenizer, None, eos_token_ids=engine.eos_token_ids, **sizes)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device)
     return engine, base, policy
 
 

@@ -92,6 +92,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_int_arg("seed", 0, 2**62), default=0)
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every step (default: the same pool each step, like epochs)")
+    p.add_argument("--max-batch", type=_int_arg("max_batch", 1, 1 << 16), default=256,
+                   help="most requests decoded at once (KV slots); default min(prompts x n, 256)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the speculation-off pass (no speedup figure)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
@@ -141,14 +143,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_replay(args)
 
 
+def replay_drafters(budget: int, widest_step: int) -> dict[str, Callable[[], Any]]:
+    """Makers of the drafters compared on a trace: ours and the peers that are installed."""
+    from rollout_spec import replay as rp
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.drafter import NgramDrafter
+
+    # Every live request drafts in every lock-step iteration, so the batch cap must fit them all.
+    config = SpecConfig(num_draft_tokens=budget,
+                        max_batch_draft_tokens=min(max(budget * widest_step, 1), 1 << 24))
+    makers: dict[str, Callable[[], Any]] = {
+        "rollout-spec": lambda: NgramDrafter(config),
+        "prompt-lookup": rp.PromptLookupDrafter,
+    }
+    if rp.arctic_available():
+        makers["arctic suffix (chain)"] = rp.ArcticDrafter
+    return makers
+
+
 def run_replay(args: argparse.Namespace) -> int:
-    """``rollout-spec replay``: the lock-step drafter comparison of ``rollout_spec.replay``."""
-    from rollout_spec import replay
+    """``rollout-spec replay``: every drafter replays the trace lock-step; TPF per step, cost."""
+    from rich.console import Console
+    from rich.table import Table
 
-    replay.main([str(args.trace), "--draft-tokens", str(args.draft_tokens)]
-                + ([] if args.max_steps is None else ["--max-steps", str(args.max_steps)]))
+    from rollout_spec import replay as rp
+
+    trace = rp.load_trace(args.trace)
+    steps = list(range(len(trace.steps) if args.max_steps is None
+                       else min(args.max_steps, len(trace.steps))))
+    widest = max((len(trace.steps[s]) for s in steps), default=1)
+    table = Table(title=f"{args.trace.name}: lock-step replay, draft budget {args.draft_tokens}",
+                  title_justify="left")
+    table.add_column("drafter")
+    for s in steps:
+        table.add_column(f"TPF step {s}", justify="right")
+    for name in ("accept", "us/req-iter"):
+        table.add_column(name, justify="right")
+    for name, make in replay_drafters(args.draft_tokens, widest).items():
+        results = rp.replay(make(), trace, budget=args.draft_tokens, steps=steps)
+        drafted = sum(r.drafted for r in results)
+        cost = 1e6 * sum(r.drafter_seconds for r in results) / max(sum(r.request_iterations for r in results), 1)
+        table.add_row(name, *[f"{r.tpf:.2f}" for r in results],
+                      f"{sum(r.accepted for r in results) / drafted:.1%}" if drafted else "-", f"{cost:.1f}")
+    Console().print(table)
     return 0
-
 
 
 @dataclass
@@ -159,22 +197,42 @@ class Engines:
     base: Optional[Any]
 
 
+def engine_sizes(args: argparse.Namespace, tokenizer: Any, model_limit: int) -> dict[str, int]:
+    """KV slots and context length sized to this run, not the engine's generous defaults.
+
+    The static cache holds ``num_slots x max_model_len`` tokens per engine; sizing it to
+    P x n requests of (longest prompt + max_new_tokens) keeps the CPU default in a few GB.
+    """
+    from rollout_spec.workloads import Workload
+
+    workload = Workload(args.task, tokenizer, args.prompts, seed=args.seed,
+                        fresh_each_step=args.fresh_prompts, max_steps=args.steps)
+    longest = max(len(p.prompt_ids) for p in workload.prompts)
+    return {"num_slots": min(args.prompts * args.n, args.max_batch),
+            "max_model_len": min(longest + args.max_new_tokens + 1, model_limit)}
+
+
 def open_engines(args: argparse.Namespace) -> Engines:
     """The speculative engine and, unless ``--no-baseline``, a plain engine on the same model.
 
     Both engines wrap one ``Transformer`` (weights loaded once); only the drafter differs, so the
     speedup compares speculation against nothing else.
     """
+    from transformers import AutoConfig, AutoTokenizer
+
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine import RolloutEngine
+    from rollout_spec.engine.weights import resolve_model_dir
 
+    model_dir = str(resolve_model_dir(args.model))
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    sizes = engine_sizes(args, AutoTokenizer.from_pretrained(model_dir), limit)
     spec = RolloutEngine.from_pretrained(
-        args.model, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens))
+        model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
     spec.drafter = DrafterTimer(spec.drafter)
     base = None
     if not args.no_baseline:
-        base = RolloutEngine(spec.model, spec.tokenizer, None, eos_token_ids=spec.eos_token_ids,
-                             max_model_len=spec.max_model_len)
+        base = RolloutEngine(spec.model, spec.tokenizer, None, eos_token_ids=spec.eos_token_ids, **sizes)
     return Engines(spec=spec, base=base)
 
 

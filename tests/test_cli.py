@@ -129,3 +129,4 @@ def test_drafter_figures_read_stats_and_timer():
     assert 10_000 / 40 <= figures["us_per_request"] < 1e6 / 40  # >= 10 ms over 40 request steps
     assert timer.take_seconds() == 0.0  # taken once per step
     assert cli.drafter_figures(SimpleNamespace(drafter=None), outs) == {}
+
