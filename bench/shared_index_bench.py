@@ -112,16 +112,18 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3
 
 
-def run_step(hosts: list, step: int, placed: np.ndarray, n: int) -> dict[str, float]:
+def run_step(hosts: list, coords: list, step: int, placed: np.ndarray, n: int) -> dict[str, float]:
     """One step: every replica publishes, then every replica ingests; returns the table row."""
     work: list[dict[int, list[int]]] = [dict() for _ in hosts]
     for g, r in enumerate(placed.tolist()):
         work[r % len(hosts)].setdefault(r, []).append(g)
+    busy0 = _coordinator_busy(coords)
     t0 = time.perf_counter()
     pubs = [c for part in ray.get([h.publish.remote(step, w, n) for h, w in zip(hosts, work)]) for c in part]
     t1 = time.perf_counter()
     ings = [d for part in ray.get([h.ingest.remote() for h in hosts]) for d in part]
     t2 = time.perf_counter()
+    busy = _coordinator_busy(coords) - busy0
     mb = 1 / 2**20
     return {
         "step": step,
@@ -136,9 +138,17 @@ def run_step(hosts: list, step: int, placed: np.ndarray, n: int) -> dict[str, fl
         "apply ms p99": pct([d["apply_s"] for d in ings], 99),
         "chunk ms max": max(d["apply_max_s"] for d in ings) * 1e3,
         "lost": sum(d["entries_lost"] for d in ings),
+        "coord s": busy[0],
+        "coord ms/put": busy[0] / max(busy[1], 1) * 1e3,
         "publish+ack s": t1 - t0,
         "ingest s": t2 - t1,
     }
+
+
+def _coordinator_busy(coords: list) -> np.ndarray:
+    """Seconds all coordinator shards spent in publish, and their puts, so far."""
+    stats = ray.get([c.stats.remote() for c in coords])
+    return np.array([sum(s["busy_s"] for s in stats), sum(s["puts"] for s in stats)])
 
 
 def print_table(rows: list[dict[str, float]]) -> None:
@@ -174,7 +184,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for step in range(args.steps):
-        rows.append(run_step(hosts, step, place_groups(num_groups, args.replicas, args.n, args.routing, rng), args.n))
+        rows.append(run_step(hosts, coords, step, place_groups(num_groups, args.replicas, args.n, args.routing, rng), args.n))
     retained = ray.get([c.stats.remote() for c in coords])
     print(f"replicas={args.replicas} requests/replica={args.requests} n={args.n} routing={args.routing} "
           f"affinity_k={args.affinity_k} shards={args.shards} hosts={args.hosts} "

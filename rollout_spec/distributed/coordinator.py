@@ -39,6 +39,8 @@ class IndexCoordinator:
         self._by_dest: dict[int, deque[Entry]] = {}
         self._seq = 0
         self._latest_step = -1
+        self._busy_s = 0.0  # time spent inside publish: the coordinator's share of a step
+        self._puts = 0
 
     def publish(self, src: int, step: int, dests: list[int], *buckets: Bucket) -> int:
         """Take ownership of ``buckets`` (one per replica in ``dests``); return the new head seq."""
@@ -48,12 +50,15 @@ class IndexCoordinator:
             raise ValueError(f"dests ({len(dests)}) and buckets ({len(buckets)}) differ in length")
         import ray  # the actor runs inside Ray; the class itself imports without it
 
+        t0 = time.perf_counter()
         self._seq += 1
         for dest, bucket in zip(dests, buckets):
             entry = Entry(self._seq, src, step, [ray.put(bucket)], bucket_tokens(bucket), bucket_nbytes(bucket))
             self._by_dest.setdefault(int(dest), deque()).append(entry)
         self._latest_step = max(self._latest_step, step)
         self._evict()
+        self._busy_s += time.perf_counter() - t0
+        self._puts += len(buckets)
         return self._seq
 
     def pull(self, dest: int, cursor: int) -> tuple[int, list[Entry]]:
@@ -61,8 +66,8 @@ class IndexCoordinator:
         entries = [e for e in self._by_dest.get(int(dest), ()) if e.seq > cursor]
         return self._seq, entries
 
-    def stats(self) -> dict[str, int]:
-        """Retained buckets, tokens and bytes, and the newest step seen."""
+    def stats(self) -> dict[str, float]:
+        """Retained buckets, tokens and bytes, the newest step seen, time spent publishing."""
         entries = [e for q in self._by_dest.values() for e in q]
         return {
             "entries": len(entries),
@@ -70,6 +75,8 @@ class IndexCoordinator:
             "bytes": sum(e.nbytes for e in entries),
             "latest_step": self._latest_step,
             "head_seq": self._seq,
+            "busy_s": self._busy_s,
+            "puts": self._puts,
         }
 
     def _evict(self) -> None:

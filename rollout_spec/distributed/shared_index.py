@@ -138,7 +138,7 @@ class SharedIndexClient:
             ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, *(buckets[d] for d in dests))
             with self._pub_lock:
                 self._inflight_publishes.append(ref)
-        nbytes = sum(sum(int(a.nbytes) for a in b.values()) for b in buckets.values())
+        nbytes = sum(int(b.nbytes) for b in buckets.values())
         cost = {"seconds": time.perf_counter() - t0, "bytes": nbytes,
                 "tokens": sum(len(s) for s in seqs), "buckets": len(buckets)}
         self._add_stats(publish_s=cost["seconds"], published_bytes=nbytes, published_tokens=cost["tokens"],
