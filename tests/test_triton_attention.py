@@ -117,3 +117,24 @@ def test_bad_inputs_raise(field, bad):
     case[idx] = bad(case)
     with pytest.raises(ValueError):
         ta.tree_attention_triton(*case, 0.25)
+
+
+def test_backend_switch_and_dispatch_rules():
+    """Dispatch takes the kernel only for CUDA steps whose G*W rows fit; bad names are refused."""
+    q_small = torch.zeros(2, 9, 4, 64, device=DEVICE)
+    q_wide = torch.zeros(2, 9, 30, 64, device=DEVICE)  # prefill-like: 270 rows
+    k = torch.zeros(3, 3, 64, 64, device=DEVICE)
+    try:
+        ta.set_backend("torch")
+        assert not ta.should_dispatch(q_small, k)
+        ta.set_backend("auto")
+        assert ta.should_dispatch(q_small, k) == (DEVICE == "cuda")
+        assert not ta.should_dispatch(q_wide, k)
+        ta.set_backend("triton")
+        if DEVICE == "cpu":
+            with pytest.raises(RuntimeError, match="CUDA"):
+                ta.should_dispatch(q_small, k)
+        with pytest.raises(ValueError, match="backend"):
+            ta.set_backend("flash")
+    finally:
+        ta.set_backend("auto")

@@ -1,0 +1,330 @@
+"""Engine speed: decode/verify step costs, and tokens/s with and without speculation.
+
+Two modes, both printing tables whose ratios are measured in the same run:
+
+* ``--mode steps`` needs no model file: a SmolLM2-135M-shaped model with random weights. It times
+  one decode/verify step T(B, W) for eager torch attention, CUDA-graphed torch attention and
+  CUDA-graphed Triton attention, prints the verify tax T(B, W) / T(B, 1), the attention kernels
+  alone, a graph-replayed no-spec sampling loop against transformers' ``generate`` at the largest
+  B, and the speedup bound TPF / tax for the TPF figures of the recorded traces.
+* ``--mode engine`` runs ``RolloutEngine`` on the GRPO-style workload (reasoning-gym gsm_symbolic
+  prompts through the chat template, n=8, temperature 0.6 and 1.0) with and without the drafter
+  and prints tokens/s, TPF, speedup, verify tax and the bound TPF / tax next to the speedup.
+
+Examples::
+
+    python bench/engine_bench.py --mode steps --device cuda
+    python bench/engine_bench.py --mode engine --device cuda --batch-sizes 1,8,32,64,128,256
+    python bench/engine_bench.py --mode engine --device cpu --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rollout_spec.engine import triton_attention
+from rollout_spec.engine.cuda_graphs import GraphLadder, InputSpec
+from rollout_spec.engine.kv_cache import KVCache
+from rollout_spec.engine.model import ModelConfig, StepContext, Transformer
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+                    max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
+TRACE_TPF = {"T=0.6 (trace, step 2)": 2.42, "T=1.0 (trace, step 1)": 1.30}  # shared/traces README
+
+
+def random_model(device: torch.device, dtype: torch.dtype) -> tuple[Transformer, object]:
+    """SmolLM2-135M's shapes with random weights: timing needs no checkpoint."""
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(**SMOLLM2_135M)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_hf(hf))
+    model.tie_weights()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return model.to(device=device, dtype=dtype).eval(), hf
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Mean seconds of ``fn()`` over ``iters`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+class StepBench:
+    """One model, one static KV cache, and step inputs at a fixed context length."""
+
+    def __init__(self, model: Transformer, max_batch: int, ctx: int, cache_len: int) -> None:
+        c = model.config
+        p = next(model.parameters())
+        self.model, self.device, self.ctx = model, p.device, ctx
+        self.scratch = max_batch  # padded rows of a graph write this slot only
+        self.cache = KVCache(c.num_layers, max_batch + 1, c.num_kv_heads, cache_len, c.head_dim,
+                             p.dtype, p.device)
+
+    def inputs(self, batch: int, width: int) -> dict[str, torch.Tensor]:
+        """A verify step: each row a chain of ``width`` nodes after ``ctx`` cached tokens."""
+        dev = self.device
+        pos = self.ctx + torch.arange(width, device=dev).expand(batch, width)
+        return {"input_ids": torch.randint(0, 1000, (batch, width), device=dev),
+                "positions": pos.contiguous(),
+                "slot_ids": torch.arange(batch, device=dev),
+                "ctx_lens": torch.full((batch,), self.ctx, device=dev),
+                "tree_mask": torch.ones(batch, width, width, dtype=torch.bool, device=dev).tril()}
+
+    def specs(self) -> list[InputSpec]:
+        """Layout of the step inputs for the graph ladder (padded rows use the scratch slot)."""
+        return [InputSpec("input_ids", (1,), torch.int64, (1,)),
+                InputSpec("positions", (1,), torch.int64, (1,)),
+                InputSpec("slot_ids", (), torch.int64, (), self.scratch),
+                InputSpec("ctx_lens", (), torch.int64),
+                InputSpec("tree_mask", (1, 1), torch.bool, (1, 2), False)]
+
+    def step(self, inp: dict[str, torch.Tensor], kv_limit: int | None = None) -> torch.Tensor:
+        """One forward: logits of every new row (what verification reads)."""
+        ctx = StepContext(self.cache, inp["slot_ids"], inp["ctx_lens"], inp["tree_mask"], kv_limit)
+        return self.model.logits(self.model.hidden(inp["input_ids"], inp["positions"], ctx))
+
+    def ladder(self, backend: str, batches: list[int], widths: list[int]) -> GraphLadder:
+        """Capture every (B, W) with the given attention backend."""
+        triton_attention.set_backend(backend)
+        with torch.inference_mode():
+            return GraphLadder(self.step, self.specs(), batches, widths, self.device)
+
+
+def step_grid(bench: StepBench, batches: list[int], widths: list[int], iters: int) -> dict:
+    """T(B, W) in seconds for eager torch, graphed torch and graphed triton attention."""
+    out: dict[str, dict[tuple[int, int], float]] = {"eager-torch": {}}
+    triton_attention.set_backend("torch")
+    with torch.inference_mode():
+        for b in batches:
+            for w in widths:
+                inp = bench.inputs(b, w)
+                out["eager-torch"][(b, w)] = time_call(lambda: bench.step(inp, bench.ctx + w),
+                                                       bench.device, max(3, iters // 4))
+    backends = ["torch", "triton"] if triton_attention.is_available() else ["torch"]
+    for backend in backends if bench.device.type == "cuda" else []:
+        ladder = bench.ladder(backend, batches, widths)
+        res = out[f"graph-{backend}"] = {}
+        for b in batches:
+            for w in widths:
+                inp = bench.inputs(b, w)
+                res[(b, w)] = time_call(lambda: ladder.run(inp), bench.device, iters)
+        del ladder
+        torch.cuda.empty_cache()
+    triton_attention.set_backend("auto")
+    return out
+
+
+def print_step_table(grid: dict, batches: list[int], widths: list[int]) -> None:
+    """Step times (ms), verify tax per backend, and the bound TPF / tax for the trace TPFs."""
+    names = list(grid)
+    best = names[-1]
+    print(f"\n## Step time T(B, W) in ms (random SmolLM2-135M weights); tax = T(B,W)/T(B,1) [{best}]")
+    head = "| B | W | " + " | ".join(names) + " | tax | " + " | ".join(f"bound {k}" for k in TRACE_TPF)
+    print(head + " |\n|" + "---|" * head.count("|"))
+    for b in batches:
+        for w in widths:
+            tax = grid[best][(b, w)] / grid[best][(b, 1)]
+            times = " | ".join(f"{grid[n][(b, w)] * 1e3:.3f}" for n in names)
+            # the trace TPFs were measured with a budget of 8 nodes, i.e. W = 9
+            bounds = " | ".join(f"{tpf / tax:.2f}" if w == 9 else "-" for tpf in TRACE_TPF.values())
+            print(f"| {b} | {w} | {times} | {tax:.2f} | {bounds} |")
+
+
+def attention_table(bench: StepBench, batches: list[int], widths: list[int], iters: int) -> None:
+    """One layer's attention alone: torch reference (reading only ctx+W) vs the Triton kernel."""
+    if bench.device.type != "cuda" or not triton_attention.is_available():
+        print("\n(attention kernel table skipped: needs CUDA and triton)")
+        return
+    from rollout_spec.engine.attention import tree_attention
+
+    c = bench.model.config
+    k, v = bench.cache.k[0], bench.cache.v[0]
+    print(f"\n## One layer's attention at ctx={bench.ctx}, us (Hq={c.num_heads}, Hkv={c.num_kv_heads})")
+    print("| B | W | torch | triton | torch/triton | max abs err |\n|---|---|---|---|---|---|")
+    for b in batches:
+        for w in widths:
+            inp = bench.inputs(b, w)
+            q = torch.randn(b, c.num_heads, w, c.head_dim, device=bench.device, dtype=k.dtype)
+            args = (q, k, v, inp["slot_ids"], inp["ctx_lens"], inp["tree_mask"], c.head_dim ** -0.5)
+            triton_attention.set_backend("torch")
+            ref = tree_attention(*args, kv_limit=bench.ctx + w)
+            t_torch = time_call(lambda: tree_attention(*args, kv_limit=bench.ctx + w), bench.device, iters)
+            got = triton_attention.tree_attention_triton(*args)
+            t_tri = time_call(lambda: triton_attention.tree_attention_triton(*args), bench.device, iters)
+            err = (got.float() - ref.float()).abs().max().item()
+            print(f"| {b} | {w} | {t_torch * 1e6:.1f} | {t_tri * 1e6:.1f} | {t_torch / t_tri:.2f} | {err:.3g} |")
+    triton_attention.set_backend("auto")
+
+
+def graph_decode_tokens_per_s(bench: StepBench, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """No-spec sampling loop on the graph ladder: prefill, then ``new_tokens`` replayed decodes.
+
+    A stand-in for the engine's no-spec path in ``--mode steps`` (no scheduler, no stop tokens).
+    """
+    dev, model = bench.device, bench.model
+    ladder = bench.ladder("auto", [batch], [1])
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.inference_mode():
+        sync(dev)
+        t0 = time.perf_counter()
+        ids = torch.randint(0, 1000, (batch, prompt_len), device=dev)
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
+        ctx = StepContext(bench.cache, torch.arange(batch, device=dev),
+                          torch.zeros(batch, dtype=torch.long, device=dev),
+                          causal.expand(batch, -1, -1), prompt_len)
+        pos = torch.arange(prompt_len, device=dev).expand(batch, -1)
+        last = model.logits(model.hidden(ids, pos, ctx)[:, -1:])
+        ctx_lens = torch.full((batch,), prompt_len, device=dev)
+        mask = torch.ones(batch, 1, 1, dtype=torch.bool, device=dev)
+        for _ in range(new_tokens):
+            tok = torch.multinomial(torch.softmax(last[:, -1], -1), 1, generator=gen)
+            last = ladder.run({"input_ids": tok, "positions": ctx_lens[:, None], "tree_mask": mask,
+                               "slot_ids": torch.arange(batch, device=dev), "ctx_lens": ctx_lens})
+            ctx_lens = ctx_lens + 1
+        sync(dev)
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: torch.dtype,
+                             batch: int, prompt_len: int, new_tokens: int) -> float:
+    """transformers' ``generate`` (sampling, forced length) on the same random-weight shapes."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).eval()
+    ids = torch.randint(3, 1000, (batch, prompt_len), device=device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
+              top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        sync(device)
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def run_generate(engine: object, prompts: list, temperature: float, n: int, max_new: int) -> dict:
+    """One timed ``generate``; tokens, forwards and drafted nodes summed over the samples."""
+    from rollout_spec.config import SamplingParams
+
+    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new, seed=0)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate([list(p.prompt_ids) for p in prompts], params,
+                           group_ids=[p.group_id for p in prompts])
+    sync(engine.device)
+    secs = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = sum(o.num_verify_steps for o in outs)
+    return {"secs": secs, "tokens": tokens, "tps": tokens / secs, "tpf": tokens / max(steps, 1),
+            "width": 1 + sum(o.num_draft_tokens for o in outs) / max(steps, 1)}
+
+
+def engine_rows(args: argparse.Namespace) -> None:
+    """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.engine.engine import RolloutEngine
+    from rollout_spec.workloads import Workload
+
+    max_b = max(args.batch_sizes)
+    spec_eng = RolloutEngine.from_pretrained(args.model, device=args.device, spec=SpecConfig(),
+                                             num_slots=max_b, max_model_len=args.max_model_len)
+    base_eng = RolloutEngine(spec_eng.model, spec_eng.tokenizer, None, num_slots=max_b,
+                             max_model_len=args.max_model_len, eos_token_ids=spec_eng.eos_token_ids)
+    work = Workload("gsm_symbolic", spec_eng.tokenizer, num_prompts=max(1, max_b // 8), seed=0)
+    bench = StepBench(spec_eng.model, max_b, args.ctx, args.ctx + 16)
+    grid = step_grid(bench, args.batch_sizes, [1, 2, 3, 5, 9], iters=10)
+    cost = grid[list(grid)[-1]]
+    del bench
+    print("\n## Engine tokens/s, speculation on vs off (gsm_symbolic, same prompts and seeds)")
+    print("| T | B | no-spec tok/s | spec tok/s | TPF | mean W | tax | bound TPF/tax | speedup "
+          "| speedup/bound |\n|---|---|---|---|---|---|---|---|---|---|")
+    for temp in (0.6, 1.0):
+        for b in args.batch_sizes:
+            n = min(8, b)
+            prompts = work.prompts[: max(1, b // n)]
+            base = run_generate(base_eng, prompts, temp, n, args.max_new_tokens)
+            spec = run_generate(spec_eng, prompts, temp, n, args.max_new_tokens)
+            spec_eng.end_step()
+            tax = interp_tax(cost, b, spec["width"])
+            bound, speedup = spec["tpf"] / tax, spec["tps"] / base["tps"]
+            print(f"| {temp} | {b} | {base['tps']:.0f} | {spec['tps']:.0f} | {spec['tpf']:.2f} | "
+                  f"{spec['width']:.2f} | {tax:.2f} | {bound:.2f} | {speedup:.2f} | {speedup / bound:.2f} |")
+
+
+def interp_tax(cost: dict[tuple[int, int], float], batch: int, width: float) -> float:
+    """Verify tax at a (possibly fractional) mean width, interpolated on the measured grid."""
+    widths = sorted({w for (b, w) in cost if b == batch})
+    times = [cost[(batch, w)] for w in widths]
+    return float(np.interp(width, widths, times) / cost[(batch, 1)])
+
+
+def steps_mode(args: argparse.Namespace) -> None:
+    """Random-weight step timings, attention kernels, and the no-spec loop vs transformers."""
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, hf = random_model(dev, dtype)
+    widths, prompt = [1, 2, 3, 5, 9], 128
+    cache_len = max(args.ctx + max(widths), prompt + args.max_new_tokens) + 16
+    bench = StepBench(model, max(args.batch_sizes), args.ctx, cache_len)
+    grid = step_grid(bench, args.batch_sizes, widths, iters=5 if args.quick else 20)
+    print_step_table(grid, args.batch_sizes, widths)
+    attention_table(bench, args.batch_sizes, widths, iters=5 if args.quick else 50)
+    b = max(args.batch_sizes)
+    ours = graph_decode_tokens_per_s(bench, b, prompt, args.max_new_tokens)
+    del bench
+    theirs = hf_generate_tokens_per_s(hf, dev, dtype, b, prompt, args.max_new_tokens)
+    print(f"\n## No-spec sampling at B={b}, prompt {prompt}, {args.max_new_tokens} new tokens")
+    print(f"| graph decode loop tok/s | transformers generate tok/s | ratio |\n|---|---|---|\n"
+          f"| {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; ``--quick`` shrinks everything to a CPU smoke run."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--ctx", type=int, default=384, help="cached context of the timed steps")
+    ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
+    args = ap.parse_args(argv)
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if args.quick:
+        args.batch_sizes, args.max_new_tokens, args.ctx = [1, 8], 16, 64
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point."""
+    args = parse_args(argv)
+    print(f"device={args.device} torch={torch.__version__} triton={triton_attention.is_available()}"
+          + (f" gpu={torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""))
+    (steps_mode if args.mode == "steps" else engine_rows)(args)
+
+
+if __name__ == "__main__":
+    main()
