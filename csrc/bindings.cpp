@@ -88,6 +88,9 @@ void bind_config(nb::module_& m) {
       .def_rw("capacity_tokens", &CoreConfig::capacity_tokens)
       .def_rw("max_occurrences", &CoreConfig::max_occurrences)
       .def_rw("chain_walk", &CoreConfig::chain_walk)
+      .def_rw("enough_occurrences", &CoreConfig::enough_occurrences)
+      .def_rw("match_power", &CoreConfig::match_power)
+      .def_rw("evidence_discount", &CoreConfig::evidence_discount)
       .def("set_scope_weights", [](CoreConfig& c, double r, double g, double w) {
         c.scope_weight[0] = r;
         c.scope_weight[1] = g;

@@ -19,6 +19,9 @@ struct CoreConfig {
   int64_t capacity_tokens = 16000000;      // stored-token bound of finished sequences
   int32_t max_occurrences = 16;            // occurrences gathered per scope per propose
   int32_t chain_walk = 64;                 // chain records inspected per key length per scope
+  int32_t enough_occurrences = 16;         // shorter key lengths are tried only below this count
+  double evidence_discount = 1.0;          // beta: a node backed by n occurrences keeps n/(n+beta)
+  int32_t match_power = 1;                 // occurrence weight grows as match_len ** match_power
 };
 
 }  // namespace rollout_spec

@@ -8,7 +8,7 @@ int32_t DraftBuilder::child(int32_t parent, int32_t token) {
   for (int32_t c = nodes_[parent].first_child; c >= 0; c = nodes_[c].next_sibling)
     if (nodes_[c].token == token) return c;
   int32_t id = static_cast<int32_t>(nodes_.size());
-  nodes_.push_back(TrieNode{token, parent, -1, -1, -1, -1, 0.0, 0.0});
+  nodes_.push_back(TrieNode{token, parent, -1, -1, -1, -1, 0.0, 0, 0.0});
   TrieNode& p = nodes_[parent];
   if (p.last_child >= 0) nodes_[p.last_child].next_sibling = id;
   else p.first_child = id;
@@ -19,11 +19,11 @@ int32_t DraftBuilder::child(int32_t parent, int32_t token) {
 void DraftBuilder::grow_trie(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
                              const CoreConfig& cfg, int32_t depth) {
   nodes_.clear();
-  nodes_.push_back(TrieNode{-1, -1, -1, -1, -1, -1, 0.0, 1.0});
+  nodes_.push_back(TrieNode{-1, -1, -1, -1, -1, -1, 0.0, 0, 1.0});
   for (const Occurrence& o : occ) {
-    // Longer matches are far more predictive; the square makes one long match outweigh several
-    // short ones while still letting frequent continuations win among equals.
-    double w = cfg.scope_weight[o.scope] * static_cast<double>(o.match_len) * o.match_len;
+    // Longer matches are more predictive: weight = scope prior * match_len ** match_power.
+    double w = cfg.scope_weight[o.scope];
+    for (int32_t i = 0; i < cfg.match_power; ++i) w *= o.match_len;
     const std::vector<int32_t>& toks = seqs[o.seq].tokens;
     int32_t end = std::min<int64_t>(static_cast<int64_t>(toks.size()), int64_t(o.pos) + 1 + depth);
     nodes_[0].weight += w;
@@ -31,14 +31,17 @@ void DraftBuilder::grow_trie(const std::vector<Occurrence>& occ, const std::vect
     for (int32_t i = o.pos + 1; i < end; ++i) {
       cur = child(cur, toks[i]);
       nodes_[cur].weight += w;
+      nodes_[cur].count += 1;
     }
   }
 }
 
-void DraftBuilder::push_children(int32_t node) {
+void DraftBuilder::push_children(int32_t node, double beta) {
   const TrieNode& p = nodes_[node];
   for (int32_t c = p.first_child; c >= 0; c = nodes_[c].next_sibling) {
-    nodes_[c].prob = p.prob * (nodes_[c].weight / p.weight);
+    // Count ratios overrate continuations seen once or twice; beta discounts thin evidence.
+    double n = nodes_[c].count;
+    nodes_[c].prob = p.prob * (nodes_[c].weight / p.weight) * (n / (n + beta));
     heap_.emplace_back(nodes_[c].prob, -c);  // ties: the older node (smaller id) wins
     std::push_heap(heap_.begin(), heap_.end());
   }
@@ -51,7 +54,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
     grow_trie(occ, seqs, cfg, std::min(budget, cfg.max_depth));
     double floor = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
     heap_.clear();
-    push_children(0);
+    push_children(0, cfg.evidence_discount);
     while (emitted < budget && !heap_.empty()) {
       std::pop_heap(heap_.begin(), heap_.end());
       auto [prob, neg_id] = heap_.back();
@@ -64,7 +67,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       // A node enters the frontier only after its parent was emitted, so out_index is set.
       out.parents.push_back(n.parent == 0 ? -1 : nodes_[n.parent].out_index);
       if (!cfg.tree) heap_.clear();  // chain: only the chosen node's children stay candidates
-      push_children(-neg_id);
+      push_children(-neg_id, cfg.evidence_discount);
     }
   }
   out.offsets.push_back(out.offsets.back() + emitted);

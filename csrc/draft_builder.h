@@ -24,7 +24,7 @@ class DraftBuilder {
   void grow_trie(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
                  const CoreConfig& cfg, int32_t depth);
   int32_t child(int32_t parent, int32_t token);
-  void push_children(int32_t node);
+  void push_children(int32_t node, double beta);
 
   std::vector<TrieNode> nodes_;                    // scratch trie; nodes_[0] is the root
   std::vector<std::pair<double, int32_t>> heap_;   // frontier: (path prob, -node id), max-heap

@@ -23,7 +23,9 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const std::ve
   const int32_t len = static_cast<int32_t>(ctx.size());
   for (int ki = 0; ki < kNumKeys; ++ki) {
     const int32_t k = kKeyLens[ki];
-    if (k > len || occ.size() - first >= static_cast<size_t>(cfg_.max_occurrences)) continue;
+    const size_t have = occ.size() - first;
+    if (have >= static_cast<size_t>(cfg_.enough_occurrences)) break;
+    if (k > len) continue;
     const int32_t need = std::max(std::min(k, cfg_.max_match_len), cfg_.min_match_len);
     int32_t r = index.head(ki, ngram_key(ctx.data(), len - 1, k));
     for (int32_t walked = 0; r >= 0 && walked < cfg_.chain_walk; ++walked) {

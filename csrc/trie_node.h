@@ -13,6 +13,7 @@ struct TrieNode {
   int32_t next_sibling;  // next younger sibling, -1 if none
   int32_t out_index;     // index in the request's draft slice once emitted, -1 before
   double weight;         // summed occurrence weights passing through this node
+  int32_t count;         // occurrences passing through this node
   double prob;           // path probability: product of weight ratios from the root
 };
 

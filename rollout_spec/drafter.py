@@ -8,7 +8,7 @@ How a draft is made (docs/drafter.md has the full story): the request's context 
 against three scopes -- its own prompt and output (prompt lookup), the other samples of its
 ``group_id`` (siblings in flight, finished ones, and the last ``history_steps`` RL steps) and all
 recent rollouts. Each scope yields up to 16 occurrences of the context's suffix (n-gram chains of
-length 8, 4, 2, 1, newest first), weighted by ``scope_weight * match_len**2``; their continuations
+length 8, 4, 2, 1, newest first), weighted by ``scope_weight * match_len``; their continuations
 form a weighted trie that is expanded best first by estimated path probability.
 """
 from __future__ import annotations
@@ -29,9 +29,14 @@ TokenIds = Union[Sequence[int], np.ndarray]
 _MAX_TOKEN = 2**31 - 1
 _MAX_REQ_ID = 2**63 - 1
 
-#: Occurrences gathered per scope per proposal, and chain records inspected per key length.
+#: Search constants (tuned on the shared GRPO traces, see docs/drafter.md): occurrences gathered
+#: per scope per proposal (shorter key lengths are tried while fewer were found), chain records
+#: inspected per key length and scope, the exponent of match_len in an occurrence's weight, and
+#: beta of the evidence discount n / (n + beta) applied to a node backed by n occurrences.
 MAX_OCCURRENCES = 16
 CHAIN_WALK = 64
+MATCH_POWER = 1
+EVIDENCE_DISCOUNT = 1.0
 
 
 def _int_array(name: str, values: object) -> np.ndarray:
@@ -81,7 +86,10 @@ def _core_config(config: SpecConfig) -> "_core.CoreConfig":
         setattr(c, name, getattr(config, name))
     c.set_scope_weights(config.request_weight, config.group_weight, config.global_weight)
     c.max_occurrences = MAX_OCCURRENCES
+    c.enough_occurrences = MAX_OCCURRENCES
     c.chain_walk = CHAIN_WALK
+    c.match_power = MATCH_POWER
+    c.evidence_discount = EVIDENCE_DISCOUNT
     return c
 
 

@@ -1,0 +1,301 @@
+"""Rollout traces and the lock-step replay simulator that scores drafters on them.
+
+A trace (the format of ``/work/shared/traces``) holds prompts with their ``group_id`` and, per
+RL step, the recorded responses. ``replay`` feeds one step at a time to a drafter exactly as an
+engine would: every live request takes one verify per iteration, a draft node is accepted iff it
+equals the recorded next token (walking the tree along the trace), and each iteration commits the
+accepted tokens plus one bonus token. The drafter keeps its index across steps.
+
+Also here: the baseline drafters the bench compares against -- a vLLM-style prompt-lookup n-gram
+written with numpy, and an adapter over arctic-inference's ``SuffixDecodingCache`` when that
+package is installed (it is never vendored here).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+
+from rollout_spec.tree import DraftBatch
+
+Tree = tuple[Sequence[int], Sequence[int]]  # (tokens, parents) of one request's draft
+
+
+@dataclass
+class Trace:
+    """Recorded rollouts: prompts by ``group_id`` and, per RL step, ``(group_id, response_ids)``."""
+
+    prompts: dict[int, list[int]]
+    steps: list[list[tuple[int, list[int]]]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens over all steps."""
+        return sum(len(r) for step in self.steps for _, r in step)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace (gzip JSON when the name ends in .gz); ValueError names a malformed field."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict) or "prompts" not in raw or "steps" not in raw:
+        raise ValueError(f"{path}: a trace needs 'prompts' and 'steps'")
+    prompts = {}
+    for i, p in enumerate(raw["prompts"]):
+        if "group_id" not in p or "prompt_ids" not in p:
+            raise ValueError(f"{path}: prompts[{i}] needs group_id and prompt_ids")
+        prompts[int(p["group_id"])] = [int(t) for t in p["prompt_ids"]]
+    steps = []
+    for s, step in enumerate(raw["steps"]):
+        rows = []
+        for j, r in enumerate(step):
+            if int(r["group_id"]) not in prompts:
+                raise ValueError(f"{path}: steps[{s}][{j}].group_id {r['group_id']} has no prompt")
+            rows.append((int(r["group_id"]), [int(t) for t in r["response_ids"]]))
+        steps.append(rows)
+    meta = {k: v for k, v in raw.items() if k not in ("prompts", "steps")}
+    meta["prompt_records"] = raw["prompts"]
+    return Trace(prompts=prompts, steps=steps, meta=meta)
+
+
+def save_trace(trace: Trace, path: str | Path) -> None:
+    """Write ``trace`` in the shared format (gzip JSON when the name ends in .gz)."""
+    path = Path(path)
+    meta = dict(trace.meta)
+    records = {int(p["group_id"]): p for p in meta.pop("prompt_records", [])}
+    prompts = []
+    for g, ids in trace.prompts.items():
+        rec = dict(records.get(g, {"kind": "synthetic", "source": "", "text": "", "answer": None}))
+        rec.update(group_id=g, prompt_ids=list(ids))
+        prompts.append(rec)
+    raw = {**meta, "prompts": prompts,
+           "steps": [[{"group_id": g, "response_ids": list(r)} for g, r in step] for step in trace.steps]}
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt") as f:
+        json.dump(raw, f)
+
+
+class ReplayDrafter(Protocol):
+    """What ``replay`` needs from a drafter (NgramDrafter satisfies it as is)."""
+
+    def start_batch(self, req_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                    group_ids: Sequence[Optional[int]]) -> None: ...
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> None: ...
+    def propose(self, req_ids: Sequence[int], budgets: Sequence[int]) -> Any: ...
+    def finish_batch(self, req_ids: Sequence[int]) -> None: ...
+    def end_step(self) -> None: ...
+
+
+def as_trees(result: Any, count: int) -> list[Tree]:
+    """Per-request (tokens, parents) from a DraftBatch or from a list of trees."""
+    if isinstance(result, DraftBatch):
+        off, tok, par = result.offsets.tolist(), result.tokens.tolist(), result.parents.tolist()
+        return [(tok[off[b]:off[b + 1]], par[off[b]:off[b + 1]]) for b in range(count)]
+    return list(result)
+
+
+def accepted_length(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> int:
+    """Draft tokens accepted when the true continuation is ``target``: walk the tree along it.
+
+    Nodes are topological, so one forward pass suffices: a child of the current node always
+    comes after it.
+    """
+    cur, acc = -1, 0
+    for i in range(len(tokens)):
+        if acc == len(target):
+            break
+        if parents[i] == cur and tokens[i] == target[acc]:
+            cur, acc = i, acc + 1
+    return acc
+
+
+@dataclass
+class StepResult:
+    """Replay figures of one RL step for one drafter."""
+
+    step: int
+    tokens: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    request_iterations: int = 0
+    drafter_seconds: float = 0.0
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per target forward."""
+        return self.tokens / max(self.verify_steps, 1)
+
+    @property
+    def us_per_request_iteration(self) -> float:
+        """CPU microseconds of propose + extend per live request per iteration."""
+        return 1e6 * self.drafter_seconds / max(self.request_iterations, 1)
+
+
+def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, first_id: int,
+                max_live: Optional[int] = None) -> StepResult:
+    """Replay one step lock-step; requests get ids ``first_id, first_id + 1, ...``.
+
+    ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
+    engine's batch limit would; None runs all of the step's requests at once.
+    """
+    rows = trace.steps[step]
+    res = StepResult(step=step)
+    waiting = list(range(len(rows)))[::-1]
+    live: dict[int, int] = {}  # req id -> committed response tokens
+    while waiting or live:
+        admit = []
+        while waiting and (max_live is None or len(live) + len(admit) < max_live):
+            admit.append(waiting.pop())
+        if admit:
+            ids = [first_id + j for j in admit]
+            drafter.start_batch(ids, [trace.prompts[rows[j][0]] for j in admit], [rows[j][0] for j in admit])
+            live.update((i, 0) for i in ids)
+        ids = list(live)
+        t0 = time.perf_counter()
+        result = drafter.propose(ids, [budget] * len(ids))
+        t1 = time.perf_counter()
+        emitted, done = [], []
+        for rid, tree in zip(ids, as_trees(result, len(ids))):
+            resp, pos = rows[rid - first_id][1], live[rid]
+            acc = accepted_length(tree[0], tree[1], resp[pos:])
+            n = min(acc + 1, len(resp) - pos)
+            emitted.append(resp[pos:pos + n])
+            res.drafted += len(tree[0])
+            res.accepted += min(acc, n)
+            live[rid] = pos + n
+            if pos + n >= len(resp):
+                done.append(rid)
+        t2 = time.perf_counter()
+        drafter.extend_batch(ids, emitted)
+        t3 = time.perf_counter()
+        res.drafter_seconds += (t1 - t0) + (t3 - t2)
+        res.request_iterations += len(ids)
+        res.verify_steps += len(ids)
+        res.tokens += sum(len(e) for e in emitted)
+        if done:
+            drafter.finish_batch(done)
+            for rid in done:
+                del live[rid]
+    return res
+
+
+def replay(drafter: ReplayDrafter, trace: Trace, budget: int = 8,
+           max_live: Optional[int] = None, steps: Optional[Sequence[int]] = None) -> list[StepResult]:
+    """Replay the trace's steps in order (index kept across them); one StepResult per step."""
+    results, next_id = [], 0
+    for s in (range(len(trace.steps)) if steps is None else steps):
+        results.append(replay_step(drafter, trace, s, budget, next_id, max_live))
+        next_id += len(trace.steps[s])
+        drafter.end_step()
+    return results
+
+
+class PromptLookupDrafter:
+    """vLLM-style prompt-lookup n-gram: copy what followed the latest earlier occurrence of the
+    context's last n tokens (n from ``max_n`` down to ``min_n``) in the request's own tokens."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 5):
+        """Match lengths tried, longest first."""
+        self.min_n, self.max_n = min_n, max_n
+        self.ctx: dict[int, list[int]] = {}
+
+    def start_batch(self, req_ids, prompts, group_ids=None) -> None:
+        """Remember each request's prompt."""
+        for r, p in zip(req_ids, prompts):
+            self.ctx[r] = list(p)
+
+    def extend_batch(self, req_ids, token_lists) -> None:
+        """Append committed tokens."""
+        for r, t in zip(req_ids, token_lists):
+            self.ctx[r].extend(t)
+
+    def propose_one(self, ctx: np.ndarray, k: int) -> list[int]:
+        """Chain draft of at most ``k`` tokens for one context."""
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(ctx) <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+            hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return ctx[start:start + k].tolist()
+        return []
+
+    def propose(self, req_ids, budgets) -> list[Tree]:
+        """One chain per request."""
+        out = []
+        for r, k in zip(req_ids, budgets):
+            toks = self.propose_one(np.asarray(self.ctx[r], dtype=np.int32), int(k))
+            out.append((toks, list(range(-1, len(toks) - 1))))
+        return out
+
+    def finish_batch(self, req_ids) -> None:
+        """Forget finished requests."""
+        for r in req_ids:
+            del self.ctx[r]
+
+    def end_step(self) -> None:
+        """Nothing is kept across steps."""
+
+
+def arctic_available() -> bool:
+    """Whether arctic-inference's suffix decoding extension can be imported."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ArcticDrafter:
+    """Adapter over arctic-inference's ``SuffixDecodingCache`` with vLLM's defaults
+    (tree depth 24, ``min_token_prob`` 0.1, chain drafts); ImportError if not installed."""
+
+    def __init__(self, max_depth: int = 24, min_token_prob: float = 0.1, tree: bool = False,
+                 max_cached_requests: int = 100_000):
+        """Build the cache; the context passed to ``speculate`` is the last ``max_depth`` tokens."""
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=max_cached_requests)
+        self.max_depth, self.min_token_prob, self.tree = max_depth, min_token_prob, tree
+        self.ctx: dict[int, list[int]] = {}
+
+    def start_batch(self, req_ids, prompts, group_ids=None) -> None:
+        """start_request per request (its prompt goes into the request's local tree)."""
+        for r, p in zip(req_ids, prompts):
+            self.cache.start_request(r, np.asarray(p, dtype=np.int32))
+            self.ctx[r] = list(p)
+
+    def extend_batch(self, req_ids, token_lists) -> None:
+        """add_active_response per request."""
+        for r, t in zip(req_ids, token_lists):
+            self.cache.add_active_response(r, t)
+            self.ctx[r].extend(t)
+
+    def propose(self, req_ids, budgets) -> list[Tree]:
+        """speculate per request."""
+        out = []
+        for r, k in zip(req_ids, budgets):
+            ctx = np.asarray(self.ctx[r][-self.max_depth:], dtype=np.int32)
+            d = self.cache.speculate(r, ctx, max_spec_tokens=int(k), min_token_prob=self.min_token_prob,
+                                     use_tree_spec=self.tree)
+            out.append((list(d.token_ids), list(d.parents)))
+        return out
+
+    def finish_batch(self, req_ids) -> None:
+        """stop_request: the response stays in the global tree."""
+        for r in req_ids:
+            self.cache.stop_request(r)
+            del self.ctx[r]
+
+    def end_step(self) -> None:
+        """Arctic has no notion of RL steps."""
