@@ -1,0 +1,75 @@
+"""The ``--rollout_spec`` flag and its options, in OpenRLHF's dotted argparse style.
+
+``--rollout_spec`` turns speculative rollouts on; ``--rollout_spec.<field>`` sets any
+``SpecConfig`` field (e.g. ``--rollout_spec.num_draft_tokens 8``) and
+``--rollout_spec.num_speculative_tokens`` the chain length vLLM verifies. ``tree`` defaults to
+false here: vLLM verifies a single chain, so the drafter's whole budget goes into one. Values are validated by
+``SpecConfig`` itself, so a bad one fails at launch with the field's name and range.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from rollout_spec.config import SpecConfig
+
+FLAG = "--rollout_spec"
+PREFIX = "rollout_spec."
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--rollout_spec`` and one ``--rollout_spec.<field>`` per ``SpecConfig`` field."""
+    group = parser.add_argument_group("rollout-spec (model-free speculative rollouts in vLLM)")
+    group.add_argument(FLAG, action="store_true", default=False,
+                       help="draft with rollout-spec's n-gram/suffix drafter in every vLLM engine")
+    group.add_argument(f"{FLAG}.num_speculative_tokens", type=int, default=None,
+                       help="draft tokens vLLM verifies per step (default: num_draft_tokens)")
+    defaults = SpecConfig()
+    for f in dataclasses.fields(SpecConfig):
+        default = getattr(defaults, f.name)
+        kwargs: dict[str, Any] = {"default": None, "help": f"SpecConfig.{f.name} (default {default!r})"}
+        if isinstance(default, bool):
+            kwargs["type"] = _parse_bool
+        elif isinstance(default, tuple):
+            kwargs["nargs"] = "*"
+        else:
+            kwargs["type"] = type(default)
+        group.add_argument(f"{FLAG}.{f.name}", **kwargs)
+
+
+def spec_from_args(args: argparse.Namespace) -> Optional[tuple[SpecConfig, Optional[int]]]:
+    """``(SpecConfig, num_speculative_tokens or None)`` when ``--rollout_spec`` is on, else None.
+
+    Raises:
+        ValueError: a ``--rollout_spec.*`` option was given without ``--rollout_spec``, or a value
+            is out of range (named by ``SpecConfig``).
+    """
+    values = {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
+    given = sorted(k for k, v in values.items() if v is not None)
+    if not getattr(args, "rollout_spec", False):
+        if given:
+            raise ValueError(f"--rollout_spec.{given[0]} was given without --rollout_spec")
+        return None
+    k = values.pop("num_speculative_tokens", None)
+    fields = {name: v for name, v in values.items() if v is not None}
+    fields.setdefault("tree", False)  # vLLM verifies one chain: spend the whole budget on it
+    if "external_corpora" in fields:
+        fields["external_corpora"] = tuple(fields["external_corpora"])
+    return SpecConfig(**fields), k
+
+
+def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Parse our options out of a launcher command line; the rest is OpenRLHF's."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    return parser.parse_known_args(list(argv))

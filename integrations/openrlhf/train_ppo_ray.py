@@ -1,0 +1,67 @@
+"""OpenRLHF's PPO launcher with the ``--rollout_spec`` flag.
+
+    python -m rollout_spec.integrations.openrlhf.train_ppo_ray --rollout_spec \\
+        --rollout_spec.num_draft_tokens 8 <every openrlhf.cli.train_ppo_ray argument>
+
+Our options are parsed out of the command line; when ``--rollout_spec`` is on, OpenRLHF's engine
+factory and trainer class are replaced by the speculative ones (``engines.py``) and OpenRLHF's
+own launcher then runs unchanged with the remaining arguments.
+"""
+from __future__ import annotations
+
+import runpy
+import sys
+from typing import Optional, Sequence
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.openrlhf.options import spec_from_args, split_argv
+from rollout_spec.integrations.vllm.config import engine_kwargs
+
+OPENRLHF_LAUNCHER = "openrlhf.cli.train_ppo_ray"
+TESTED_OPENRLHF = ("0.11.2",)
+
+
+def install(spec: SpecConfig, num_speculative_tokens: Optional[int] = None) -> dict:
+    """Point OpenRLHF at speculative engines and the acceptance-logging trainer; returns the
+    vLLM engine arguments that every engine will get."""
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ray as trainer_ray
+    from openrlhf.trainer.ray import vllm_engine
+
+    from rollout_spec.integrations.openrlhf.engines import (
+        SpecTrainerMixin,
+        actor_subclass,
+        wrap_create_vllm_engines,
+    )
+
+    kwargs = engine_kwargs(spec, num_speculative_tokens)
+    if not getattr(trainer_ray.create_vllm_engines, "_rollout_spec", False):
+        wrapped = wrap_create_vllm_engines(vllm_engine, kwargs)
+        wrapped._rollout_spec = True
+        trainer_ray.create_vllm_engines = wrapped
+        ppo_trainer.PPOTrainer = actor_subclass(
+            SpecTrainerMixin, ppo_trainer.PPOTrainer, "SpecPPOTrainer"
+        )
+    return kwargs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Parse ``--rollout_spec*``, install the hooks, run OpenRLHF's launcher on the rest."""
+    ours, rest = split_argv(sys.argv[1:] if argv is None else argv)
+    try:
+        parsed = spec_from_args(ours)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"rollout-spec: {err}") from err
+    if parsed is not None:
+        if "--train.async_enable" in rest:
+            raise SystemExit(
+                "rollout-spec: --rollout_spec does not support --train.async_enable yet (its "
+                "generation overlaps training, so there is no single step boundary to refresh at)"
+            )
+        install(*parsed)
+    sys.argv = [OPENRLHF_LAUNCHER, *rest]
+    runpy.run_module(OPENRLHF_LAUNCHER, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

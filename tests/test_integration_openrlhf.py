@@ -1,0 +1,120 @@
+"""The OpenRLHF hook without OpenRLHF, Ray or vLLM installed: flag parsing, the engine and
+trainer mixins over stand-in base classes, and the log dict. The same pieces are run against the
+real packages in tests/test_integration_openrlhf_real.py when they are importable."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import rollout_spec.integrations.openrlhf.engines as engines
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.openrlhf.engines import (
+    SpecEngineMixin,
+    SpecTrainerMixin,
+    _InjectKwargs,
+    merge_step_results,
+)
+from rollout_spec.integrations.openrlhf.options import spec_from_args, split_argv
+from rollout_spec.integrations.openrlhf.train_ppo_ray import main
+from rollout_spec.integrations.vllm import SpecDecodeCounters
+
+
+def test_flags_become_a_spec_config_and_the_rest_goes_to_openrlhf():
+    ns, rest = split_argv([
+        "--vllm.num_engines", "2", "--rollout_spec", "--rollout_spec.num_draft_tokens", "6",
+        "--rollout_spec.group_weight", "2.5", "--rollout_spec.num_speculative_tokens", "4",
+        "--rollout_spec.external_corpora", "a.npy", "b.npy", "--actor.model_name_or_path", "m",
+    ])
+    assert rest == ["--vllm.num_engines", "2", "--actor.model_name_or_path", "m"]
+    spec, k = spec_from_args(ns)
+    assert k == 4
+    assert spec == SpecConfig(num_draft_tokens=6, group_weight=2.5, tree=False,
+                              external_corpora=("a.npy", "b.npy"))
+    spec, _ = spec_from_args(split_argv(["--rollout_spec", "--rollout_spec.tree", "true"])[0])
+    assert spec.tree is True
+    assert spec_from_args(split_argv(["--vllm.num_engines", "2"])[0]) is None
+
+
+def test_launcher_refuses_bad_options_before_touching_openrlhf():
+    with pytest.raises(SystemExit, match="rollout_spec.max_depth was given without --rollout_spec"):
+        main(["--rollout_spec.max_depth", "3"])
+    with pytest.raises(SystemExit, match="max_depth must be in"):
+        main(["--rollout_spec", "--rollout_spec.max_depth", "0"])
+    with pytest.raises(SystemExit, match="does not support --train.async_enable"):
+        main(["--rollout_spec", "--train.async_enable"])
+    with pytest.raises(SystemExit):  # argparse: not a bool
+        split_argv(["--rollout_spec", "--rollout_spec.tree", "maybe"])
+
+
+class FakeLLM:
+    async def collective_rpc(self, method):
+        assert method == "rollout_spec_end_step"
+        return [{"chain_tokens_proposed": 5, "drafter/tokens": 7}, {"chain_tokens_proposed": 5}]
+
+
+class FakeRolloutActor:
+    """OpenRLHF's RolloutRayActor shape: async __init__ that hands kwargs to vLLM."""
+
+    async def __init__(self, *args, **kwargs):
+        self.engine_args = kwargs
+        self.llm = FakeLLM()
+
+
+def test_engine_mixin_passes_engine_args_and_reports_step_counters(monkeypatch):
+    readings = iter([SpecDecodeCounters(1, 4, 2), SpecDecodeCounters(5, 20, 12)])
+    monkeypatch.setattr(engines, "_counters_now", lambda: next(readings))
+    cls = type("Spec", (SpecEngineMixin, FakeRolloutActor), {})
+    actor = cls.__new__(cls)
+    extra = {"speculative_config": {"method": "custom_class"}, "disable_log_stats": False}
+    asyncio.run(actor.__init__(model="m", rollout_spec_engine_kwargs=extra))
+    assert actor.engine_args == {"model": "m", **extra}
+    step, workers = asyncio.run(actor.rollout_spec_end_step())
+    assert step == SpecDecodeCounters(4, 16, 10) and workers[0]["chain_tokens_proposed"] == 5
+    clash = cls.__new__(cls)
+    with pytest.raises(ValueError, match=r"already sets \['speculative_config'\]"):
+        asyncio.run(clash.__init__(speculative_config={}, rollout_spec_engine_kwargs=extra))
+
+
+def test_trainer_mixin_adds_acceptance_after_openrlhfs_step(monkeypatch):
+    class Trainer:
+        vllm_engines = ["engine0"]
+
+        def train_step(self, rollout_samples, global_step):
+            return {"policy_loss": 0.1}, global_step + 1
+
+    seen = []
+    monkeypatch.setattr(engines, "end_step_and_collect",
+                        lambda e: seen.append(list(e)) or {"rollout/spec_accept_rate": 0.5})
+    trainer = type("Spec", (SpecTrainerMixin, Trainer), {})()
+    status, step = trainer.train_step([], 3)
+    assert step == 4 and seen == [["engine0"]]
+    assert status == {"policy_loss": 0.1, "rollout/spec_accept_rate": 0.5}
+
+
+def test_merge_sums_engines_and_counts_each_engines_drafter_once():
+    logs = merge_step_results([
+        (SpecDecodeCounters(4, 16, 8), [{"chain_tokens_proposed": 16, "drafter/x": 1}, {"chain_tokens_proposed": 16}]),
+        (SpecDecodeCounters(6, 24, 4), [{"chain_tokens_proposed": 24, "active": True}]),
+    ])
+    assert logs["rollout/spec_accept_rate"] == pytest.approx(12 / 40)
+    assert logs["rollout/spec_accept_length"] == pytest.approx(1 + 12 / 10)
+    assert logs["rollout/spec_chain_tokens_proposed"] == 40.0
+    assert logs["rollout/spec_drafter_x"] == 1.0 and "rollout/spec_active" not in logs
+
+
+def test_inject_kwargs_keeps_openrlhfs_options_call():
+    calls = []
+
+    class Remote:
+        def __init__(self, options=None):
+            self.opts = options
+
+        def options(self, **o):
+            return Remote(o)
+
+        def remote(self, **kw):
+            calls.append((self.opts, kw))
+
+    _InjectKwargs(Remote(), {"speculative_config": 1}).options(num_gpus=1).remote(model="m")
+    assert calls == [({"num_gpus": 1}, {"rollout_spec_engine_kwargs": {"speculative_config": 1}, "model": "m"})]
