@@ -1,0 +1,273 @@
+"""SGLang adapter: tree layout, SGLang's own corpus test cases restated, the worker's call flow.
+
+Runs on the real NgramDrafter. SGLang's source is checked where the package is installed
+(``pip install --no-deps sglang``); importing SGLang's runtime needs its GPU stack and is not
+done here (see docs/sglang.md for what is and is not tested against the real package).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.sglang.config import ENV_VAR, server_args, spec_from_env, spec_to_env
+from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
+from rollout_spec.integrations.sglang.plugin import register, sglang_source_dir, upstream_problems
+from rollout_spec.integrations.sglang.rid import group_from_rid, rid_with_group
+from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask, trim_padding
+from rollout_spec.tree import DraftBatch
+
+D = 8
+SEEDS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 44, 55, 66, 77, 88, 99, 100]]
+QUERIES = [[1, 2, 3], [3, 44], [3, 6, 999]]
+
+
+def corpus(**kw) -> RolloutSpecCorpus:
+    return RolloutSpecCorpus(max_trie_depth=12, draft_token_num=kw.pop("draft_token_num", D), **kw)
+
+
+def get(c: RolloutSpecCorpus, queries, rids=None, d: int = D):
+    rids = rids or [f"query-{i}" for i in range(len(queries))]
+    ids, mask = c.batch_get(rids, queries, [len(q) for q in queries])
+    assert ids.dtype == np.int64 and mask.dtype == np.int64
+    return ids.reshape(-1, d), mask.reshape(-1, d, d)
+
+
+def paths(ids, mask) -> set[tuple[int, ...]]:
+    return trim_padding(leaf_paths(ids.tolist(), mask.tolist()))
+
+
+# ---------------------------------------------------------------- layout
+def test_layout_of_a_branching_tree_and_padding():
+    batch = DraftBatch.from_lists([[(4, -1), (44, -1), (5, 0), (55, 1)], []])
+    ids, mask = to_ids_mask(batch, [3, 9], 6)
+    ids, mask = ids.reshape(2, 6), mask.reshape(2, 6, 6)
+    assert ids.tolist() == [[3, 4, 44, 5, 55, 0], [9, 0, 0, 0, 0, 0]]
+    assert mask[0].tolist() == [
+        [1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1],
+    ]
+    assert paths(ids[0], mask[0]) == {(3, 4, 5), (3, 44, 55)}
+    assert paths(ids[1], mask[1]) == {(9,)}
+
+
+def test_layout_truncates_to_draft_slots_keeping_parents():
+    batch = DraftBatch.from_lists([[(1, -1), (2, 0), (3, 1), (4, 2), (5, 3)]])
+    ids, mask = to_ids_mask(batch, [7], 3)
+    assert ids.tolist() == [7, 1, 2]
+    assert leaf_paths(ids.tolist(), mask.reshape(3, 3).tolist()) == [[7, 1, 2]]
+    with pytest.raises(ValueError, match="roots"):
+        to_ids_mask(batch, [], 3)
+
+
+# ---------------------------------------------------------------- SGLang's corpus cases
+def test_golden_queries_match_sglang_leaf_paths():
+    c = corpus()
+    c.batch_put(SEEDS)
+    c.synchronize()
+    ids, mask = get(c, QUERIES)
+    assert ids.shape == (3, D) and mask.shape == (3, D, D)
+    assert [row[0] for row in ids.tolist()] == [3, 44, 999]
+    # SGLang's BFS tree for [1,2,3] is {3-4-5-6, 3-44-55-66-77}. How the 7 slots are split
+    # between the two equally likely branches is the drafter's budget policy (ours may go deep
+    # on one), so: every leaf path follows a seed and all slots are used.
+    got = paths(ids[0], mask[0])
+    truths = [(3, 4, 5, 6, 7, 8, 9, 10), (3, 44, 55, 66, 77, 88, 99, 100)]
+    assert all(any(t[: len(p)] == p for t in truths) for p in got)
+    assert (ids[0, 1:] != 0).all()
+    assert paths(ids[1], mask[1]) == {(44, 55, 66, 77, 88, 99, 100)}
+    assert paths(ids[2], mask[2]) == {(999,)}
+    for m in mask:
+        assert m[0].tolist() == [1] + [0] * (D - 1) and (np.diag(m) == 1).all()
+
+
+def test_no_match_and_empty_corpus_give_bare_root():
+    c = corpus()
+    c.batch_put([[10, 20, 30, 40, 50]])
+    assert get(c, [[999, 888, 777]])[0].tolist() == [[777] + [0] * (D - 1)]
+    assert get(corpus(), [[1, 2, 3]])[0].tolist() == [[3] + [0] * (D - 1)]
+
+
+@pytest.mark.parametrize(
+    "puts, query, expected",
+    [
+        ([[[1, 2, 3, 4, 5]], [[1, 2, 3, 44, 55]]], [1, 2, 3], {4, 44}),  # inserts accumulate
+        ([[[100, 200, 7, 8, 9, 50, 51]], [[300, 400, 7, 8, 9, 60, 61]]], [7, 8, 9], {50, 60}),
+        ([[[5, 10, 20, 30]]], [5], {10}),  # single-token context
+        ([[list(range(1, 20))]], list(range(1, 16)), {16}),  # context longer than the tail
+    ],
+)
+def test_continuations_found(puts, query, expected):
+    c = corpus()
+    for p in puts:
+        c.batch_put(p)
+    ids, _ = get(c, [query])
+    assert ids[0, 0] == query[-1] and expected <= set(ids[0].tolist())
+
+
+@pytest.mark.parametrize("repeats", [1, 10])
+def test_recent_and_frequent_continuation_wins_single_slot(repeats):
+    c = corpus(draft_token_num=2)
+    c.batch_put([[1, 2, 3, 10, 11]])
+    for _ in range(repeats):
+        c.batch_put([[1, 2, 3, 20, 21]])
+    assert get(c, [[1, 2, 3]], d=2)[0].tolist() == [[3, 20]]
+
+
+def test_batch_equals_individual_queries():
+    c = corpus()
+    c.batch_put(SEEDS)
+    ids, mask = get(c, QUERIES)
+    for i, q in enumerate(QUERIES):
+        one_ids, one_mask = get(corpus_with_seeds(), [q])
+        assert paths(one_ids[0], one_mask[0]) == paths(ids[i], mask[i])
+
+
+def corpus_with_seeds() -> RolloutSpecCorpus:
+    c = corpus()
+    c.batch_put(SEEDS)
+    return c
+
+
+def test_index_survives_reset_unlike_sglangs_trie():
+    c = corpus_with_seeds()
+    before = get(c, [[3, 44]])[0].tolist()
+    c.reset()  # SGLang's flush_cache; its own corpus returns a bare root after this
+    after = get(c, [[3, 44]], rids=["again"])[0].tolist()
+    assert after == before and after[0][1] == 55
+    c.reset()
+    c.reset()
+    assert c.stats()["steps"] == 2, "a flush without new tokens since the last is not a step"
+
+
+# ---------------------------------------------------------------- the worker's call flow
+def worker_steps(c: RolloutSpecCorpus, rid: str, prompt: list[int], output: list[int], tail: int, per_step: int):
+    """Drive ``c`` like SGLang's NGRAM worker: tails of ``tail`` tokens, ``per_step`` new each step."""
+    proposals = []
+    for n in range(1, len(output) + 1, per_step):
+        seq = prompt + output[:n]
+        c.synchronize()
+        ids, mask = c.batch_get([rid], [seq[-tail:]], [len(seq)])
+        c.batch_put([seq[-tail:]])
+        proposals.append(ids.reshape(D).tolist())
+    c.erase_match_state([rid])
+    return proposals
+
+
+def test_worker_flow_rebuilds_stream_and_shares_group():
+    prompt = [500, 501, 502, 503]
+    answer = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    c = corpus(spec=SpecConfig(num_draft_tokens=D - 1, global_weight=0.0))
+    worker_steps(c, rid_with_group("s0", prompt), prompt, answer, tail=6, per_step=3)
+    stats = c.stats()
+    assert stats["put_skipped"] == stats["gets"] and stats["put_sequences"] == 0
+    assert stats["gap_tokens"] == 0 and stats["live_requests"] == 0
+    # The sibling (same prompt => same group) is drafted from the first sample's tokens.
+    first = worker_steps(c, rid_with_group("s1", prompt), prompt, answer[:2], tail=6, per_step=1)
+    assert first[1][:6] == [12, 13, 14, 15, 16, 17]
+    # Another prompt's request has no group in common and the global scope is off.
+    other = worker_steps(c, rid_with_group("s2", [9, 9]), [9, 9], answer[:2], tail=6, per_step=1)
+    assert other[1][1:] == [0] * (D - 1)
+
+
+def test_gap_and_rollback_are_counted():
+    c = corpus()
+    c.batch_get(["r"], [[1, 2, 3]], [3])
+    c.batch_get(["r"], [[5, 6]], [10])  # 7 new tokens, only 2 visible
+    c.batch_get(["r"], [[1, 2]], [2])  # shorter than known: start over
+    s = c.stats()
+    assert (s["gap_tokens"], s["restarts"], s["requests"]) == (5, 1, 2)
+
+
+def test_bad_calls_name_the_problem():
+    c = corpus()
+    with pytest.raises(ValueError, match="equal lengths"):
+        c.batch_get(["a"], [[1], [2]], [1])
+    with pytest.raises(ValueError, match="must not repeat"):
+        c.batch_get(["a", "a"], [[1], [2]], [1, 1])
+    with pytest.raises(ValueError, match="empty"):
+        c.batch_get(["a"], [[]], [0])
+    with pytest.raises(ValueError, match="match_type"):
+        corpus(match_type="DFS")
+    with pytest.raises(ValueError, match="draft_token_num"):
+        corpus(draft_token_num=0)
+    with pytest.raises(NotImplementedError, match="cannot remove"):
+        c.remove_external_corpus("x")
+
+
+def test_external_corpus_budget_and_listing():
+    c = corpus(external_corpus_max_tokens=12)
+    n = c.load_external_corpus_named("docs", [[70, 71, 72, 73, 74], [80, 81]])
+    c.commit_external_corpus_load("docs", n)
+    assert c.list_external_corpora() == {"docs": 7} and c.remaining_token_budget == 5
+    assert get(c, [[70, 71]])[0][0, 1:4].tolist() == [72, 73, 74]
+    with pytest.raises(ValueError, match="already"):
+        c.load_external_corpus_named("docs", [[1]])
+    with pytest.raises(ValueError, match="budget"):
+        c.load_external_corpus_named("big", [list(range(6))])
+
+
+# ---------------------------------------------------------------- ids, config, plugin
+def test_group_travels_in_request_id():
+    rid = rid_with_group("abc", [1, 2, 3])
+    assert rid.startswith("abc|rsg=") and rid_with_group(rid, [4]) == rid
+    assert group_from_rid(rid) == group_from_rid(rid_with_group("other", [1, 2, 3]))
+    assert group_from_rid(rid) != group_from_rid(rid_with_group("abc", [1, 2, 4]))
+    assert 0 <= group_from_rid(rid) < 2**31 and group_from_rid("plain-id") is None
+    with pytest.raises(ValueError, match="8 lowercase hex"):
+        group_from_rid("x|rsg=zz")
+
+
+def test_spec_travels_in_env_and_server_args():
+    env: dict[str, str] = {}
+    spec = SpecConfig(num_draft_tokens=5, max_match_len=80, tree=False)
+    spec_to_env(spec, env)
+    assert spec_from_env(env) == spec and spec_from_env({}) is None
+    assert server_args(spec) == {
+        "speculative_algorithm": "NGRAM",
+        "speculative_num_draft_tokens": 6,
+        "speculative_ngram_max_trie_depth": 80,
+        "speculative_ngram_max_bfs_breadth": 1,
+    }
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        server_args(SpecConfig(num_draft_tokens=0))
+    with pytest.raises(ValueError, match=ENV_VAR):
+        spec_from_env({ENV_VAR: "{not json"})
+    with pytest.raises(ValueError, match="unknown key"):
+        spec_from_env({ENV_VAR: json.dumps({"num_draft_token": 3})})
+
+
+def test_corpus_reads_spec_from_env(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, json.dumps({"num_draft_tokens": 3}))
+    assert RolloutSpecCorpus(draft_token_num=8).spec.num_draft_tokens == 3
+
+
+def test_plugin_is_inert_without_env(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert register() is False
+
+
+SGLANG_DIR = sglang_source_dir()
+needs_sglang_source = pytest.mark.skipif(
+    SGLANG_DIR is None, reason="sglang not installed (pip install --no-deps sglang to check its source)"
+)
+
+
+@needs_sglang_source
+def test_installed_sglang_has_the_shape_we_patch():
+    assert upstream_problems(SGLANG_DIR) == []
+
+
+@needs_sglang_source
+def test_shape_check_fails_when_upstream_changes(tmp_path: Path):
+    for rel in ("srt/speculative/ngram_worker.py", "srt/plugins/__init__.py", "srt/managers/scheduler.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(SGLANG_DIR / rel, tmp_path / rel)
+    worker = tmp_path / "srt/speculative/ngram_worker.py"
+    worker.write_text(worker.read_text().replace("self.ngram_corpus.batch_get(", "self.ngram_corpus.batch_lookup("))
+    problems = upstream_problems(tmp_path)
+    assert any("batch_lookup" in p for p in problems), problems
