@@ -23,6 +23,15 @@ def test_group_key_is_stable_across_processes() -> None:
     assert group_key(np.array([5, 6, 7])) == group_key((5, 6, 7))
 
 
+def test_group_key_matches_the_engine_adapters_prompt_groups() -> None:
+    """The router must send a prompt where the engine-side drafter files its samples."""
+    from rollout_spec.integrations.vllm.chains import explicit_group_id, prompt_group_id
+
+    prompt = [1, 50, 4000, 2**20]
+    assert group_key(prompt) == prompt_group_id(prompt)
+    assert group_key("uid-7") == explicit_group_id("uid-7")
+
+
 @pytest.mark.parametrize("bad, exc", [(None, TypeError), (True, TypeError), (-1, ValueError), (1.5, TypeError)])
 def test_group_key_rejects_bad_ids(bad: object, exc: type) -> None:
     with pytest.raises(exc, match="group id"):

@@ -19,7 +19,7 @@ def group_key(group: object) -> int:
 
     Ints in that range are returned unchanged, so a framework's integer group ids keep their
     meaning for the drafter; str and bytes are hashed; a sequence of ints (the prompt's token
-    ids, which identify a prompt across RL steps) is hashed as int64 bytes.
+    ids, which identify a prompt across RL steps) is hashed as int32 bytes, exactly as the vLLM and SGLang adapters derive a prompt's group.
 
     Raises:
         TypeError: for None, bool or any other type.
@@ -37,7 +37,7 @@ def group_key(group: object) -> int:
     elif isinstance(group, (bytes, bytearray, memoryview)):
         data = bytes(group)
     elif isinstance(group, (Sequence, np.ndarray)):
-        data = np.asarray(group, dtype=np.int64).tobytes()
+        data = np.ascontiguousarray(np.asarray(group, dtype=np.int32)).tobytes()  # as the vLLM/SGLang adapters hash prompts
     else:
         raise TypeError(f"group id must be an int, str, bytes or token sequence, got {type(group).__name__}")
     digest = hashlib.blake2b(data, digest_size=8).digest()

@@ -17,6 +17,7 @@ from rollout_spec.config import check_float, check_int
 from rollout_spec.distributed.keys import group_key, group_keys, rendezvous_scores
 
 _CANDIDATES = 8  # preferences examined before falling back to the least-loaded replica
+_FULL = np.int64(1) << 60  # the load an unavailable replica is treated as having
 
 
 class GroupRouter:
@@ -50,6 +51,7 @@ class GroupRouter:
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self.max_sticky_groups = check_int("max_sticky_groups", max_sticky_groups, 1, 1 << 30)
         self._inflight = np.zeros(self.num_replicas, np.int64)
+        self._down = np.zeros(self.num_replicas, bool)  # removed replicas: never chosen
         self._sticky: OrderedDict[int, int] = OrderedDict()
 
     def preferences(self, groups: Sequence[object] | np.ndarray, k: int) -> np.ndarray:
@@ -71,21 +73,30 @@ class GroupRouter:
         return math.ceil(self.load_factor * total_load / self.num_replicas) + self.slack
 
     def assign(
-        self, groups: Sequence[object] | np.ndarray, weights: Sequence[int] | None = None
+        self,
+        groups: Sequence[object] | np.ndarray,
+        weights: Sequence[int] | None = None,
+        base_load: Sequence[int] | None = None,
     ) -> np.ndarray:
         """Place a batch of groups: replica index per group, int32[G].
 
-        ``weights`` (default 1 each) is the number of requests a group brings, e.g. its n. Heavy
-        groups are placed first; each takes its first preference with room, else the least-loaded
-        replica, so no replica ends above ``capacity(sum(weights))``.
+        ``weights`` (default 1 each) is the number of requests a group brings, e.g. its n;
+        ``base_load`` (default 0) is what each replica already runs. Heavy groups are placed
+        first; each takes its first preference with room, else the least-loaded replica, so no
+        replica ends above ``capacity(total)`` unless its base load alone exceeds it.
         """
         keys = _as_keys(groups)
         w = np.ones(len(keys), np.int64) if weights is None else np.asarray(weights, np.int64)
         if w.shape != keys.shape or (w < 0).any():
             raise ValueError("weights must hold one non-negative int per group")
-        cap = max(self.capacity(int(w.sum())), int(w.max(initial=0)))
+        if self._down.all():
+            raise RuntimeError("no replica is available")
+        base = np.zeros(self.num_replicas, np.int64) if base_load is None else np.asarray(base_load, np.int64)
+        if base.shape != (self.num_replicas,) or (base < 0).any():
+            raise ValueError(f"base_load must hold one non-negative int per replica ({self.num_replicas})")
+        cap = max(self.capacity(int(w.sum() + base.sum())), int(w.max(initial=0)))
         prefs = self.preferences(keys, _CANDIDATES)
-        load = np.zeros(self.num_replicas, np.int64)
+        load = np.where(self._down, _FULL, base)
         out = np.empty(len(keys), np.int32)
         # heaviest first; ties by key, so the placement does not depend on the batch's order
         for g in np.lexsort((keys, -w)):
@@ -100,10 +111,13 @@ class GroupRouter:
         takes its first preference with room. Call :meth:`release` when the request finishes.
         """
         key = group_key(group)
+        if self._down.all():
+            raise RuntimeError("no replica is available")
         cap = self.capacity(int(self._inflight.sum()) + 1)
+        load = np.where(self._down, _FULL, self._inflight)
         replica = self._sticky.get(key)
-        if replica is None or self._inflight[replica] >= cap:
-            replica = self._first_with_room(self.preferences([key], _CANDIDATES)[0], self._inflight, cap - 1)
+        if replica is None or load[replica] >= cap:
+            replica = self._first_with_room(self.preferences([key], _CANDIDATES)[0], load, cap - 1)
         self._sticky[key] = replica
         self._sticky.move_to_end(key)
         while len(self._sticky) > self.max_sticky_groups:
@@ -111,12 +125,37 @@ class GroupRouter:
         self._inflight[replica] += 1
         return int(replica)
 
+    def hold(self, replica: int) -> None:
+        """Count one request in flight on ``replica`` chosen elsewhere (a multi-turn request's
+        later turn, kept on its first server); pairs with :meth:`release`."""
+        replica = check_int("replica", replica, 0, self.num_replicas - 1)
+        self._inflight[replica] += 1
+
     def release(self, replica: int) -> None:
         """Mark one request on ``replica`` finished (pairs with :meth:`acquire`)."""
         replica = check_int("replica", replica, 0, self.num_replicas - 1)
         if self._inflight[replica] == 0:
             raise ValueError(f"replica {replica} has no request in flight to release")
         self._inflight[replica] -= 1
+
+    def set_available(self, replica: int, available: bool) -> None:
+        """Take a replica out of (or back into) service; its groups move to their next choices."""
+        replica = check_int("replica", replica, 0, self.num_replicas - 1)
+        self._down[replica] = not available
+
+    def grow(self, count: int) -> None:
+        """Add ``count`` replicas with the next indices; about count/N of the groups move to them."""
+        count = check_int("count", count, 1, (1 << 16) - self.num_replicas)
+        self.num_replicas += count
+        self._inflight = np.concatenate([self._inflight, np.zeros(count, np.int64)])
+        self._down = np.concatenate([self._down, np.zeros(count, bool)])
+        self._sticky.clear()  # sticky places predate the newcomers' share
+
+    def clear_sticky(self) -> int:
+        """Forget where groups went (they return to their ranked choices); returns how many."""
+        count = len(self._sticky)
+        self._sticky.clear()
+        return count
 
     def inflight(self) -> np.ndarray:
         """Requests in flight per replica (a copy), int64[N]."""

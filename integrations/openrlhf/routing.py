@@ -1,0 +1,51 @@
+"""Group-sticky engine choice for OpenRLHF's rollout dispatch.
+
+OpenRLHF (0.11) sends all n samples of a prompt to one vLLM engine, chosen by least pending load,
+so a prompt lands on a different engine at each step and its history is elsewhere. Replace the
+``engine_indices`` that ``SamplesGenerator._dispatch_prompts_to_vllm`` computes with
+:func:`assign_prompts_to_engines`: the same prompt goes to the same engine every step unless that
+engine is over its bounded share (``GroupRouter``), and loads stay within ``load_factor`` of even.
+
+Engine ``i`` of ``self.vllm_engines`` is replica ``i``, so an engine's
+``SharedIndexConfig.replica_id`` is its index in that list.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
+
+from rollout_spec.config import check_int
+from rollout_spec.distributed import GroupRouter, group_keys
+
+Prompt = Union[str, Sequence[int]]
+
+
+def assign_prompts_to_engines(
+    prompts: Sequence[Prompt],
+    num_engines: int,
+    n_samples_per_prompt: int = 1,
+    pending: Optional[Sequence[int]] = None,
+    tokenize: Optional[Callable[[str], Sequence[int]]] = None,
+    router: Optional[GroupRouter] = None,
+) -> list[int]:
+    """The engine index for each prompt (all its samples go there), sticky by prompt.
+
+    Args:
+        prompts: prompt texts or token id lists, one per prompt (before the n-fold expansion).
+        num_engines: ``len(self.vllm_engines)``.
+        n_samples_per_prompt: requests each prompt brings (its weight in the balance).
+        pending: requests already running per engine (``get_num_unfinished_requests``).
+        tokenize: maps a text prompt to the token ids the engine will see; with it the routing key
+            equals the group id the engine-side drafter uses (the prompt-token hash), so the
+            shared index sends a group's history to the engine that serves it. Without it text
+            prompts are keyed by their text: routing stays sticky, index placement may differ.
+        router: reuse one router across steps (default: a new one with default bounds).
+    """
+    check_int("num_engines", num_engines, 1, 1 << 16)
+    check_int("n_samples_per_prompt", n_samples_per_prompt, 1, 1 << 16)
+    router = router or GroupRouter(num_engines)
+    if router.num_replicas != num_engines:
+        raise ValueError(f"router has {router.num_replicas} replicas, num_engines is {num_engines}")
+    keys = group_keys(tokenize(p) if tokenize is not None and isinstance(p, str) else p for p in prompts)
+    placed = router.assign(keys, weights=[n_samples_per_prompt] * len(keys), base_load=pending)
+    return placed.tolist()

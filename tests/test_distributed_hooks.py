@@ -1,0 +1,96 @@
+"""The framework hooks over GroupRouter: verl's load-balancer plugin and OpenRLHF's engine choice.
+
+Both are plain Python (no verl/OpenRLHF import), exercised here through the calls the frameworks
+make: verl 0.9's RequestLoadBalancer protocol and OpenRLHF 0.11's per-prompt engine indices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_spec.distributed import GroupRouter, group_key
+from rollout_spec.integrations.openrlhf.routing import assign_prompts_to_engines
+from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer
+
+
+def _servers(n: int) -> dict[str, str]:
+    return {f"10.0.0.{i}:8000": f"handle-{i}" for i in range(n)}
+
+
+def _prompt(i: int) -> list[int]:
+    return [1, 2, 3, 100 + i]
+
+
+def test_verl_balancer_keeps_siblings_and_later_steps_together() -> None:
+    lb = GroupStickyLoadBalancer(_servers(4))
+    assert lb.require_acquire_fields() == ["prompt_ids"]
+    placed = {}
+    for step in range(2):
+        for p in range(8):
+            sids = {lb.acquire_server(f"s{step}-p{p}-{k}", prompt_ids=_prompt(p))[0] for k in range(4)}
+            assert len(sids) == 1  # the n samples of a prompt share a server
+            assert placed.setdefault(p, sids.pop()) in lb.get_all_servers()
+            if step == 1:
+                assert lb.acquire_server(f"s1-p{p}-x", prompt_ids=_prompt(p))[0] == placed[p]  # same as step 0
+        for sid in lb.get_all_servers():
+            while lb.get_status()["servers"][sid]:
+                lb.release_server(sid)
+    assert len(set(placed.values())) > 1  # different prompts spread over servers
+    ranks = GroupRouter(4).preferences([group_key(_prompt(p)) for p in range(8)], 1)[:, 0]
+    assert [lb.get_all_servers()[r] for r in ranks] == [placed[p] for p in range(8)]  # = replica ranks
+
+
+def test_verl_balancer_bounds_load_and_keeps_multi_turn_requests() -> None:
+    lb = GroupStickyLoadBalancer(_servers(4), {"router_class": "x", "load_factor": 1.0, "slack": 2})
+    for p in range(40):
+        for k in range(4):
+            lb.acquire_server(f"p{p}-{k}", prompt_ids=_prompt(p))
+    loads = np.array(list(lb.get_status()["servers"].values()))
+    assert loads.sum() == 160 and loads.max() <= GroupRouter(4, load_factor=1.0, slack=2).capacity(160)
+    first = lb.acquire_server("chat-1", prompt_ids=_prompt(0))[0]
+    assert lb.acquire_server("chat-1", prompt_ids=_prompt(0) + [7, 8, 9])[0] == first  # turn 2
+    assert lb.get_total_inflight() == 162
+    assert lb.clear_sticky_cache()["cleared_entries"] > 0
+    with pytest.raises(ValueError, match="prompt_ids"):
+        lb.acquire_server("no-prompt")
+    with pytest.raises(ValueError, match="unknown keys"):
+        GroupStickyLoadBalancer(_servers(2), {"load_factr": 1.2})
+
+
+def test_verl_balancer_follows_removed_and_returning_servers() -> None:
+    lb = GroupStickyLoadBalancer(_servers(3))
+    home = lb.acquire_server("a", prompt_ids=_prompt(5))[0]
+    lb.remove_servers([home])
+    moved = lb.acquire_server("b", prompt_ids=_prompt(5))[0]
+    assert moved != home and home not in lb.get_all_servers()
+    lb.add_servers({home: "handle-back"})
+    lb.clear_sticky_cache()
+    assert lb.acquire_server("c", prompt_ids=_prompt(5)) == (home, "handle-back")  # its slot, its groups
+    lb.add_servers({"10.0.0.9:8000": "handle-9"})
+    assert len(lb.get_all_servers()) == 4
+    empty = GroupStickyLoadBalancer({})
+    with pytest.raises(RuntimeError, match="No available servers"):
+        empty.acquire_server("x", prompt_ids=[1])
+    empty.add_servers({"s": "h"})
+    assert empty.acquire_server("x", prompt_ids=[1]) == ("s", "h")
+
+
+def test_openrlhf_engine_choice_is_sticky_and_balanced() -> None:
+    prompts = [f"question {i}" for i in range(64)]
+    first = assign_prompts_to_engines(prompts, 8, n_samples_per_prompt=8)
+    again = assign_prompts_to_engines(prompts[::-1], 8, n_samples_per_prompt=8)[::-1]
+    assert first == again  # the same prompt goes to the same engine at every step, in any order
+    loads = np.bincount(first, minlength=8) * 8
+    assert loads.max() <= GroupRouter(8).capacity(512)
+    busy = assign_prompts_to_engines(prompts, 8, 8, pending=[400, 0, 0, 0, 0, 0, 0, 0])
+    assert busy.count(0) < first.count(0)  # an engine with a backlog takes fewer new prompts
+
+
+def test_openrlhf_tokenized_key_matches_the_drafter_group() -> None:
+    vocab = {"a": 5, "b": 6}
+    tokenize = lambda text: [vocab[c] for c in text]  # noqa: E731
+    by_tokens = assign_prompts_to_engines(["ab", "ba"], 4, tokenize=tokenize)
+    assert by_tokens == GroupRouter(4).assign([group_key([5, 6]), group_key([6, 5])]).tolist()
+    with pytest.raises(ValueError, match="num_engines"):
+        assign_prompts_to_engines(["x"], 0)
+    with pytest.raises(ValueError, match="replicas"):
+        assign_prompts_to_engines(["x"], 3, router=GroupRouter(2))
