@@ -1,0 +1,306 @@
+"""Random operation sequences: the C++ drafter against a slow pure-Python model of its semantics.
+
+``RefDrafter`` restates docs/drafter.md's rules with plain lists (no hashing, no chains): scopes,
+newest-first occurrence search per key length, weighted continuation trie, best-first expansion,
+eviction by (step, creation order), aging at end_step. Proposals must match node for node.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollout_spec import _core
+from rollout_spec import drafter as drafter_mod
+from rollout_spec.config import SpecConfig
+from rollout_spec.drafter import NgramDrafter, _core_config
+
+KEYS = (8, 4, 2, 1)
+
+
+class RefDrafter:
+    """Pure-Python model of DrafterCore (exact same outputs, none of its speed)."""
+
+    def __init__(self, cfg: SpecConfig, capacity: int):
+        self.cfg, self.capacity = cfg, capacity
+        self.weights = (cfg.request_weight, cfg.group_weight, cfg.global_weight)
+        self.seqs: list[dict] = []
+        self.free: list[int] = []
+        self.reqs: dict[int, int] = {}
+        self.own: dict[int, list[list]] = {}
+        self.groups: dict[int, list[list]] = {}
+        self.glob: list[list] = [[] for _ in KEYS]
+        self.step = self.order = self.stored = 0
+
+    # -- storage
+    def _slot(self, **fields) -> int:
+        seq = dict(tokens=[], group=-1, prompt_len=0, live=False, pinned=False, alive=True,
+                   step=self.step, order=self.order)
+        seq.update(fields)
+        self.order += 1
+        if self.free:
+            slot = self.free.pop()
+            self.seqs[slot] = seq
+        else:
+            slot = len(self.seqs)
+            self.seqs.append(seq)
+        return slot
+
+    def _index(self, slot: int, own: list | None, pos: int) -> None:
+        s = self.seqs[slot]
+        targets = [own] if own is not None else []
+        if pos >= s["prompt_len"] - 1:
+            if s["group"] >= 0:
+                targets.append(self.groups.setdefault(s["group"], [[] for _ in KEYS]))
+            targets.append(self.glob)
+        for index in targets:
+            for ki, k in enumerate(KEYS):
+                if pos + 1 >= k:
+                    index[ki].append((slot, pos))
+
+    def _in_group(self, seq: int, own: int, group: int) -> bool:
+        s = self.seqs[seq]
+        return (seq != own and s["alive"] and s["group"] == group and group >= 0 and
+                (s["live"] or s["pinned"] or s["step"] >= self.step - self.cfg.history_steps))
+
+    def _evict(self) -> None:
+        if self.stored <= self.capacity:
+            return
+        victims = sorted((i for i, s in enumerate(self.seqs) if s["alive"] and not s["live"] and not s["pinned"]),
+                         key=lambda i: (self.seqs[i]["step"], self.seqs[i]["order"]))
+        target, freed = self.capacity - self.capacity // 4, []
+        for v in victims:
+            if self.stored <= target:
+                break
+            self.stored -= len(self.seqs[v]["tokens"])
+            self.seqs[v] = dict(tokens=[], alive=False, live=False, pinned=False, group=-1, step=0, order=0)
+            freed.append(v)
+        if freed:
+            for index in [self.glob, *self.groups.values()]:
+                for ki in range(len(KEYS)):
+                    index[ki] = [r for r in index[ki] if self.seqs[r[0]]["alive"]]
+            self.free.extend(freed)
+
+    # -- operations
+    def start(self, ids, groups, prompts):
+        for rid, g, p in zip(ids, groups, prompts):
+            slot = self._slot(tokens=list(p), group=g, prompt_len=len(p), live=True)
+            self.stored += len(p)
+            self.reqs[rid] = slot
+            self.own[rid] = [[] for _ in KEYS]
+            for pos in range(len(p)):
+                self._index(slot, self.own[rid], pos)
+        self._evict()
+
+    def extend(self, ids, lists):
+        for rid, toks in zip(ids, lists):
+            slot = self.reqs[rid]
+            s = self.seqs[slot]
+            first = len(s["tokens"])
+            s["tokens"].extend(toks)
+            s["step"] = self.step
+            self.stored += len(toks)
+            for pos in range(first, len(s["tokens"])):
+                self._index(slot, self.own[rid], pos)
+        self._evict()
+
+    def finish(self, ids):
+        for rid in ids:
+            s = self.seqs[self.reqs.pop(rid)]
+            s.update(live=False, step=self.step)
+            del self.own[rid]
+        self._evict()
+
+    def add(self, groups, seqs):
+        for g, toks in zip(groups, seqs):
+            slot = self._slot(tokens=list(toks), group=g)
+            self.stored += len(toks)
+            for pos in range(len(toks)):
+                self._index(slot, None, pos)
+            if self.stored > self.capacity:
+                self._evict()
+        self._evict()
+
+    def end_step(self):
+        self.step += 1
+        for g, index in self.groups.items():
+            for ki in range(len(KEYS)):
+                index[ki] = [r for r in index[ki] if self._in_group(r[0], -1, g)]
+
+    # -- proposals
+    def _scope(self, index, scope, ctx, accept, occ):
+        cfg, first = self.cfg, len(occ)
+        for ki, k in enumerate(KEYS):
+            if len(occ) - first >= drafter_mod.MAX_OCCURRENCES:
+                break
+            if k > len(ctx):
+                continue
+            need = max(min(k, cfg.max_match_len), cfg.min_match_len)
+            key, walked = ctx[-k:], 0
+            for seq, pos in reversed(index[ki]):
+                toks = self.seqs[seq]["tokens"]
+                if toks[pos - k + 1:pos + 1] != key:
+                    continue  # another chain
+                if walked >= drafter_mod.CHAIN_WALK:
+                    break
+                walked += 1
+                if pos + 1 >= len(toks) or not accept(seq) or any(o[0] == seq and o[1] == pos for o in occ[first:]):
+                    continue
+                m = 0
+                while m < cfg.max_match_len and m < len(ctx) and pos - m >= 0 and ctx[-1 - m] == toks[pos - m]:
+                    m += 1
+                if m < need:
+                    continue
+                occ.append((seq, pos, m, scope))
+                if len(occ) - first >= drafter_mod.MAX_OCCURRENCES:
+                    break
+
+    def _gather(self, rid):
+        own = self.reqs[rid]
+        ctx, group = self.seqs[own]["tokens"], self.seqs[own]["group"]
+        occ: list = []
+        if not ctx:
+            return occ
+        use_group = group >= 0 and self.weights[1] > 0
+        if self.weights[0] > 0:
+            self._scope(self.own[rid], 0, ctx, lambda s: True, occ)
+        if use_group and group in self.groups:
+            self._scope(self.groups[group], 1, ctx, lambda s: self._in_group(s, own, group), occ)
+        if self.weights[2] > 0:
+            self._scope(self.glob, 2, ctx,
+                        lambda s: s != own and not (use_group and self._in_group(s, own, group)), occ)
+        return occ
+
+    def _build(self, occ, budget):
+        cfg = self.cfg
+        # node: [token, parent, weight, count, children, prob, out_index]
+        nodes = [[-1, -1, 0.0, 0, [], 1.0, -1]]
+        depth = min(budget, cfg.max_depth)
+        for seq, pos, m, scope in occ:
+            w = self.weights[scope]
+            for _ in range(drafter_mod.MATCH_POWER):
+                w *= m
+            toks = self.seqs[seq]["tokens"]
+            nodes[0][2] += w
+            cur = 0
+            for t in toks[pos + 1:min(len(toks), pos + 1 + depth)]:
+                nxt = next((c for c in nodes[cur][4] if nodes[c][0] == t), None)
+                if nxt is None:
+                    nxt = len(nodes)
+                    nodes.append([t, cur, 0.0, 0, [], 0.0, -1])
+                    nodes[cur][4].append(nxt)
+                nodes[nxt][2] += w
+                nodes[nxt][3] += 1
+                cur = nxt
+        beta, floor = drafter_mod.EVIDENCE_DISCOUNT, (cfg.min_token_prob if cfg.adaptive_budget else 0.0)
+        heap: list = []
+
+        def push(i):
+            for c in nodes[i][4]:
+                n = float(nodes[c][3])
+                nodes[c][5] = nodes[i][5] * (nodes[c][2] / nodes[i][2]) * (n / (n + beta))
+                heapq.heappush(heap, (-nodes[c][5], c))
+
+        out = []
+        if budget > 0 and occ:
+            push(0)
+            while len(out) < budget and heap:
+                negp, i = heapq.heappop(heap)
+                if -negp < floor or -negp <= 0:
+                    break
+                nodes[i][6] = len(out)
+                parent = nodes[i][1]
+                out.append((nodes[i][0], -1 if parent == 0 else nodes[parent][6], np.float32(-negp)))
+                if not cfg.tree:
+                    heap.clear()
+                push(i)
+        return out
+
+    def propose(self, ids, budgets):
+        left, trees = self.cfg.max_batch_draft_tokens, []
+        for rid, b in zip(ids, budgets):
+            budget = min(b, left)
+            tree = self._build(self._gather(rid), budget) if budget > 0 else []
+            left -= len(tree)
+            trees.append(tree)
+        return trees
+
+
+def make_pair(cfg: SpecConfig, capacity: int) -> tuple[NgramDrafter, RefDrafter]:
+    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens)."""
+    d = NgramDrafter(cfg)
+    core_cfg = _core_config(cfg)
+    core_cfg.capacity_tokens = capacity
+    d._core = _core.DrafterCore(core_cfg)
+    return d, RefDrafter(cfg, capacity)
+
+
+def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
+    """DraftBatch -> per-request [(token, parent, prob)]."""
+    off = batch.offsets
+    return [[(int(batch.tokens[i]), int(batch.parents[i]), batch.probs[i]) for i in range(off[b], off[b + 1])]
+            for b in range(batch.num_requests)]
+
+
+tokens_st = st.lists(st.integers(0, 4), min_size=0, max_size=12)
+op_st = st.one_of(
+    st.tuples(st.just("start"), st.lists(st.integers(0, 4), min_size=1, max_size=10), st.sampled_from([None, 0, 1, 2])),
+    st.tuples(st.just("extend"), st.integers(0, 7), tokens_st),
+    st.tuples(st.just("finish"), st.integers(0, 7)),
+    st.tuples(st.just("propose"), st.integers(0, 3), st.integers(0, 9)),
+    st.tuples(st.just("add"), st.sampled_from([None, 0, 1, 3]), tokens_st),
+    st.tuples(st.just("end_step")),
+)
+config_st = st.builds(
+    SpecConfig,
+    tree=st.booleans(),
+    adaptive_budget=st.booleans(),
+    min_token_prob=st.sampled_from([0.0, 0.1, 0.3]),
+    max_depth=st.integers(1, 6),
+    max_match_len=st.integers(1, 6),
+    min_match_len=st.just(1),
+    group_weight=st.sampled_from([0.0, 1.0, 2.0]),
+    global_weight=st.sampled_from([0.0, 0.5]),
+    request_weight=st.sampled_from([0.0, 1.0]),
+    history_steps=st.integers(0, 2),
+    max_batch_draft_tokens=st.integers(0, 20),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=config_st, capacity=st.integers(20, 80), ops=st.lists(op_st, min_size=1, max_size=40))
+def test_random_operations_match_reference(cfg, capacity, ops):
+    d, ref = make_pair(cfg, capacity)
+    live: list[int] = []
+    next_id = 0
+    for op in ops:
+        if op[0] == "start":
+            d.start(next_id, op[1], op[2])
+            ref.start([next_id], [-1 if op[2] is None else op[2]], [op[1]])
+            live.append(next_id)
+            next_id += 1
+        elif op[0] == "extend" and live:
+            rid = live[op[1] % len(live)]
+            d.extend(rid, op[2])
+            ref.extend([rid], [op[2]])
+        elif op[0] == "finish" and live:
+            rid = live.pop(op[1] % len(live))
+            d.finish(rid)
+            ref.finish([rid])
+        elif op[0] == "propose" and live:
+            ids = live[op[1] % len(live):]
+            budgets = [op[2]] * len(ids)
+            got = as_lists(d.propose(ids, budgets))
+            assert got == ref.propose(ids, budgets)
+        elif op[0] == "add":
+            d.add_sequences([op[1]], [op[2]])
+            ref.add([-1 if op[1] is None else op[1]], [op[2]])
+        elif op[0] == "end_step":
+            d.end_step()
+            ref.end_step()
+        d.check_integrity()
+        assert d.stats()["index_tokens"] == ref.stored
+    if live:
+        assert as_lists(d.propose(live)) == ref.propose(live, [cfg.num_draft_tokens] * len(live))
