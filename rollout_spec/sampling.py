@@ -78,42 +78,71 @@ class SamplingTable:
         return bool((sampling & (k_cuts | (self.top_p < 1))).any())
 
 
-def target_scores(
-    logits: torch.Tensor, table: SamplingTable, rows_per_request: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked scaled logits and their log-normaliser for every row of a verify step.
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row facts of the target distributions of one verify step, on the logits' device."""
+
+    temp: float | torch.Tensor  # effective temperature (1 for greedy): a float, or float32[R, 1]
+    lse: torch.Tensor  # float32[R]: log-normaliser of the masked scaled logits
+    thr: torch.Tensor | None  # float32[R]: smallest kept scaled logit; None when nothing is cut
+    argmax: torch.Tensor | None  # int64[R]: argmax of the raw logits; None unless asked
+
+
+def row_stats(
+    logits: torch.Tensor, table: SamplingTable, rows_per_request: np.ndarray, want_argmax: bool,
+    temp_rows: torch.Tensor | None = None,
+) -> RowStats:
+    """Normalisers (and truncation thresholds, argmaxes) of every row's target distribution.
 
     Row r belongs to the request that ``rows_per_request`` (int64[B], summing to R) assigns it.
-    Returns ``scores`` float32[R, V] (-inf outside the kept set) and ``lse`` float32[R], so that
-    ``scores - lse[:, None]`` is the log-probability of the distribution sampled from. Never
-    modifies ``logits``.
+    ``temp_rows`` is float32[R] of effective temperatures on the device when the table is not
+    uniform (the caller uploads it with its other per-step arrays). Never modifies ``logits``.
     """
     vocab = logits.shape[1]
-    temp_eff = np.where(table.temperature > 0, table.temperature, np.float32(1.0))
     if table.uniform:
-        scale: float | torch.Tensor = float(temp_eff[0])
+        temps = effective_temperature(table)
+        temp: float | torch.Tensor = float(temps[0]) if len(temps) else 1.0
     else:
-        scale = _rows(temp_eff, rows_per_request, logits.device)[:, None]
-    scores = logits.float()
-    if not (isinstance(scale, float) and scale == 1.0):
-        scores = scores / scale
+        if temp_rows is None:
+            raise ValueError("temp_rows (float32[R]) is required when requests differ")
+        temp = temp_rows[:, None]
+    scores = scale(logits, temp)
+    thr = None
     if table.truncates(vocab):
         sampling = table.temperature > 0
         top_k = np.where(sampling & (table.top_k > 0), np.minimum(table.top_k, vocab), vocab)
         top_p = np.where(sampling, table.top_p, np.float32(1.0))
-        thr = _truncation_threshold(
-            scores,
-            _rows(top_k, rows_per_request, logits.device),
-            _rows(top_p, rows_per_request, logits.device),
-        )
+        per_row = [np.repeat(a, rows_per_request) for a in (top_k, top_p)]
+        k_rows, p_rows = (torch.from_numpy(a).to(logits.device) for a in per_row)
+        thr = _truncation_threshold(scores, k_rows, p_rows)
         # Out of place: with float32 logits and T = 1, scores still aliases the caller's logits.
         scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
-    return scores, torch.logsumexp(scores, dim=-1)
+    argmax = logits.argmax(dim=-1) if want_argmax else None
+    return RowStats(temp=temp, lse=torch.logsumexp(scores, dim=-1), thr=thr, argmax=argmax)
 
 
-def _rows(per_request: np.ndarray, rows_per_request: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Expand a per-request host array to one entry per verify row, on ``device``."""
-    return torch.from_numpy(np.repeat(per_request, rows_per_request)).to(device)
+def effective_temperature(table: SamplingTable) -> np.ndarray:
+    """float32[B]: the temperature that divides the logits (1 for greedy requests)."""
+    return np.where(table.temperature > 0, table.temperature, np.float32(1.0)).astype(np.float32)
+
+
+def scale(logits: torch.Tensor, temp: float | torch.Tensor) -> torch.Tensor:
+    """``logits / temp`` in float32 (division, as the reference warpers do; no copy at T = 1)."""
+    scores = logits.float()
+    if isinstance(temp, float) and temp == 1.0:
+        return scores
+    return scores / temp
+
+
+def target_scores_of_rows(
+    logits: torch.Tensor, stats: RowStats, rows: torch.Tensor, temp: float | torch.Tensor
+) -> torch.Tensor:
+    """float32[len(rows), V]: masked scaled logits of the selected rows (-inf outside the kept
+    set); ``temp`` is the rows' effective temperature (a float or float32[len(rows), 1])."""
+    scores = scale(logits[rows], temp)
+    if stats.thr is not None:
+        scores = scores.masked_fill(scores < stats.thr[rows][:, None], float("-inf"))
+    return scores
 
 
 def _truncation_threshold(

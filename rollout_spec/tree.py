@@ -199,13 +199,7 @@ def build_tree_inputs(
     device = torch.device(device) if device is not None else root_tokens.device
     packed, reach = _host_tree_arrays(batch, width)
     cells = num_req * width
-    packed_t = torch.from_numpy(packed)
-    mask_t = torch.from_numpy(reach)
-    if device.type == "cuda":
-        packed_t = packed_t.pin_memory().to(device, non_blocking=True)
-        mask_t = mask_t.pin_memory().to(device, non_blocking=True)
-    else:
-        packed_t, mask_t = packed_t.to(device), mask_t.to(device)
+    packed_t, mask_t = to_device([packed, reach], device)
     tokens, depth, parent_col, row_index = packed_t[: 4 * cells].view(4, num_req, width).unbind(0)
     input_ids = tokens.clone()
     input_ids[:, 0] = root_tokens.to(device=device, dtype=torch.int64)
@@ -222,3 +216,40 @@ def build_tree_inputs(
         parent_col=parent_col,
         row_index=row_index,
     )
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Move host arrays to ``device`` in ONE copy (byte-packed, 8-byte aligned), keeping shapes.
+
+    Small per-step index arrays are dominated by per-copy latency on a GPU, so they travel
+    together. On the CPU the arrays are wrapped without copying.
+    """
+    import torch
+
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    buf, spans = pack_bytes(arrays)
+    return unpack_bytes(torch.from_numpy(buf).to(device), arrays, spans)
+
+
+def pack_bytes(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Concatenate the arrays' bytes, each start 8-byte aligned; return the buffer and spans."""
+    chunks, spans, pos = [], [], 0
+    for a in arrays:
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        chunks += [raw, np.zeros(-len(raw) % 8, np.uint8)]
+        spans.append((pos, len(raw)))
+        pos += len(raw) + len(chunks[-1])
+    return (np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)), spans
+
+
+def unpack_bytes(
+    buf: torch.Tensor, arrays: list[np.ndarray], spans: list[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """Views of a packed uint8 tensor with the dtypes and shapes of the original arrays."""
+    import torch
+
+    return [
+        buf[start : start + size].view(torch.from_numpy(np.empty(0, a.dtype)).dtype).view(a.shape)
+        for a, (start, size) in zip(arrays, spans)
+    ]

@@ -10,8 +10,14 @@ plain sampling from the target, one token at a time.
 
 Vectorisation. A child's acceptance, given that its parent was reached and its earlier siblings
 were rejected, uses its own uniform draw, so every node's decision is computed at once; a node is
-on the accepted path iff it and all its ancestors were their parent's first accepted child, which
-is one reduction over the tree mask. No loop runs over requests, nodes or depth.
+on the accepted path iff it and all its ancestors were their parent's first accepted child
+(pointer jumping: a loop of log2(depth) numpy steps). No loop runs over requests or nodes.
+
+Where the work runs. Everything of size [rows, V] runs on the logits' device (normalisers,
+truncation, the bonus draw); the tree walk is O(N) integer work on a few thousand numbers, which
+numpy on the host does in microseconds where a GPU would spend dozens of kernel launches. One
+step therefore costs two device-to-host copies (row statistics; bonus tokens) and a handful of
+kernels. Random numbers come from ``generator`` on the device, so seeded runs reproduce.
 
 Log-probabilities. Every emitted token (accepted or bonus) reports ``log p(token)`` under the
 distribution it was drawn from at its parent: temperature-scaled, top-k/top-p truncated and
@@ -23,30 +29,100 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams
-from rollout_spec.sampling import SamplingTable, target_scores
-from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs
+from rollout_spec.sampling import (
+    RowStats,
+    SamplingTable,
+    effective_temperature,
+    row_stats,
+    target_scores_of_rows,
+)
+from rollout_spec.tree import DraftBatch, TreeInputs, to_device
 
 # A child holding all the mass not yet rejected is accepted with certainty; float rounding of
 # that remaining mass must not turn certainty into a rare rejection with nothing left to sample.
 _CERTAIN = 1.0 - 1e-6
+_FIELDS = ("accepted_offsets", "accepted_nodes", "bonus", "emitted_offsets", "emitted_tokens",
+           "emitted_logprobs", "num_accepted")
 
 
 @dataclass(frozen=True)
-class VerifyResult:
-    """Per-request outcome of one verify step, as CSR tensors on the logits' device."""
+class HostVerifyResult:
+    """VerifyResult's arrays on the host (numpy), as verification computed them."""
 
-    accepted_offsets: torch.Tensor  # int64[B+1]
-    accepted_nodes: torch.Tensor  # int64[sum]; node indices within the slice, root to leaf
-    bonus: torch.Tensor  # int64[B]; the token drawn after the accepted path
-    emitted_offsets: torch.Tensor  # int64[B+1]
-    emitted_tokens: torch.Tensor  # int64[sum]; accepted tokens then the bonus
-    emitted_logprobs: torch.Tensor  # float32[sum]; log p(token) under its sampling distribution
-    num_accepted: torch.Tensor  # int64[B]; length of the accepted path
+    accepted_offsets: np.ndarray  # int64[B+1]
+    accepted_nodes: np.ndarray  # int64[sum]; node indices within the slice, root to leaf
+    bonus: np.ndarray  # int64[B]; the token drawn after the accepted path
+    emitted_offsets: np.ndarray  # int64[B+1]
+    emitted_tokens: np.ndarray  # int64[sum]; accepted tokens then the bonus
+    emitted_logprobs: np.ndarray  # float32[sum]; log p(token) under its sampling distribution
+    num_accepted: np.ndarray  # int64[B]; length of the accepted path
+
+
+class VerifyResult:
+    """Per-request outcome of one verify step, as CSR tensors on the logits' device.
+
+    ``host`` holds the same data as numpy arrays (free); the tensor attributes are uploaded in
+    one copy on first access, so a caller that needs the results on the host should read
+    ``host`` rather than copy the tensors back.
+    """
+
+    accepted_offsets: torch.Tensor
+    accepted_nodes: torch.Tensor
+    bonus: torch.Tensor
+    emitted_offsets: torch.Tensor
+    emitted_tokens: torch.Tensor
+    emitted_logprobs: torch.Tensor
+    num_accepted: torch.Tensor
+
+    def __init__(self, host: HostVerifyResult, device: torch.device) -> None:
+        self.host = host
+        self.device = device
+
+    @cached_property
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        arrays = [getattr(self.host, name) for name in _FIELDS]
+        return dict(zip(_FIELDS, to_device(arrays, self.device)))
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in _FIELDS:
+            return self._tensors[name]
+        raise AttributeError(f"VerifyResult has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"VerifyResult({self.host}, device={self.device})"
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    """Host index arrays of a batch's nodes, flat in slice order."""
+
+    req: np.ndarray  # int64[N]: request of the node
+    local: np.ndarray  # int64[N]: index within the request's slice
+    tok: np.ndarray  # int64[N]: draft token
+    parent: np.ndarray  # int64[N]: flat index of the parent node, -1 under the root
+    parent_row: np.ndarray  # int64[N]: verify row of the parent (the root row under the root)
+    node_row: np.ndarray  # int64[N]: verify row of the node itself
+    root_row: np.ndarray  # int64[B]: verify row of each request's root
+
+    @staticmethod
+    def of(batch: DraftBatch) -> "_Nodes":
+        """Index arrays of a validated batch."""
+        num_req, sizes = batch.num_requests, batch.sizes()
+        starts = batch.offsets[:-1].astype(np.int64)
+        req = np.repeat(np.arange(num_req, dtype=np.int64), sizes)
+        local = np.arange(batch.num_nodes, dtype=np.int64) - starts[req]
+        root_row = starts + np.arange(num_req, dtype=np.int64)
+        par = batch.parents.astype(np.int64)
+        return _Nodes(req=req, local=local, tok=batch.tokens.astype(np.int64),
+                      parent=np.where(par >= 0, starts[req] + par, -1),
+                      parent_row=root_row[req] + 1 + par, node_row=root_row[req] + 1 + local,
+                      root_row=root_row)
 
 
 def verify(
@@ -65,36 +141,34 @@ def verify(
         batch: the draft trees the logits were computed for.
         sampling: one SamplingParams for all requests, or B of them.
         generator: torch.Generator on the logits' device; seeded runs reproduce.
-        tree: the TreeInputs built for this forward (saves rebuilding the index tensors).
+        tree: the TreeInputs of this forward; optional, only checked against the batch (the
+            walk needs nothing that the batch does not already hold on the host).
     Returns:
-        VerifyResult; computing its CSR sizes costs one device synchronisation.
+        VerifyResult (numpy arrays in ``.host``, device tensors on access).
     Raises:
         ValueError/TypeError naming the offending argument or field.
     """
     table = _check_inputs(logits, batch, sampling, tree)
-    num_req, dev = batch.num_requests, logits.device
-    if tree is None:
-        zeros = torch.zeros(num_req, dtype=torch.int64)
-        tree = build_tree_inputs(batch, zeros, zeros, device=dev)
-    scores, lse = target_scores(logits, table, batch.sizes() + 1)
-    width = tree.width
-    node = tree.parent_col >= 0  # real draft nodes: excludes roots and padding
-    parent_rows = tree.row_index.gather(1, tree.parent_col.clamp(min=0))
-    tok = tree.input_ids
-    logp = scores[parent_rows, tok] - lse[parent_rows]  # [B, W] log p_parent(token)
-    greedy = _request_flags(table.temperature == 0, dev)
-    first = _first_accepted_child(scores, parent_rows, logp, tree, node, greedy, generator)
-    # On the path iff every ancestor-or-self column (the root counts as accepted) was chosen.
-    chosen = first.clone()
-    chosen[:, 0] = True
-    accepted = node & ~(tree.tree_mask & ~chosen[:, None, :]).any(dim=-1)
-    num_accepted = accepted.sum(dim=1)
-    final_col = (tree.depth * accepted).argmax(dim=1)  # deepest accepted node, else the root
-    final_row = tree.row_index.gather(1, final_col[:, None]).squeeze(1)
-    is_child = node & (tree.parent_col == final_col[:, None])
-    bonus = _bonus_tokens(scores[final_row], tok, is_child, greedy, generator)
-    bonus_logp = scores[final_row, bonus] - lse[final_row]
-    return _assemble(accepted, num_accepted, tree.depth, tok, logp, bonus, bonus_logp, width)
+    dev, nodes = logits.device, _Nodes.of(batch)
+    temps = effective_temperature(table)
+    rows_per_req = batch.sizes() + 1
+    temp_rows = None if table.uniform else np.repeat(temps, rows_per_req)
+    uploads = [nodes.parent_row, nodes.tok] + ([temp_rows] if temp_rows is not None else [])
+    dev_arrays = to_device(uploads, dev)
+    stats = row_stats(logits, table, rows_per_req, table.any_greedy,
+                      dev_arrays[2] if temp_rows is not None else None)
+    child_logit = logits[dev_arrays[0], dev_arrays[1]].float()
+    u = torch.rand(batch.num_nodes, generator=generator, device=dev)
+    child_logit, lse, thr, argmax, u = _fetch([child_logit, stats.lse, stats.thr, stats.argmax, u])
+    logp = _node_logprobs(nodes, temps, child_logit, lse, thr)
+    greedy = table.temperature == 0
+    hit = _hits(nodes, greedy, logp, argmax, u)
+    accepted = _on_path(nodes, _first_per_parent(nodes, hit))
+    final_row, acc_idx = _final_rows(nodes, accepted, batch.num_requests)
+    bonus, bonus_score = _bonus(logits, stats, table, temps, nodes, final_row, generator)
+    bonus_logp = bonus_score - lse[final_row]
+    host = _assemble(nodes, acc_idx, logp, bonus, bonus_logp, batch.num_requests)
+    return VerifyResult(host, dev)
 
 
 def _check_inputs(
@@ -111,8 +185,9 @@ def _check_inputs(
     if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != rows:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must have shape [B + N, V] = [{rows}, V], got {got}")
-    if not logits.is_floating_point() or logits.shape[1] < 1:
-        raise ValueError(f"logits must be floating point with V >= 1, got {logits.dtype}")
+    if not logits.is_floating_point() or not 1 <= logits.shape[1] < 2**24:
+        raise ValueError(f"logits must be floating point with 1 <= V < 2**24, got "
+                         f"{logits.dtype} with V={logits.shape[1]}")
     if batch.num_nodes and int(batch.tokens.max()) >= logits.shape[1]:
         raise ValueError(
             f"DraftBatch.tokens must be < V={logits.shape[1]}, got {int(batch.tokens.max())}"
@@ -124,116 +199,145 @@ def _check_inputs(
                 f"tree must be built from this batch: [B, W>={need}] = "
                 f"[{batch.num_requests}, >={need}], got {tuple(tree.input_ids.shape)}"
             )
-        if tree.input_ids.device != logits.device:
-            raise ValueError(f"tree is on {tree.input_ids.device}, logits on {logits.device}")
     return SamplingTable.from_params(sampling, batch.num_requests)
 
 
-def _request_flags(flags: np.ndarray, device: torch.device) -> bool | torch.Tensor:
-    """A per-request bool as a Python bool when uniform, else a [B, 1] tensor."""
-    if not flags.any():
-        return False
-    if flags.all():
-        return True
-    return torch.from_numpy(flags).to(device)[:, None]
+def _fetch(tensors: list[torch.Tensor | None]) -> list[np.ndarray | None]:
+    """Copy float32-representable tensors to the host in one transfer (None stays None).
+
+    Integer tensors (argmax) are exact in float32 because V < 2**24 is checked up front.
+    """
+    present = [t for t in tensors if t is not None]
+    flat = torch.cat([t.reshape(-1).float() for t in present]).cpu().numpy()
+    out, pos = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        part = flat[pos : pos + t.numel()]
+        out.append(part.astype(np.int64) if not t.is_floating_point() else part)
+        pos += t.numel()
+    return out
 
 
-def _first_accepted_child(
-    scores: torch.Tensor,
-    parent_rows: torch.Tensor,
-    logp: torch.Tensor,
-    tree: TreeInputs,
-    node: torch.Tensor,
-    greedy: bool | torch.Tensor,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """bool[B, W]: the node is its parent's first accepted child (decisions drawn for all)."""
-    width = tree.width
-    pc, tok = tree.parent_col, tree.input_ids
-    before = torch.ones(width, width, dtype=torch.bool, device=pc.device).tril(-1)
-    earlier = (pc[:, :, None] == pc[:, None, :]) & node[:, None, :] & before  # earlier sibling
-    dup = (earlier & (tok[:, :, None] == tok[:, None, :])).any(dim=-1)
-    hit = torch.zeros_like(node)
-    if greedy is not False:
-        hit_greedy = tok == scores.argmax(dim=-1)[parent_rows]
-        hit = hit_greedy if greedy is True else hit_greedy & greedy
-    if greedy is not True:
-        p = logp.exp().masked_fill(dup | ~node, 0.0)
-        left = (1.0 - (earlier.to(p.dtype) * p[:, None, :]).sum(dim=-1)).clamp(min=0.0)
-        # One draw per verify row, not per padded cell, so results do not depend on the width.
-        u = torch.rand(scores.shape[0], generator=generator, device=p.device)[tree.row_index]
-        hit_sample = (p > 0) & ((u * left < p) | (p >= left * _CERTAIN))
-        hit = hit_sample if greedy is False else hit | (hit_sample & ~greedy)
-    hit = hit & node & ~dup
-    return hit & ~(earlier & hit[:, None, :]).any(dim=-1)
+def _node_logprobs(nodes: _Nodes, temps: np.ndarray, child_logit: np.ndarray, lse: np.ndarray,
+                   thr: np.ndarray | None) -> np.ndarray:
+    """float32[N]: log p_parent(node token) under the parent's sampling distribution."""
+    scaled = child_logit / temps[nodes.req]  # the same float32 division the device did
+    logp = scaled - lse[nodes.parent_row]
+    if thr is not None:
+        logp = np.where(scaled >= thr[nodes.parent_row], logp, np.float32(-np.inf))
+    return logp.astype(np.float32)
 
 
-def _bonus_tokens(
-    final_scores: torch.Tensor,
-    tok: torch.Tensor,
-    is_child: torch.Tensor,
-    greedy: bool | torch.Tensor,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """int64[B]: the token after the accepted path, from p with the rejected children removed.
+def _group_exclusive_cumsum(values: np.ndarray, keys: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Sum of ``values`` over the earlier members (in ``order``) of each element's key group."""
+    v = values[order]
+    k = keys[order]
+    before = np.cumsum(v) - v
+    is_start = np.ones(len(k), bool)
+    is_start[1:] = k[1:] != k[:-1]
+    start = np.maximum.accumulate(np.where(is_start, np.arange(len(k)), 0))
+    out = np.empty_like(before)
+    out[order] = before - before[start]
+    return out
+
+
+def _hits(nodes: _Nodes, greedy: np.ndarray, logp: np.ndarray, argmax: np.ndarray | None,
+          u: np.ndarray) -> np.ndarray:
+    """bool[N]: the node would be accepted if its parent were reached and earlier siblings
+    rejected (duplicates of an earlier sibling's token never are)."""
+    by_parent = np.argsort(nodes.parent_row, kind="stable")  # siblings in slice order
+    by_token = np.lexsort((nodes.tok, nodes.parent_row))
+    same = np.zeros(len(by_token), bool)
+    same[1:] = (nodes.parent_row[by_token][1:] == nodes.parent_row[by_token][:-1]) & (
+        nodes.tok[by_token][1:] == nodes.tok[by_token][:-1])
+    dup = np.empty_like(same)
+    dup[by_token] = same
+    p = np.where(dup, 0.0, np.exp(logp.astype(np.float64)))
+    left = np.maximum(1.0 - _group_exclusive_cumsum(p, nodes.parent_row, by_parent), 0.0)
+    hit = (p > 0) & ((u * left < p) | (p >= left * _CERTAIN))
+    node_greedy = greedy[nodes.req]
+    if argmax is not None and node_greedy.any():
+        hit = np.where(node_greedy, nodes.tok == argmax[nodes.parent_row], hit)
+    return hit & ~dup
+
+
+def _first_per_parent(nodes: _Nodes, hit: np.ndarray) -> np.ndarray:
+    """bool[N]: the node is the first hit among its siblings (the child the walk would take)."""
+    by_parent = np.argsort(nodes.parent_row, kind="stable")
+    earlier = _group_exclusive_cumsum(hit.astype(np.int64), nodes.parent_row, by_parent)
+    return hit & (earlier == 0)
+
+
+def _on_path(nodes: _Nodes, chosen: np.ndarray) -> np.ndarray:
+    """bool[N]: the node and all its ancestors were chosen (pointer jumping over parents)."""
+    acc, up = chosen.copy(), nodes.parent.copy()
+    while (up >= 0).any():  # log2(depth) rounds: ``up`` jumps 1, 2, 4, ... levels at a time
+        has = up >= 0
+        acc &= np.where(has, acc[np.maximum(up, 0)], True)
+        up = np.where(has, up[np.maximum(up, 0)], -1)
+    return acc
+
+
+def _final_rows(nodes: _Nodes, accepted: np.ndarray, num_req: int) -> tuple[np.ndarray, np.ndarray]:
+    """Verify row of each request's last accepted node (its root when none), and the flat
+    indices of accepted nodes. A path's deepest node is its latest in topological order."""
+    acc_idx = np.flatnonzero(accepted)
+    last = np.full(num_req, -1, np.int64)
+    np.maximum.at(last, nodes.req[acc_idx], acc_idx)
+    final_row = nodes.root_row.copy()
+    final_row[last >= 0] = nodes.node_row[last[last >= 0]]
+    return final_row, acc_idx
+
+
+def _bonus(logits: torch.Tensor, stats: RowStats, table: SamplingTable, temps: np.ndarray,
+           nodes: _Nodes, final_row: np.ndarray, generator: torch.Generator | None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Bonus tokens (int64[B]) and their masked scaled logits (float32[B]), from the final rows.
 
     Sampling uses the Gumbel race: argmax of ``log p(x) + G_x`` with ``G_x = -log(-log U_x)`` is a
-    draw from p, and removing candidates from the race renormalises p over the rest. U in [0, 1)
-    makes G finite or -inf, never +inf, so a draw can never land outside p's support.
+    draw from p, and removing the final node's children (all rejected) from the race
+    renormalises p over the rest. U in [0, 1) makes G finite or -inf, never +inf, so a draw never
+    lands outside p's support. Greedy requests take the argmax: a child equal to it would have
+    been accepted.
     """
-    if greedy is True:
-        return final_scores.argmax(dim=-1)  # a child equal to the argmax would have been accepted
-    vocab = final_scores.shape[1]
-    u = torch.rand(final_scores.shape, generator=generator, device=final_scores.device)
-    race = final_scores - (-u.log()).log()
-    race = torch.nn.functional.pad(race, (0, 1), value=float("-inf"))
-    race.scatter_(1, torch.where(is_child, tok, vocab), float("-inf"))
-    sampled = race[:, :vocab].argmax(dim=-1)
-    if greedy is False:
-        return sampled
-    return torch.where(greedy.squeeze(1), final_scores.argmax(dim=-1), sampled)
+    child = nodes.parent_row == final_row[nodes.req]
+    greedy = table.temperature == 0
+    ups = [final_row, nodes.req[child], nodes.tok[child]]
+    if not table.uniform:
+        ups += [temps.reshape(-1, 1), greedy]
+    dev = to_device(ups, logits.device)
+    temp = stats.temp if table.uniform else dev[3]
+    scores = target_scores_of_rows(logits, stats, dev[0], temp)
+    if table.any_sampling:
+        u = torch.rand(scores.shape, generator=generator, device=scores.device)
+        race = scores - (-u.log()).log()
+        race[dev[1], dev[2]] = float("-inf")
+        bonus = race.argmax(dim=-1)
+        if table.any_greedy:
+            bonus = torch.where(dev[4], scores.argmax(dim=-1), bonus)
+    else:
+        bonus = scores.argmax(dim=-1)
+    bonus_score = scores.gather(1, bonus[:, None]).squeeze(1)
+    bonus_h, score_h = _fetch([bonus, bonus_score])
+    return bonus_h, score_h
 
 
-def _assemble(
-    accepted: torch.Tensor,
-    num_accepted: torch.Tensor,
-    depth: torch.Tensor,
-    tok: torch.Tensor,
-    logp: torch.Tensor,
-    bonus: torch.Tensor,
-    bonus_logp: torch.Tensor,
-    width: int,
-) -> VerifyResult:
-    """Pack the accepted paths and bonus tokens into CSR tensors (one device sync)."""
-    num_req, dev = accepted.shape[0], accepted.device
-    # An accepted node of depth d is the d-th emitted token; the rest go to a spill column.
-    slot = torch.where(accepted, depth - 1, width)
-    cols = torch.arange(width, device=dev).expand(num_req, width)
-    em_tok = torch.zeros(num_req, width + 1, dtype=torch.int64, device=dev).scatter_(1, slot, tok)
-    em_lp = torch.zeros(num_req, width + 1, dtype=torch.float32, device=dev)
-    em_lp.scatter_(1, slot, logp.float())
-    em_node = torch.zeros(num_req, width + 1, dtype=torch.int64, device=dev)
-    em_node.scatter_(1, slot, cols - 1)
-    em_tok.scatter_(1, num_accepted[:, None], bonus[:, None])
-    em_lp.scatter_(1, num_accepted[:, None], bonus_logp.float()[:, None])
-    keep = torch.arange(width + 1, device=dev) <= num_accepted[:, None]
-    flat = keep.view(-1).nonzero().squeeze(1)  # the one synchronisation
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    acc_offsets = torch.cat([zero, num_accepted.cumsum(0)])
-    em_offsets = torch.cat([zero, (num_accepted + 1).cumsum(0)])
-    # Emitted entry t of request b that is not its bonus is accepted entry t - b.
-    req = torch.div(flat, width + 1, rounding_mode="floor")
-    is_bonus = flat - req * (width + 1) == num_accepted[req]
-    total_acc = flat.numel() - num_req
-    dest = torch.where(is_bonus, total_acc, torch.arange(flat.numel(), device=dev) - req)
-    acc_nodes = torch.empty(total_acc + 1, dtype=torch.int64, device=dev)
-    acc_nodes.scatter_(0, dest, em_node.view(-1)[flat])
-    return VerifyResult(
-        accepted_offsets=acc_offsets,
-        accepted_nodes=acc_nodes[:total_acc],
-        bonus=bonus,
-        emitted_offsets=em_offsets,
-        emitted_tokens=em_tok.view(-1)[flat],
-        emitted_logprobs=em_lp.view(-1)[flat],
-        num_accepted=num_accepted,
-    )
+def _assemble(nodes: _Nodes, acc_idx: np.ndarray, logp: np.ndarray, bonus: np.ndarray,
+              bonus_logp: np.ndarray, num_req: int) -> HostVerifyResult:
+    """CSR of accepted nodes and emitted tokens (accepted then bonus) per request."""
+    num_acc = np.bincount(nodes.req[acc_idx], minlength=num_req).astype(np.int64)
+    acc_off = np.zeros(num_req + 1, np.int64)
+    np.cumsum(num_acc, out=acc_off[1:])
+    em_off = acc_off + np.arange(num_req + 1, dtype=np.int64)
+    total = int(em_off[-1])
+    # Accepted entry t of request b is emitted entry t + b; the bonus closes each request.
+    slot = np.arange(len(acc_idx), dtype=np.int64) + nodes.req[acc_idx]
+    tokens = np.empty(total, np.int64)
+    logprobs = np.empty(total, np.float32)
+    tokens[slot], logprobs[slot] = nodes.tok[acc_idx], logp[acc_idx]
+    tokens[em_off[1:] - 1], logprobs[em_off[1:] - 1] = bonus, bonus_logp
+    return HostVerifyResult(accepted_offsets=acc_off, accepted_nodes=nodes.local[acc_idx],
+                            bonus=bonus, emitted_offsets=em_off, emitted_tokens=tokens,
+                            emitted_logprobs=logprobs, num_accepted=num_acc)

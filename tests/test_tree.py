@@ -102,3 +102,15 @@ def test_malformed_batch_is_rejected():
                      parents=np.array([-1, 1], np.int32), probs=np.ones(2, np.float32))
     with pytest.raises(ValueError, match="parents"):
         build_tree_inputs(bad, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
+def test_byte_packing_round_trips():
+    from rollout_spec.tree import pack_bytes, unpack_bytes
+
+    arrays = [np.arange(5, dtype=np.int64), np.array([1.5, -2.0, 3.25], np.float32),
+              np.eye(3, dtype=bool), np.zeros(0, np.int64), np.array([7, 8, 9], np.int32)]
+    buf, spans = pack_bytes(arrays)
+    assert all(start % 8 == 0 for start, _ in spans)
+    for a, t in zip(arrays, unpack_bytes(torch.from_numpy(buf), arrays, spans)):
+        np.testing.assert_array_equal(t.numpy(), a)
+        assert t.shape == a.shape
