@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from rollout_spec.config import SamplingParams, SpecConfig
-from rollout_spec.metrics import (DrafterTimer, make_sink, resolve_wandb_mode, stats_from_outputs,
+from rollout_spec.metrics import (DrafterProbe, make_sink, resolve_wandb_mode, stats_from_outputs,
                                   wandb_metrics)
 from rollout_spec.workloads import Prompt, Workload, extract_final_answer
 
@@ -76,7 +76,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Optional[Any], torch.nn.Module]
     # fp32 on every device: the engine's weights are copied from the policy after each update.
     engine = RolloutEngine.from_pretrained(model_dir, device=args.device, dtype=torch.float32,
                                            spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
-    engine.drafter = DrafterTimer(engine.drafter)
+    engine.drafter = DrafterProbe(engine.drafter)
     base = None if args.no_baseline else RolloutEngine(
         engine.model, engine.tokenizer, None, eos_token_ids=engine.eos_token_ids, **sizes)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device)
@@ -196,7 +196,8 @@ def train_step(step: int, args: argparse.Namespace, engine: Any, base: Optional[
     stats = stats_from_outputs(
         step, batch.outputs, batch.seconds, draft_budget=args.draft_tokens, base_outputs=base_out,
         base_seconds=base_s, rewards=batch.rewards.tolist(),
-        drafter={"us_per_request": engine.drafter.take_seconds() * 1e6 / max(request_steps, 1)})
+        drafter={"us_per_request": engine.drafter.take_seconds() * 1e6 / max(request_steps, 1)},
+        depths=engine.drafter.take_depths())
     engine.end_step()
     start = time.perf_counter()
     policy.train()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from rollout_spec.config import SamplingParams, check_float, check_int
-from rollout_spec.metrics import DrafterTimer, SpecStats, step_table, stats_from_outputs
+from rollout_spec.metrics import DrafterProbe, SpecStats, step_table, stats_from_outputs
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -229,7 +229,7 @@ def open_engines(args: argparse.Namespace) -> Engines:
     sizes = engine_sizes(args, AutoTokenizer.from_pretrained(model_dir), limit)
     spec = RolloutEngine.from_pretrained(
         model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
-    spec.drafter = DrafterTimer(spec.drafter)
+    spec.drafter = DrafterProbe(spec.drafter)
     base = None
     if not args.no_baseline:
         base = RolloutEngine(spec.model, spec.tokenizer, None, eos_token_ids=spec.eos_token_ids, **sizes)
@@ -250,7 +250,7 @@ def _sampling(args: argparse.Namespace, step: int) -> SamplingParams:
 def drafter_figures(engine: Any, outputs: Sequence[Any]) -> dict:
     """Drafter CPU time per request step and index size, from the engine's (timed) drafter.
 
-    Time comes from a ``DrafterTimer`` wrapped around the drafter (reset here, once per step);
+    Time comes from a ``DrafterProbe`` wrapped around the drafter (reset here, once per step);
     index figures from ``drafter.stats()`` when it reports them.
     """
     drafter = getattr(engine, "drafter", None)
@@ -262,9 +262,14 @@ def drafter_figures(engine: Any, outputs: Sequence[Any]) -> dict:
         stats = stats if isinstance(stats, dict) else vars(stats)
         out = {"index_tokens": stats.get("index_tokens"), "index_bytes": stats.get("memory_bytes")}
     request_steps = sum(o.num_verify_steps for o in outputs)
-    if isinstance(drafter, DrafterTimer) and request_steps:
+    if isinstance(drafter, DrafterProbe) and request_steps:
         out["us_per_request"] = drafter.take_seconds() * 1e6 / request_steps
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _take_depths(engine: Any) -> Optional[tuple]:
+    drafter = getattr(engine, "drafter", None)
+    return drafter.take_depths() if isinstance(drafter, DrafterProbe) else None
 
 
 def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: Any,
@@ -291,7 +296,8 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
     rewards = workload.score_many([prompts[o.prompt_index] for o in spec_out], texts)
     stats = stats_from_outputs(step, spec_out, spec_s, draft_budget=args.draft_tokens,
                                base_outputs=base_out, base_seconds=base_s, rewards=rewards,
-                               drafter=drafter_figures(engines.spec, spec_out))
+                               drafter=drafter_figures(engines.spec, spec_out),
+                               depths=_take_depths(engines.spec))
     engines.spec.end_step()
     if recorder is not None:
         recorder.add_step(prompts, [(o.prompt_index, o.token_ids) for o in spec_out])
@@ -312,8 +318,9 @@ def _warm_up(engines: Engines, prompt_ids: list[int]) -> None:
     for engine in (engines.base, engines.spec):
         if engine is not None:
             engine.generate([prompt_ids], params, group_ids=[None])  # None: no group scope
-    if isinstance(getattr(engines.spec, "drafter", None), DrafterTimer):
-        engines.spec.drafter.take_seconds()  # step 0's drafter time starts after the warm-up
+    if isinstance(getattr(engines.spec, "drafter", None), DrafterProbe):
+        engines.spec.drafter.take_seconds()  # step 0's figures start after the warm-up
+        engines.spec.drafter.take_depths()
 
 
 def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[SpecStats]:

@@ -124,10 +124,13 @@ def stats_from_outputs(
     step: int, spec_outputs: Sequence[Any], spec_seconds: float, *, draft_budget: int,
     base_outputs: Optional[Sequence[Any]] = None, base_seconds: Optional[float] = None,
     rewards: Optional[Sequence[float]] = None, drafter: Optional[dict] = None,
+    depths: Optional[tuple[Sequence[int], Sequence[int]]] = None,
 ) -> SpecStats:
     """Aggregate one step's ``RolloutOutput`` lists (with and without speculation) into SpecStats.
 
-    ``drafter`` is a dict with optional ``us_per_request``, ``index_tokens`` and ``index_bytes``.
+    ``drafter`` is a dict with optional ``us_per_request``, ``index_tokens`` and ``index_bytes``;
+    ``depths`` the (drafted, accepted) per-depth counters of a ``DrafterProbe``, else they are
+    read from the outputs when the engine reports them.
     """
     rate, length = _verl_ratios(spec_outputs)
     drafter = drafter or {}
@@ -141,8 +144,8 @@ def stats_from_outputs(
         base_tokens=None if base_outputs is None else sum(len(o.token_ids) for o in base_outputs),
         base_seconds=None if base_seconds is None else float(base_seconds),
         mean_reward=None if not rewards else float(sum(rewards) / len(rewards)),
-        depth_drafted=_depth_counts(spec_outputs, "num_drafted_by_depth"),
-        depth_accepted=_depth_counts(spec_outputs, "num_accepted_by_depth"),
+        depth_drafted=depths[0] if depths else _depth_counts(spec_outputs, "num_drafted_by_depth"),
+        depth_accepted=depths[1] if depths else _depth_counts(spec_outputs, "num_accepted_by_depth"),
         drafter_us_per_request=drafter.get("us_per_request"),
         index_tokens=drafter.get("index_tokens"), index_bytes=drafter.get("index_bytes"),
     )
@@ -363,36 +366,91 @@ def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
     }
 
 
-class DrafterTimer:
-    """Wraps an engine's drafter and adds up the wall time of its per-step calls.
+def accepted_depth(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> int:
+    """How deep the committed tokens walk into a draft tree (nodes topological, parent first)."""
+    node, depth = -1, 0
+    for i, (tok, parent) in enumerate(zip(tokens, parents)):
+        if depth == len(committed):
+            break
+        if parent == node and tok == committed[depth]:
+            node, depth = i, depth + 1
+    return depth
 
-    The engine calls propose, extend and start/finish on the drafter from its own thread, so
-    the summed time is the drafter's share of the rollout; everything else is delegated.
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """Longest root-to-leaf path of a tree given by parent indices (-1 is the root)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0)
+
+
+class DrafterProbe:
+    """Wraps an engine's drafter: times its calls and counts acceptance by draft depth.
+
+    The engine proposes a tree per request, verifies, then extends the drafter with exactly the
+    tokens it committed; walking each tree along those tokens gives the accepted depth, so the
+    per-depth counters need nothing from the engine. Bookkeeping runs outside the timed calls.
     """
 
-    TIMED = ("propose", "extend_batch", "start_batch", "finish_batch", "extend", "start", "finish")
+    TIMED = ("start_batch", "finish_batch", "start", "extend", "finish")
 
     def __init__(self, drafter: Any) -> None:
         if drafter is None:
             raise ValueError("drafter must be a drafter object, got None (speculation is off)")
         self._drafter = drafter
         self._seconds = 0.0
+        self._pending: dict[int, tuple[list[int], list[int]]] = {}
+        self._drafted: list[int] = []
+        self._accepted: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._drafter, name)
-        if name not in self.TIMED or not callable(attr):
-            return attr
+        return self._timed(attr) if name in self.TIMED and callable(attr) else attr
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    def _timed(self, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return attr(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self._seconds += time.perf_counter() - start
 
-        return timed
+        return call
+
+    def propose(self, req_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        """Propose through the drafter and remember each request's tree until it is extended."""
+        batch = self._timed(self._drafter.propose)(req_ids, *args, **kwargs)
+        off, tok, par = batch.offsets.tolist(), batch.tokens.tolist(), batch.parents.tolist()
+        for b, rid in enumerate(req_ids):
+            if off[b + 1] > off[b]:
+                self._pending[int(rid)] = (tok[off[b]:off[b + 1]], par[off[b]:off[b + 1]])
+        return batch
+
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> Any:
+        """Extend through the drafter, then score the pending trees against the committed tokens."""
+        out = self._timed(self._drafter.extend_batch)(req_ids, token_lists)
+        for rid, committed in zip(req_ids, token_lists):
+            tree = self._pending.pop(int(rid), None)
+            if tree is not None:
+                self._count(tree_depth(tree[1]), accepted_depth(tree[0], tree[1], list(committed)))
+        return out
+
+    def _count(self, depth: int, accepted: int) -> None:
+        while len(self._drafted) < depth:
+            self._drafted.append(0)
+            self._accepted.append(0)
+        for d in range(depth):
+            self._drafted[d] += 1
+            self._accepted[d] += d < accepted
 
     def take_seconds(self) -> float:
         """Seconds spent in the drafter since the last call, and reset the sum."""
         seconds, self._seconds = self._seconds, 0.0
         return seconds
+
+    def take_depths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(verify steps whose draft reached depth d+1, of those how many accepted d+1), reset."""
+        out = (tuple(self._drafted), tuple(self._accepted))
+        self._drafted, self._accepted = [], []
+        return out

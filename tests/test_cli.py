@@ -121,9 +121,9 @@ def test_bench_loop_with_stand_in_engine(tmp_path, monkeypatch):
 def test_drafter_figures_read_stats_and_timer():
     outs = [SimpleNamespace(num_verify_steps=10), SimpleNamespace(num_verify_steps=30)]
     inner = SimpleNamespace(stats=lambda: {"index_tokens": 500, "memory_bytes": 9000},
-                            propose=lambda ids: time.sleep(0.01))
-    timer = cli.DrafterTimer(inner)
-    timer.propose([1])
+                            start_batch=lambda ids, prompts, groups: time.sleep(0.01))
+    timer = cli.DrafterProbe(inner)
+    timer.start_batch([1], [[5]], [None])
     figures = cli.drafter_figures(SimpleNamespace(drafter=timer), outs)
     assert figures["index_tokens"] == 500 and figures["index_bytes"] == 9000
     assert 10_000 / 40 <= figures["us_per_request"] < 1e6 / 40  # >= 10 ms over 40 request steps

@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("rollout_spec.drafter")
-
 from test_cli_tiny_model import tiny_model_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_tiny.py"

@@ -135,3 +135,33 @@ def test_tables_render():
     console.print(metrics.summary_table([s]))
     text = console.export_text()
     assert "1.80" in text and "33.3%" in text and "all" in text
+
+
+def test_drafter_probe_counts_acceptance_by_depth():
+    from rollout_spec.tree import DraftBatch
+
+    class Drafter:
+        extended = []
+
+        def propose(self, req_ids, budgets=None):
+            return DraftBatch.from_lists([[(5, -1), (6, 0), (7, 1)], [(8, -1), (9, -1), (10, 0)], []])
+
+        def extend_batch(self, req_ids, token_lists):
+            self.extended.append(list(req_ids))
+
+        def stats(self):
+            return {"index_tokens": 3}
+
+    probe = metrics.DrafterProbe(Drafter())
+    probe.extend_batch([0, 1], [[1], [2]])  # prefill: nothing proposed yet, nothing counted
+    probe.propose([0, 1, 2], [3, 3, 3])
+    # request 0 accepts 5, 6 then a bonus; request 1 accepts the second root child 9 (10 hangs
+    # under 8); request 2 had no draft
+    probe.extend_batch([0, 1, 2], [[5, 6, 99], [9, 4], [3]])
+    assert probe.take_depths() == ((2, 2, 1), (2, 1, 0))
+    assert probe.take_depths() == ((), ())
+    assert probe.stats() == {"index_tokens": 3} and probe.extended == [[0, 1], [0, 1, 2]]
+    assert probe.take_seconds() > 0
+    assert metrics.accepted_depth([5, 6], [-1, 0], [5]) == 1  # cut by a stop: only what was kept
+    with pytest.raises(ValueError, match="speculation is off"):
+        metrics.DrafterProbe(None)
