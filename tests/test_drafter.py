@@ -1,0 +1,206 @@
+"""NgramDrafter: golden trees on hand-built corpora, scopes, checkpoints, validation errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.drafter import NgramDrafter
+
+
+def tree(batch, b: int = 0) -> list[tuple[int, int]]:
+    """(token, parent) pairs of request b."""
+    lo, hi = batch.offsets[b], batch.offsets[b + 1]
+    return list(zip(batch.tokens[lo:hi].tolist(), batch.parents[lo:hi].tolist()))
+
+
+def test_frequency_order_beats_recency():
+    d = NgramDrafter()
+    d.add_sequences([None, None, None], [[1, 2, 3], [1, 2, 3], [1, 2, 4]])
+    d.start(0, [9, 1, 2])
+    b = d.propose([0])
+    b.validate()
+    assert tree(b) == [(3, -1), (4, -1)]
+    # weights: 2 of 3 occurrences continue with 3, each discounted by n / (n + 1)
+    np.testing.assert_allclose(b.probs, [2 / 3 * 2 / 3, 1 / 3 * 1 / 2], rtol=1e-6)
+
+
+def test_recency_breaks_ties():
+    d = NgramDrafter()
+    d.add_sequences([None, None], [[1, 2, 3], [1, 2, 4]])
+    d.start(0, [9, 1, 2])
+    assert tree(d.propose([0])) == [(4, -1), (3, -1)]
+
+
+def test_chain_probabilities_decay_and_stop_at_min_token_prob():
+    d = NgramDrafter(SpecConfig(min_token_prob=0.1))
+    d.add_sequences([None], [[1, 2, 3, 4, 5, 6]])
+    d.start(0, [1, 2])
+    b = d.propose([0])
+    assert tree(b) == [(3, -1), (4, 0), (5, 1)]
+    np.testing.assert_allclose(b.probs, [0.5, 0.25, 0.125])
+    full = NgramDrafter(SpecConfig(adaptive_budget=False))
+    full.add_sequences([None], [[1, 2, 3, 4, 5, 6]])
+    full.start(0, [1, 2])
+    assert tree(full.propose([0])) == [(3, -1), (4, 0), (5, 1), (6, 2)]
+
+
+def test_budget_caps_nodes_per_request_and_per_batch():
+    d = NgramDrafter(SpecConfig(adaptive_budget=False, max_batch_draft_tokens=5))
+    d.add_sequences([None] * 3, [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 9], [1, 2, 7]])
+    d.start_batch([0, 1], [[1, 2], [5, 1, 2]])
+    b = d.propose([0, 1], budgets=[2, 8])
+    assert b.sizes().tolist() == [2, 3]  # 2 by its budget, 3 left of the batch's 5
+    assert b.num_nodes == 5
+    assert d.propose([0, 1], budgets=[0, 0]).num_nodes == 0
+    assert d.propose([1]).sizes().tolist() == [5]
+
+
+def test_empty_index_and_no_match_give_empty_drafts():
+    d = NgramDrafter()
+    d.start(0, [1, 2, 3])
+    assert d.propose([0]).num_nodes == 0
+    d.add_sequences([None], [[7, 8, 9]])
+    assert d.propose([0]).num_nodes == 0
+    assert d.propose([]).num_requests == 0
+
+
+def test_tree_branches_and_chain_mode():
+    # Two continuations with equal counts; the newer one (5 6) wins ties.
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 5, 6]]
+    for tree_mode, budget, expected in (
+        (True, 2, [(5, -1), (3, -1)]),
+        (False, 2, [(5, -1), (6, 0)]),
+        (True, 4, [(5, -1), (3, -1), (6, 0), (4, 1)]),
+    ):
+        d = NgramDrafter(SpecConfig(tree=tree_mode, adaptive_budget=False))
+        d.add_sequences([None] * 4, seqs)
+        d.start(0, [1, 2])
+        b = d.propose([0], budgets=[budget])
+        b.validate()
+        assert tree(b) == expected
+
+
+def test_prompt_lookup_proposes_a_span_repeated_in_the_prompt():
+    d = NgramDrafter()
+    d.start(0, [5, 6, 7, 8, 1, 2, 5, 6])
+    assert tree(d.propose([0]))[:2] == [(7, -1), (8, 0)]
+    d.extend(0, [7, 8])  # the output repeats the span too: now "1 2" follows
+    assert tree(d.propose([0]))[0] == (1, -1)
+
+
+def test_group_scope_prefers_a_siblings_continuation():
+    d = NgramDrafter()
+    # A sibling in group 1 (finished) and, more recently, another group's response.
+    d.start(0, [100, 101], group_id=1)
+    d.extend(0, [1, 2, 3, 40, 41])
+    d.finish(0)
+    d.start(1, [200, 201], group_id=2)
+    d.extend(1, [1, 2, 3, 50, 51])
+    d.finish(1)
+    d.start(2, [100, 101], group_id=1)
+    d.extend(2, [1, 2, 3])
+    assert tree(d.propose([2]))[0] == (40, -1)
+    d.start(3, [200, 201], group_id=2)
+    d.extend(3, [1, 2, 3])
+    assert tree(d.propose([3]))[0] == (50, -1)
+
+
+def test_live_sibling_output_is_used_in_flight():
+    d = NgramDrafter()
+    d.start_batch([0, 1], [[9, 9], [9, 9]], [7, 7])
+    d.extend(0, [4, 5, 6, 7, 8])
+    d.extend(1, [4, 5])
+    assert tree(d.propose([1]))[:2] == [(6, -1), (7, 0)]
+
+
+def test_history_steps_drop_old_group_entries():
+    d = NgramDrafter(SpecConfig(history_steps=1, global_weight=0.0))
+    d.add_sequences([3], [[1, 2, 3, 4]])
+    d.start(0, [1, 2], group_id=3)
+    assert tree(d.propose([0]))[0] == (3, -1)
+    d.finish(0)
+    d.end_step()
+    d.start(1, [1, 2], group_id=3)
+    assert d.propose([1]).num_nodes > 0  # one step old: still in the group scope
+    d.finish(1)
+    d.end_step()
+    d.end_step()
+    d.start(2, [8, 8, 8, 1, 2], group_id=3)
+    assert d.propose([2]).num_nodes == 0  # aged out of the group, and global is off
+    assert d.stats()["step"] == 3
+
+
+def test_add_sequences_feeds_group_and_global_scopes():
+    d = NgramDrafter(SpecConfig(global_weight=0.0))
+    d.add_sequences([4, None], [[1, 2, 30], [1, 2, 31]])
+    d.start_batch([0, 1], [[1, 2], [1, 2]], [4, 5])
+    b = d.propose([0, 1])
+    assert tree(b, 0) == [(30, -1)]
+    assert tree(b, 1) == []  # group 5 has nothing and global is off
+    stats = d.stats()
+    assert stats["num_groups"] == 2 and stats["global_records"] > 0  # groups 4 and 5
+
+
+def test_stats_report_scopes_and_memory():
+    d = NgramDrafter()
+    d.start(0, list(range(10)), group_id=0)
+    d.extend(0, [1, 2, 3])
+    s = d.stats()
+    for key in ("num_requests", "index_tokens", "memory_bytes", "step", "request_records",
+                "group_records", "global_records", "num_groups", "num_sequences"):
+        assert key in s
+    assert s["num_requests"] == 1 and s["index_tokens"] == 13 and s["memory_bytes"] > 0
+    d.check_integrity()
+
+
+def test_save_load_round_trip_gives_identical_proposals(tmp_path):
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(SpecConfig(capacity_tokens=1024))
+    for step in range(3):
+        ids = list(range(step * 16, step * 16 + 16))
+        d.start_batch(ids, [rng.integers(0, 20, 12) for _ in ids], [i % 4 for i in ids])
+        for _ in range(10):
+            d.extend_batch(ids, [rng.integers(0, 20, rng.integers(1, 4)) for _ in ids])
+        if step < 2:
+            d.finish_batch(ids)
+            d.end_step()
+    live = list(range(32, 48))
+    assert d.stats()["evictions"] > 0  # the checkpoint includes an evicted, rebuilt index
+    path = tmp_path / "drafter.bin"
+    d.save(path)
+    e = NgramDrafter.load(path)
+    e.check_integrity()
+    assert e.config == d.config
+    same = lambda s: {k: v for k, v in s.items() if k != "memory_bytes"}  # noqa: E731 (capacity slack differs)
+    assert same(e.stats()) == same(d.stats())
+    for _ in range(5):
+        a, b = d.propose(live), e.propose(live)
+        for name in ("offsets", "tokens", "parents", "probs"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        new = [rng.integers(0, 20, 3) for _ in live]
+        d.extend_batch(live, new)
+        e.extend_batch(live, new)
+
+
+def test_load_rejects_a_foreign_file(tmp_path):
+    path = tmp_path / "junk.bin"
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(RuntimeError):
+        NgramDrafter.load(path)
+
+
+def test_external_corpus_is_proposed_from(tmp_path):
+    path = tmp_path / "corpus.npy"
+    np.save(path, np.array([5, 6, 7, 8, 9], np.int32))
+    d = NgramDrafter(SpecConfig(external_corpora=(str(path),)))
+    d.start(0, [1, 6, 7])
+    assert tree(d.propose([0]))[0] == (8, -1)
+
+
+def test_numpy_inputs_are_accepted():
+    d = NgramDrafter()
+    d.add_sequences(np.array([1]), [np.array([1, 2, 3], np.int64)])
+    d.start_batch(np.array([4], np.uint32), [np.array([1, 2], np.int16)], [1])
+    d.extend_batch(np.array([4]), [np.array([], np.int64)])
+    assert tree(d.propose(np.array([4]), budgets=np.array([8])))[0] == (3, -1)
