@@ -118,3 +118,41 @@ def test_inject_kwargs_keeps_openrlhfs_options_call():
 
     _InjectKwargs(Remote(), {"speculative_config": 1}).options(num_gpus=1).remote(model="m")
     assert calls == [({"num_gpus": 1}, {"rollout_spec_engine_kwargs": {"speculative_config": 1}, "model": "m"})]
+
+
+def _load_example(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "openrlhf" / name
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_example_reward_and_rollout_spec_flags():
+    import re
+
+    reward, _ = _load_example("reward_func.py")
+    out = reward.reward_func(["Q: 2+2? Answer: 4", "Q: 1+9? I think Answer: 1,0", "Q: x"],
+                             ["Q: 2+2?", "Q: 1+9?", "Q: x"], ["4", "10", "3"])
+    assert out["rewards"].tolist() == [1.0, 1.0, 0.0]
+    _, path = _load_example("reward_func.py")
+    script = path.with_name("train_grpo_rollout_spec.sh").read_text()
+    block = script.split("ROLLOUT_SPEC_ARGS=(", 1)[1].split("\n)", 1)[0]
+    ns, rest = split_argv(re.findall(r"\S+", block))
+    assert rest == []
+    spec, _ = spec_from_args(ns)
+    assert spec.num_draft_tokens == 8 and spec.group_weight == 2.0 and spec.tree is False
+
+
+def test_example_prompts_are_jsonl_with_labels(tmp_path):
+    import json
+
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is the [workloads] extra")
+    prompts, _ = _load_example("make_prompts.py")
+    out = tmp_path / "p.jsonl"
+    assert prompts.write_prompts(out, ["basic_arithmetic"], 3, 0) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["prompt"].startswith(prompts.INSTRUCTION) and r["label"] for r in rows)
