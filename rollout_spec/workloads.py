@@ -8,8 +8,6 @@ comparison can replay them.
 """
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -168,18 +166,13 @@ def _humaneval_entries(count: int) -> list[dict]:
 
 
 class TraceRecorder:
-    """Collects prompts and per-step responses, and writes the shared trace format.
-
-    The file is gzip JSON when the path ends in ``.gz``, plain JSON otherwise; ``load_trace``
-    reads both.
-    """
+    """Collects prompts and per-step responses and writes them with ``rollout_spec.replay``'s
+    writer, in the shared trace format (gzip JSON when the path ends in ``.gz``)."""
 
     def __init__(self, model: str, sampling: dict, eos_token_id: Optional[int]) -> None:
-        self.model = model
-        self.sampling = dict(sampling)
-        self.eos_token_id = eos_token_id
+        self.meta = {"model": model, "sampling": dict(sampling), "eos_token_id": eos_token_id}
         self._prompts: dict[int, Prompt] = {}
-        self._steps: list[list[dict]] = []
+        self._steps: list[list[tuple[int, list[int]]]] = []
 
     def add_step(self, prompts: Sequence[Prompt], responses: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Record one RL step: ``responses`` are (index into ``prompts``, response token ids)."""
@@ -188,33 +181,25 @@ class TraceRecorder:
         rows = []
         for index, ids in responses:
             check_int("prompt index", index, 0, len(prompts) - 1)
-            rows.append({"group_id": prompts[index].group_id, "response_ids": [int(t) for t in ids]})
+            rows.append((prompts[index].group_id, [int(t) for t in ids]))
         self._steps.append(rows)
 
-    def to_dict(self) -> dict:
-        """The trace as the shared format's JSON object."""
-        prompts = [
-            {"group_id": p.group_id, "kind": p.kind, "source": p.source, "text": p.text,
-             "answer": p.answer, "prompt_ids": list(p.prompt_ids)}
-            for p in sorted(self._prompts.values(), key=lambda p: p.group_id)
-        ]
-        return {"model": self.model, "sampling": self.sampling, "eos_token_id": self.eos_token_id,
-                "prompts": prompts, "steps": self._steps}
+    def to_trace(self) -> Any:
+        """The recording as a ``rollout_spec.replay.Trace`` (prompt texts and answers in meta)."""
+        from rollout_spec.replay import Trace
+
+        ordered = sorted(self._prompts.values(), key=lambda p: p.group_id)
+        records = [{"group_id": p.group_id, "kind": p.kind, "source": p.source, "text": p.text,
+                    "answer": p.answer, "prompt_ids": list(p.prompt_ids)} for p in ordered]
+        return Trace(prompts={p.group_id: list(p.prompt_ids) for p in ordered},
+                     steps=[list(step) for step in self._steps],
+                     meta={**self.meta, "prompt_records": records})
 
     def save(self, path: str | Path) -> Path:
-        """Write the trace to ``path`` and return it."""
+        """Write the trace to ``path`` (parent folders created) and return it."""
+        from rollout_spec.replay import save_trace
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps(self.to_dict()).encode()
-        path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+        save_trace(self.to_trace(), path)
         return path
-
-
-def load_trace(path: str | Path) -> dict:
-    """Read a trace in the shared format (gzip or plain JSON) and check its top-level shape."""
-    raw = Path(path).read_bytes()
-    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    for key in ("prompts", "steps"):
-        if key not in data:
-            raise ValueError(f"trace {path} has no {key!r} field")
-    return data

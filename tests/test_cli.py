@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from rollout_spec import cli
-from rollout_spec.workloads import load_trace
+from rollout_spec.replay import load_trace
 
 
 def _error(capsys, argv) -> str:
@@ -111,8 +111,8 @@ def test_bench_loop_with_stand_in_engine(tmp_path, monkeypatch):
     assert groups == [0, 1] and params.seed == 2 and params.n == 3
     assert engines.base.calls[-1][1] == params  # same seeds both ways
     trace = load_trace(tmp_path / "t.json.gz")
-    assert len(trace["steps"]) == 3 and len(trace["steps"][0]) == 6
-    assert trace["eos_token_id"] == 3 and trace["sampling"]["n"] == 3
+    assert len(trace.steps) == 3 and len(trace.steps[0]) == 6
+    assert trace.meta["eos_token_id"] == 3 and trace.meta["sampling"]["n"] == 3
     assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
     text = console.export_text()
     assert "summary" in text and "step 2" in text

@@ -69,19 +69,21 @@ def test_answer_and_code_extraction():
 
 
 def test_trace_round_trip_in_shared_format(tmp_path):
+    from rollout_spec.replay import load_trace
+
     wl = Workload("chain_sum", CharTokenizer(), num_prompts=2, seed=3)
     prompts = wl.batch(0)
     rec = TraceRecorder("tiny", {"temperature": 1.0, "n": 2}, eos_token_id=2)
     rec.add_step(prompts, [(0, [5, 6, 2]), (1, [7]), (1, [8, 2])])
     rec.add_step(prompts, [(0, [9])])
-    path = rec.save(tmp_path / "t.json.gz")
+    path = rec.save(tmp_path / "sub" / "t.json.gz")
     data = json.loads(gzip.decompress(path.read_bytes()))
     assert set(data) == {"model", "sampling", "eos_token_id", "prompts", "steps"}
     assert data["prompts"][1]["prompt_ids"] == list(prompts[1].prompt_ids)
     assert data["prompts"][0]["kind"] == "math" and data["prompts"][0]["answer"] == prompts[0].answer
+    assert data["prompts"][0]["text"] == prompts[0].text and data["eos_token_id"] == 2
     assert data["steps"][0][2] == {"group_id": 1, "response_ids": [8, 2]}
-    assert workloads.load_trace(path) == data
-    plain = rec.save(tmp_path / "t.json")
-    assert workloads.load_trace(plain) == data
+    trace = load_trace(rec.save(tmp_path / "t.json"))
+    assert trace.steps[1] == [(0, [9])] and trace.prompts[1] == list(prompts[1].prompt_ids)
     with pytest.raises(ValueError, match="prompt index"):
         rec.add_step(prompts, [(5, [1])])

@@ -1,0 +1,23 @@
+"""``rollout-spec replay``: drafters compared lock-step on a trace that bench's recorder wrote."""
+from __future__ import annotations
+
+from rollout_spec import cli
+from test_cli import FakeTokenizer  # noqa: E402  (tests/ is on sys.path under pytest)
+
+
+def test_replay_compares_drafters_on_a_recorded_trace(tmp_path, capsys):
+    from rollout_spec.workloads import TraceRecorder, Workload
+
+    prompts = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)
+    answer = [ord(c) for c in "so the sum is 12 and the sum is 12 so the sum is 12"]
+    rec = TraceRecorder("fake", {"n": 2}, eos_token_id=3)
+    for _ in range(2):  # the same answers twice: step 1 is drafted from step 0's history
+        rec.add_step(prompts, [(0, answer), (0, answer), (1, answer[::-1]), (1, answer[::-1])])
+    path = rec.save(tmp_path / "t.json.gz")
+    assert cli.main(["replay", str(path), "--draft-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 5}
+    assert {"rollout-spec", "prompt-lookup"} <= set(rows)
+    ours = [float(x) for x in rows["rollout-spec"].split("│")[2:4]]
+    assert ours[1] > ours[0] >= 1.0  # history from step 0 makes step 1 cheaper
+    assert ours[1] <= 5.0  # at most budget + 1 tokens per forward
