@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rollout_spec.engine import triton_attention
-from rollout_spec.engine.cuda_graphs import GraphLadder, InputSpec
+from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import ModelConfig, StepContext, Transformer
 
@@ -90,14 +90,6 @@ class StepBench:
                 "ctx_lens": torch.full((batch,), self.ctx, device=dev),
                 "tree_mask": torch.ones(batch, width, width, dtype=torch.bool, device=dev).tril()}
 
-    def specs(self) -> list[InputSpec]:
-        """Layout of the step inputs for the graph ladder (padded rows use the scratch slot)."""
-        return [InputSpec("input_ids", (1,), torch.int64, (1,)),
-                InputSpec("positions", (1,), torch.int64, (1,)),
-                InputSpec("slot_ids", (), torch.int64, (), self.scratch),
-                InputSpec("ctx_lens", (), torch.int64),
-                InputSpec("tree_mask", (1, 1), torch.bool, (1, 2), False)]
-
     def step(self, inp: dict[str, torch.Tensor], kv_limit: int | None = None) -> torch.Tensor:
         """One forward: logits of every new row (what verification reads)."""
         ctx = StepContext(self.cache, inp["slot_ids"], inp["ctx_lens"], inp["tree_mask"], kv_limit)
@@ -107,7 +99,7 @@ class StepBench:
         """Capture every (B, W) with the given attention backend."""
         triton_attention.set_backend(backend)
         with torch.inference_mode():
-            return GraphLadder(self.step, self.specs(), batches, widths, self.device)
+            return GraphLadder(self.step, verify_input_specs(self.scratch), batches, widths, self.device)
 
 
 def step_grid(bench: StepBench, batches: list[int], widths: list[int], iters: int) -> dict:
@@ -124,7 +116,7 @@ def step_grid(bench: StepBench, batches: list[int], widths: list[int], iters: in
     for backend in backends if bench.device.type == "cuda" else []:
         ladder = bench.ladder(backend, batches, widths)
         res = out[f"graph-{backend}"] = {}
-        for b in batches:
+        for b in batches:  # replays run outside inference mode too: the ladder's buffers allow it
             for w in widths:
                 inp = bench.inputs(b, w)
                 res[(b, w)] = time_call(lambda: ladder.run(inp), bench.device, iters)

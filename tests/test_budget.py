@@ -127,3 +127,23 @@ def test_measure_cost_model_times_each_cell():
 def test_cost_model_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CostModel(**kwargs)
+
+
+def test_auto_budget_measures_grid_and_caches(tmp_path):
+    """auto_budget times every (B, k+1) cell once, then reuses the cached model."""
+    from rollout_spec.engine.budget import auto_budget
+
+    seen = set()
+    make = lambda: auto_budget(lambda b, w: seen.add((b, w)), lambda: None, "gpu/model",
+                               max_batch=48, max_draft=8, cache_dir=tmp_path)
+    budget = make()
+    assert budget.candidates == (0, 1, 2, 4, 8)
+    assert seen == {(b, w) for b in (1, 8, 32, 48) for w in (1, 2, 3, 5, 9)}
+    seen.clear()
+    assert make().cost == budget.cost and not seen
+
+
+def test_observe_feeds_the_tracker():
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), AcceptanceTracker(4, prior=0.5, decay=1.0), [4])
+    budget.observe(np.array([4, 4]), np.array([0, 0]))
+    assert budget.tracker.rate[1] == 0.0 and budget.best(1) == 0

@@ -62,3 +62,13 @@ def test_outside_ladder_and_missing_input_raise():
         ladder.run({"input_ids": torch.zeros(1, 1, dtype=torch.int64)})
     with pytest.raises(ValueError, match="batch_sizes"):
         GraphLadder(step, specs(), batch_sizes=[], widths=[1], device="cpu")
+
+
+def test_ladder_built_in_inference_mode_runs_outside_it():
+    """Static buffers are normal tensors, so a ladder made under inference_mode can be fed later."""
+    with torch.inference_mode():
+        ladder = GraphLadder(step, specs(), batch_sizes=[2], widths=[2], device="cpu")
+    ids = torch.ones(1, 2, dtype=torch.int64)
+    out = ladder.run({"input_ids": ids, "slot_ids": torch.zeros(1, dtype=torch.int64),
+                      "tree_mask": torch.ones(1, 2, 2, dtype=torch.bool)})
+    assert out.shape[:2] == (2, 2) and torch.all(out[0, :, 0] == 1)

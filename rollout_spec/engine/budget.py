@@ -170,6 +170,10 @@ class DraftBudget:
         """Predicted tokens per second at ``batch`` requests offering ``k`` nodes each."""
         return batch * self.tracker.expected_tokens(k) / self.cost.step_time(batch, k + 1)
 
+    def observe(self, offered: np.ndarray, accepted: np.ndarray) -> None:
+        """Feed one verify step's outcome: draft nodes offered and accepted per request."""
+        self.tracker.update(offered, accepted)
+
     def best(self, batch: int) -> int:
         """The candidate draft size with the highest predicted tokens per second."""
         return max(self.candidates, key=lambda k: (self.throughput(batch, k), -k))
@@ -186,3 +190,24 @@ class DraftBudget:
             self._zeros = 0
             return self.candidates[1]
         return 0
+
+
+def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key: str,
+                max_batch: int, max_draft: int, cache_dir: str | Path | None) -> DraftBudget:
+    """A DraftBudget from timed forwards (``step(B, W)``), cached under ``cache_dir`` by ``key``.
+
+    Candidate draft sizes are powers of two up to ``max_draft``; the grid spans batch sizes
+    1..max_batch so every running batch is interpolated, never guessed.
+    """
+    check_int("max_batch", max_batch, 1, 1 << 20)
+    check_int("max_draft", max_draft, 1, 4096)
+    cands = sorted({min(1 << i, max_draft) for i in range(13) if (1 << i) <= 2 * max_draft})
+    batches = sorted({b for b in (1, 8, 32, 64, 128, 256) if b < max_batch} | {max_batch})
+    widths = [1] + [k + 1 for k in cands]
+
+    def measure() -> CostModel:
+        return measure_cost_model(step, sync, batches, widths, repeats=5, warmup=2)
+
+    key = f"{key}_b{max_batch}_k{max_draft}"
+    cost = measure() if cache_dir is None else cached_cost_model(cache_dir, key, measure)
+    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands)

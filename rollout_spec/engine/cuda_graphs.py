@@ -42,6 +42,25 @@ class InputSpec:
         return (batch, *dims)
 
 
+def verify_input_specs(scratch_slot: int) -> list[InputSpec]:
+    """The engine's step inputs: ids/positions [B, W], slot ids and context lengths [B], tree mask.
+
+    Padded rows write their K/V into ``scratch_slot`` (owned by no request) and see nothing.
+    """
+    return [InputSpec("input_ids", (1,), torch.int64, (1,)),
+            InputSpec("positions", (1,), torch.int64, (1,)),
+            InputSpec("slot_ids", (), torch.int64, (), scratch_slot),
+            InputSpec("ctx_lens", (), torch.int64),
+            InputSpec("tree_mask", (1, 1), torch.bool, (1, 2), False)]
+
+
+def default_ladder(max_batch: int, max_width: int) -> tuple[list[int], list[int]]:
+    """Bucket sizes: dense where padding would cost most (small B, small W), coarse above."""
+    batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256) if b < max_batch]
+    widths = [w for w in (1, 2, 3, 4, 5, 7, 9, 13, 17) if w < max_width]
+    return batches + [max_batch], widths + [max_width]
+
+
 def _ladder(values: Sequence[int], field: str) -> tuple[int, ...]:
     out = tuple(sorted(set(int(v) for v in values)))
     if not out or out[0] < 1:
@@ -69,10 +88,11 @@ class GraphLadder:
         self.static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        for b in self.batch_sizes:
-            for w in self.widths:
-                self.static[(b, w)] = {s.name: torch.full(s.shape(b, w), s.pad_value, dtype=s.dtype,
-                                                          device=self.device) for s in self.specs}
+        with torch.inference_mode(False):  # normal tensors: callers may fill them in either mode
+            for b in self.batch_sizes:
+                for w in self.widths:
+                    self.static[(b, w)] = {s.name: torch.full(s.shape(b, w), s.pad_value, dtype=s.dtype,
+                                                              device=self.device) for s in self.specs}
         if not self.eager:
             self._capture_all()
 
@@ -84,6 +104,10 @@ class GraphLadder:
             raise ValueError(f"step (batch={batch}, width={width}) is outside the ladder: batch must "
                              f"be in [1, {self.batch_sizes[-1]}], width in [1, {self.widths[-1]}]")
         return self.batch_sizes[i], self.widths[j]
+
+    def fits(self, batch: int, width: int) -> bool:
+        """Whether some bucket holds a step of this size."""
+        return 1 <= batch <= self.batch_sizes[-1] and 1 <= width <= self.widths[-1]
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -129,3 +153,28 @@ class GraphLadder:
             return self.step_fn(static)
         self.graphs[key].replay()
         return self.outputs[key]
+
+
+def dummy_step_inputs(batch: int, width: int, scratch_slot: int, ctx_len: int,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """Verify-shaped inputs whose every row writes only the scratch slot (safe to time anytime)."""
+    return {"input_ids": torch.zeros(batch, width, dtype=torch.int64, device=device),
+            "positions": (ctx_len + torch.arange(width, device=device)).expand(batch, width).contiguous(),
+            "slot_ids": torch.full((batch,), scratch_slot, dtype=torch.int64, device=device),
+            "ctx_lens": torch.full((batch,), ctx_len, dtype=torch.int64, device=device),
+            "tree_mask": torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(
+                batch, width, width).contiguous()}
+
+
+def ladder_step_timer(ladder: GraphLadder, scratch_slot: int, ctx_len: int) -> Callable[[int, int], None]:
+    """``step(B, W)`` running one replay of the ladder on scratch-slot inputs, for cost models."""
+    cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def step(batch: int, width: int) -> None:
+        key = (batch, width)
+        if key not in cache:
+            cache[key] = dummy_step_inputs(batch, width, scratch_slot, ctx_len, ladder.device)
+        with torch.inference_mode():
+            ladder.run(cache[key])
+
+    return step
