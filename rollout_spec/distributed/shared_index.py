@@ -100,6 +100,7 @@ class SharedIndexClient:
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
         self._cursors = [-1] * config.num_shards  # -1: the first pull also takes our own history
+        self._published_steps: set[int] = set()  # ours from this process: never re-ingested
         self._inflight_publishes: list[Any] = []
         self._poll_lock = threading.Lock()
         self._pub_lock = threading.Lock()  # the owner appends publishes, the puller reaps them
@@ -127,6 +128,7 @@ class SharedIndexClient:
         check_int("step", step, 0)
         self._raise_background_error()
         t0 = time.perf_counter()
+        self._published_steps.add(step)
         groups, seqs = self._recorded
         self._recorded = ([], [])
         gids = np.asarray(groups, np.int64)
@@ -165,8 +167,9 @@ class SharedIndexClient:
             pulls = [c.pull.remote(self.config.replica_id, cur) for c, cur in zip(self._coords, self._cursors)]
             entries: list[Entry] = []
             for shard, (head, got) in enumerate(ray.get(pulls)):
-                first = self._cursors[shard] < 0
-                entries += [e for e in got if first or e.src != self.config.replica_id]
+                first = self._cursors[shard] < 0  # a restart's own earlier steps come back once
+                entries += [e for e in got if e.src != self.config.replica_id
+                            or (first and e.step not in self._published_steps)]
                 self._cursors[shard] = head
             return self._fetch(entries)
 
