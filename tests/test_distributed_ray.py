@@ -189,3 +189,34 @@ def test_missing_coordinator_is_a_clear_error(ray_cluster) -> None:
     cfg = SharedIndexConfig(replica_id=0, num_replicas=1, name="never-created", lookup_timeout_s=0.0)
     with pytest.raises(LookupError, match="create_coordinators"):
         SharedIndexClient(NgramDrafter(), cfg, start=False)
+
+
+class _Sink:
+    """Collects what a client ingests (a drafter's add_sequences, minus the index)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int | None, list[int]]] = []
+
+    def add_sequences(self, group_ids: list, sequences: list) -> None:
+        self.got += list(zip(group_ids, sequences))
+
+
+def test_ingest_budget_keeps_the_newest_steps_and_bad_tokens_are_refused(ray_cluster) -> None:
+    name = _coordinator()
+    gid = _group_preferring([1], 2)
+    cfg = dict(num_replicas=2, affinity_k=1, name=name, lookup_timeout_s=5.0)
+    writer = SharedIndexClient(_Sink(), SharedIndexConfig(replica_id=0, **cfg), start=False)
+    for step in range(3):  # three steps of 30 tokens each for replica 1
+        writer.record(gid, list(range(100 * step, 100 * step + 30)))
+        writer.publish(step)
+    writer.flush()
+    sink = _Sink()
+    reader = SharedIndexClient(sink, SharedIndexConfig(replica_id=1, ingest_budget_tokens=70, **cfg), start=False)
+    assert reader.poll() == 2 and reader.apply() == 2
+    assert [seq[0] for _, seq in sink.got] == [100, 200]  # the two newest steps fit the budget
+    assert reader.stats()["entries_over_budget"] == 1
+    with pytest.raises(ValueError, match="token_ids"):
+        writer.record(gid, [5, -1])
+    with pytest.raises(ValueError, match="group_id"):
+        writer.record(2**31, [5])
+    destroy_coordinators(name, 1)

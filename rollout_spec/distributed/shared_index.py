@@ -117,8 +117,11 @@ class SharedIndexClient:
         if group_id is None:
             return
         check_int("group_id", group_id, 0, 2**31 - 1)
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() > 2**31 - 1):
+            raise ValueError("token_ids must be in [0, 2147483647]")
         self._recorded[0].append(int(group_id))
-        self._recorded[1].append(np.asarray(token_ids, dtype=np.int32).reshape(-1))
+        self._recorded[1].append(tokens.astype(np.int32))
 
     def publish(self, step: int) -> dict[str, float]:
         """Send what was recorded since the last publish, as step ``step``; returns at once.
