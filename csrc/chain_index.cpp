@@ -37,6 +37,10 @@ void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,
     std::vector<ChainRecord> old = std::move(recs_[ki]);
     recs_[ki] = {};
     heads_[ki].clear();
+    size_t kept = 0;
+    for (const ChainRecord& r : old) kept += keep(r.seq);
+    recs_[ki].reserve(kept);
+    heads_[ki].reserve(kept);  // an upper bound on distinct keys
     for (const ChainRecord& r : old)
       if (keep(r.seq)) append(ki, r.seq, tokens_of(r.seq), r.pos);
   }

@@ -16,9 +16,9 @@ void DrafterCore::maybe_evict() {
     return seqs_[a].step != seqs_[b].step ? seqs_[a].step < seqs_[b].step
                                           : seqs_[a].order < seqs_[b].order;
   });
-  // Evict down to 3/4 of capacity so that the O(stored) rebuild below is amortised over at
-  // least capacity/4 newly stored tokens.
-  const int64_t target = cfg_.capacity_tokens - cfg_.capacity_tokens / 4;
+  // Evict down to half the capacity so that the O(stored) rebuild below is amortised over at
+  // least capacity/2 newly stored tokens (one re-insert per stored token, on average).
+  const int64_t target = cfg_.capacity_tokens / 2;
   std::vector<int32_t> freed;
   for (int32_t v : victims) {
     if (stored_tokens_ <= target) break;

@@ -42,6 +42,21 @@ class FlatMap {
     }
   }
 
+  // Size the table for `n` keys up front (a rebuild knows its size; doubling would rehash).
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    if (cap > keys_.size()) {
+      std::vector<uint64_t> old_keys = std::move(keys_);
+      std::vector<int32_t> old_vals = std::move(vals_);
+      keys_.assign(cap, 0);
+      vals_.assign(cap, kMissing);
+      size_ = 0;
+      for (size_t i = 0; i < old_keys.size(); ++i)
+        if (old_keys[i] != 0) put(old_keys[i], old_vals[i]);
+    }
+  }
+
   void clear() {
     keys_.clear();
     vals_.clear();

@@ -61,15 +61,22 @@ def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarr
     """Concatenate per-request token lists into (int32 tokens, int64 offsets[count+1])."""
     if isinstance(lists, (str, bytes)) or len(lists) != count:
         raise ValueError(f"{name} must have one token list per request ({count})")
+    any_array = False
     for i, part in enumerate(lists):
         if isinstance(part, np.ndarray):
             if part.ndim != 1 or (part.size and part.dtype.kind not in "iu"):
                 raise TypeError(f"{name}[{i}] must be a 1-D integer array, got dtype {part.dtype}")
+            any_array = True
         elif isinstance(part, (str, bytes)) or not hasattr(part, "__len__"):
             raise TypeError(f"{name}[{i}] must be a sequence of token ids, got {type(part).__name__}")
     offsets = np.zeros(count + 1, np.int64)
     np.cumsum([len(p) for p in lists], out=offsets[1:])
-    return _token_array(name, list(chain.from_iterable(lists))), offsets
+    if any_array:  # big arrays: concatenate without boxing every token as a Python int
+        parts = [_int_array(f"{name}[{i}]", p).astype(np.int64, copy=False) for i, p in enumerate(lists)]
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    else:  # short Python lists (the decode hot path): one conversion for the whole batch
+        flat = list(chain.from_iterable(lists))
+    return _token_array(name, flat), offsets
 
 
 def _group_id(name: str, value: Optional[int]) -> int:

@@ -70,7 +70,7 @@ class RefDrafter:
             return
         victims = sorted((i for i, s in enumerate(self.seqs) if s["alive"] and not s["live"] and not s["pinned"]),
                          key=lambda i: (self.seqs[i]["step"], self.seqs[i]["order"]))
-        target, freed = self.capacity - self.capacity // 4, []
+        target, freed = self.capacity // 2, []
         for v in victims:
             if self.stored <= target:
                 break

@@ -1,0 +1,79 @@
+"""Bad input to NgramDrafter: clear errors naming the problem, and the drafter's state unchanged."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.drafter import NgramDrafter
+
+
+@pytest.fixture
+def drafter() -> NgramDrafter:
+    d = NgramDrafter()
+    d.add_sequences([1], [[1, 2, 3, 4]])
+    d.start_batch([0, 1], [[1, 2], [5, 1, 2]], [1, None])
+    return d
+
+
+def snapshot(d: NgramDrafter):
+    b = d.propose([0, 1])
+    return d.stats(), b.tokens.tolist(), b.parents.tolist(), b.offsets.tolist()
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda d: d.start(0, [1]), ValueError, "already live"),
+        (lambda d: d.start_batch([5, 5], [[1], [2]]), ValueError, "repeat"),
+        (lambda d: d.start(5, [1, -2]), ValueError, "token ids"),
+        (lambda d: d.start(5, [1.5]), TypeError, "integers"),
+        (lambda d: d.start(5, np.array([1.0, 2.0])), TypeError, "integer"),
+        (lambda d: d.start(5, "abc"), TypeError, "sequence"),
+        (lambda d: d.start(5, [1], group_id=-3), ValueError, "group_ids"),
+        (lambda d: d.start(5, [1], group_id=1.0), TypeError, "group_ids"),
+        (lambda d: d.start(-1, [1]), ValueError, "req_ids"),
+        (lambda d: d.start(5, [2**31]), ValueError, "token ids"),
+        (lambda d: d.start_batch([5, 6], [[1]]), ValueError, "one token list per request"),
+        (lambda d: d.start_batch([5], [[1]], [1, 2]), ValueError, "group_ids"),
+        (lambda d: d.extend(7, [1]), ValueError, "unknown"),
+        (lambda d: d.extend_batch([0, 0], [[1], [2]]), ValueError, "repeat"),
+        (lambda d: d.extend_batch([0, 1], [[1], [-1]]), ValueError, "token ids"),
+        (lambda d: d.extend(0, [[1, 2]]), TypeError, "integers"),
+        (lambda d: d.finish(9), ValueError, "unknown"),
+        (lambda d: d.finish_batch([0, 9]), ValueError, "unknown"),
+        (lambda d: d.propose([0, 9]), ValueError, "unknown"),
+        (lambda d: d.propose([0, 0]), ValueError, "repeat"),
+        (lambda d: d.propose([0], budgets=[-1]), ValueError, "budgets"),
+        (lambda d: d.propose([0], budgets=[1, 2]), ValueError, "budgets"),
+        (lambda d: d.propose([0], budgets=[1.5]), TypeError, "budgets"),
+        (lambda d: d.propose([1.0]), TypeError, "req_ids"),
+        (lambda d: d.add_sequences([1, 2], [[1]]), ValueError, "same length"),
+        (lambda d: d.add_sequences([1], [[1, -5]]), ValueError, "token ids"),
+    ],
+)
+def test_bad_input_raises_and_leaves_state_unchanged(drafter, call, error, match):
+    before = snapshot(drafter)
+    with pytest.raises(error, match=match):
+        call(drafter)
+    assert snapshot(drafter) == before
+    drafter.check_integrity()
+
+
+def test_config_must_be_a_spec_config():
+    with pytest.raises(TypeError, match="SpecConfig"):
+        NgramDrafter({"num_draft_tokens": 8})
+
+
+def test_corpus_file_must_hold_token_ids(tmp_path):
+    path = tmp_path / "c.npy"
+    np.save(path, np.array([0.5, 1.5]))
+    with pytest.raises(TypeError):
+        NgramDrafter(SpecConfig(external_corpora=(str(path),)))
+
+
+def test_finished_request_id_can_be_reused(drafter):
+    drafter.finish(0)
+    assert not drafter.is_live(0)
+    drafter.start(0, [1, 2], group_id=1)
+    assert drafter.propose([0]).num_nodes > 0
