@@ -1,0 +1,36 @@
+"""Keep what verl's servers drop: the engine's per-request speculative counters.
+
+verl's ``generate`` awaits the engine's output and keeps only tokens and logprobs. Wrapping the
+engine's generate call on the one engine object a server owns records the final output's
+counters by request id, for our ``generate`` to put into ``TokenOutput.extra_fields``.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable
+
+
+def record_sglang_meta(tokenizer_manager: Any, store: dict[str, dict]) -> None:
+    """Make ``tokenizer_manager.generate_request`` save each output's ``meta_info`` under its rid."""
+    original: Callable[..., AsyncIterator[Any]] = tokenizer_manager.generate_request
+
+    async def generate_request(obj: Any, request: Any = None) -> AsyncIterator[Any]:
+        async for out in original(obj, request):
+            if isinstance(out, dict):
+                store[str(obj.rid)] = dict(out.get("meta_info") or {})
+            yield out
+
+    tokenizer_manager.generate_request = generate_request
+
+
+def record_vllm_stats(engine: Any, store: dict[str, Any]) -> None:
+    """Make ``engine.generate`` save each request's latest ``metrics.request_spec_decode_stats``."""
+    original: Callable[..., AsyncIterator[Any]] = engine.generate
+
+    async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
+        async for out in original(*args, **kwargs):
+            metrics = getattr(out, "metrics", None)
+            store[str(request_id)] = getattr(metrics, "request_spec_decode_stats", None)
+            yield out
+
+    engine.generate = generate

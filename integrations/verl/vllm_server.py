@@ -1,0 +1,53 @@
+"""verl's vLLM server and replica, drafting with rollout-spec's vLLM proposer when the flag is on.
+
+Like ``sglang_server.py``: subclasses of verl's own, identical to them with the flag unset.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+from rollout_spec.integrations.verl import capture, metrics
+from rollout_spec.integrations.verl.config import spec_from_rollout_config
+from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
+
+
+class RolloutSpecvLLMHttpServer(vLLMHttpServer):
+    """vLLMHttpServer that drafts with rollout-spec's vLLM proposer and reports verl's spec counters."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._spec = spec_from_rollout_config(self.config)
+        self._spec_stats: dict[str, Any] = {}
+
+    async def launch_server(self, *args: Any, **kwargs: Any) -> None:
+        """Launch vLLM with our proposer as its speculative method."""
+        if self._spec is not None:
+            install_engine_kwargs(self.config, self._spec, "vllm")
+        await super().launch_server(*args, **kwargs)
+        if self._spec is not None and getattr(self, "engine", None) is not None:
+            capture.record_vllm_stats(self.engine, self._spec_stats)
+
+    async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str, *args: Any, **kwargs: Any):
+        """verl's generate with the three counters in extra_fields."""
+        if self._spec is None:
+            return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+        try:
+            out = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+            out.extra_fields.update(metrics.from_vllm_stats(self._spec_stats.get(request_id)))
+            return out
+        finally:
+            self._spec_stats.pop(request_id, None)
+
+
+class RolloutSpecvLLMReplica(vLLMReplica):
+    """vLLMReplica that starts our server class when the flag is on (validated here, early)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if spec_from_rollout_config(self.config) is not None:
+            from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH  # noqa: F401  (presence check)
+
+            self.server_class = ray.remote(RolloutSpecvLLMHttpServer)
