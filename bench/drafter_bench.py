@@ -1,0 +1,96 @@
+"""Replay rollout traces lock-step and print, per RL step, TPF and drafter cost side by side.
+
+Drafters, all in one run: ours (NgramDrafter; default adaptive budget, and "ours-full" filling
+the whole budget), arctic-inference's SuffixDecodingCache (vLLM defaults: depth 24,
+min_token_prob 0.1, chain; only if `arctic_inference` is importable -- it is never vendored),
+and a vLLM-style prompt-lookup n-gram (n in [2, 5]).
+
+    python bench/drafter_bench.py                       # the shared traces, or a synthetic one
+    python bench/drafter_bench.py --trace T.json.gz --max-live 512 --drafters ours,arctic
+
+Cost is CPU microseconds of propose + extend per live request per iteration, one thread,
+measured around the drafter's calls only.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_spec.config import SpecConfig  # noqa: E402
+from rollout_spec.drafter import NgramDrafter  # noqa: E402
+from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult, Trace,  # noqa: E402
+                                 arctic_available, load_trace, replay)
+from synthetic_trace import make_synthetic_trace  # noqa: E402
+
+SHARED = "/work/shared/traces/*.json.gz"
+
+
+def make_drafter(name: str, budget: int):
+    """Fresh drafter by bench name."""
+    if name == "ours":
+        return NgramDrafter(SpecConfig(num_draft_tokens=budget, max_batch_draft_tokens=1 << 24))
+    if name == "ours-full":
+        return NgramDrafter(SpecConfig(num_draft_tokens=budget, max_batch_draft_tokens=1 << 24,
+                                       adaptive_budget=False))
+    if name == "arctic":
+        return ArcticDrafter(max_depth=24, min_token_prob=0.1)
+    if name == "prompt-lookup":
+        return PromptLookupDrafter(2, 5)
+    raise ValueError(f"unknown drafter {name!r}; choose from ours, ours-full, arctic, prompt-lookup")
+
+
+def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None) -> None:
+    """Replay ``trace`` with every drafter and print one table row per (step, drafter)."""
+    results: dict[str, list[StepResult]] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        results[name] = replay(make_drafter(name, budget), trace, budget=budget, max_live=max_live)
+        print(f"  [{label}] {name}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    live = "all" if max_live is None else str(max_live)
+    print(f"\n## {label}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, "
+          f"{trace.num_tokens} tokens; budget {budget}; live requests: {live}")
+    print(f"| step | drafter | TPF | TPF / arctic | accept rate | us / request / iteration |")
+    print("|---|---|---|---|---|---|")
+    for s in range(len(trace.steps)):
+        ref = results["arctic"][s].tpf if "arctic" in results else None
+        for name in names:
+            r = results[name][s]
+            ratio = f"{r.tpf / ref:.2f}x" if ref else "n/a"
+            rate = r.accepted / max(r.drafted, 1)
+            print(f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} |")
+
+
+def main() -> None:
+    """Parse options, pick traces, run the drafters, print the tables."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", action="append", help="trace file(s); default: shared traces, else synthetic")
+    ap.add_argument("--synthetic", action="store_true", help="also replay a synthetic trace")
+    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--max-live", type=int, default=None, help="cap on concurrent requests")
+    ap.add_argument("--drafters", default="ours,ours-full,arctic,prompt-lookup")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    if "arctic" in names and not arctic_available():
+        print("NOTE: arctic-inference is not installed (import arctic_inference.suffix_decoding "
+              "failed); its column is skipped.", file=sys.stderr)
+        names.remove("arctic")
+    for n in names:
+        make_drafter(n, args.budget)  # fail fast on a bad name
+    paths = args.trace or sorted(glob.glob(SHARED))
+    print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs), one thread, {time.strftime('%Y-%m-%d %H:%M')}")
+    for path in paths:
+        run_trace(Path(path).name, load_trace(path), names, args.budget, args.max_live)
+    if args.synthetic or not paths:
+        run_trace("synthetic (seed 0)", make_synthetic_trace(), names, args.budget, args.max_live)
+
+
+if __name__ == "__main__":
+    main()

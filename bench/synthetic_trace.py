@@ -1,0 +1,113 @@
+"""Generate synthetic GRPO rollout traces in the shared trace format (see /work/shared/traces).
+
+The structure mimics what makes real RL rollouts draftable: prompts share a chat template; each
+prompt has a latent "solution" that its n samples follow with random departures (so siblings
+share long spans but diverge), responses quote the prompt, common phrases recur across prompts,
+lengths vary, and each later RL step re-samples the prompts from a slowly drifting solution.
+
+    python bench/synthetic_trace.py out.json.gz --prompts 64 --n 8 --steps 3 --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout_spec.replay import Trace, save_trace
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Knobs of the generator; defaults give traces of roughly the real ones' size and TPF."""
+
+    prompts: int = 64
+    n: int = 8
+    steps: int = 3
+    vocab: int = 32_000
+    phrases: int = 400  # shared phrase bank (template text, common reasoning steps)
+    follow: float = 0.85  # chance a sample keeps following its prompt's solution at a span break
+    drift: float = 0.05  # fraction of solution spans rewritten between RL steps
+    max_tokens: int = 384
+    eos: int = 2
+    seed: int = 0
+
+
+def _span(rng: np.random.Generator, bank: list[np.ndarray], vocab: int) -> np.ndarray:
+    """A common phrase (60%) or fresh random tokens."""
+    if rng.random() < 0.6:
+        return bank[rng.integers(len(bank))]
+    return rng.integers(3, vocab, rng.integers(3, 12), dtype=np.int64)
+
+
+def _solution(rng, bank, vocab, prompt: np.ndarray, length: int) -> list[np.ndarray]:
+    """A prompt's latent solution: spans of phrases, fresh text and quotes from the prompt."""
+    spans, total = [], 0
+    while total < length:
+        if rng.random() < 0.15 and len(prompt) > 8:
+            a = rng.integers(0, len(prompt) - 6)
+            span = prompt[a:a + rng.integers(3, 7)]
+        else:
+            span = _span(rng, bank, vocab)
+        spans.append(span)
+        total += len(span)
+    return spans
+
+
+def _sample(rng, bank, vocab, solution: list[np.ndarray], spec: SyntheticSpec) -> list[int]:
+    """One response: walk the solution, sometimes wandering off for a span or skipping ahead."""
+    out: list[int] = []
+    i = 0
+    limit = int(spec.max_tokens * rng.uniform(0.5, 1.0))
+    while i < len(solution) and len(out) < limit:
+        if rng.random() < spec.follow:
+            out.extend(solution[i].tolist())
+            i += 1
+        else:
+            out.extend(_span(rng, bank, vocab).tolist())
+            i += int(rng.integers(0, 2))
+    out = out[:spec.max_tokens - 1]
+    return out + [spec.eos] if len(out) < spec.max_tokens - 1 or rng.random() < 0.5 else out
+
+
+def make_synthetic_trace(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
+    """Build a Trace with ``spec.prompts`` groups, ``spec.n`` samples each, ``spec.steps`` steps."""
+    rng = np.random.default_rng(spec.seed)
+    bank = [rng.integers(3, spec.vocab, rng.integers(2, 10), dtype=np.int64) for _ in range(spec.phrases)]
+    head, tail = rng.integers(3, spec.vocab, 20), rng.integers(3, spec.vocab, 15)
+    prompts, solutions = {}, {}
+    for g in range(spec.prompts):
+        question = rng.integers(3, spec.vocab, rng.integers(30, 120))
+        prompts[g] = np.concatenate([head, question, tail]).tolist()
+        solutions[g] = _solution(rng, bank, spec.vocab, question, int(rng.integers(100, spec.max_tokens)))
+    steps = []
+    for _ in range(spec.steps):
+        rows = []
+        for g in range(spec.prompts):
+            for _ in range(spec.n):
+                rows.append((g, _sample(rng, bank, spec.vocab, solutions[g], spec)))
+            sol = solutions[g]  # the policy moves a little between steps
+            for j in np.flatnonzero(rng.random(len(sol)) < spec.drift):
+                sol[j] = _span(rng, bank, spec.vocab)
+        steps.append(rows)
+    meta = {"model": "synthetic", "sampling": {"generator": "bench/synthetic_trace.py", **spec.__dict__},
+            "eos_token_id": spec.eos}
+    return Trace(prompts=prompts, steps=steps, meta=meta)
+
+
+def main() -> None:
+    """CLI: write one synthetic trace."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    trace = make_synthetic_trace(SyntheticSpec(prompts=args.prompts, n=args.n, steps=args.steps, seed=args.seed))
+    save_trace(trace, args.out)
+    print(f"wrote {args.out}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, {trace.num_tokens} tokens")
+
+
+if __name__ == "__main__":
+    main()
