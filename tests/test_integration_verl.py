@@ -1,0 +1,215 @@
+"""verl hook: the config flag, engine arguments, and the metrics path through verl's own function.
+
+Against the real verl package (``pip install --no-deps verl``, as CI does): verl's own
+``compute_spec_decode_metrics`` is taken from its installed source and run on our counters, and
+the shape of verl's servers/registry we rely on is checked in that source. Tests that need verl
+importable (its runtime needs ray, tensordict, omegaconf, sglang's stack...) run where it is, and
+are skipped otherwise with the import error as the reason.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.verl import capture, metrics
+from rollout_spec.integrations.verl.config import (
+    FLAG_PATH,
+    backend_engine_kwargs,
+    merged_engine_kwargs,
+    spec_from_rollout_config,
+)
+from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
+
+
+def rollout(custom=None, name="sglang", **extra):
+    return {"name": name, "custom": custom, "engine_kwargs": {}, **extra}
+
+
+# ---------------------------------------------------------------- the flag
+def test_flag_off_means_no_spec():
+    assert spec_from_rollout_config(rollout(None)) is None
+    assert spec_from_rollout_config(rollout({"other_extension": 1})) is None
+
+
+def test_flag_on_validates_options_into_specconfig():
+    spec = spec_from_rollout_config(
+        rollout({"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": 6, "tree": False,
+                                                                 "external_corpora": ["a.npy"]}})
+    )
+    assert spec == SpecConfig(num_draft_tokens=6, tree=False, external_corpora=("a.npy",))
+    assert spec_from_rollout_config(rollout({"speculative": "rollout_spec"}, name="vllm")) == SpecConfig()
+
+
+@pytest.mark.parametrize(
+    "cfg, error, match",
+    [
+        (rollout({"speculative": "eagle"}), ValueError, "must be 'rollout_spec'"),
+        (rollout({"rollout_spec": {"num_draft_tokens": 4}}), ValueError, "speculative is not"),
+        (rollout({"speculative": "rollout_spec", "rollout_spec": {"draft_len": 4}}), ValueError,
+         r"custom\.rollout_spec: .*unknown key"),
+        (rollout({"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": -1}}), ValueError,
+         r"custom\.rollout_spec: num_draft_tokens must be in \[0, 1024\]"),
+        (rollout({"speculative": "rollout_spec"}, name="trtllm"), ValueError, "rollout.name must be one of"),
+        (rollout({"speculative": "rollout_spec"}, mtp={"enable": True, "enable_rollout": True}), ValueError,
+         "mtp.enable_rollout"),
+        (rollout({"speculative": "rollout_spec"}, disaggregation={"enabled": True}), ValueError,
+         "disaggregation"),
+        (rollout(["not", "a", "dict"]), TypeError, "custom must be a dict"),
+    ],
+)
+def test_bad_configs_name_the_key(cfg, error, match):
+    with pytest.raises(error, match=match):
+        spec_from_rollout_config(cfg)
+
+
+def test_engine_kwargs_for_each_backend_and_conflicts():
+    spec = SpecConfig(num_draft_tokens=5)
+    sg = backend_engine_kwargs(spec, "sglang")
+    assert sg["speculative_algorithm"] == "NGRAM" and sg["speculative_num_draft_tokens"] == 6
+    vl = backend_engine_kwargs(spec, "vllm")
+    assert vl["speculative_config"]["method"] == "custom_class"
+    assert vl["additional_config"]["rollout_spec"]["num_draft_tokens"] == 5
+    cfg = SimpleNamespace(engine_kwargs={"sglang": {"attention_backend": "fa3"}})
+    install_engine_kwargs(cfg, spec, "sglang")
+    assert cfg.engine_kwargs["sglang"] == {"attention_backend": "fa3", **sg}
+    with pytest.raises(ValueError, match=r"engine_kwargs\.sglang\.speculative_algorithm='EAGLE' conflicts"):
+        merged_engine_kwargs({"speculative_algorithm": "EAGLE"}, sg, "sglang")
+    with pytest.raises(ValueError, match="backend must be"):
+        backend_engine_kwargs(spec, "trtllm")
+
+
+# ---------------------------------------------------------------- metrics through verl's function
+def _verl_root() -> Path | None:
+    found = importlib.util.find_spec("verl")
+    return Path(list(found.submodule_search_locations)[0]) if found and found.submodule_search_locations else None
+
+
+VERL = _verl_root()
+needs_verl_source = pytest.mark.skipif(VERL is None, reason="verl not installed (pip install --no-deps verl)")
+
+
+def verl_function(rel: str, name: str):
+    """verl's own function ``name`` from its installed source, compiled alone (it is pure Python)."""
+    tree = ast.parse((VERL / rel).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace: dict = {}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(VERL / rel), "exec"), namespace)
+    return namespace[name]
+
+
+@needs_verl_source
+def test_sglang_counters_give_verls_accept_metrics():
+    compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
+    metas = [
+        {"spec_verify_ct": 10, "spec_num_proposed_drafts": 70, "spec_num_correct_drafts": 21, "completion_tokens": 31},
+        {"spec_verify_ct": 4, "spec_num_proposed_drafts": 28, "spec_num_correct_drafts": 0, "completion_tokens": 4},
+        {"completion_tokens": 1},  # finished at prefill: no verify step, no keys
+    ]
+    fields = [metrics.from_sglang_meta(m) for m in metas]
+    assert fields[2] == dict.fromkeys(metrics.SPEC_FIELDS, 0)
+    out = compute(*([f[k] for f in fields] for k in metrics.SPEC_FIELDS))
+    assert out["rollout/spec_accept_rate"] == pytest.approx((21 / 70 + 0 + 0) / 3)
+    assert out["rollout/spec_accept_length"] == pytest.approx((1 + 21 / 10 + 1 + 0) / 3)
+
+
+@needs_verl_source
+def test_vllm_counters_give_verls_accept_metrics():
+    compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
+    stats = SimpleNamespace(num_draft_tokens=40, num_accepted_tokens=30, num_verify_steps=10)
+    f = metrics.from_vllm_stats(stats)
+    out = compute([f["spec_num_draft_tokens"]], [f["spec_num_accepted_tokens"]], [f["spec_num_verify_steps"]])
+    assert out == {"rollout/spec_accept_rate": 0.75, "rollout/spec_accept_length": 4.0}
+    assert metrics.from_vllm_stats(None) == {}
+
+
+@needs_verl_source
+def test_verl_still_has_the_shape_the_hook_relies_on():
+    trainer = (VERL / "trainer/ppo/ray_trainer.py").read_text()
+    for key in metrics.SPEC_FIELDS:
+        assert f'"{key}"' in trainer, f"verl's trainer no longer reads {key}"
+    sglang_server = (VERL / "workers/rollout/sglang_rollout/async_sglang_server.py").read_text()
+    assert "self.tokenizer_manager.generate_request(" in sglang_server
+    assert "class SGLangReplica(" in sglang_server and "self.server_class = ray.remote(SGLangHttpServer)" in sglang_server
+    vllm_server = (VERL / "workers/rollout/vllm_rollout/vllm_async_server.py").read_text()
+    assert "self.engine.generate(" in vllm_server and "request_id=request_id" in vllm_server
+    replica = (VERL / "workers/rollout/replica.py").read_text()
+    assert 'RolloutReplicaRegistry.register("sglang"' in replica and "_registry" in replica
+    init = (VERL / "__init__.py").read_text()
+    assert '"verl.plugins"' in init, "verl no longer loads verl.plugins entry points"
+    rollout_cfg = (VERL / "workers/config/rollout.py").read_text()
+    assert "custom: Optional[dict] = None" in rollout_cfg and '"engine_kwargs"' in rollout_cfg
+
+
+# ---------------------------------------------------------------- counters kept from the engines
+def test_capture_keeps_final_meta_info_and_vllm_stats():
+    class TokenizerManager:
+        async def generate_request(self, obj, request=None):
+            yield {"output_ids": [1, 2], "meta_info": {"spec_verify_ct": 2}}
+
+    tm, store = TokenizerManager(), {}
+    capture.record_sglang_meta(tm, store)
+
+    async def first():
+        return await tm.generate_request(SimpleNamespace(rid="r|rsg=00000001"), None).__anext__()
+
+    assert asyncio.run(first())["output_ids"] == [1, 2]
+    assert store == {"r|rsg=00000001": {"spec_verify_ct": 2}}
+
+    class Engine:
+        async def generate(self, prompt, sampling_params, request_id, **kw):
+            for n in (1, 2):
+                yield SimpleNamespace(metrics=SimpleNamespace(request_spec_decode_stats=n))
+
+    eng, stats = Engine(), {}
+    capture.record_vllm_stats(eng, stats)
+
+    async def drain():
+        return [o async for o in eng.generate(prompt="p", sampling_params=None, request_id="q")]
+
+    assert len(asyncio.run(drain())) == 2 and stats == {"q": 2}
+
+
+# ---------------------------------------------------------------- with verl importable
+def _verl_runtime_error() -> str | None:
+    try:
+        import verl.workers.rollout.replica  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- any import failure is the skip reason
+        return f"verl runtime not importable here: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+VERL_RUNTIME = None if VERL is None else _verl_runtime_error()
+needs_verl_runtime = pytest.mark.skipif(VERL is None or VERL_RUNTIME is not None, reason=VERL_RUNTIME or "no verl")
+
+
+@needs_verl_runtime
+def test_plugin_wraps_verls_replica_loaders_once():
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from rollout_spec.integrations.verl.plugin import register
+
+    for backend in ("sglang", "vllm"):
+        assert getattr(RolloutReplicaRegistry._registry[backend], "rollout_spec_wrapped", False)
+    assert register() == []
+
+
+@needs_verl_runtime
+def test_real_rollout_config_with_the_flag():
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    cfg = OmegaConf.create({"name": "sglang", "custom": {"speculative": "rollout_spec",
+                                                         "rollout_spec": {"num_draft_tokens": 5}}})
+    real = omega_conf_to_dataclass(OmegaConf.merge(OmegaConf.structured(RolloutConfig), cfg), RolloutConfig)
+    assert spec_from_rollout_config(real) == SpecConfig(num_draft_tokens=5)
+    assert spec_from_rollout_config(cfg) == SpecConfig(num_draft_tokens=5)
+    install_engine_kwargs(real, SpecConfig(num_draft_tokens=5), "sglang")
+    assert real.engine_kwargs["sglang"]["speculative_num_draft_tokens"] == 6
+    assert FLAG_PATH.endswith("custom.speculative")
