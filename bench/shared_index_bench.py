@@ -158,17 +158,18 @@ def run_step(hosts: list, coords: list, step: int, placed: np.ndarray, n: int) -
         "apply ms p99": pct([d["apply_s"] for d in ings], 99),
         "chunk ms max": max(d["apply_max_s"] for d in ings) * 1e3,
         "lost": sum(d["entries_lost"] for d in ings),
-        "coord s": busy[0],
-        "coord ms/put": busy[0] / max(busy[1], 1) * 1e3,
+        "coord s": busy[:, 0].sum(),
+        "coord s max shard": busy[:, 0].max(),
+        "coord ms/put": busy[:, 0].sum() / max(busy[:, 1].sum(), 1) * 1e3,
         "publish+ack s": t1 - t0,
         "ingest s": t2 - t1,
     }
 
 
 def _coordinator_busy(coords: list) -> np.ndarray:
-    """Seconds all coordinator shards spent in publish, and their puts, so far."""
+    """Per shard: seconds spent in publish and puts made so far, float[S, 2]."""
     stats = ray.get([c.stats.remote() for c in coords])
-    return np.array([sum(s["busy_s"] for s in stats), sum(s["puts"] for s in stats)])
+    return np.array([[s["busy_s"], s["puts"]] for s in stats], dtype=np.float64)
 
 
 def print_table(rows: list[dict[str, float]]) -> None:
