@@ -243,4 +243,6 @@ def test_real_drafter_drafts_a_siblings_continuation():
         runner = FakeRunner([("0_p", prompt, answer[: t + 1])])
         prop.propose_for_runner(runner, sched(), [[answer[t]]])
     runner = FakeRunner([("1_p", prompt, answer[:2])])
-    assert prop.propose_for_runner(runner, sched(finished={"0_p"}), [answer[:2]]) == [answer[2:6]]
+    [draft] = prop.propose_for_runner(runner, sched(finished={"0_p"}), [answer[:2]])
+    # how far the drafter trusts one sibling is its policy; the draft must continue the sibling
+    assert 1 <= len(draft) <= 4 and draft == answer[2 : 2 + len(draft)], draft

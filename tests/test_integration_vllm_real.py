@@ -121,7 +121,8 @@ def test_real_runner_step_drafts_from_a_sibling(plugged, monkeypatch):
     _commit(runner.input_batch, sampled)
     drafts = runner.propose_draft_token_ids(out, sampled, *args)
     # same prompt -> same group: sibling 1 is drafted the continuation sibling 0 wrote
-    assert drafts == [[], answer[2:6]], drafts
+    assert drafts[0] == [] and 1 <= len(drafts[1]) <= 4, drafts
+    assert drafts[1] == answer[2 : 2 + len(drafts[1])], drafts
     stats = runner.drafter.end_step()
     assert stats["requests_started"] == 2 and stats["requests_finished"] == 2
 
