@@ -132,6 +132,7 @@ def verify(
     generator: torch.Generator | None = None,
     *,
     tree: TreeInputs | None = None,
+    backend: str = "auto",
 ) -> VerifyResult:
     """Accept a path of every request's draft tree and draw one bonus token after it.
 
@@ -143,6 +144,8 @@ def verify(
         generator: torch.Generator on the logits' device; seeded runs reproduce.
         tree: the TreeInputs of this forward; optional, only checked against the batch (the
             walk needs nothing that the batch does not already hold on the host).
+        backend: row statistics by "torch", "triton" (one-pass kernel) or "auto" (triton on
+            CUDA when installed); the law and the results do not depend on it beyond rounding.
     Returns:
         VerifyResult (numpy arrays in ``.host``, device tensors on access).
     Raises:
@@ -156,7 +159,7 @@ def verify(
     uploads = [nodes.parent_row, nodes.tok] + ([temp_rows] if temp_rows is not None else [])
     dev_arrays = to_device(uploads, dev)
     stats = row_stats(logits, table, rows_per_req, table.any_greedy,
-                      dev_arrays[2] if temp_rows is not None else None)
+                      dev_arrays[2] if temp_rows is not None else None, backend)
     child_logit = logits[dev_arrays[0], dev_arrays[1]].float()
     u = torch.rand(batch.num_nodes, generator=generator, device=dev)
     child_logit, lse, thr, argmax, u = _fetch([child_logit, stats.lse, stats.thr, stats.argmax, u])
