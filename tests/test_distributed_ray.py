@@ -30,6 +30,8 @@ def ray_cluster():
     """A local cluster; worker processes import this module, so they get tests/ on their path."""
     here = str(Path(__file__).parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    if ray.is_initialized():  # another module's cluster lacks our runtime_env
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
