@@ -246,3 +246,20 @@ def test_real_drafter_drafts_a_siblings_continuation():
     [draft] = prop.propose_for_runner(runner, sched(finished={"0_p"}), [answer[:2]])
     # how far the drafter trusts one sibling is its policy; the draft must continue the sibling
     assert 1 <= len(draft) <= 4 and draft == answer[2 : 2 + len(draft)], draft
+
+
+def test_chain_fast_path_matches_the_tree_walk():
+    rng = np.random.default_rng(1)
+    trees = []
+    for _ in range(200):
+        n = int(rng.integers(0, 7))
+        if rng.random() < 0.5:
+            trees.append([(int(rng.integers(0, 50)), i - 1) for i in range(n)])  # a chain
+        else:
+            trees.append([(int(rng.integers(0, 50)), int(rng.integers(-1, i))) for i in range(n)])
+    batch = DraftBatch.from_lists(trees)
+    caps = [int(c) for c in rng.integers(0, 8, len(trees))]
+    walked = [best_chain(np.array([p for _, p in t], np.int32).reshape(-1),
+                         np.array([tok for tok, _ in t], np.int32).reshape(-1), c)
+              for t, c in zip(trees, caps)]
+    assert best_chains(batch, caps) == walked

@@ -39,10 +39,20 @@ def best_chains(batch: DraftBatch, max_lens: Sequence[int]) -> list[list[int]]:
         raise ValueError(
             f"max_lens has {len(max_lens)} entries, the DraftBatch has {batch.num_requests} requests"
         )
+    offsets = batch.offsets.tolist()
+    tokens = batch.tokens.tolist()
+    # a slice whose every parent is the node just before it is already a chain (tree=False
+    # drafts always are): slice it instead of walking it
+    sizes = batch.sizes()
+    local = np.arange(batch.num_nodes) - np.repeat(batch.offsets[:-1].astype(np.int64), sizes)
+    off_chain = np.concatenate([[0], np.cumsum(batch.parents != local - 1)])
     out = []
     for b in range(batch.num_requests):
-        lo, hi = int(batch.offsets[b]), int(batch.offsets[b + 1])
-        out.append(best_chain(batch.parents[lo:hi], batch.tokens[lo:hi], max_lens[b]))
+        lo, hi = offsets[b], offsets[b + 1]
+        if off_chain[hi] == off_chain[lo]:
+            out.append(tokens[lo : min(hi, lo + max(max_lens[b], 0))])
+        else:
+            out.append(best_chain(batch.parents[lo:hi], batch.tokens[lo:hi], max_lens[b]))
     return out
 
 
