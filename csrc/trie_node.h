@@ -15,6 +15,7 @@ struct TrieNode {
   double weight;         // summed occurrence weights passing through this node
   int32_t count;         // occurrences passing through this node
   double prob;           // path probability: product of weight ratios from the root
+  double priority;       // prob with every step discounted for thin evidence: the heap order
 };
 
 }  // namespace rollout_spec

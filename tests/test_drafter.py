@@ -32,17 +32,30 @@ def test_recency_breaks_ties():
     assert tree(d.propose([0])) == [(4, -1), (3, -1)]
 
 
-def test_chain_probabilities_decay_and_stop_at_min_token_prob():
+def test_min_token_prob_prunes_rare_continuations_and_discount_orders():
+    corpus = [[1, 2, 3, 4]] * 10 + [[1, 2, 5]]
     d = NgramDrafter(SpecConfig(min_token_prob=0.1))
+    d.add_sequences([None] * len(corpus), corpus)
+    d.start(0, [1, 2])
+    b = d.propose([0])
+    assert tree(b) == [(3, -1), (4, 0)]  # 5 follows 1 time in 11: below the 0.1 floor
+    # probs: count ratios discounted by n / (n + 1) at every step
+    np.testing.assert_allclose(b.probs, [10 / 11 * 10 / 11, 10 / 11 * 10 / 11 * 10 / 11], rtol=1e-6)
+    full = NgramDrafter(SpecConfig(adaptive_budget=False))
+    full.add_sequences([None] * len(corpus), corpus)
+    full.start(0, [1, 2])
+    b = full.propose([0])
+    assert tree(b) == [(3, -1), (4, 0), (5, -1)]
+    np.testing.assert_allclose(b.probs[2], 1 / 11 * 1 / 2, rtol=1e-6)
+
+
+def test_single_occurrence_chain_decays_by_the_discount():
+    d = NgramDrafter()
     d.add_sequences([None], [[1, 2, 3, 4, 5, 6]])
     d.start(0, [1, 2])
     b = d.propose([0])
-    assert tree(b) == [(3, -1), (4, 0), (5, 1)]
-    np.testing.assert_allclose(b.probs, [0.5, 0.25, 0.125])
-    full = NgramDrafter(SpecConfig(adaptive_budget=False))
-    full.add_sequences([None], [[1, 2, 3, 4, 5, 6]])
-    full.start(0, [1, 2])
-    assert tree(full.propose([0])) == [(3, -1), (4, 0), (5, 1), (6, 2)]
+    assert tree(b) == [(3, -1), (4, 0), (5, 1), (6, 2)]
+    np.testing.assert_allclose(b.probs, [0.5, 0.25, 0.125, 0.0625])
 
 
 def test_budget_caps_nodes_per_request_and_per_batch():

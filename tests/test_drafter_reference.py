@@ -175,8 +175,8 @@ class RefDrafter:
 
     def _build(self, occ, budget):
         cfg = self.cfg
-        # node: [token, parent, weight, count, children, prob, out_index]
-        nodes = [[-1, -1, 0.0, 0, [], 1.0, -1]]
+        # node: [token, parent, weight, count, children, prob, out_index, priority]
+        nodes = [[-1, -1, 0.0, 0, [], 1.0, -1, 1.0]]
         depth = min(budget, cfg.max_depth)
         for seq, pos, m, scope in occ:
             w = self.weights[scope]
@@ -189,7 +189,7 @@ class RefDrafter:
                 nxt = next((c for c in nodes[cur][4] if nodes[c][0] == t), None)
                 if nxt is None:
                     nxt = len(nodes)
-                    nodes.append([t, cur, 0.0, 0, [], 0.0, -1])
+                    nodes.append([t, cur, 0.0, 0, [], 0.0, -1, 0.0])
                     nodes[cur][4].append(nxt)
                 nodes[nxt][2] += w
                 nodes[nxt][3] += 1
@@ -200,16 +200,18 @@ class RefDrafter:
         def push(i):
             for c in nodes[i][4]:
                 n = float(nodes[c][3])
-                nodes[c][5] = nodes[i][5] * (nodes[c][2] / nodes[i][2]) * (n / (n + beta))
-                heapq.heappush(heap, (-nodes[c][5], c))
+                ratio = nodes[c][2] / nodes[i][2]
+                nodes[c][5] = nodes[i][5] * ratio
+                nodes[c][7] = nodes[i][7] * ratio * (n / (n + beta))
+                heapq.heappush(heap, (-nodes[c][7], c))
 
         out = []
         if budget > 0 and occ:
             push(0)
             while len(out) < budget and heap:
                 negp, i = heapq.heappop(heap)
-                if -negp < floor or -negp <= 0:
-                    break
+                if nodes[i][5] < floor or -negp <= 0:
+                    continue
                 nodes[i][6] = len(out)
                 parent = nodes[i][1]
                 out.append((nodes[i][0], -1 if parent == 0 else nodes[parent][6], np.float32(-negp)))
