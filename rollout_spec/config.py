@@ -61,7 +61,7 @@ class SpecConfig:
     min_match_len: int = 1
     """Shortest context suffix whose continuations may be proposed."""
     min_token_prob: float = 0.1
-    """Nodes whose estimated path probability falls below this are not proposed."""
+    """Path-probability floor of proposed nodes (applied when adaptive_budget is on)."""
     tree: bool = True
     """Propose branching trees; False proposes a single chain per request."""
     adaptive_budget: bool = True
