@@ -216,15 +216,16 @@ def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: tor
     return batch * new_tokens / (time.perf_counter() - t0)
 
 
-def run_generate(engine: object, prompts: list, temperature: float, n: int, max_new: int) -> dict:
+def run_generate(engine: object, prompts: list[list[int]], groups: list[int], temperature: float,
+                 n: int, max_new: int, stop: tuple[int, ...] | None) -> dict:
     """One timed ``generate``; tokens, forwards and drafted nodes summed over the samples."""
     from rollout_spec.config import SamplingParams
 
-    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new, seed=0)
+    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new, seed=0,
+                            stop_token_ids=stop)
     sync(engine.device)
     t0 = time.perf_counter()
-    outs = engine.generate([list(p.prompt_ids) for p in prompts], params,
-                           group_ids=[p.group_id for p in prompts])
+    outs = engine.generate(prompts, params, group_ids=groups)
     sync(engine.device)
     secs = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
@@ -233,36 +234,63 @@ def run_generate(engine: object, prompts: list, temperature: float, n: int, max_
             "width": 1 + sum(o.num_draft_tokens for o in outs) / max(steps, 1)}
 
 
-def engine_rows(args: argparse.Namespace) -> None:
-    """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
+def make_engines(args: argparse.Namespace) -> tuple[object, object, list[list[int]], tuple | None]:
+    """Speculative and plain engines sharing one model, the prompt pool and the stop tokens.
+
+    ``--random-weights``: SmolLM2-135M shapes, random prompts of 128 ids, no stop tokens (every
+    sample runs to max_new_tokens); otherwise the named model on gsm_symbolic chat prompts.
+    """
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine.engine import RolloutEngine
-    from rollout_spec.workloads import Workload
 
-    max_b = max(args.batch_sizes)
-    spec_eng = RolloutEngine.from_pretrained(args.model, device=args.device, spec=SpecConfig(),
-                                             num_slots=max_b, max_model_len=args.max_model_len)
-    base_eng = RolloutEngine(spec_eng.model, spec_eng.tokenizer, None, num_slots=max_b,
-                             max_model_len=args.max_model_len, eos_token_ids=spec_eng.eos_token_ids)
-    work = Workload("gsm_symbolic", spec_eng.tokenizer, num_prompts=max(1, max_b // 8), seed=0)
-    bench = StepBench(spec_eng.model, max_b, args.ctx, args.ctx + 16)
+    max_b, dev = max(args.batch_sizes), torch.device(args.device)
+    kw = dict(num_slots=max_b, max_model_len=args.max_model_len, max_draft_tokens=8)
+    if args.random_weights:
+        model, _ = random_model(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        spec_eng = RolloutEngine(model, None, SpecConfig(), **kw)
+        gen = torch.Generator().manual_seed(0)
+        hi = min(20000, model.config.vocab_size)
+        prompts = torch.randint(3, hi, (max(1, max_b // 8), 128), generator=gen).tolist()
+        stop: tuple | None = ()
+    else:
+        from rollout_spec.workloads import Workload
+
+        spec_eng = RolloutEngine.from_pretrained(args.model, device=dev, spec=SpecConfig(), **kw)
+        work = Workload("gsm_symbolic", spec_eng.tokenizer, num_prompts=max(1, max_b // 8), seed=0)
+        prompts, stop = [list(p.prompt_ids) for p in work.prompts], None
+    base_eng = RolloutEngine(spec_eng.model, spec_eng.tokenizer, None,
+                             eos_token_ids=spec_eng.eos_token_ids, **kw)
+    return spec_eng, base_eng, prompts, stop
+
+
+def engine_rows(args: argparse.Namespace) -> None:
+    """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
+    spec_eng, base_eng, prompts, stop = make_engines(args)
+    bench = StepBench(spec_eng.model, max(args.batch_sizes), args.ctx, args.ctx + 16)
     grid = step_grid(bench, args.batch_sizes, [1, 2, 3, 5, 9], iters=10)
     cost = grid[list(grid)[-1]]
     del bench
-    print("\n## Engine tokens/s, speculation on vs off (gsm_symbolic, same prompts and seeds)")
+    src = "random weights, random prompts" if args.random_weights else "gsm_symbolic"
+    print(f"\n## Engine tokens/s, speculation on vs off ({src}; same prompts and seeds)")
     print("| T | B | no-spec tok/s | spec tok/s | TPF | mean W | tax | bound TPF/tax | speedup "
           "| speedup/bound |\n|---|---|---|---|---|---|---|---|---|---|")
-    for temp in (0.6, 1.0):
+    for temp in args.temperatures:
         for b in args.batch_sizes:
             n = min(8, b)
-            prompts = work.prompts[: max(1, b // n)]
-            base = run_generate(base_eng, prompts, temp, n, args.max_new_tokens)
-            spec = run_generate(spec_eng, prompts, temp, n, args.max_new_tokens)
+            group = prompts[: max(1, b // n)]
+            ids = list(range(len(group)))
+            base = run_generate(base_eng, group, ids, temp, n, args.max_new_tokens, stop)
+            spec = run_generate(spec_eng, group, ids, temp, n, args.max_new_tokens, stop)
             spec_eng.end_step()
             tax = interp_tax(cost, b, spec["width"])
             bound, speedup = spec["tpf"] / tax, spec["tps"] / base["tps"]
             print(f"| {temp} | {b} | {base['tps']:.0f} | {spec['tps']:.0f} | {spec['tpf']:.2f} | "
                   f"{spec['width']:.2f} | {tax:.2f} | {bound:.2f} | {speedup:.2f} | {speedup / bound:.2f} |")
+    if args.reference:
+        b, dev = max(args.batch_sizes), torch.device(args.device)
+        theirs = hf_generate_tokens_per_s(spec_eng.model.config.hf_config, dev, spec_eng.runner.dtype,
+                                          b, 128, args.max_new_tokens)
+        print(f"\ntransformers generate, B={b}, prompt 128, {args.max_new_tokens} new: {theirs:.0f} tok/s")
 
 
 def interp_tax(cost: dict[tuple[int, int], float], batch: int, width: float) -> float:
@@ -302,9 +330,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--ctx", type=int, default=384, help="cached context of the timed steps")
+    ap.add_argument("--temperatures", default="0.6,1.0")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="engine mode without a checkpoint: SmolLM2-135M shapes, random prompts")
+    ap.add_argument("--reference", action="store_true",
+                    help="engine mode: also time transformers' generate at the largest B")
     ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    args.temperatures = [float(x) for x in args.temperatures.split(",")]
     if args.quick:
         args.batch_sizes, args.max_new_tokens, args.ctx = [1, 8], 16, 64
     return args
