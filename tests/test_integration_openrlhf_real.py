@@ -110,3 +110,17 @@ def test_example_script_uses_only_flags_openrlhf_defines():
     block = script.split("OPENRLHF_ARGS=(", 1)[1].split("\n)", 1)[0]
     used = set(re.findall(r"--([\w.]+)", block))
     assert used and used <= known, sorted(used - known)
+
+
+def test_check_openrlhf_accepts_the_installed_release_and_refuses_a_changed_one():
+    _stub_flash_attn()
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    from openrlhf.trainer.ray import vllm_engine
+
+    from rollout_spec.integrations.openrlhf.train_ppo_ray import check_openrlhf
+
+    check_openrlhf(vllm_engine, ppo_trainer)
+    changed = types.SimpleNamespace(BasePPOTrainer=type("T", (), {"train_step": lambda self, s: s}),
+                                    PPOTrainer=ppo_trainer.PPOTrainer)
+    with pytest.raises(RuntimeError, match="train_step no longer takes"):
+        check_openrlhf(vllm_engine, changed)

@@ -9,9 +9,11 @@ own launcher then runs unchanged with the remaining arguments.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import runpy
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.openrlhf.options import spec_from_args, split_argv
@@ -19,6 +21,30 @@ from rollout_spec.integrations.vllm.config import engine_kwargs
 
 OPENRLHF_LAUNCHER = "openrlhf.cli.train_ppo_ray"
 TESTED_OPENRLHF = ("0.11.2",)
+STEP_PARAMS = ("self", "rollout_samples", "global_step")
+"""Leading parameters of OpenRLHF's ``train_step`` (Ray may append ``_ray_trace_ctx``)."""
+
+
+def check_openrlhf(vllm_engine: Any, ppo_trainer: Any) -> None:
+    """Raise if OpenRLHF no longer has the pieces the hooks replace or extend.
+
+    Raises:
+        RuntimeError: naming the installed version and what is missing or changed.
+    """
+    version = importlib.metadata.version("openrlhf")
+    problems = []
+    if not callable(getattr(vllm_engine, "create_vllm_engines", None)):
+        problems.append("openrlhf.trainer.ray.vllm_engine.create_vllm_engines is gone")
+    for name, holder in (("RolloutRayActor", vllm_engine), ("PPOTrainer", ppo_trainer)):
+        if getattr(getattr(holder, name, None), "__ray_actor_class__", None) is None:
+            problems.append(f"{name} is not a Ray actor class")
+    step = getattr(getattr(ppo_trainer, "BasePPOTrainer", None), "train_step", None)
+    if step is None or tuple(inspect.signature(step).parameters)[:3] != STEP_PARAMS:
+        problems.append(f"BasePPOTrainer.train_step no longer takes {STEP_PARAMS}")
+    if problems:
+        raise RuntimeError(
+            f"openrlhf {version}: " + "; ".join(problems) + f" (rollout-spec checked {TESTED_OPENRLHF})"
+        )
 
 
 def install(spec: SpecConfig, num_speculative_tokens: Optional[int] = None) -> dict:
@@ -27,6 +53,8 @@ def install(spec: SpecConfig, num_speculative_tokens: Optional[int] = None) -> d
     import openrlhf.trainer.ppo_trainer as ppo_trainer
     import openrlhf.trainer.ray as trainer_ray
     from openrlhf.trainer.ray import vllm_engine
+
+    check_openrlhf(vllm_engine, ppo_trainer)
 
     from rollout_spec.integrations.openrlhf.engines import (
         SpecTrainerMixin,

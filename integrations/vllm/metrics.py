@@ -47,6 +47,7 @@ class SpecDecodeCounters:
         )
 
     def __add__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        """Counts of two engines (or two periods) together."""
         return self._combine(other, 1)
 
     def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
