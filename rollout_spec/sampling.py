@@ -10,6 +10,7 @@ step, so speculative and plain decoding report identical log-probabilities.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,11 +136,16 @@ def _use_triton(backend: str, device: torch.device) -> bool:
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return False
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         if backend == "triton":
             raise ImportError("backend='triton' needs the triton package (pip install triton)")
         return False
     return True
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def effective_temperature(table: SamplingTable) -> np.ndarray:

@@ -164,9 +164,9 @@ def verify(
     u = torch.rand(batch.num_nodes, generator=generator, device=dev)
     child_logit, lse, thr, argmax, u = _fetch([child_logit, stats.lse, stats.thr, stats.argmax, u])
     logp = _node_logprobs(nodes, temps, child_logit, lse, thr)
-    greedy = table.temperature == 0
-    hit = _hits(nodes, greedy, logp, argmax, u)
-    accepted = _on_path(nodes, _first_per_parent(nodes, hit))
+    by_parent = np.argsort(nodes.parent_row, kind="stable")  # sibling groups, in slice order
+    hit = _hits(nodes, by_parent, table.temperature == 0, logp, argmax, u)
+    accepted = _on_path(nodes, _first_per_parent(nodes, by_parent, hit))
     final_row, acc_idx = _final_rows(nodes, accepted, batch.num_requests)
     bonus, bonus_score = _bonus(logits, stats, table, temps, nodes, final_row, generator)
     bonus_logp = bonus_score - lse[final_row]
@@ -246,11 +246,11 @@ def _group_exclusive_cumsum(values: np.ndarray, keys: np.ndarray, order: np.ndar
     return out
 
 
-def _hits(nodes: _Nodes, greedy: np.ndarray, logp: np.ndarray, argmax: np.ndarray | None,
-          u: np.ndarray) -> np.ndarray:
+def _hits(nodes: _Nodes, by_parent: np.ndarray, greedy: np.ndarray, logp: np.ndarray,
+          argmax: np.ndarray | None, u: np.ndarray) -> np.ndarray:
     """bool[N]: the node would be accepted if its parent were reached and earlier siblings
-    rejected (duplicates of an earlier sibling's token never are)."""
-    by_parent = np.argsort(nodes.parent_row, kind="stable")  # siblings in slice order
+    rejected (duplicates of an earlier sibling's token never are). ``by_parent`` orders the
+    nodes by parent row, stably."""
     by_token = np.lexsort((nodes.tok, nodes.parent_row))
     same = np.zeros(len(by_token), bool)
     same[1:] = (nodes.parent_row[by_token][1:] == nodes.parent_row[by_token][:-1]) & (
@@ -266,9 +266,8 @@ def _hits(nodes: _Nodes, greedy: np.ndarray, logp: np.ndarray, argmax: np.ndarra
     return hit & ~dup
 
 
-def _first_per_parent(nodes: _Nodes, hit: np.ndarray) -> np.ndarray:
+def _first_per_parent(nodes: _Nodes, by_parent: np.ndarray, hit: np.ndarray) -> np.ndarray:
     """bool[N]: the node is the first hit among its siblings (the child the walk would take)."""
-    by_parent = np.argsort(nodes.parent_row, kind="stable")
     earlier = _group_exclusive_cumsum(hit.astype(np.int64), nodes.parent_row, by_parent)
     return hit & (earlier == 0)
 

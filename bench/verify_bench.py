@@ -1,0 +1,173 @@
+"""Cost of tree-input building plus verification per step, next to the verify forward it serves.
+
+For every batch size B and draft budget (nodes per request) it times, in one run:
+  build   build_tree_inputs (host index math, two host-to-device copies, device ids/positions)
+  verify  verify(logits, ...) for each sampling mode and row-statistics backend ("torch", or
+          "auto" = the one-pass Triton kernel on CUDA; truncating modes always sort in torch),
+          fp32 logits [B + N, 49152] as the engine passes them; results read from ``.host``
+  forward one forward of a SmolLM2-135M-shaped Llama (random weights, transformers, SDPA, bf16 on
+          CUDA / fp32 on CPU) over the B x W tree tokens with a 4-D tree mask and a 512-token KV
+          cache per request: an approximation of the engine's verify forward (its own model and
+          attention kernel may be faster, which would raise the ratio).
+Trees are random with exactly ``budget`` nodes (chains with random branching). Times are medians.
+
+    python bench/verify_bench.py --device cuda        # < 2 minutes on one H100
+    python bench/verify_bench.py --device cpu         # B in {1, 64}, budgets {4, 8} by default
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from rollout_spec.config import SamplingParams
+from rollout_spec.tree import DraftBatch, build_tree_inputs
+from rollout_spec.verify import verify
+
+VOCAB = 49152
+MODES = {
+    "t1.0": SamplingParams(temperature=1.0),
+    "greedy": SamplingParams(temperature=0.0),
+    "t0.7_k50_p0.9": SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+}
+
+
+def random_trees(num_req: int, budget: int, rng: np.random.Generator) -> DraftBatch:
+    """``budget`` nodes per request; each node extends the previous one with probability 0.6."""
+    local = np.arange(budget)
+    chain = rng.random((num_req, budget)) < 0.6
+    anywhere = (rng.random((num_req, budget)) * (local + 1)).astype(np.int32) - 1
+    parents = np.where(chain, local - 1, anywhere).astype(np.int32)
+    return DraftBatch(
+        offsets=(np.arange(num_req + 1) * budget).astype(np.int32),
+        tokens=rng.integers(0, VOCAB, num_req * budget).astype(np.int32),
+        parents=parents.reshape(-1),
+        probs=np.ones(num_req * budget, np.float32),
+    )
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> float:
+    """Median wall time of ``fn`` in milliseconds, the device drained before and after."""
+    times = []
+    for i in range(warmup + reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_model(device: torch.device) -> torch.nn.Module:
+    """SmolLM2-135M's shape with random weights (the timing does not depend on the values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, vocab_size=VOCAB,
+                      tie_word_embeddings=True, max_position_embeddings=8192)
+    cfg._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def forward_ms(model, ti, context: int, device, reps: int, warmup: int) -> float:
+    """Time one tree forward over ti's [B, W] tokens on top of a ``context``-token KV cache."""
+    from transformers import DynamicCache
+
+    cfg, dtype = model.config, model.dtype
+    num_req, width = ti.input_ids.shape
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        kv = torch.randn(num_req, cfg.num_key_value_heads, context, head_dim, device=device,
+                         dtype=dtype)
+        cache.update(kv, kv.clone(), layer)
+    seen = torch.ones(num_req, width, context, dtype=torch.bool, device=device)
+    mask = torch.cat([seen, ti.tree_mask], dim=2)[:, None]  # [B, 1, W, context + W]
+
+    def step() -> None:
+        with torch.inference_mode():
+            model(input_ids=ti.input_ids, position_ids=ti.positions,
+                  attention_mask=mask, past_key_values=cache, use_cache=True)
+        cache.crop(-width)  # drop the tree rows so every repetition sees `context` tokens
+
+    return median_ms(step, device, reps, warmup)
+
+
+def main() -> None:
+    """Parse arguments, run the grid, print one table."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-sizes", default=None, help="default 1,64,256 (CUDA), 1,64 (CPU)")
+    ap.add_argument("--budgets", default=None, help="default 4,8,16 (CUDA), 4,8 (CPU)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {list(MODES)}")
+    ap.add_argument("--backends", default=None, help="default torch,auto (CUDA), torch (CPU)")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 CUDA, 3 CPU)")
+    ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    reps = args.reps or (20 if gpu else 3)
+    warmup = 3 if gpu else 1
+    sizes = args.batch_sizes or ("1,64,256" if gpu else "1,64")
+    budgets = args.budgets or ("4,8,16" if gpu else "4,8")
+    variants = [(m, b) for m in args.modes.split(",")
+                for b in (args.backends or ("torch,auto" if gpu else "torch")).split(",")
+                if b == "torch" or MODES[m].top_p == 1 and MODES[m].top_k < 0]
+    model = None if args.no_forward else make_model(device)
+    rows = []
+    for num_req in map(int, sizes.split(",")):
+        for budget in map(int, budgets.split(",")):
+            rows.extend(bench_point(num_req, budget, variants, model, args.context, device, reps,
+                                    warmup))
+    print_table(rows, device)
+
+
+def bench_point(num_req, budget, variants, model, context, device, reps, warmup) -> list[dict]:
+    """Time build, verify per (mode, backend) and the forward for one (B, budget)."""
+    rng = np.random.default_rng(num_req * 100 + budget)
+    batch = random_trees(num_req, budget, rng)
+    roots = torch.randint(0, VOCAB, (num_req,), device=device)
+    root_pos = torch.full((num_req,), context, dtype=torch.int64, device=device)
+    ti = build_tree_inputs(batch, roots, root_pos, device)
+    build = median_ms(lambda: build_tree_inputs(batch, roots, root_pos, device), device, reps,
+                      warmup)
+    logits = 3 * torch.randn(num_req + batch.num_nodes, VOCAB, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    fwd = float("nan") if model is None else forward_ms(
+        model, ti, context, device, reps // 2 if device.type == "cuda" else 1, warmup)
+    out = []
+    for mode, backend in variants:
+        sp = MODES[mode]
+        ver = median_ms(lambda: verify(logits, batch, sp, gen, tree=ti, backend=backend).host,
+                        device, reps, warmup)
+        out.append(dict(B=num_req, budget=budget, W=ti.width, mode=mode, backend=backend,
+                        build=build, verify=ver, forward=fwd))
+    return out
+
+
+def print_table(rows: list[dict], device: torch.device) -> None:
+    """One line per (B, budget, mode); ratio = (build + verify) / forward."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    head = f"{'B':>4} {'budget':>6} {'W':>3} {'mode':>14} {'backend':>8} {'build ms':>9} " \
+           f"{'verify ms':>10} {'forward ms':>11} {'(b+v)/fwd':>10}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ratio = (r["build"] + r["verify"]) / r["forward"] * 100
+        print(f"{r['B']:>4} {r['budget']:>6} {r['W']:>3} {r['mode']:>14} {r['backend']:>8} "
+              f"{r['build']:>9.3f} "
+              f"{r['verify']:>10.3f} {r['forward']:>11.2f} {ratio:>9.1f}%")
+
+
+if __name__ == "__main__":
+    main()
