@@ -59,7 +59,7 @@ def test_install_hooks_into_openrlhfs_real_modules(monkeypatch):
 
 def test_vllm_engine_args_accept_our_kwargs():
     args = vllm.AsyncEngineArgs(model="m", **engine_kwargs(SpecConfig(), 4))
-    assert args.speculative_config["model"].endswith("RolloutSpecProposer")
+    assert args.speculative_config["model"].endswith("VllmProposer")
     assert args.additional_config["rollout_spec"]["num_draft_tokens"] == 8
 
 

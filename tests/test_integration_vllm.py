@@ -7,6 +7,7 @@ real package when it is importable.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,8 @@ from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.vllm import SpecDecodeCounters, engine_kwargs, spec_from_vllm_config
 from rollout_spec.integrations.vllm.chains import best_chain, best_chains, explicit_group_id, prompt_group_id
 from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH, speculative_config
-from rollout_spec.integrations.vllm.plugin import check_runner, install
+import rollout_spec.integrations.vllm.plugin as plugin
+from rollout_spec.integrations.vllm.plugin import VllmProposer, check_runner, install
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer
 from rollout_spec.tree import DraftBatch
 
@@ -98,7 +100,7 @@ def test_engine_kwargs_round_trip_and_name_the_proposer():
     assert kw["disable_log_stats"] is False
     assert spec_from_vllm_config(SimpleNamespace(additional_config=kw["additional_config"])) == spec
     assert spec_from_vllm_config(SimpleNamespace(additional_config=None)) == SpecConfig()
-    assert PROPOSER_CLASS_PATH == f"{RolloutSpecProposer.__module__}.{RolloutSpecProposer.__name__}"
+    assert PROPOSER_CLASS_PATH == f"{VllmProposer.__module__}.{VllmProposer.__name__}"
 
 
 def test_config_errors_name_the_field():
@@ -263,3 +265,25 @@ def test_chain_fast_path_matches_the_tree_walk():
                          np.array([tok for tok, _ in t], np.int32).reshape(-1), c)
               for t, c in zip(trees, caps)]
     assert best_chains(batch, caps) == walked
+
+
+def test_vllm_builds_our_proposer_only_where_the_plugin_patched_the_runner(monkeypatch):
+    monkeypatch.setattr(plugin, "_install_error", "ImportError: no GPU model runner")
+    with pytest.raises(RuntimeError, match="plugin is not active in this process \\(ImportError"):
+        VllmProposer(vllm_config())
+    monkeypatch.setattr(plugin, "_install_error", None)
+    assert isinstance(VllmProposer(vllm_config()), RolloutSpecProposer)
+
+
+def test_register_keeps_vllm_usable_when_it_cannot_patch(monkeypatch):
+    monkeypatch.setenv(plugin.DISABLE_ENV, "0")
+    plugin.register()
+    assert plugin._install_error == f"{plugin.DISABLE_ENV}=0 in this process"
+
+
+def test_register_without_vllm_logs_instead_of_raising(monkeypatch):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: tests/test_integration_vllm_real.py covers register()")
+    monkeypatch.setattr(plugin, "_install_error", None)
+    plugin.register()
+    assert plugin._install_error.startswith("ModuleNotFoundError: No module named 'vllm")

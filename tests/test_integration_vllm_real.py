@@ -50,14 +50,16 @@ def real_vllm_config(spec: SpecConfig, k: int):
     )
 
 
-def test_speculative_config_selects_custom_class_and_builds_our_proposer():
+def test_speculative_config_selects_custom_class_and_builds_our_proposer(plugged):
     from vllm.config import SpeculativeConfig
     from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
+
+    from rollout_spec.integrations.vllm.plugin import VllmProposer
 
     sc = SpeculativeConfig(**speculative_config(SpecConfig(), 5))
     assert sc.method == "custom_class" and sc.num_speculative_tokens == 5
     proposer = create_custom_proposer(real_vllm_config(SpecConfig(num_draft_tokens=4), 4))
-    assert isinstance(proposer, RolloutSpecProposer)
+    assert isinstance(proposer, VllmProposer)
     assert proposer.spec.num_draft_tokens == 4 and proposer.num_speculative_tokens == 4
 
 

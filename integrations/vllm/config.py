@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from rollout_spec.config import SpecConfig, check_int
 
-PROPOSER_CLASS_PATH = "rollout_spec.integrations.vllm.proposer.RolloutSpecProposer"
+PROPOSER_CLASS_PATH = "rollout_spec.integrations.vllm.plugin.VllmProposer"
 """What vLLM's ``speculative_config.model`` must name for vLLM to build our proposer."""
 ADDITIONAL_CONFIG_KEY = "rollout_spec"
 """Key of our options inside vLLM's ``additional_config`` dict."""

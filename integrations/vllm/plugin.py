@@ -4,7 +4,8 @@ vLLM loads general plugins in every process it starts (engine core, workers) bef
 model runner. ``register`` wraps ``GPUModelRunner.propose_draft_token_ids`` once: when the runner's
 drafter is a ``RolloutSpecProposer`` (vLLM built it because ``speculative_config.model`` names it),
 the wrapper hands it the runner, so it sees request ids, prompts and sampling params that vLLM's
-plain ``custom_class`` call leaves out; every other method runs vLLM's code untouched. It also adds
+plain ``custom_class`` call leaves out; every other method runs vLLM's code untouched. vLLM
+instantiates ``VllmProposer``, which refuses to start if the patch is not in place. It also adds
 two worker methods for ``collective_rpc``: ``rollout_spec_end_step`` (the trainer's RL step
 boundary) and ``rollout_spec_stats``. This is the only file that patches vLLM.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 from typing import Any
 
@@ -23,16 +25,47 @@ DISABLE_ENV = "ROLLOUT_SPEC_VLLM_PLUGIN"
 """Set to 0 to keep the plugin from touching vLLM in a process."""
 _EXPECTED_PARAMS = ("self", "scheduler_output", "sampled_token_ids")
 _MARK = "_rollout_spec_wrapped"
+logger = logging.getLogger(__name__)
+
+
+_install_error: str | None = "the plugin's register() has not run in this process"
+"""Why the patch is not in place here (None once it is); reported when vLLM builds our proposer."""
 
 
 def register() -> None:
-    """Entry point named in pyproject.toml; safe to call many times (vLLM may)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
+    """Entry point named in pyproject.toml; safe to call many times (vLLM may).
 
-    install(GPUModelRunner, Worker)
+    vLLM loads every installed general plugin, also for engines that never use our proposer, so
+    a failure here (a CPU/TPU build without the GPU runner, a changed vLLM) is logged and kept,
+    not raised: ``VllmProposer`` raises it if and when an engine asks for our proposer.
+    """
+    global _install_error
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        _install_error = f"{DISABLE_ENV}=0 in this process"
+        return
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu_worker import Worker
+
+        install(GPUModelRunner, Worker)
+    except (ImportError, RuntimeError) as err:
+        _install_error = f"{type(err).__name__}: {err}"
+        logger.warning("rollout-spec's vLLM plugin is not active: %s", _install_error)
+        return
+    _install_error = None
+
+
+class VllmProposer(RolloutSpecProposer):
+    """The class vLLM instantiates (``speculative_config.model`` names it): refuses to start
+    when the plugin's patch is not in place, since vLLM's plain call could not serve it."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        if _install_error is not None:
+            raise RuntimeError(
+                f"rollout-spec's vLLM plugin is not active in this process ({_install_error}); "
+                "reinstall rollout-spec and, if VLLM_PLUGINS is set, add 'rollout_spec' to it"
+            )
+        super().__init__(vllm_config)
 
 
 def check_runner(runner_cls: type) -> None:
