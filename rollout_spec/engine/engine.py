@@ -21,7 +21,8 @@ from rollout_spec.verify import VerifyResult, verify
 
 DraftBudget = Callable[[int], Union[int, Seq[int], np.ndarray]]
 """Asked once per decode step with the number of running requests; returns the most draft nodes
-per request (one int for all, or one per request in running order)."""
+per request (one int for all, or one per request in running order). If the object also has
+``observe(offered, accepted)``, it is called after every decode step with per-request arrays."""
 
 
 def pick_device(device: str | torch.device) -> torch.device:
@@ -47,6 +48,9 @@ class RolloutEngine:
         draft_budget: per-step budget callable (see ``DraftBudget``); default
             ``spec.num_draft_tokens`` per request.
         eos_token_ids: default stop tokens when ``SamplingParams.stop_token_ids`` is None.
+        cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
+            with a drafter and no ``draft_budget``, time them into a batch-aware
+            ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class RolloutEngine:
         draft_budget: Optional[DraftBudget] = None,
         eos_token_ids: Seq[int] = (),
         max_draft_tokens: int = 64,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.num_slots = check_int("num_slots", num_slots, 1, 1 << 20)
@@ -76,6 +81,24 @@ class RolloutEngine:
         # Slack past max_model_len: a padded tree of the widest request is written past the root.
         self.runner = ModelRunner(model, num_slots, self.max_model_len + self.max_draft_tokens + 1)
         self._next_req_id = 0
+        if cuda_graphs and self.runner.device.type == "cuda":
+            self._setup_gpu(auto_budget=draft_budget is None, max_draft=default if self.drafter else 0)
+
+    def _setup_gpu(self, auto_budget: bool, max_draft: int) -> None:
+        """Capture the decode/verify ladder; time it into a DraftBudget unless one was given."""
+        from rollout_spec.engine import budget
+        from rollout_spec.engine.cuda_graphs import default_ladder, ladder_step_timer
+        from rollout_spec.engine.weights import cache_root
+
+        max_draft = min(max_draft, self.max_draft_tokens)
+        self.runner.capture_graphs(*default_ladder(self.num_slots, max_draft + 1))
+        if auto_budget and max_draft > 0:
+            c, dev = self.model.config, self.runner.device
+            key = (f"{torch.cuda.get_device_name(dev)}_{c.model_type}-L{c.num_layers}-H{c.hidden_size}"
+                   f"-V{c.vocab_size}_{self.runner.dtype}")
+            step = ladder_step_timer(self.runner.graphs, self.runner.scratch_slot, self.max_model_len // 4)
+            self.draft_budget = budget.auto_budget(step, torch.cuda.synchronize, key, self.num_slots,
+                                                   max_draft, cache_root() / "costs")
 
     @classmethod
     def from_pretrained(
@@ -208,6 +231,12 @@ class RolloutEngine:
             if batch is not None:
                 s.num_draft_tokens += int(sizes[i])
                 s.num_accepted_tokens += min(int(acc_off[i + 1] - acc_off[i]), len(kept))
+        observe = getattr(self.draft_budget, "observe", None)  # a learning budget sees outcomes
+        if batch is not None and observe is not None:
+            observe(sizes, np.diff(acc_off))
+        observe = getattr(self.draft_budget, "observe", None)
+        if batch is not None and observe is not None:  # adaptive budgets learn acceptance
+            observe(sizes.astype(np.int64), np.diff(acc_off).astype(np.int64))
         if self.drafter is not None:
             self.drafter.extend_batch([s.req_id for s in seqs], kept_lists)
             done = [s.req_id for s in seqs if s.finished]
