@@ -49,7 +49,10 @@ def toy_tree(shape: str, seed: int) -> tuple[list[tuple[int, int]], torch.Tensor
 
 
 def sample_emitted(nodes, logits, sampling, n: int, seed: int) -> np.ndarray:
-    """Emitted sequences of n independent verifications of the tree, padded with -1."""
+    """Emitted sequences of n independent verifications of the tree, padded with -1.
+
+    ``sampling`` is one SamplingParams or n of them (per-request parameters in one call).
+    """
     one = DraftBatch.from_lists([nodes])
     size = len(nodes)
     batch = DraftBatch(
@@ -57,10 +60,9 @@ def sample_emitted(nodes, logits, sampling, n: int, seed: int) -> np.ndarray:
         tokens=np.tile(one.tokens, n), parents=np.tile(one.parents, n),
         probs=np.tile(one.probs, n),
     )
-    res = verify(logits.repeat(n, 1), batch, sampling, torch.Generator().manual_seed(seed))
-    lengths = (res.num_accepted + 1).numpy()
+    res = verify(logits.repeat(n, 1), batch, sampling, torch.Generator().manual_seed(seed)).host
     out = np.full((n, size + 1), -1, np.int64)
-    out[np.arange(size + 1)[None, :] < lengths[:, None]] = res.emitted_tokens.numpy()
+    out[np.arange(size + 1)[None, :] <= res.num_accepted[:, None]] = res.emitted_tokens
     return out
 
 
@@ -120,15 +122,7 @@ def test_per_request_parameters_each_follow_their_law():
     """Half the copies sample at T=0.7 with top-k 3, half at T=1.3 with top-p 0.7, in one call."""
     nodes, logits = toy_tree("deep_branches", 99)
     a, b = SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3, top_p=0.7)
-    one = DraftBatch.from_lists([nodes])
-    n, size = N_SAMPLES, len(nodes)
-    batch = DraftBatch(offsets=(np.arange(n + 1) * size).astype(np.int32),
-                       tokens=np.tile(one.tokens, n), parents=np.tile(one.parents, n),
-                       probs=np.tile(one.probs, n))
-    params = [a, b] * (n // 2)
-    res = verify(logits.repeat(n, 1), batch, params, torch.Generator().manual_seed(7))
-    out = np.full((n, size + 1), -1, np.int64)
-    out[np.arange(size + 1)[None, :] <= res.num_accepted.numpy()[:, None]] = res.emitted_tokens.numpy()
+    out = sample_emitted(nodes, logits, [a, b] * (N_SAMPLES // 2), N_SAMPLES, 7)
     pvalues = node_pvalues(nodes, logits, a, out[0::2]) + node_pvalues(nodes, logits, b, out[1::2])
     assert min(pvalues) > ALPHA / len(pvalues), pvalues
 
