@@ -231,9 +231,6 @@ class RolloutEngine:
             if batch is not None:
                 s.num_draft_tokens += int(sizes[i])
                 s.num_accepted_tokens += min(int(acc_off[i + 1] - acc_off[i]), len(kept))
-        observe = getattr(self.draft_budget, "observe", None)  # a learning budget sees outcomes
-        if batch is not None and observe is not None:
-            observe(sizes, np.diff(acc_off))
         observe = getattr(self.draft_budget, "observe", None)
         if batch is not None and observe is not None:  # adaptive budgets learn acceptance
             observe(sizes.astype(np.int64), np.diff(acc_off).astype(np.int64))

@@ -5,10 +5,13 @@ Two kinds of forward share one attention path: prefill (causal mask over the pad
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 from torch import Tensor
 
+from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import StepContext, Transformer
 from rollout_spec.engine.sequence import Sequence
@@ -29,6 +32,17 @@ class ModelRunner:
             c.num_layers, num_slots + 1, c.num_kv_heads, cache_len, c.head_dim, p.dtype, p.device
         )
         self.prefill_tokens = 0  # prompt tokens run through prefill (padding excluded), for stats/tests
+        self.graphs: Optional[GraphLadder] = None  # captured verify/decode steps (CUDA only)
+
+    def capture_graphs(self, batch_sizes: list[int], widths: list[int]) -> None:
+        """Capture the decode/verify forward for every (B, W) bucket; steps outside run eagerly."""
+        with torch.inference_mode():
+            self.graphs = GraphLadder(self._graph_step, verify_input_specs(self.scratch_slot),
+                                      batch_sizes, widths, self.device)
+
+    def _graph_step(self, inp: dict[str, Tensor]) -> Tensor:
+        ctx = StepContext(self.cache, inp["slot_ids"], inp["ctx_lens"], inp["tree_mask"])
+        return self.model.hidden(inp["input_ids"], inp["positions"], ctx)
 
     def _long(self, values: list[int] | np.ndarray) -> Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
@@ -67,14 +81,22 @@ class ModelRunner:
         """
         ctx_lens = np.array([s.ctx_len for s in seqs], np.int64)
         width = 1 + int(batch.sizes().max(initial=0))
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(len(seqs), width) else None
+        if graphs is not None:  # build at the bucket's width so the replay needs no column padding
+            width = graphs.bucket(len(seqs), width)[1]
         ti = build_tree_inputs(
             batch, self._long([s.root for s in seqs]), self._long(ctx_lens), self.device, width=width
         )
-        ctx = StepContext(
-            self.cache, self._long([s.slot for s in seqs]), self._long(ctx_lens), ti.tree_mask,
-            kv_limit=int(ctx_lens.max()) + width,
-        )
-        hidden = self.model.hidden(ti.input_ids, ti.positions, ctx)
+        if graphs is not None:
+            hidden = graphs.run({"input_ids": ti.input_ids, "positions": ti.positions,
+                                 "slot_ids": self._long([s.slot for s in seqs]),
+                                 "ctx_lens": self._long(ctx_lens), "tree_mask": ti.tree_mask})[: len(seqs)]
+        else:
+            ctx = StepContext(
+                self.cache, self._long([s.slot for s in seqs]), self._long(ctx_lens), ti.tree_mask,
+                kv_limit=int(ctx_lens.max()) + width,
+            )
+            hidden = self.model.hidden(ti.input_ids, ti.positions, ctx)
         rows = hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]
         return self.model.logits(rows), ti
 
