@@ -265,7 +265,13 @@ def make_engines(args: argparse.Namespace) -> tuple[object, object, list[list[in
 
 def engine_rows(args: argparse.Namespace) -> None:
     """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
+    t0 = time.perf_counter()
     spec_eng, base_eng, prompts, stop = make_engines(args)
+    print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)")
+    budget = spec_eng.draft_budget
+    if hasattr(budget, "cost"):  # the engine's own batch-aware budget: show what it measured
+        print("budget: B -> (tax at W=9, draft nodes picked at the prior acceptance) " + ", ".join(
+            f"{b}: ({budget.cost.verify_tax(b, 9):.2f}, {budget.best(b)})" for b in args.batch_sizes))
     bench = StepBench(spec_eng.model, max(args.batch_sizes), args.ctx, args.ctx + 16)
     grid = step_grid(bench, args.batch_sizes, [1, 2, 3, 5, 9], iters=10)
     cost = grid[list(grid)[-1]]
