@@ -271,3 +271,34 @@ def test_shape_check_fails_when_upstream_changes(tmp_path: Path):
     worker.write_text(worker.read_text().replace("self.ngram_corpus.batch_get(", "self.ngram_corpus.batch_lookup("))
     problems = upstream_problems(tmp_path)
     assert any("batch_lookup" in p for p in problems), problems
+
+
+def _sglang_plugins_error() -> str | None:
+    try:
+        import sglang.srt.plugins  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- the import error is the skip reason
+        return f"sglang.srt.plugins not importable here: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+PLUGINS_ERROR = "sglang not installed" if SGLANG_DIR is None else _sglang_plugins_error()
+
+
+@pytest.mark.skipif(PLUGINS_ERROR is not None, reason=PLUGINS_ERROR or "")
+def test_sglangs_own_plugin_loader_swaps_in_our_corpus():
+    """SGLang's load_plugins (as a scheduler runs it) finds our entry point and replaces the class."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from sglang.srt.plugins import load_plugins; load_plugins();"
+        "import sglang.srt.speculative.cpp_ngram.ngram_corpus as m;"
+        "print(m.NgramCorpus.__module__ + '.' + m.NgramCorpus.__qualname__)"
+    )
+    env = {**os.environ, ENV_VAR: json.dumps({"num_draft_tokens": 4})}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip().endswith("rollout_spec.integrations.sglang.corpus.RolloutSpecCorpus"), run.stderr[-2000:]
+    env.pop(ENV_VAR)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip().endswith("ngram_corpus.NgramCorpus"), run.stderr[-2000:]

@@ -1,0 +1,101 @@
+"""Our verl server subclasses over stand-ins for verl's SGLang/vLLM server classes.
+
+verl's server modules import SGLang's and vLLM's CUDA kernels, so they cannot be imported on a
+CPU machine; the stand-ins reproduce only what the subclasses rely on (``config``, the engine
+object set by ``launch_server``, ``generate`` returning a TokenOutput with ``extra_fields``),
+which ``test_verl_still_has_the_shape_the_hook_relies_on`` checks in verl's real source.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_spec.integrations.sglang.config import ENV_VAR, spec_from_env
+from rollout_spec.integrations.sglang.rid import group_from_rid
+
+pytest.importorskip("ray", reason="verl's replicas wrap servers with ray.remote")
+
+FLAG = {"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": 5}}
+
+
+def config(custom):
+    return SimpleNamespace(name="sglang", custom=custom, engine_kwargs={"sglang": {"attention_backend": "fa3"}},
+                           mtp=None, disaggregation=None)
+
+
+class _TokenizerManager:
+    async def generate_request(self, obj, request=None):
+        yield {"output_ids": [7, 8, 9], "meta_info": {"spec_verify_ct": 2, "spec_num_proposed_drafts": 10,
+                                                      "spec_num_correct_drafts": 1, "completion_tokens": 3}}
+
+
+class SGLangHttpServer:
+    """Stand-in for verl's: the parts our subclass relies on."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.config = config
+
+    async def launch_server(self, *args, **kwargs):
+        self.launched_with = dict(self.config.engine_kwargs["sglang"])
+        self.tokenizer_manager = _TokenizerManager()
+
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        obj = SimpleNamespace(rid=request_id)
+        out = await self.tokenizer_manager.generate_request(obj, None).__anext__()
+        return SimpleNamespace(token_ids=out["output_ids"], extra_fields={"global_steps": 0}, rid=request_id)
+
+
+class SGLangReplica:
+    def __init__(self, replica_rank, config, *args, **kwargs):
+        self.config = config
+        self.server_class = "verl's own"
+
+
+@pytest.fixture
+def sglang_server(monkeypatch):
+    fake = types.ModuleType("verl.workers.rollout.sglang_rollout.async_sglang_server")
+    fake.SGLangHttpServer, fake.SGLangReplica = SGLangHttpServer, SGLangReplica
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    sys.modules.pop("rollout_spec.integrations.verl.sglang_server", None)
+    yield importlib.import_module("rollout_spec.integrations.verl.sglang_server")
+    sys.modules.pop("rollout_spec.integrations.verl.sglang_server", None)
+    os.environ.pop(ENV_VAR, None)
+
+
+def test_flag_off_is_verls_server_unchanged(sglang_server):
+    server = sglang_server.RolloutSpecSGLangHttpServer(config(None))
+    asyncio.run(server.launch_server())
+    out = asyncio.run(server.generate([1, 2], {}, "req-1"))
+    assert out.rid == "req-1" and out.extra_fields == {"global_steps": 0}
+    assert server.launched_with == {"attention_backend": "fa3"} and ENV_VAR not in os.environ
+    assert sglang_server.RolloutSpecSGLangReplica(0, config(None)).server_class == "verl's own"
+
+
+def test_flag_on_launches_ngram_tags_groups_and_reports_counters(sglang_server):
+    server = sglang_server.RolloutSpecSGLangHttpServer(config(FLAG))
+    asyncio.run(server.launch_server())
+    assert server.launched_with["speculative_algorithm"] == "NGRAM"
+    assert server.launched_with["speculative_num_draft_tokens"] == 6
+    assert server.launched_with["attention_backend"] == "fa3"
+    assert spec_from_env().num_draft_tokens == 5
+    a = asyncio.run(server.generate([1, 2, 3], {}, "req-a"))
+    b = asyncio.run(server.generate([1, 2, 3], {}, "req-b"))
+    assert a.rid.startswith("req-a|rsg=") and group_from_rid(a.rid) == group_from_rid(b.rid)
+    assert a.extra_fields == {"global_steps": 0, "spec_num_draft_tokens": 10,
+                              "spec_num_accepted_tokens": 1, "spec_num_verify_steps": 2}
+    assert server._spec_meta == {}, "per-request counters are dropped once returned"
+    replica = sglang_server.RolloutSpecSGLangReplica(0, config(FLAG))
+    assert replica.server_class.__class__.__name__ == "ActorClass(RolloutSpecSGLangHttpServer)"
+
+
+def test_bad_flag_fails_when_the_replica_is_built(sglang_server):
+    with pytest.raises(ValueError, match="num_draft_tokens must be in"):
+        sglang_server.RolloutSpecSGLangReplica(0, config({"speculative": "rollout_spec",
+                                                          "rollout_spec": {"num_draft_tokens": 5000}}))
