@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
+from rollout_spec.replay import accepted_length
+
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -366,17 +368,6 @@ def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
     }
 
 
-def accepted_depth(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> int:
-    """How deep the committed tokens walk into a draft tree (nodes topological, parent first)."""
-    node, depth = -1, 0
-    for i, (tok, parent) in enumerate(zip(tokens, parents)):
-        if depth == len(committed):
-            break
-        if parent == node and tok == committed[depth]:
-            node, depth = i, depth + 1
-    return depth
-
-
 def tree_depth(parents: Sequence[int]) -> int:
     """Longest root-to-leaf path of a tree given by parent indices (-1 is the root)."""
     depths: list[int] = []
@@ -390,7 +381,8 @@ class DrafterProbe:
 
     The engine proposes a tree per request, verifies, then extends the drafter with exactly the
     tokens it committed; walking each tree along those tokens gives the accepted depth, so the
-    per-depth counters need nothing from the engine. Bookkeeping runs outside the timed calls.
+    per-depth counters need nothing from the engine (the walk is the replay simulator's
+    ``accepted_length``). Bookkeeping runs outside the timed calls.
     """
 
     TIMED = ("start_batch", "finish_batch", "start", "extend", "finish")
@@ -433,7 +425,7 @@ class DrafterProbe:
         for rid, committed in zip(req_ids, token_lists):
             tree = self._pending.pop(int(rid), None)
             if tree is not None:
-                self._count(tree_depth(tree[1]), accepted_depth(tree[0], tree[1], list(committed)))
+                self._count(tree_depth(tree[1]), accepted_length(tree[0], tree[1], list(committed)))
         return out
 
     def _count(self, depth: int, accepted: int) -> None:

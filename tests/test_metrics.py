@@ -162,6 +162,6 @@ def test_drafter_probe_counts_acceptance_by_depth():
     assert probe.take_depths() == ((), ())
     assert probe.stats() == {"index_tokens": 3} and probe.extended == [[0, 1], [0, 1, 2]]
     assert probe.take_seconds() > 0
-    assert metrics.accepted_depth([5, 6], [-1, 0], [5]) == 1  # cut by a stop: only what was kept
+    assert metrics.tree_depth([-1, 0, -1, 2, 3]) == 3 and metrics.tree_depth([]) == 0
     with pytest.raises(ValueError, match="speculation is off"):
         metrics.DrafterProbe(None)
