@@ -2,7 +2,9 @@
 
 Tiny random Llama and Qwen3 models in fp32 on the CPU. Speculation must never change greedy
 output, whatever the drafter proposes; sampling must reproduce from a seed; logprobs must equal a
-teacher-forced recomputation. ``ROLLOUT_SPEC_TEST_DEVICE=cuda`` runs the same tests on a GPU.
+teacher-forced recomputation. ``ROLLOUT_SPEC_TEST_DEVICE=cuda`` runs the same tests on a GPU,
+still in fp32 (the CUDA attention kernel is exercised; the peaked tiny models make ties rare);
+bf16 is measured on the real model in test_engine_smollm2.py.
 """
 from __future__ import annotations
 
@@ -100,8 +102,7 @@ def tiny_pair(kind: str, seed: int = 0):
         cfg = transformers.Qwen3Config(**TINY, head_dim=16)
     ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
-    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
-    return ref, build_model(cfg, state, DEVICE, dtype)
+    return ref, build_model(cfg, state, DEVICE, torch.float32)
 
 
 def mixed_prompts(count: int, seed: int = 1) -> list[list[int]]:
@@ -131,7 +132,6 @@ def pair(request):
     return tiny_pair(request.param)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="exact equality is checked in fp32 on the CPU")
 def test_greedy_speculation_is_token_identical(pair) -> None:
     """>= 20 mixed-length prompts, 8 slots (slots reused): every drafter gives plain's output."""
     ref, model = pair
@@ -186,7 +186,6 @@ def reference_logprobs(ref, prompt: list[int], out: list[int], temperature: floa
     return torch.log_softmax(scores, -1).gather(1, torch.tensor(out)[:, None])[:, 0]
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="compared in fp32")
 @pytest.mark.parametrize("temperature,top_k", [(0.0, -1), (0.7, 12)])
 def test_logprobs_equal_teacher_forced_recomputation(pair, temperature: float, top_k: int) -> None:
     ref, model = pair
@@ -197,7 +196,8 @@ def test_logprobs_equal_teacher_forced_recomputation(pair, temperature: float, t
     assert sum(o.num_accepted_tokens for o in outs) > 0
     for o in outs:
         want = reference_logprobs(ref, prompts[o.prompt_index], o.token_ids, temperature, top_k)
-        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), want, rtol=0, atol=2e-4)
+        atol = 2e-4 if DEVICE.type == "cpu" else 2e-2  # the GPU kernel may use TF32 products
+        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), want, rtol=0, atol=atol)
 
 
 def test_n_samples_share_one_prefill(pair) -> None:
@@ -295,3 +295,29 @@ def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
     # The second RL step sees the first step's responses to the same prompts in its group scope.
     assert sum(o.num_accepted_tokens for o in second) > sum(o.num_accepted_tokens for o in first) >= 0
     assert sum(o.num_verify_steps for o in second) < sum(o.num_verify_steps for o in plain)
+
+
+def test_pluggable_budget_per_request_and_observed(pair) -> None:
+    """A budget object may give one size per request and learns from ``observe``."""
+    _, model = pair
+    prompts = mixed_prompts(4, seed=9)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    plain = engine(model).generate(prompts, params)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+
+    class Budget:
+        def __init__(self) -> None:
+            self.seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def __call__(self, batch_size: int) -> list[int]:
+            return [2 * i for i in range(batch_size)]  # request i may draft 2i nodes
+
+        def observe(self, offered: np.ndarray, accepted: np.ndarray) -> None:
+            self.seen.append((offered.copy(), accepted.copy()))
+
+    budget = Budget()
+    outs = engine(model, ScriptedDrafter("oracle", truth), draft_budget=budget).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert budget.seen and all((a <= o).all() for o, a in budget.seen)
+    assert all(o[0] == 0 and (o <= 2 * np.arange(len(o))).all() for o, _ in budget.seen)
+    assert sum(int(a.sum()) for _, a in budget.seen) > 0

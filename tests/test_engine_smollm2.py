@@ -3,7 +3,7 @@
 On the CPU (fp32) greedy output must be token-identical with and without speculation and to
 transformers' ``generate``. With ``ROLLOUT_SPEC_TEST_DEVICE=cuda`` the model runs in bf16, where
 near-ties may flip an argmax when the computation's shape changes; there the test measures and
-prints the first-divergence positions and asserts a stated tolerance instead.
+prints the first-divergence positions and asserts a stated tolerance instead (BF16_* below).
 """
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ DEVICES = [_ENV_DEVICE] if _ENV_DEVICE else [
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ]
-# bf16 tolerance: at most this fraction of sequences may diverge (anywhere in their output).
-BF16_MAX_DIVERGED = 0.25
+# bf16 tolerance: at most this fraction of sequences may diverge (anywhere in their output), and
+# where speculation diverges from plain decoding it must be at a near-tie: the two runs' greedy
+# tokens have log-probabilities within BF16_TIE_NATS of each other.
+BF16_MAX_DIVERGED = 0.5
+BF16_TIE_NATS = 0.25
 QUESTIONS = [
     "What is the capital of France?",
     "What is 17 + 25? Answer with a number.",
@@ -90,4 +93,7 @@ def test_smollm2_default_model_end_to_end(device: str) -> None:
             rate = sum(d is not None for d in div) / len(div)
             print(f"bf16 {name} vs plain: {rate:.0%} of sequences diverge")
             assert rate <= BF16_MAX_DIVERGED, f"{name}: {rate:.0%} > {BF16_MAX_DIVERGED:.0%}"
+        gaps = [abs(a.logprobs[d] - b.logprobs[d]) for a, b, d in zip(base, fast, spec_div) if d is not None]
+        print(f"bf16 logprob gaps at divergences: {[round(g, 3) for g in gaps]}")
+        assert all(g <= BF16_TIE_NATS for g in gaps)
     assert sum(o.num_accepted_tokens for o in fast) > 0
