@@ -132,6 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.wandb = resolve_wandb_mode(args.wandb)
         except ValueError as exc:
             parser.error(str(exc))
+        if args.device.startswith("cuda") and not _cuda_available():
+            parser.error(f"--device {args.device}: no CUDA device is visible (use auto or cpu)")
         if args.record is not None and args.record.suffix not in (".json", ".gz"):
             parser.error(f"--record must end in .json or .json.gz, got {str(args.record)!r}")
         history = run_bench(args)
@@ -159,6 +161,12 @@ def replay_drafters(budget: int, widest_step: int) -> dict[str, Callable[[], Any
     if rp.arctic_available():
         makers["arctic suffix (chain)"] = rp.ArcticDrafter
     return makers
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_replay(args: argparse.Namespace) -> int:

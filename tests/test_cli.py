@@ -39,6 +39,11 @@ def test_argument_errors(capsys, argv, needle):
     assert needle in _error(capsys, argv)
 
 
+def test_cuda_requested_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    assert "no CUDA device is visible" in _error(capsys, ["bench", "--device", "cuda:1"])
+
+
 def test_wandb_requested_without_package(capsys, monkeypatch):
     monkeypatch.setattr("rollout_spec.metrics.wandb_available", lambda: False)
     assert "needs the wandb package" in _error(capsys, ["bench", "--wandb", "offline"])
