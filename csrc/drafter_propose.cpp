@@ -31,6 +31,8 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const std::ve
     for (int32_t walked = 0; r >= 0 && walked < cfg_.chain_walk; ++walked) {
       const ChainRecord& rec = index.record(ki, r);
       r = rec.prev;
+      // Chains are linked lists scattered over the record array: fetch the next link early.
+      if (r >= 0) __builtin_prefetch(&index.record(ki, r));
       const std::vector<int32_t>& toks = seqs_[rec.seq].tokens;
       if (rec.pos + 1 >= static_cast<int32_t>(toks.size()) || !accept(rec.seq)) continue;
       bool dup = false;
