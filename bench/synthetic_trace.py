@@ -26,8 +26,8 @@ class SyntheticSpec:
     steps: int = 3
     vocab: int = 32_000
     phrases: int = 400  # shared phrase bank (template text, common reasoning steps)
-    follow: float = 0.85  # chance a sample keeps following its prompt's solution at a span break
-    drift: float = 0.05  # fraction of solution spans rewritten between RL steps
+    follow: float = 0.7  # chance a sample keeps following its prompt's solution at a span break
+    drift: float = 0.2  # fraction of solution spans rewritten between RL steps
     max_tokens: int = 384
     eos: int = 2
     seed: int = 0
