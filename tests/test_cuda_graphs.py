@@ -72,3 +72,68 @@ def test_ladder_built_in_inference_mode_runs_outside_it():
     out = ladder.run({"input_ids": ids, "slot_ids": torch.zeros(1, dtype=torch.int64),
                       "tree_mask": torch.ones(1, 2, 2, dtype=torch.bool)})
     assert out.shape[:2] == (2, 2) and torch.all(out[0, :, 0] == 1)
+
+
+class EchoDrafter:
+    """Drafts the request's last ``budget`` tokens as a chain: some accepted, many rejected."""
+
+    def __init__(self) -> None:
+        self.ctx: dict[int, list[int]] = {}
+
+    def start_batch(self, req_ids, prompts, group_ids) -> None:
+        for r, p in zip(req_ids, prompts):
+            self.ctx[r] = list(p)
+
+    def extend_batch(self, req_ids, token_lists) -> None:
+        for r, toks in zip(req_ids, token_lists):
+            self.ctx[r].extend(int(t) for t in toks)
+
+    def finish_batch(self, req_ids) -> None:
+        for r in req_ids:
+            self.ctx.pop(r, None)
+
+    def end_step(self) -> None:
+        pass
+
+    def propose(self, req_ids, budgets):
+        from rollout_spec.tree import DraftBatch
+
+        chains = [self.ctx[r][-int(b):] if b else [] for r, b in zip(req_ids, budgets)]
+        return DraftBatch.from_lists([[(t, i - 1) for i, t in enumerate(c)] for c in chains])
+
+
+def test_engine_with_ladder_matches_engine_without():
+    """The runner's bucketed path (rows and columns padded) gives the same greedy tokens.
+
+    On CPU the ladder runs eagerly, which exercises exactly the padding a GPU replay sees.
+    """
+    transformers = pytest.importorskip("transformers")
+    from rollout_spec.config import SamplingParams
+    from rollout_spec.engine.engine import RolloutEngine
+    from rollout_spec.engine.weights import build_model
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, initializer_range=0.3)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    model = build_model(cfg, state, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (int(n),), generator=gen).tolist() for n in (3, 9, 17, 30, 5, 12)]
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20, stop_token_ids=())
+    outs = []
+    replays = []
+    for ladder in (None, ([1, 2, 4, 8], [1, 2, 3, 5])):  # B=6 pads to 8; W=4 pads to 5
+        eng = RolloutEngine(model, None, EchoDrafter(), num_slots=8, max_model_len=128,
+                            draft_budget=lambda n: 3 if n > 4 else 6)  # W=7: outside, eager
+        if ladder:
+            eng.runner.capture_graphs(*ladder)
+            assert eng.runner.graphs.eager
+            run = eng.runner.graphs.run
+            eng.runner.graphs.run = lambda inputs: replays.append(1) or run(inputs)
+        outs.append(eng.generate(prompts, params))
+    assert replays
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids and a.num_verify_steps == b.num_verify_steps
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
