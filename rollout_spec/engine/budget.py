@@ -206,6 +206,7 @@ def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key:
     widths = [1] + [k + 1 for k in cands]
 
     def measure() -> CostModel:
+        """Run the timed grid (only when the cache has no entry)."""
         return measure_cost_model(step, sync, batches, widths, repeats=5, warmup=2)
 
     key = f"{key}_b{max_batch}_k{max_draft}"

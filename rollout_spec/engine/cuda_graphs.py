@@ -171,6 +171,7 @@ def ladder_step_timer(ladder: GraphLadder, scratch_slot: int, ctx_len: int) -> C
     cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def step(batch: int, width: int) -> None:
+        """One replay at (batch, width); inputs are built once per shape."""
         key = (batch, width)
         if key not in cache:
             cache[key] = dummy_step_inputs(batch, width, scratch_slot, ctx_len, ladder.device)
