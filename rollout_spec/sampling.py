@@ -21,6 +21,10 @@ import torch
 from rollout_spec.config import SamplingParams
 
 
+TOP_P_CANDIDATES = 1024
+"""Largest logits ranked per row for a top-p cut without top-k (a full sort when too few)."""
+
+
 @dataclass(frozen=True)
 class SamplingTable:
     """Per-request sampling parameters of one batch as host arrays, plus flags that let the
@@ -123,7 +127,12 @@ def row_stats(
         top_p = np.where(sampling, table.top_p, np.float32(1.0))
         per_row = [np.repeat(a, rows_per_request) for a in (top_k, top_p)]
         k_rows, p_rows = (torch.from_numpy(a).to(logits.device) for a in per_row)
-        thr = _truncation_threshold(scores, k_rows, p_rows)
+        # Rank only as many candidates as a cut can need: the largest top-k, or a prefix that
+        # usually holds the top-p mass (checked; the whole row is sorted when it does not).
+        k_cut = top_k < vocab
+        need_p = (~k_cut & (top_p < 1)).any()
+        cands = max(int(top_k[k_cut].max(initial=0)), TOP_P_CANDIDATES if need_p else 0)
+        thr = _truncation_threshold(scores, k_rows, p_rows, min(cands, vocab))
         # Out of place: with float32 logits and T = 1, scores still aliases the caller's logits.
         scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
     argmax = logits.argmax(dim=-1) if want_argmax else None
@@ -173,18 +182,32 @@ def target_scores_of_rows(
 
 
 def _truncation_threshold(
-    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
 ) -> torch.Tensor:
     """Per-row smallest scaled logit that top-k then top-p keep (float32[R]).
 
     ``top_k`` int64[R] in [1, V] (V keeps all), ``top_p`` float32[R] in (0, 1] (1 keeps all).
+    Only the ``candidates`` largest logits of each row are ranked (topk, not a full sort); the
+    result equals a full sort's whenever every row's cut falls among them, which is checked
+    (one synchronisation) before the whole rows are sorted instead.
     """
-    ordered = scores.sort(dim=-1, descending=True).values
-    thr_k = ordered.gather(1, (top_k - 1)[:, None])
-    kept = ordered.masked_fill(ordered < thr_k, float("-inf"))
-    probs = torch.softmax(kept, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep_n = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    vocab = scores.shape[1]
+    if candidates >= vocab:
+        ordered = scores.sort(dim=-1, descending=True).values
+    else:
+        ordered = scores.topk(candidates, dim=-1).values  # largest first
+    n = ordered.shape[1]
+    thr_k = ordered.gather(1, (top_k.clamp(max=n) - 1)[:, None])
+    thr_k = thr_k.masked_fill((top_k >= vocab)[:, None], float("-inf"))
+    # The normaliser covers every kept token, ties beyond the candidates included.
+    lse_k = torch.logsumexp(scores.masked_fill(scores < thr_k, float("-inf")), -1, keepdim=True)
+    probs = (ordered - lse_k).exp().masked_fill(ordered < thr_k, 0.0)
+    mass = probs.cumsum(dim=-1)
+    if n < vocab:
+        covered = (top_k <= n) | (mass[:, -1] >= top_p) | (top_p >= 1)
+        if not bool(covered.all()):
+            return _truncation_threshold(scores, top_k, top_p, vocab)
+    keep_n = ((mass - probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)
     thr_p = ordered.gather(1, (keep_n - 1)[:, None])
     # Rounding can make the cumulative mass reach 1 before the tail: top_p = 1 must keep all.
     thr_p = thr_p.masked_fill((top_p >= 1)[:, None], float("-inf"))

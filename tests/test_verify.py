@@ -181,3 +181,37 @@ def test_bad_types_are_refused():
                      parents=np.array([-1, 5], np.int32), probs=np.ones(2, np.float32))
     with pytest.raises(ValueError, match="parents"):
         verify(torch.zeros(3, 5), bad, SamplingParams())
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_candidate_truncation_equals_full_sort(flat):
+    """Ranking only the largest logits gives the full sort's thresholds, ties included; a flat
+    row whose top-p mass lies beyond the candidates falls back to the full sort."""
+    from rollout_spec.sampling import _truncation_threshold
+
+    gen = torch.Generator().manual_seed(3)
+    scores = (torch.randn(6, 3000, generator=gen) * (0.3 if flat else 3)).round(decimals=1)
+    top_k = torch.tensor([5, 50, 3000, 3000, 40, 3000])
+    top_p = torch.tensor([1.0, 0.9, 0.9, 0.5, 0.3, 1.0])
+    full = _truncation_threshold(scores, top_k, top_p, 3000)
+    torch.testing.assert_close(_truncation_threshold(scores, top_k, top_p, 64), full)
+    kept = (scores >= full[:, None]).sum(-1)
+    assert kept[5] == 3000 and kept[0] >= 5 and (flat or kept[3] < 3000)
+
+
+def test_large_vocab_top_p_logprobs_match_transformers():
+    batch = random_batch(np.random.default_rng(8), num_req=6, max_size=5, vocab=50)
+    logits = 4 * torch.randn(batch.num_requests + batch.num_nodes, 2000,
+                             generator=torch.Generator().manual_seed(8))
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.6, top_k=30),
+              SamplingParams(temperature=1.0, top_p=0.95, top_k=500)] * 2
+    res = verify(logits, batch, params, torch.Generator().manual_seed(1)).host
+    for b in range(batch.num_requests):
+        lo, col = int(batch.offsets[b]), 0
+        e0, e1 = res.emitted_offsets[b : b + 2]
+        nodes = res.accepted_nodes[res.accepted_offsets[b] : res.accepted_offsets[b + 1]]
+        for i, tok in enumerate(res.emitted_tokens[e0:e1]):
+            ref = reference_logprobs(logits[lo + b + col], params[b])
+            assert res.emitted_logprobs[e0 + i] == pytest.approx(float(ref[tok]), abs=1e-4)
+            if i < len(nodes):
+                col = nodes[i] + 1
