@@ -215,11 +215,7 @@ class RolloutEngine:
 
     def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch]) -> None:
         """Keep accepted KV, append emitted tokens (truncated at stops/limits), feed the drafter."""
-        acc_off = res.accepted_offsets.cpu().numpy()
-        acc_nodes = res.accepted_nodes.cpu().numpy()
-        em_off = res.emitted_offsets.cpu().numpy()
-        em_tok = res.emitted_tokens.cpu().numpy().tolist()
-        em_lp = res.emitted_logprobs.float().cpu().numpy().tolist()
+        acc_off, acc_nodes, em_off, em_tok, em_lp = _to_host(res)
         if batch is not None:
             self.runner.keep_accepted_kv(seqs, acc_off, acc_nodes)
         sizes = batch.sizes() if batch is not None else np.zeros(len(seqs), np.int64)
@@ -239,6 +235,15 @@ class RolloutEngine:
             done = [s.req_id for s in seqs if s.finished]
             if done:
                 self.drafter.finish_batch(done)
+
+
+def _to_host(res: VerifyResult) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[float]]:
+    """The step's verify outcome on the host, in one device-to-host copy for the integers."""
+    parts = (res.accepted_offsets, res.accepted_nodes, res.emitted_offsets, res.emitted_tokens)
+    flat = torch.cat([p.reshape(-1).long() for p in parts]).cpu().numpy()
+    cuts = np.cumsum([p.numel() for p in parts])[:-1]
+    acc_off, acc_nodes, em_off, em_tok = np.split(flat, cuts)
+    return acc_off, acc_nodes, em_off, em_tok.tolist(), res.emitted_logprobs.float().cpu().tolist()
 
 
 def _params_of(seqs: list[Sequence]) -> SamplingParams | list[SamplingParams]:
