@@ -19,16 +19,25 @@ uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k) {
   return h | 1;
 }
 
+void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys) {
+  for (int ki = 0; ki < kNumKeys; ++ki)
+    keys[ki] = pos + 1 >= kKeyLens[ki] ? ngram_key(tokens, pos, kKeyLens[ki]) : 0;
+}
+
+void ChainIndex::insert_keys(int32_t seq, int32_t pos, const uint64_t* keys) {
+  for (int ki = 0; ki < kNumKeys; ++ki) {
+    if (keys[ki] == 0) continue;
+    auto& recs = recs_[ki];
+    int32_t prev = heads_[ki].put(keys[ki], static_cast<int32_t>(recs.size()));
+    recs.push_back(ChainRecord{seq, pos, prev});
+  }
+}
+
 void ChainIndex::append(int ki, int32_t seq, const int32_t* tokens, int32_t pos) {
   auto& recs = recs_[ki];
   int32_t idx = static_cast<int32_t>(recs.size());
   int32_t prev = heads_[ki].put(ngram_key(tokens, pos, kKeyLens[ki]), idx);
   recs.push_back(ChainRecord{seq, pos, prev});
-}
-
-void ChainIndex::insert(int32_t seq, const int32_t* tokens, int32_t pos) {
-  for (int ki = 0; ki < kNumKeys; ++ki)
-    if (pos + 1 >= kKeyLens[ki]) append(ki, seq, tokens, pos);
 }
 
 void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,

@@ -21,11 +21,14 @@ constexpr int32_t kKeyLens[kNumKeys] = {8, 4, 2, 1};  // longest first: lookups 
 
 // Hash of tokens[pos-k+1 .. pos] tagged with k; never 0 (0 marks an empty FlatMap slot).
 uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k);
+// keys[ki] = ngram_key(tokens, pos, kKeyLens[ki]) for the key lengths that fit (others 0).
+void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys);
 
 class ChainIndex {
  public:
-  // Add records for position `pos` of sequence `seq` (whose tokens are `tokens`).
-  void insert(int32_t seq, const int32_t* tokens, int32_t pos);
+  // Add records for position `pos` of sequence `seq`, given its keys from ngram_keys (computed
+  // once per position and shared by the request, group and global indexes).
+  void insert_keys(int32_t seq, int32_t pos, const uint64_t* keys);
 
   // Index of the newest record of key length kKeyLens[ki] with this key, or -1.
   int32_t head(int ki, uint64_t key) const { return heads_[ki].get(key); }

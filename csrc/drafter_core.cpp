@@ -46,12 +46,13 @@ int32_t DrafterCore::new_slot() {
 
 void DrafterCore::index_position(int32_t slot, RequestState* req, int32_t pos) {
   const Sequence& s = seqs_[slot];
-  const int32_t* toks = s.tokens.data();
-  if (req) req->own.insert(slot, toks, pos);
+  uint64_t keys[kNumKeys];
+  ngram_keys(s.tokens.data(), pos, keys);
+  if (req) req->own.insert_keys(slot, pos, keys);
   // Shared scopes only index positions whose continuation is a response token.
   if (pos < s.prompt_len - 1) return;
-  if (s.group >= 0) groups_[s.group].insert(slot, toks, pos);
-  global_.insert(slot, toks, pos);
+  if (s.group >= 0) groups_[s.group].insert_keys(slot, pos, keys);
+  global_.insert_keys(slot, pos, keys);
 }
 
 void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
