@@ -302,3 +302,21 @@ def test_sglangs_own_plugin_loader_swaps_in_our_corpus():
     env.pop(ENV_VAR)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.stdout.strip().endswith("ngram_corpus.NgramCorpus"), run.stderr[-2000:]
+
+
+def test_replay_walks_trees_and_siblings_speed_up_later_steps():
+    from rollout_spec.integrations.sglang.replay import accepted_length, replay_step
+
+    batch = DraftBatch.from_lists([[(4, -1), (44, -1), (5, 0), (55, 1)]])
+    ids, mask = to_ids_mask(batch, [3], 6)
+    assert accepted_length(ids, mask.reshape(6, 6), [44, 55, 9]) == 2
+    assert accepted_length(ids, mask.reshape(6, 6), [4, 55]) == 1
+    assert accepted_length(ids, mask.reshape(6, 6), [7]) == 0
+    answer = list(range(100, 140))
+    c = corpus()
+    prompts = {0: [1, 2, 3]}
+    first = replay_step(c, 0, prompts, [{"group_id": 0, "response_ids": answer}], tail=16)
+    again = replay_step(c, 1, prompts, [{"group_id": 0, "response_ids": answer}], tail=16)
+    assert first["generated"] == again["generated"] == len(answer) - 1
+    assert first["verifies"] == len(answer) - 1  # nothing to draft from yet
+    assert again["verifies"] <= -(-(len(answer) - 1) // D) + 1  # the previous step's response is drafted

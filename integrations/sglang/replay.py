@@ -1,0 +1,96 @@
+"""Replay recorded GRPO rollouts through ``RolloutSpecCorpus`` the way SGLang's NGRAM worker calls it.
+
+Lock-step: every live request takes one verify per iteration; a draft slot is accepted when it
+continues the accepted path with the recorded next token, then one bonus token is committed.
+Each RL step ends with ``reset()`` (verl's ``flush_cache``). Prints, per step, tokens per verify
+(TPF), SGLang's acceptance (accepted / verified slots) and the adapter's CPU cost.
+
+    python -m rollout_spec.integrations.sglang.replay /work/shared/traces/grpo_smollm2_t0.6.json.gz
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+
+import numpy as np
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
+from rollout_spec.integrations.sglang.rid import rid_with_group
+
+
+def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
+    """Draft slots accepted along the recorded continuation ``truth`` (greedy tree walk)."""
+    d = len(ids)
+    ancestors = mask.astype(bool) & ~np.eye(d, dtype=bool)
+    parent = np.where(ancestors.any(1), d - 1 - np.argmax(ancestors[:, ::-1], axis=1), -1)
+    node, n = 0, 0
+    while n < len(truth):
+        kids = np.flatnonzero((parent == node) & (ids == truth[n]))
+        if len(kids) == 0:
+            break
+        node, n = int(kids[0]), n + 1
+    return n
+
+
+def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict, responses: list, tail: int) -> dict:
+    """One RL step of lock-step decoding; returns its totals and the adapter's seconds."""
+    d = corpus.draft_token_num
+    live = {}
+    for i, r in enumerate(responses):
+        prompt = prompts[r["group_id"]]
+        live[rid_with_group(f"s{step}-{i}", prompt)] = (prompt, r["response_ids"], [1])  # token 0 from prefill
+    verifies = accepted = generated = 0
+    adapter_s = 0.0
+    while live:
+        rids = list(live)
+        tails = [(p + out[:n[0]])[-tail:] for p, out, n in live.values()]
+        lens = [len(p) + n[0] for p, out, n in live.values()]
+        t0 = time.perf_counter()
+        ids, mask = corpus.batch_get(rids, tails, lens)
+        corpus.batch_put(tails)
+        adapter_s += time.perf_counter() - t0
+        ids, mask = ids.reshape(-1, d), mask.reshape(-1, d, d)
+        done = []
+        for b, rid in enumerate(rids):
+            _, out, n = live[rid]
+            a = accepted_length(ids[b], mask[b], out[n[0]:])
+            step_tokens = min(a + 1, len(out) - n[0])
+            n[0] += step_tokens
+            verifies, accepted, generated = verifies + 1, accepted + step_tokens - 1, generated + step_tokens
+            if n[0] >= len(out):
+                done.append(rid)
+        for rid in done:
+            del live[rid]
+        t0 = time.perf_counter()
+        corpus.erase_match_state(done)
+        adapter_s += time.perf_counter() - t0
+    corpus.reset()
+    return dict(verifies=verifies, accepted=accepted, generated=generated, adapter_s=adapter_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Replay a trace file and print one row per RL step."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", help="gzip JSON trace (shared/traces format)")
+    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--tail", type=int, default=64, help="speculative_ngram_max_trie_depth")
+    ap.add_argument("--max-responses", type=int, default=0, help="first N responses per step (0: all)")
+    args = ap.parse_args(argv)
+    trace = json.load(gzip.open(args.trace))
+    prompts = {p["group_id"]: p["prompt_ids"] for p in trace["prompts"]}
+    spec = SpecConfig(num_draft_tokens=args.num_draft_tokens)
+    corpus = RolloutSpecCorpus(draft_token_num=args.num_draft_tokens + 1, spec=spec)
+    print(f"{'step':>4} {'responses':>9} {'tokens':>8} {'TPF':>6} {'accept/slot':>11} {'us/req/step':>11}")
+    for step, responses in enumerate(trace["steps"]):
+        responses = responses[: args.max_responses] if args.max_responses else responses
+        r = replay_step(corpus, step, prompts, responses, args.tail)
+        print(f"{step:>4} {len(responses):>9} {r['generated']:>8} {r['generated'] / r['verifies']:>6.2f} "
+              f"{r['accepted'] / (r['verifies'] * args.num_draft_tokens):>11.3f} "
+              f"{1e6 * r['adapter_s'] / r['verifies']:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
