@@ -33,12 +33,14 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const std::ve
       r = rec.prev;
       // Chains are linked lists scattered over the record array: fetch the next link early.
       if (r >= 0) __builtin_prefetch(&index.record(ki, r));
-      const std::vector<int32_t>& toks = seqs_[rec.seq].tokens;
-      if (rec.pos + 1 >= static_cast<int32_t>(toks.size()) || !accept(rec.seq)) continue;
+      // Positions already taken through a longer key come back in the shorter keys' chains;
+      // rejecting them first spares two cache misses (the sequence and its tokens).
       bool dup = false;
       for (size_t j = first; j < occ.size() && !dup; ++j)
         dup = occ[j].seq == rec.seq && occ[j].pos == rec.pos;
       if (dup) continue;
+      const std::vector<int32_t>& toks = seqs_[rec.seq].tokens;
+      if (rec.pos + 1 >= static_cast<int32_t>(toks.size()) || !accept(rec.seq)) continue;
       int32_t m = match_back(ctx, toks, rec.pos, cfg_.max_match_len);
       if (m < need) continue;  // hash collision, or shorter than min_match_len
       occ.push_back(Occurrence{rec.seq, rec.pos, m, scope});
