@@ -11,7 +11,7 @@ triggers at every weight update) is the RL step boundary, so history survives it
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -33,6 +33,22 @@ class _Request:
     drafter_id: int  # our int id for SGLang's string rid
     known_len: int  # prompt + output tokens the drafter has seen the end of
     last_tail: tuple[int, ...] = ()  # tokens of the latest batch_get, to recognise batch_put
+
+
+@dataclass
+class _Pending:
+    """Starts and extends of one batch_get, sent to the drafter in two batched calls."""
+
+    starts: list = field(default_factory=list)  # (drafter id, tokens, group id or None)
+    extends: list = field(default_factory=list)  # (drafter id, new tokens)
+
+    def flush(self, drafter: Any) -> None:
+        if self.starts:
+            ids, prompts, groups = zip(*self.starts)
+            drafter.start_batch(list(ids), list(prompts), list(groups))
+        if self.extends:
+            ids, tokens = zip(*self.extends)
+            drafter.extend_batch(list(ids), list(tokens))
 
 
 class RolloutSpecCorpus:
@@ -104,10 +120,10 @@ class RolloutSpecCorpus:
             )
         if len(set(req_ids)) != len(req_ids):
             raise ValueError("req_ids must not repeat within one batch_get")
-        drafter_ids = [
-            self._sync(rid, tuple(int(t) for t in toks), int(n))
-            for rid, toks, n in zip(req_ids, batch_tokens, total_lens)
-        ]
+        pending = _Pending()
+        drafter_ids = [self._sync(rid, tuple(toks), int(n), pending)
+                       for rid, toks, n in zip(req_ids, batch_tokens, total_lens)]
+        pending.flush(self.drafter)
         self._last_get = list(req_ids)
         self._counters["gets"] += 1
         batch = self.drafter.propose(drafter_ids, [self._budget] * len(drafter_ids))
@@ -123,7 +139,7 @@ class RolloutSpecCorpus:
         """
         fresh = []
         for i, seq in enumerate(batch_tokens):
-            tail = tuple(int(t) for t in seq)
+            tail = tuple(seq)
             req = self._live.get(self._last_get[i]) if i < len(self._last_get) else None
             if req is not None and req.last_tail == tail:
                 self._counters["put_skipped"] += 1
@@ -155,8 +171,8 @@ class RolloutSpecCorpus:
             self._committed_since_step = 0
 
     # ------------------------------------------------------------ request bookkeeping
-    def _sync(self, rid: str, tail: tuple[int, ...], total_len: int) -> int:
-        """Bring the drafter up to date with request ``rid``; returns its drafter id."""
+    def _sync(self, rid: str, tail: tuple[int, ...], total_len: int, pending: "_Pending") -> int:
+        """Queue in ``pending`` what the drafter lacks of request ``rid``; returns its drafter id."""
         if not tail:
             raise ValueError(f"batch_tokens for request {rid!r} is empty; SGLang always sends >= 1 token")
         if total_len < len(tail):
@@ -168,10 +184,9 @@ class RolloutSpecCorpus:
             self._counters["restarts"] += 1
             req = None
         if req is None:
-            req = _Request(self._next_id, total_len, tail)
+            req = self._live[rid] = _Request(self._next_id, total_len, tail)
             self._next_id += 1
-            self.drafter.start(req.drafter_id, tail, group_from_rid(rid))
-            self._live[rid] = req
+            pending.starts.append((req.drafter_id, tail, group_from_rid(rid)))
             self._counters["requests"] += 1
             self._commit(len(tail))
             return req.drafter_id
@@ -179,7 +194,7 @@ class RolloutSpecCorpus:
         if new > len(tail):
             self._counters["gap_tokens"] += new - len(tail)
         if new > 0:
-            self.drafter.extend(req.drafter_id, tail[-new:])
+            pending.extends.append((req.drafter_id, tail[-new:]))
             self._commit(min(new, len(tail)))
         req.known_len, req.last_tail = total_len, tail
         return req.drafter_id
