@@ -259,6 +259,7 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
 
     matplotlib.use("Agg")  # headless: no display on CI or GPU hosts
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not history:
         raise ValueError("history must hold at least one step to plot")
@@ -273,6 +274,8 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
     ax_acc.legend(loc="upper left"), ax_tpf.legend(loc="upper right")
     _plot_speedup(ax_speed, history)
     _plot_depth(ax_depth, history)
+    for ax in (ax_acc, ax_speed, ax_depth):  # steps and depths are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
