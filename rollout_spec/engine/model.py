@@ -125,6 +125,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dimension of ``x``."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -147,6 +148,7 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: StepContext) -> Tensor:
+        """``x [B, W, H]`` -> attention output; writes the step's K/V into the cache first."""
         B, W, _ = x.shape
         q = self.q_proj(x).view(B, W, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, W, self.num_kv_heads, self.head_dim)
@@ -175,6 +177,7 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=b)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``down(silu(gate(x)) * up(x))``."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -189,6 +192,7 @@ class Block(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: StepContext) -> Tensor:
+        """One residual attention + MLP block."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
