@@ -129,7 +129,8 @@ class TreeInputs:
 def _host_tree_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Index arrays and ancestor mask of a validated batch, computed with numpy on the host.
 
-    Returns ``(packed int64[5, B*W + ...], mask bool[B, W, W])``; see build_tree_inputs.
+    Returns ``packed`` int64[4*B*W + B + N] (tokens, depth, parent_col, row_index as [B, W] each,
+    then flat_index) and the ancestor mask bool[B, W, W]; see TreeInputs.
     """
     num_req, num_nodes = batch.num_requests, batch.num_nodes
     sizes = batch.sizes()
