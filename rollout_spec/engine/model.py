@@ -47,6 +47,8 @@ class ModelConfig:
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {mt!r}")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported (full attention only)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         attn_bias = bool(getattr(cfg, "attention_bias", False))
