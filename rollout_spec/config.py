@@ -52,8 +52,9 @@ class SpecConfig:
 
     num_draft_tokens: int = 8
     """Most draft nodes proposed for one request in one step (0 disables speculation)."""
-    max_batch_draft_tokens: int = 4096
-    """Most draft nodes proposed by one batched ``propose`` call, over all requests."""
+    max_batch_draft_tokens: int = 65536
+    """Most draft nodes proposed by one batched ``propose`` call, over all requests (requests late
+    in the call get smaller drafts once it is spent; the default covers 8192 requests x 8)."""
     max_depth: int = 24
     """Longest root-to-leaf path of a draft tree."""
     max_match_len: int = 32
@@ -74,8 +75,9 @@ class SpecConfig:
     """Scope prior for all recent rollouts and external corpora (0 disables)."""
     history_steps: int = 4
     """How many earlier RL steps of a group stay in its group scope."""
-    capacity_tokens: int = 16_000_000
-    """Memory bound of the shared indexes, in stored tokens; least-recently-used steps go first."""
+    capacity_tokens: int = 4_000_000
+    """Memory bound of the shared indexes, in stored tokens (about 100-200 bytes each with their
+    hash chains); least-recently-used steps go first."""
     external_corpora: tuple[str, ...] = field(default_factory=tuple)
     """Token files (one int32 array per file, .npy) added to the global scope at start."""
 
@@ -115,7 +117,7 @@ class SamplingParams:
     stop_token_ids: Optional[tuple[int, ...]] = None
     """Tokens that end a sample (kept in the output); None means the model's EOS."""
     seed: Optional[int] = 0
-    """Base seed; sample i of prompt p is seeded from (seed, p, i). None draws fresh entropy."""
+    """Seed of the call's random generator: identical calls reproduce. None draws fresh entropy."""
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1, 1 << 16)

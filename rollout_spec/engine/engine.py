@@ -238,12 +238,10 @@ class RolloutEngine:
 
 
 def _to_host(res: VerifyResult) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[float]]:
-    """The step's verify outcome on the host, in one device-to-host copy for the integers."""
-    parts = (res.accepted_offsets, res.accepted_nodes, res.emitted_offsets, res.emitted_tokens)
-    flat = torch.cat([p.reshape(-1).long() for p in parts]).cpu().numpy()
-    cuts = np.cumsum([p.numel() for p in parts])[:-1]
-    acc_off, acc_nodes, em_off, em_tok = np.split(flat, cuts)
-    return acc_off, acc_nodes, em_off, em_tok.tolist(), res.emitted_logprobs.float().cpu().tolist()
+    """The step's verify outcome on the host (verification already computed it there)."""
+    h = res.host
+    return (h.accepted_offsets, h.accepted_nodes, h.emitted_offsets, h.emitted_tokens.tolist(),
+            h.emitted_logprobs.astype(np.float64).tolist())
 
 
 def _params_of(seqs: list[Sequence]) -> SamplingParams | list[SamplingParams]:
