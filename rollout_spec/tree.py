@@ -250,7 +250,11 @@ def unpack_bytes(
     """Views of a packed uint8 tensor with the dtypes and shapes of the original arrays."""
     import torch
 
-    return [
-        buf[start : start + size].view(torch.from_numpy(np.empty(0, a.dtype)).dtype).view(a.shape)
-        for a, (start, size) in zip(arrays, spans)
-    ]
+    out = []
+    for a, (start, size) in zip(arrays, spans):
+        dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
+        if size == 0:  # CUDA refuses dtype views of empty (stride-0) slices
+            out.append(torch.empty(a.shape, dtype=dtype, device=buf.device))
+        else:
+            out.append(buf[start : start + size].view(dtype).view(a.shape))
+    return out
