@@ -29,7 +29,7 @@ from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult,
                                  arctic_available, load_trace, replay)
 from synthetic_trace import make_synthetic_trace  # noqa: E402
 
-SHARED = "/work/shared/traces/*.json.gz"
+SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
 
 
 def make_drafter(name: str, budget: int):

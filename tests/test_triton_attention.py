@@ -13,7 +13,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (it lives in /work/venvs/triton)")
+pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch wheels ship it)")
 
 from rollout_spec.engine import triton_attention as ta  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
 (TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed
-(CI's .venv has no triton; /work/venvs/triton has it).
+(CI's .venv has no triton).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ continues the accepted path with the recorded next token, then one bonus token i
 Each RL step ends with ``reset()`` (verl's ``flush_cache``). Prints, per step, tokens per verify
 (TPF), SGLang's acceptance (accepted / verified slots) and the adapter's CPU cost.
 
-    python -m rollout_spec.integrations.sglang.replay /work/shared/traces/grpo_smollm2_t0.6.json.gz
+    python -m rollout_spec.integrations.sglang.replay ../shared/traces/grpo_smollm2_t0.6.json.gz
 """
 from __future__ import annotations
 
