@@ -11,6 +11,7 @@ static buffers and the padding is filled with each input's pad value.
 from __future__ import annotations
 
 import bisect
+import gc
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -110,6 +111,19 @@ class GraphLadder:
         return 1 <= batch <= self.batch_sizes[-1] and 1 <= width <= self.widths[-1]
 
     def _capture_all(self) -> None:
+        # A garbage collection inside a capture may free an older ladder, whose CUDAGraph
+        # destructor calls cudaGraphExecDestroy: illegal while capturing, it invalidates the
+        # capture. So collect now and keep the collector off until every bucket is captured.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets()
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _capture_buckets(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for key in sorted(self.static, reverse=True):  # largest first: it sizes the shared pool
             inputs = self.static[key]

@@ -78,7 +78,7 @@ if triton is not None:
         s_mb, s_mi, s_ob, s_oh, s_ow, s_pb, s_ph, s_ps, s_pm,
         qk_scale, split_len,
         W: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Attention of all G*W query rows of one (request, kv head) over one context split."""
         b = tl.program_id(0)
@@ -105,7 +105,10 @@ if triton is not None:
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < total
             k = tl.load(k_base + cols[:, None] * s_kl + d[None, :], mask=col_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain: scale already holds log2(e)
+            if IEEE:  # fp32 models get fp32 products; tl.dot would round fp32 inputs to TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain: scale already holds log2(e)
             # New positions are visible only along the tree mask; the context is visible to all.
             is_new = (cols >= ctx) & col_ok
             tm_ptr = MASK + b * s_mb + w[:, None] * s_mi + (cols - ctx)[None, :]
@@ -118,7 +121,10 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + cols[:, None] * s_vl + d[None, :], mask=col_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -248,6 +254,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         *(lse.stride() if not direct else (0, 0, 0, 0)),
         qk_scale, split_len,
         W=width, G=group, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, DIRECT=direct,
+        IEEE=q.dtype == torch.float32 and k_cache.dtype == torch.float32,
     )
     if not direct:
         _merge_kernel[(bsz, hkv)](
