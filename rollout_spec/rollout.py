@@ -6,7 +6,6 @@ sample finishes and returns ``RolloutOutput``s in (prompt, sample) order.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams
+from rollout_spec.groups import prompt_group_id
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 
@@ -48,12 +48,6 @@ class RolloutOutput:
             seq.finish_reason or "error", seq.num_verify_steps, seq.num_draft_tokens,
             seq.num_accepted_tokens, seq.error,
         )
-
-
-def prompt_group_id(prompt: Seq[int]) -> int:
-    """A stable id of a prompt's content, so the same prompt shares its group across RL steps."""
-    digest = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 31) - 1)  # the drafter takes int32 ids
 
 
 class RolloutSession:

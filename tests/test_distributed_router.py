@@ -25,7 +25,8 @@ def test_group_key_is_stable_across_processes() -> None:
 
 def test_group_key_matches_the_engine_adapters_prompt_groups() -> None:
     """The router must send a prompt where the engine-side drafter files its samples."""
-    from rollout_spec.integrations.vllm.chains import explicit_group_id, prompt_group_id
+    from rollout_spec.groups import prompt_group_id
+    from rollout_spec.integrations.vllm.chains import explicit_group_id
 
     prompt = [1, 50, 4000, 2**20]
     assert group_key(prompt) == prompt_group_id(prompt)

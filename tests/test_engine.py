@@ -46,6 +46,7 @@ class ScriptedDrafter:
         self.steps = 0
 
     def start_batch(self, req_ids, prompts, group_ids) -> None:
+        self.group_ids = list(group_ids)
         for r, p in zip(req_ids, prompts):
             self.ctx[r], self.prompt_len[r] = list(p), len(p)
 
@@ -301,6 +302,18 @@ def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
     # The second RL step sees the first step's responses to the same prompts in its group scope.
     assert sum(o.num_accepted_tokens for o in second) > sum(o.num_accepted_tokens for o in first) >= 0
     assert sum(o.num_verify_steps for o in second) < sum(o.num_verify_steps for o in plain)
+
+
+def test_default_group_ids_are_the_routers_prompt_keys(pair) -> None:
+    """Without explicit group ids, a prompt's samples get the id the router and adapters compute,
+    so a shared index or a replica router places the embedded engine's groups like theirs."""
+    from rollout_spec.distributed import group_key
+
+    _, model = pair
+    prompts = [[7, 8, 9, 10], [3, 1, 4]]
+    drafter = ScriptedDrafter("random")
+    engine(model, drafter).generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=2))
+    assert sorted(set(drafter.group_ids)) == sorted(group_key(p) for p in prompts)
 
 
 def test_pluggable_budget_per_request_and_observed(pair) -> None:

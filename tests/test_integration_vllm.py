@@ -15,7 +15,8 @@ import pytest
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.vllm import SpecDecodeCounters, engine_kwargs, spec_from_vllm_config
-from rollout_spec.integrations.vllm.chains import best_chain, best_chains, explicit_group_id, prompt_group_id
+from rollout_spec.groups import prompt_group_id
+from rollout_spec.integrations.vllm.chains import best_chain, best_chains, explicit_group_id
 from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH, speculative_config
 import rollout_spec.integrations.vllm.plugin as plugin
 from rollout_spec.integrations.vllm.plugin import VllmProposer, check_runner, install

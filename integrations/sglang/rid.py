@@ -10,12 +10,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rollout_spec.integrations.vllm.chains import prompt_group_id
+from rollout_spec.groups import GROUP_ID_MAX, prompt_group_id
 
 GROUP_SEPARATOR = "|rsg="
 """Marks the group suffix of a request id."""
-GROUP_ID_MAX = 2**31 - 1
-"""The drafter stores group ids as int32; the prompt hash is folded into that range."""
 
 
 def rid_with_group(request_id: str, prompt_ids: Sequence[int] | np.ndarray) -> str:
@@ -28,7 +26,7 @@ def rid_with_group(request_id: str, prompt_ids: Sequence[int] | np.ndarray) -> s
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
     if GROUP_SEPARATOR in request_id:
         return request_id
-    return f"{request_id}{GROUP_SEPARATOR}{prompt_group_id(prompt_ids) & GROUP_ID_MAX:08x}"
+    return f"{request_id}{GROUP_SEPARATOR}{prompt_group_id(prompt_ids):08x}"
 
 
 def group_from_rid(rid: str) -> Optional[int]:

@@ -5,16 +5,13 @@ are ordered best first, so the best root-to-leaf path follows the first child at
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Sequence
 
 import numpy as np
 
 from rollout_spec.config import check_int
+from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id
 from rollout_spec.tree import DraftBatch
-
-_GROUP_ID_MAX = 2**31 - 1  # the drafter's group ids are int32; a collision only merges two groups
-
 
 def best_chain(parents: np.ndarray, tokens: np.ndarray, max_len: int) -> list[int]:
     """Tokens of the first-child path of one request's tree slice, at most ``max_len`` long.
@@ -56,15 +53,6 @@ def best_chains(batch: DraftBatch, max_lens: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def prompt_group_id(prompt_ids: np.ndarray | Sequence[int]) -> int:
-    """A stable 31-bit id for a prompt: identical token ids give the same id in every process
-    and RL step, so the n samples of a prompt (sent by OpenRLHF as n separate requests with
-    random ids) and the prompt's later revisits share one group."""
-    data = np.ascontiguousarray(np.asarray(prompt_ids, dtype=np.int32)).tobytes()
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (_GROUP_ID_MAX + 1)
-
-
 def explicit_group_id(value: Any) -> int:
     """Group id given by the caller in ``SamplingParams.extra_args``: a non-negative int is used
     as is, a string is hashed to a stable int.
@@ -73,6 +61,5 @@ def explicit_group_id(value: Any) -> int:
         TypeError / ValueError: anything else, naming the extra_args key and the allowed forms.
     """
     if isinstance(value, str):
-        digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") % (_GROUP_ID_MAX + 1)
-    return check_int("extra_args['rollout_spec_group']", value, 0, _GROUP_ID_MAX)
+        return hashed_group_id(value.encode("utf-8"))
+    return check_int("extra_args['rollout_spec_group']", value, 0, GROUP_ID_MAX)

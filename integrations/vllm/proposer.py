@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from rollout_spec.integrations.vllm.chains import best_chains, explicit_group_id, prompt_group_id
+from rollout_spec.groups import prompt_group_id
+from rollout_spec.integrations.vllm.chains import best_chains, explicit_group_id
 from rollout_spec.integrations.vllm.config import GROUP_ID_EXTRA_ARG, spec_from_vllm_config
 from rollout_spec.config import SpecConfig
 

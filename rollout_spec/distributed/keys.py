@@ -5,13 +5,12 @@ group lives; everything here is a pure function of the bytes, identical in every
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from numbers import Integral
 
 import numpy as np
 
-_KEY_MASK = (1 << 31) - 1  # the drafter stores group ids as int32
+from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id, prompt_group_id
 
 
 def group_key(group: object) -> int:
@@ -19,7 +18,7 @@ def group_key(group: object) -> int:
 
     Ints in that range are returned unchanged, so a framework's integer group ids keep their
     meaning for the drafter; str and bytes are hashed; a sequence of ints (the prompt's token
-    ids, which identify a prompt across RL steps) is hashed as int32 bytes, exactly as the vLLM and SGLang adapters derive a prompt's group.
+    ids, which identify a prompt across RL steps) gets :func:`rollout_spec.groups.prompt_group_id`, the id the engine and every adapter use.
 
     Raises:
         TypeError: for None, bool or any other type.
@@ -29,19 +28,18 @@ def group_key(group: object) -> int:
         raise TypeError(f"group id must be an int, str, bytes or token sequence, got {group!r}")
     if isinstance(group, Integral):
         value = int(group)
-        if not 0 <= value <= _KEY_MASK:
-            raise ValueError(f"group id must be in [0, {_KEY_MASK}], got {value}")
+        if not 0 <= value <= GROUP_ID_MAX:
+            raise ValueError(f"group id must be in [0, {GROUP_ID_MAX}], got {value}")
         return value
     if isinstance(group, str):
         data = group.encode("utf-8")
     elif isinstance(group, (bytes, bytearray, memoryview)):
         data = bytes(group)
     elif isinstance(group, (Sequence, np.ndarray)):
-        data = np.ascontiguousarray(np.asarray(group, dtype=np.int32)).tobytes()  # as the vLLM/SGLang adapters hash prompts
+        return prompt_group_id(group)
     else:
         raise TypeError(f"group id must be an int, str, bytes or token sequence, got {type(group).__name__}")
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _KEY_MASK
+    return hashed_group_id(data)
 
 
 def group_keys(groups: Iterable[object]) -> np.ndarray:

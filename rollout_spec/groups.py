@@ -1,0 +1,26 @@
+"""Stable group ids: one prompt maps to one id in every process, adapter and RL step.
+
+The drafter stores group ids as int32, so ids live in ``[0, GROUP_ID_MAX]``; Python's ``hash`` is
+salted per process, so ids are derived from bytes with blake2b instead. A collision only merges
+two groups' statistics.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+GROUP_ID_MAX = (1 << 31) - 1
+
+
+def hashed_group_id(data: bytes) -> int:
+    """The group id of an identity given as bytes (a uid string's UTF-8, a prompt's token bytes)."""
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & GROUP_ID_MAX
+
+
+def prompt_group_id(prompt_ids: np.ndarray | Sequence[int]) -> int:
+    """The group id of a prompt's token ids (hashed as int32), shared by its n samples and by the
+    same prompt in later RL steps, whichever engine, adapter or replica computes it."""
+    return hashed_group_id(np.ascontiguousarray(np.asarray(prompt_ids, dtype=np.int32)).tobytes())
