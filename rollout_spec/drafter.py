@@ -23,6 +23,7 @@ import numpy as np
 
 from rollout_spec import _core
 from rollout_spec.config import SpecConfig, check_int
+from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.tree import DraftBatch
 
 TokenIds = Union[Sequence[int], np.ndarray]
@@ -81,7 +82,7 @@ def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarr
 
 def _group_id(name: str, value: Optional[int]) -> int:
     """-1 for None, else the validated group id."""
-    return -1 if value is None else check_int(name, value, 0, 2**31 - 1)
+    return -1 if value is None else check_int(name, value, 0, GROUP_ID_MAX)
 
 
 def _core_config(config: SpecConfig) -> "_core.CoreConfig":

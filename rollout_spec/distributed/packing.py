@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rollout_spec.groups import GROUP_ID_MAX
+
 Bucket = np.ndarray
 """One int32 array: ``[S, groups[S], lengths[S], tokens[sum(lengths)]]``; group -1 means none.
 
@@ -21,8 +23,8 @@ def pack(groups: Sequence[int] | np.ndarray, sequences: Sequence[np.ndarray]) ->
     if len(groups) != len(sequences):
         raise ValueError(f"groups ({len(groups)}) and sequences ({len(sequences)}) differ in length")
     gids = np.asarray(groups, np.int64).reshape(-1)
-    if len(gids) and (gids.min() < -1 or gids.max() > 2**31 - 1):
-        raise ValueError("groups must be in [-1, 2147483647] (-1: no group)")
+    if len(gids) and (gids.min() < -1 or gids.max() > GROUP_ID_MAX):
+        raise ValueError(f"groups must be in [-1, {GROUP_ID_MAX}] (-1: no group)")
     num = len(sequences)
     lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=num)
     out = np.empty(1 + 2 * num + int(lengths.sum()), np.int32)

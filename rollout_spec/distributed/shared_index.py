@@ -22,6 +22,7 @@ from rollout_spec.config import check_float, check_int
 from rollout_spec.distributed.coordinator import Entry, coordinator_handles
 from rollout_spec.distributed.packing import split_by_destination, unpack
 from rollout_spec.distributed.router import GroupRouter
+from rollout_spec.groups import GROUP_ID_MAX
 
 
 class IngestingDrafter(Protocol):
@@ -116,7 +117,7 @@ class SharedIndexClient:
         """Note one finished response generated here; groupless ones (None) are not shared."""
         if group_id is None:
             return
-        check_int("group_id", group_id, 0, 2**31 - 1)
+        check_int("group_id", group_id, 0, GROUP_ID_MAX)
         tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if tokens.size and (tokens.min() < 0 or tokens.max() > 2**31 - 1):
             raise ValueError("token_ids must be in [0, 2147483647]")
