@@ -116,16 +116,22 @@ def test_pack_roundtrip_and_split_by_destination() -> None:
         unpack(broken)
 
 
-def test_coordinator_keeps_only_recent_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_ray = type(sys)("ray")
-    fake_ray.put = lambda value: ("ref", value)  # the plain class, outside Ray
-    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+def test_coordinator_keeps_only_recent_steps() -> None:
     coord = IndexCoordinator(retain_steps=2)
     for step in range(4):
-        coord.publish(0, step, [1, 2], pack([step], [np.arange(3)]), pack([step], [np.arange(5)]))
-    head, entries = coord.pull(1, -1)
-    assert head == 4 and [e.step for e in entries] == [2, 3]
-    assert [e.step for e in coord.pull(1, 3)[1]] == [3]  # a cursor skips what was already seen
+        parts = [pack([step], [np.arange(3)]), pack([step], [np.arange(5)])]
+        coord.publish(0, step, [1, 2], [len(p) for p in parts], np.concatenate(parts))
+    got = coord.pull(1, -1)
+    assert got.head == 4 and got.latest_step == 3 and [e.step for e in got.entries] == [2, 3]
+    assert [unpack(b) for b in got.buckets()] == [([2], [[0, 1, 2]]), ([3], [[0, 1, 2]])]
+    assert [e.step for e in coord.pull(1, 3).entries] == [3]  # a cursor skips what was already seen
+    assert coord.pull(1, -1, budget_tokens=4).over_budget == 1  # newest first under the budget
     assert coord.stats()["tokens"] == 2 * (3 + 5)
+    coord.publish(1, 3, [1], [5], pack([9], [np.arange(2)]))
+    assert [e.src for e in coord.pull(1, -1).entries] == [0, 0]  # its own: only when catching up
+    assert [e.src for e in coord.pull(1, -1, own_steps=[]).entries] == [0, 0, 1]
+    assert [e.src for e in coord.pull(1, -1, own_steps=[3]).entries] == [0, 0]
     with pytest.raises(ValueError, match="differ in length"):
-        coord.publish(0, 5, [1], pack([1], [np.arange(2)]), pack([1], [np.arange(2)]))
+        coord.publish(0, 5, [1], [4, 4], np.zeros(8, np.int32))
+    with pytest.raises(ValueError, match="payload"):
+        coord.publish(0, 5, [1], [4], np.zeros(5, np.int32))

@@ -1,19 +1,24 @@
 """The index coordinator: a small Ray actor that keeps the last ``retain_steps`` steps of
-published buckets, per destination replica, as object refs it owns.
+published buckets, per destination replica, in its own memory.
 
-It owns the objects (it ``ray.put``s what publishers send), so a publication outlives the replica
-that made it: a killed replica's last steps can still be read by its restarted self. Only refs and
-a few ints live in the actor's heap; the token arrays live in the object store.
+A publisher sends one flat array per shard and step; the coordinator copies each destination's
+slice, so a publication outlives the replica that made it (a killed replica's last steps can
+still be read by its restarted self). A pull returns everything selected for one replica as one
+array, so the object store sees one object per pull, never one per bucket: Ray's per-object cost
+(about a millisecond a ``ray.put`` on a loaded host) is what made the coordinator slow at scale.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+import numpy as np
 
 from rollout_spec.config import check_int
-from rollout_spec.distributed.packing import Bucket, bucket_nbytes, bucket_tokens
+from rollout_spec.distributed.packing import Bucket, bucket_tokens
 
 
 @dataclass(frozen=True)
@@ -23,68 +28,114 @@ class Entry:
     seq: int  # position in the coordinator's publish order; cursors compare against it
     src: int  # the replica that generated these sequences
     step: int  # the publisher's RL step
-    ref: list[Any]  # [ObjectRef] of the Bucket, wrapped so Ray hands the ref, not the value
     tokens: int  # tokens in the bucket
-    nbytes: int  # payload bytes in the bucket
+    length: int  # int32 elements of the bucket (its slice of a pull's payload)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the bucket."""
+        return 4 * self.length
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A pull's answer: the selected entries, oldest first, and their buckets end to end."""
+
+    head: int  # newest seq at the coordinator: the puller's next cursor
+    latest_step: int  # newest step any replica published (-1: none yet)
+    entries: list[Entry]
+    payload: np.ndarray  # int32, the entries' buckets concatenated in order
+    over_budget: int  # entries left out by the token budget
+
+    def buckets(self) -> list[Bucket]:
+        """The entries' buckets, as views into the payload."""
+        bounds = np.cumsum([0] + [e.length for e in self.entries])
+        return [self.payload[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
 class IndexCoordinator:
     """Keeps, per destination replica, the buckets published in the last ``retain_steps`` steps.
 
-    Run it as a Ray actor through :func:`coordinator_handles`; the plain class is tested directly.
+    Run it as a Ray actor through :func:`create_coordinators`; the plain class is tested directly.
     """
 
     def __init__(self, retain_steps: int = 4) -> None:
         self.retain_steps = check_int("retain_steps", retain_steps, 1, 1 << 20)
-        self._by_dest: dict[int, deque[Entry]] = {}
+        self._by_dest: dict[int, deque[tuple[Entry, Bucket]]] = {}
         self._seq = 0
         self._latest_step = -1
-        self._busy_s = 0.0  # time spent inside publish: the coordinator's share of a step
-        self._puts = 0
+        self._counters = dict.fromkeys(("publish_s", "pull_s", "publishes", "pulls", "pulled_bytes"), 0.0)
 
-    def publish(self, src: int, step: int, dests: list[int], *buckets: Bucket) -> int:
-        """Take ownership of ``buckets`` (one per replica in ``dests``); return the new head seq."""
+    def publish(self, src: int, step: int, dests: list[int], lengths: list[int], payload: np.ndarray) -> int:
+        """Keep a copy of bucket i (the i-th ``lengths[i]`` elements of ``payload``) for
+        replica ``dests[i]``; return the new head seq."""
+        t0 = time.perf_counter()
         check_int("src", src, 0)
         check_int("step", step, 0)
-        if len(dests) != len(buckets):
-            raise ValueError(f"dests ({len(dests)}) and buckets ({len(buckets)}) differ in length")
-        import ray  # the actor runs inside Ray; the class itself imports without it
-
-        t0 = time.perf_counter()
+        if len(dests) != len(lengths):
+            raise ValueError(f"dests ({len(dests)}) and lengths ({len(lengths)}) differ in length")
+        flat = np.asarray(payload)
+        if flat.dtype != np.int32 or flat.ndim != 1 or int(np.sum(lengths, dtype=np.int64)) != len(flat):
+            raise ValueError("payload must be a 1-D int32 array of sum(lengths) elements")
         self._seq += 1
-        for dest, bucket in zip(dests, buckets):
-            entry = Entry(self._seq, src, step, [ray.put(bucket)], bucket_tokens(bucket), bucket_nbytes(bucket))
-            self._by_dest.setdefault(int(dest), deque()).append(entry)
+        at = 0
+        for dest, length in zip(dests, lengths):
+            bucket = flat[at : at + length].copy()  # own the bytes: the sender's buffer may go away
+            at += length
+            entry = Entry(self._seq, src, step, bucket_tokens(bucket), int(length))
+            self._by_dest.setdefault(int(dest), deque()).append((entry, bucket))
         self._latest_step = max(self._latest_step, step)
         self._evict()
-        self._busy_s += time.perf_counter() - t0
-        self._puts += len(buckets)
+        self._count(publish_s=time.perf_counter() - t0, publishes=1)
         return self._seq
 
-    def pull(self, dest: int, cursor: int) -> tuple[int, list[Entry]]:
-        """Buckets for ``dest`` published after ``cursor`` (-1: all retained), oldest first."""
-        entries = [e for e in self._by_dest.get(int(dest), ()) if e.seq > cursor]
-        return self._seq, entries
+    def pull(
+        self, dest: int, cursor: int, budget_tokens: Optional[int] = None, own_steps: Optional[Collection[int]] = None
+    ) -> Pulled:
+        """Buckets for ``dest`` published after ``cursor`` (-1: all retained), oldest first.
+
+        ``dest``'s own publications are left out unless ``own_steps`` is given (a restarted
+        replica catching up): then those of steps not in it come back. Under ``budget_tokens``
+        the newest entries are kept; the others are counted in ``over_budget``.
+        """
+        t0 = time.perf_counter()
+        skip = None if own_steps is None else set(own_steps)
+        got = [(e, b) for e, b in self._by_dest.get(int(dest), ()) if e.seq > cursor
+               and (e.src != dest or (skip is not None and e.step not in skip))]
+        budget = float("inf") if budget_tokens is None else budget_tokens
+        chosen = []
+        for e, b in reversed(got):  # newest first under the budget
+            if e.tokens <= budget:
+                budget -= e.tokens
+                chosen.append((e, b))
+        chosen.reverse()
+        payload = np.concatenate([b for _, b in chosen]) if chosen else np.zeros(0, np.int32)
+        self._count(pull_s=time.perf_counter() - t0, pulls=1, pulled_bytes=payload.nbytes)
+        return Pulled(self._seq, self._latest_step, [e for e, _ in chosen], payload, len(got) - len(chosen))
 
     def stats(self) -> dict[str, float]:
-        """Retained buckets, tokens and bytes, the newest step seen, time spent publishing."""
-        entries = [e for q in self._by_dest.values() for e in q]
+        """Retained buckets, tokens and bytes, the newest step seen, time spent in publish and pull."""
+        entries = [e for q in self._by_dest.values() for e, _ in q]
         return {
             "entries": len(entries),
             "tokens": sum(e.tokens for e in entries),
             "bytes": sum(e.nbytes for e in entries),
             "latest_step": self._latest_step,
             "head_seq": self._seq,
-            "busy_s": self._busy_s,
-            "puts": self._puts,
+            "busy_s": self._counters["publish_s"] + self._counters["pull_s"],
+            **self._counters,
         }
+
+    def _count(self, **kw: float) -> None:
+        for k, v in kw.items():
+            self._counters[k] += v
 
     def _evict(self) -> None:
         oldest_kept = self._latest_step - self.retain_steps + 1
         for queue in self._by_dest.values():
             # entries arrive in seq order but steps of slow publishers may interleave: filter all
-            if any(e.step < oldest_kept for e in queue):
-                kept = [e for e in queue if e.step >= oldest_kept]
+            if any(e.step < oldest_kept for e, _ in queue):
+                kept = [(e, b) for e, b in queue if e.step >= oldest_kept]
                 queue.clear()
                 queue.extend(kept)
 
@@ -92,22 +143,30 @@ class IndexCoordinator:
 _KEEP_ALIVE: dict[tuple[str | None, str], list[Any]] = {}  # driver-side handles, by (namespace, name)
 
 
+def default_num_shards(num_replicas: int) -> int:
+    """Coordinator shards the hooks create for ``num_replicas`` replicas: one per 16 of them."""
+    return max(1, check_int("num_replicas", num_replicas, 1, 1 << 16) // 16)
+
+
 def create_coordinators(
     name: str, num_shards: int = 1, retain_steps: int = 4, namespace: str | None = None, detached: bool = False
 ) -> list[Any]:
-    """Create the named coordinator actors (one per shard); call it once, in the driver.
+    """Create the named coordinator actors (one per shard), or get them if they exist; call it in
+    the driver.
 
     The driver (the trainer) creates them because a non-detached actor dies with its creator: a
     replica that created them would take the job's index down when it crashes. Shard ``s`` serves
     destination replicas ``r`` with ``r % num_shards == s``, spreading publish traffic at scale.
     ``detached`` keeps them past the driver's exit; then call :func:`destroy_coordinators`.
+    Calling it again with the same name returns the running actors (framework hooks may run once
+    per replica object in the driver).
     """
     import ray
 
     check_int("num_shards", num_shards, 1, 4096)
     check_int("retain_steps", retain_steps, 1, 1 << 20)
     remote_cls = ray.remote(num_cpus=0, max_concurrency=1)(IndexCoordinator)
-    options: dict[str, Any] = {"namespace": namespace}
+    options: dict[str, Any] = {"namespace": namespace, "get_if_exists": True}
     if detached:
         options["lifetime"] = "detached"
     handles = [remote_cls.options(name=_shard_name(name, s), **options).remote(retain_steps) for s in range(num_shards)]

@@ -3,9 +3,10 @@
 At each step boundary a replica publishes its finished responses, split by destination: a
 response of group g goes to the ``affinity_k`` replicas the router ranks first for g (those that
 will serve g next, or take it over when the first is full). A background thread pulls the
-buckets meant for this replica from the coordinator and ingests them with
-``drafter.add_sequences``, so generation never waits on the network. A replica that starts late
-or restarts pulls everything still retained for it, its own earlier publications included.
+buckets meant for this replica from its coordinator shard (one object per pull) and ingests
+them with ``drafter.add_sequences``, so generation never waits on the network. A replica that
+starts late or restarts pulls everything still retained for it, its own earlier publications
+included.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
-from rollout_spec.distributed.coordinator import Entry, coordinator_handles
+from rollout_spec.distributed.coordinator import Pulled, coordinator_handles
 from rollout_spec.distributed.packing import split_by_destination, unpack
 from rollout_spec.distributed.router import GroupRouter
 from rollout_spec.groups import GROUP_ID_MAX
@@ -51,7 +52,8 @@ class SharedIndexConfig:
     namespace: Optional[str] = None
     """Ray namespace of the coordinator actors (None: the caller's)."""
     num_shards: int = 1
-    """Coordinator actors; destination r is served by shard r % num_shards."""
+    """Coordinator actors; destination r is served by shard r % num_shards (see
+    ``coordinator.default_num_shards``)."""
     router_seed: int = 0
     """Seed of the router's ranking; must match the request router's."""
     apply_in_thread: bool = True
@@ -100,7 +102,9 @@ class SharedIndexClient:
         self._coords = coordinator_handles(config.name, config.num_shards, config.namespace, config.lookup_timeout_s)
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
-        self._cursors = [-1] * config.num_shards  # -1: the first pull also takes our own history
+        self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
+        self._cursor = -1  # -1: the first pull also takes our own history
+        self._latest_step = -1
         self._published_steps: set[int] = set()  # ours from this process: never re-ingested
         self._inflight_publishes: list[Any] = []
         self._poll_lock = threading.Lock()
@@ -141,7 +145,10 @@ class SharedIndexClient:
         for dest in buckets:
             per_shard.setdefault(dest % self.config.num_shards, []).append(dest)
         for shard, dests in per_shard.items():
-            ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, *(buckets[d] for d in dests))
+            # one flat argument per shard: Ray's cost is per object, not per byte, at these sizes
+            payload = np.concatenate([buckets[d] for d in dests])
+            lengths = [len(buckets[d]) for d in dests]
+            ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, lengths, payload)
             with self._pub_lock:
                 self._inflight_publishes.append(ref)
         nbytes = sum(int(b.nbytes) for b in buckets.values())
@@ -160,7 +167,7 @@ class SharedIndexClient:
         ray.get(refs, timeout=timeout_s)
 
     def poll(self) -> int:
-        """Pull and fetch what the coordinators hold for this replica; returns sequences fetched.
+        """Pull what the coordinator holds for this replica and stage it; returns sequences staged.
 
         The background thread calls this in a loop; call it yourself only with ``start=False``.
         """
@@ -168,14 +175,26 @@ class SharedIndexClient:
 
         with self._poll_lock:
             self._reap_publishes()
-            pulls = [c.pull.remote(self.config.replica_id, cur) for c, cur in zip(self._coords, self._cursors)]
-            entries: list[Entry] = []
-            for shard, (head, got) in enumerate(ray.get(pulls)):
-                first = self._cursors[shard] < 0  # a restart's own earlier steps come back once
-                entries += [e for e in got if e.src != self.config.replica_id
-                            or (first and e.step not in self._published_steps)]
-                self._cursors[shard] = head
-            return self._fetch(entries)
+            # a restart's own earlier steps come back once, on the first pull
+            own = sorted(self._published_steps) if self._cursor < 0 else None
+            t0 = time.perf_counter()
+            got: Pulled = ray.get(self._coords[self._shard].pull.remote(
+                self.config.replica_id, self._cursor, self.config.ingest_budget_tokens, own))
+            self._cursor = got.head
+            self._latest_step = max(self._latest_step, got.latest_step)
+            batches = [unpack(bucket) for bucket in got.buckets()]
+            with self._stage_lock:
+                self._staged.extend(batches)
+            fetched = sum(len(seqs) for _, seqs in batches)
+            self._add_stats(fetch_s=time.perf_counter() - t0, fetched_bytes=got.payload.nbytes,
+                            fetched_tokens=sum(e.tokens for e in got.entries), entries_fetched=len(got.entries),
+                            entries_over_budget=got.over_budget, pulls=1)
+            return fetched
+
+    @property
+    def latest_step(self) -> int:
+        """Newest step any replica had published at this replica's last pull (-1: none)."""
+        return self._latest_step
 
     def apply(self, max_sequences: Optional[int] = None) -> int:
         """Ingest staged responses into the drafter on the calling thread; never waits on Ray.
@@ -209,7 +228,7 @@ class SharedIndexClient:
         self._raise_background_error()
 
     def stats(self) -> dict[str, float]:
-        """Counters: published/fetched bytes and tokens, seconds spent, entries lost, staged."""
+        """Counters: published/fetched bytes and tokens, seconds spent, entries over budget, staged."""
         self._raise_background_error()
         with self._stage_lock:
             out = dict(self._stats)
@@ -225,33 +244,6 @@ class SharedIndexClient:
                 self._stop.wait(self.config.poll_interval_s)
         except BaseException as exc:  # surfaced on the owner's next publish/stats/close
             self._error = exc
-
-    def _fetch(self, entries: list[Entry]) -> int:
-        import ray
-
-        t0 = time.perf_counter()
-        budget, chosen = self.config.ingest_budget_tokens, []
-        for e in sorted(entries, key=lambda e: e.seq, reverse=True):  # newest first under budget
-            if e.tokens > budget:
-                continue
-            budget -= e.tokens
-            chosen.append(e)
-        chosen.reverse()
-        fetched = lost = nbytes = ntok = 0
-        for e in chosen:
-            try:
-                bucket = ray.get(e.ref[0])
-            except ray.exceptions.RayError:  # object lost with its node: counted, not hidden
-                lost += 1
-                continue
-            groups, seqs = unpack(bucket)
-            with self._stage_lock:
-                self._staged.append((groups, seqs))
-            fetched, nbytes, ntok = fetched + len(seqs), nbytes + e.nbytes, ntok + e.tokens
-        self._add_stats(fetch_s=time.perf_counter() - t0, fetched_bytes=nbytes, fetched_tokens=ntok,
-                        entries_fetched=len(chosen) - lost, entries_lost=lost,
-                        entries_over_budget=len(entries) - len(chosen))
-        return fetched
 
     def _ingest(self, groups: list[Optional[int]], seqs: list[list[int]]) -> int:
         t0 = time.perf_counter()
@@ -284,7 +276,7 @@ class SharedIndexClient:
 
 
 _COUNTERS = (
-    "publishes", "publish_s", "published_bytes", "published_tokens", "fetch_s", "fetched_bytes",
-    "fetched_tokens", "entries_fetched", "entries_lost", "entries_over_budget", "apply_s",
-    "apply_max_s", "sequences_applied",
+    "publishes", "publish_s", "published_bytes", "published_tokens", "pulls", "fetch_s", "fetched_bytes",
+    "fetched_tokens", "entries_fetched", "entries_over_budget", "apply_s", "apply_max_s",
+    "sequences_applied",
 )
