@@ -80,6 +80,11 @@ class SpecConfig:
     hash chains); least-recently-used steps go first."""
     external_corpora: tuple[str, ...] = field(default_factory=tuple)
     """Token files (one int32 array per file, .npy) added to the global scope at start."""
+    shared_index: Optional[str] = None
+    """Name of the shared-index coordinators (``rollout_spec.distributed``): each rollout replica's
+    drafter publishes its finished samples at every RL step boundary and ingests the other
+    replicas' in the background. None keeps the index local to the replica. The replica's rank
+    and the replica count come from the framework hook (docs/scale_out.md)."""
 
     def __post_init__(self) -> None:
         check_int("num_draft_tokens", self.num_draft_tokens, 0, 1024)
@@ -100,6 +105,10 @@ class SpecConfig:
         ):
             raise TypeError("external_corpora must be a sequence of file paths (str)")
         object.__setattr__(self, "external_corpora", tuple(self.external_corpora))
+        if self.shared_index is not None and (
+            not isinstance(self.shared_index, str) or not 1 <= len(self.shared_index) <= 128
+        ):
+            raise ValueError(f"shared_index must be None or a name of 1 to 128 characters, got {self.shared_index!r}")
 
 
 @dataclass(frozen=True)

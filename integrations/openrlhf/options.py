@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = _parse_bool
         elif isinstance(default, tuple):
             kwargs["nargs"] = "*"
+        elif default is None:  # optional names (shared_index)
+            kwargs["type"] = str
         else:
             kwargs["type"] = type(default)
         group.add_argument(f"{FLAG}.{f.name}", **kwargs)
