@@ -3,17 +3,22 @@
 ``RolloutSession`` validates the prompts (a bad prompt becomes an ``"error"`` output; the rest
 of the batch still runs), queues the samples on the engine, drives ``engine.step`` until every
 sample finishes and returns ``RolloutOutput``s in (prompt, sample) order.
+
+With ``SpecConfig.shared_index`` set, the engine's drafter shares its index with the other
+rollout replicas (:func:`attach_shared_index`; the session attaches it on first use, placed by
+``ROLLOUT_SPEC_REPLICA_ID``/``ROLLOUT_SPEC_NUM_REPLICAS``): finished samples are recorded as
+they finish and published at ``engine.end_step()``, the RL step boundary.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
-from rollout_spec.config import SamplingParams
+from rollout_spec.config import SamplingParams, SpecConfig
 from rollout_spec.groups import prompt_group_id
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
@@ -50,6 +55,30 @@ class RolloutOutput:
         )
 
 
+def attach_shared_index(engine: "RolloutEngine", placement: Any = None, **client_options: Any) -> Optional[Any]:
+    """Wrap the engine's drafter so it shares its index when its ``SpecConfig.shared_index`` is set.
+
+    Returns the ``SharingDrafter`` (also when it was attached before), or None for an engine
+    without speculation or without a shared index. ``placement`` is a ``ReplicaPlacement``
+    (default: from the environment); ``client_options`` go to ``SharedIndexConfig``.
+
+    Raises:
+        ValueError: a shared index is configured but no placement is known.
+    """
+    drafter = getattr(engine, "drafter", None)
+    if drafter is None:
+        return None
+    from rollout_spec.distributed.sharing import SharingDrafter, share_drafter
+
+    if isinstance(drafter, SharingDrafter):
+        return drafter
+    spec = getattr(drafter, "config", None)
+    if not isinstance(spec, SpecConfig) or spec.shared_index is None:
+        return None
+    engine.drafter = share_drafter(drafter, spec, placement, **client_options)
+    return engine.drafter
+
+
 class RolloutSession:
     """Runs one ``generate`` call on an engine (see module docstring)."""
 
@@ -57,6 +86,7 @@ class RolloutSession:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         self.engine, self.params, self.progress = engine, params, progress
+        attach_shared_index(engine)
         stops = params.stop_token_ids if params.stop_token_ids is not None else engine.eos_token_ids
         self.stop_ids = frozenset(stops)
 

@@ -38,8 +38,9 @@ class _TokenizerManager:
 class SGLangHttpServer:
     """Stand-in for verl's: the parts our subclass relies on."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, replica_rank=0, **kwargs):
         self.config = config
+        self.replica_rank = replica_rank
 
     async def launch_server(self, *args, **kwargs):
         self.launched_with = dict(self.config.engine_kwargs["sglang"])

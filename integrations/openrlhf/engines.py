@@ -6,12 +6,19 @@ subclass both Ray actor classes (Ray imports our subclasses in its actor process
 ``SpecEngineMixin`` adds our engine arguments and two remote methods to ``RolloutRayActor``;
 ``SpecTrainerMixin`` ends each PPO ``train_step`` -- right after the new weights reach vLLM, the
 RL step boundary -- by refreshing the drafters and returning acceptance in the step's status,
-which OpenRLHF logs to wandb/tensorboard under ``train/``.
+which OpenRLHF logs to wandb/tensorboard under ``train/``. It also makes the trainer's
+``SamplesGenerator`` send each prompt to its group's engine (``routing.py``). With
+``SpecConfig.shared_index`` the engine factory creates the index coordinators (in the launcher,
+which lives as long as the job) and gives engine ``i`` its placement ``(i, num_engines)``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import inspect
+from typing import Any, Callable, Optional, Sequence
 
+from rollout_spec.config import SpecConfig
+from rollout_spec.distributed.placement import ReplicaPlacement
+from rollout_spec.integrations.vllm.config import REPLICA_CONFIG_KEY
 from rollout_spec.integrations.vllm.metrics import SpecDecodeCounters
 
 ENGINE_KWARGS_ARG = "rollout_spec_engine_kwargs"
@@ -44,7 +51,16 @@ class SpecEngineMixin:
 
 
 class SpecTrainerMixin:
-    """Put before OpenRLHF's trainer class: adds acceptance to every train step's status."""
+    """Put before OpenRLHF's trainer class: adds acceptance to every train step's status and
+    routes prompts to engines sticky by prompt."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        generator = getattr(self, "samples_generator", None)
+        if generator is not None and getattr(generator, "vllm_engines", None):
+            from rollout_spec.integrations.openrlhf.routing import route_dispatch_by_group
+
+            route_dispatch_by_group(generator)
 
     def train_step(self, rollout_samples: Any, global_step: int) -> tuple[dict, int]:
         """OpenRLHF's step (experience, PPO update, weight broadcast to vLLM), then the drafter
@@ -92,28 +108,54 @@ def actor_subclass(mixin: type, remote_cls: Any, name: str) -> Any:
 
 class _InjectKwargs:
     """Stands in for ``RolloutRayActor`` inside ``create_vllm_engines``: same ``options().remote()``
-    calls, with our engine arguments added to every actor it starts."""
+    calls, with our engine arguments added to every actor it starts. With ``num_engines`` the
+    i-th actor started (OpenRLHF starts engine i i-th) also gets its replica placement."""
 
-    def __init__(self, actor_cls: Any, engine_kwargs: dict, options: dict | None = None) -> None:
+    def __init__(self, actor_cls: Any, engine_kwargs: dict, options: dict | None = None,
+                 num_engines: Optional[int] = None, started: Optional[list[int]] = None) -> None:
         self._cls, self._kwargs, self._options = actor_cls, engine_kwargs, options
+        self._num_engines, self._started = num_engines, started if started is not None else [0]
 
     def options(self, **options: Any) -> "_InjectKwargs":
-        return _InjectKwargs(self._cls, self._kwargs, options)
+        return _InjectKwargs(self._cls, self._kwargs, options, self._num_engines, self._started)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         target = self._cls.options(**self._options) if self._options is not None else self._cls
-        return target.remote(*args, **{ENGINE_KWARGS_ARG: self._kwargs}, **kwargs)
+        ours = self._kwargs
+        if self._num_engines is not None:
+            ours = with_placement(ours, ReplicaPlacement(self._started[0], self._num_engines))
+        self._started[0] += 1
+        return target.remote(*args, **{ENGINE_KWARGS_ARG: ours}, **kwargs)
 
 
-def wrap_create_vllm_engines(vllm_engine_module: Any, engine_kwargs: dict) -> Callable[..., list]:
-    """``create_vllm_engines`` of ``vllm_engine_module`` (OpenRLHF's), starting our engine actors."""
+def with_placement(engine_kwargs: dict, placement: ReplicaPlacement) -> dict:
+    """A copy of ``engine_kwargs`` whose vLLM additional_config carries ``placement``."""
+    extra = dict(engine_kwargs.get("additional_config") or {})
+    extra[REPLICA_CONFIG_KEY] = placement.as_dict()
+    return {**engine_kwargs, "additional_config": extra}
+
+
+def wrap_create_vllm_engines(vllm_engine_module: Any, engine_kwargs: dict,
+                             spec: Optional[SpecConfig] = None) -> Callable[..., list]:
+    """``create_vllm_engines`` of ``vllm_engine_module`` (OpenRLHF's), starting our engine actors.
+
+    With ``spec.shared_index`` set it first creates the index coordinators for ``num_engines``
+    engines in this (the launcher's) process, and places engine i as replica i.
+    """
     original = vllm_engine_module.create_vllm_engines
     spec_cls = actor_subclass(SpecEngineMixin, vllm_engine_module.RolloutRayActor,
                               "SpecRolloutRayActor")
+    shared = spec is not None and spec.shared_index is not None
 
     def create_vllm_engines(*args: Any, **kwargs: Any) -> list:
+        num_engines = None
+        if shared:
+            from rollout_spec.distributed.sharing import ensure_coordinators
+
+            num_engines = int(inspect.signature(original).bind(*args, **kwargs).arguments["num_engines"])
+            ensure_coordinators(spec, num_engines)
         saved = vllm_engine_module.RolloutRayActor
-        vllm_engine_module.RolloutRayActor = _InjectKwargs(spec_cls, engine_kwargs)
+        vllm_engine_module.RolloutRayActor = _InjectKwargs(spec_cls, engine_kwargs, num_engines=num_engines)
         try:
             return original(*args, **kwargs)
         finally:

@@ -1,10 +1,11 @@
 """Group-sticky engine choice for OpenRLHF's rollout dispatch.
 
 OpenRLHF (0.11) sends all n samples of a prompt to one vLLM engine, chosen by least pending load,
-so a prompt lands on a different engine at each step and its history is elsewhere. Replace the
-``engine_indices`` that ``SamplesGenerator._dispatch_prompts_to_vllm`` computes with
-:func:`assign_prompts_to_engines`: the same prompt goes to the same engine every step unless that
-engine is over its bounded share (``GroupRouter``), and loads stay within ``load_factor`` of even.
+so a prompt lands on a different engine at each step and its history is elsewhere.
+:func:`route_dispatch_by_group` (installed by ``--rollout_spec`` on the trainer's
+``SamplesGenerator``) places prompts with :func:`assign_prompts_to_engines` instead: the same
+prompt goes to the same engine every step unless that engine is over its bounded share
+(``GroupRouter``), and loads stay within ``load_factor`` of even.
 
 Engine ``i`` of ``self.vllm_engines`` is replica ``i``, so an engine's
 ``SharedIndexConfig.replica_id`` is its index in that list.
@@ -12,7 +13,7 @@ Engine ``i`` of ``self.vllm_engines`` is replica ``i``, so an engine's
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from rollout_spec.config import check_int
 from rollout_spec.distributed import GroupRouter, group_keys
@@ -49,3 +50,43 @@ def assign_prompts_to_engines(
     keys = group_keys(tokenize(p) if tokenize is not None and isinstance(p, str) else p for p in prompts)
     placed = router.assign(keys, weights=[n_samples_per_prompt] * len(keys), base_load=pending)
     return placed.tolist()
+
+
+def route_dispatch_by_group(generator: Any, router: Optional[GroupRouter] = None) -> None:
+    """Make ``generator._dispatch_prompts_to_vllm`` (OpenRLHF's ``SamplesGenerator``) sticky by prompt.
+
+    OpenRLHF's own method still builds the sampling parameters and submits the requests: it is
+    called once per chosen engine with that engine's prompts and ``vllm_engines`` narrowed to it,
+    so its least-pending choice has only that engine to pick. Refs come back in prompt order.
+    Prompts are keyed by their token ids as the engine tokenizes them (``add_special_tokens=False``),
+    which is the group id the engine's drafter uses.
+    """
+    import ray
+
+    dispatch = type(generator)._dispatch_prompts_to_vllm  # OpenRLHF's, unbound
+    engines = list(generator.vllm_engines)
+    router = router or GroupRouter(len(engines))
+    tokenizer = generator.tokenizer
+
+    def tokenize(text: str) -> Sequence[int]:
+        return tokenizer(text=text, add_special_tokens=False)["input_ids"]
+
+    def sticky_dispatch(prompts: list, labels: list, *, images: Optional[list] = None, **generate_kwargs: Any) -> list:
+        n = generate_kwargs.get("n_samples_per_prompt", generator.args.rollout.n_samples_per_prompt)
+        pending = ray.get([e.get_num_unfinished_requests.remote() for e in engines])
+        placed = assign_prompts_to_engines(prompts, len(engines), n, pending, tokenize, router)
+        images = [None] * len(prompts) if images is None else images
+        refs: list = [None] * len(prompts)
+        for engine in sorted(set(placed)):
+            rows = [i for i, e in enumerate(placed) if e == engine]
+            generator.vllm_engines = [engines[engine]]
+            try:
+                got = dispatch(generator, [prompts[i] for i in rows], [labels[i] for i in rows],
+                               images=[images[i] for i in rows], **generate_kwargs)
+            finally:
+                generator.vllm_engines = engines
+            for i, ref in zip(rows, got):
+                refs[i] = ref
+        return refs
+
+    generator._dispatch_prompts_to_vllm = sticky_dispatch

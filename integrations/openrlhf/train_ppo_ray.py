@@ -23,6 +23,8 @@ OPENRLHF_LAUNCHER = "openrlhf.cli.train_ppo_ray"
 TESTED_OPENRLHF = ("0.11.2",)
 STEP_PARAMS = ("self", "rollout_samples", "global_step")
 """Leading parameters of OpenRLHF's ``train_step`` (Ray may append ``_ray_trace_ctx``)."""
+DISPATCH_PARAMS = ("self", "prompts", "labels", "images", "generate_kwargs")
+"""Parameters of ``SamplesGenerator._dispatch_prompts_to_vllm``, which the routing hook calls."""
 
 
 def check_openrlhf(vllm_engine: Any, ppo_trainer: Any) -> None:
@@ -41,10 +43,23 @@ def check_openrlhf(vllm_engine: Any, ppo_trainer: Any) -> None:
     step = getattr(getattr(ppo_trainer, "BasePPOTrainer", None), "train_step", None)
     if step is None or tuple(inspect.signature(step).parameters)[:3] != STEP_PARAMS:
         problems.append(f"BasePPOTrainer.train_step no longer takes {STEP_PARAMS}")
+    problems += _dispatch_problems(getattr(ppo_trainer, "SamplesGenerator", None))
     if problems:
         raise RuntimeError(
             f"openrlhf {version}: " + "; ".join(problems) + f" (rollout-spec checked {TESTED_OPENRLHF})"
         )
+
+
+def _dispatch_problems(generator_cls: Any) -> list[str]:
+    """How OpenRLHF's prompt dispatch differs from what ``route_dispatch_by_group`` relies on."""
+    dispatch = getattr(generator_cls, "_dispatch_prompts_to_vllm", None)
+    if dispatch is None:
+        return ["SamplesGenerator._dispatch_prompts_to_vllm is gone"]
+    if tuple(inspect.signature(dispatch).parameters) != DISPATCH_PARAMS:
+        return [f"SamplesGenerator._dispatch_prompts_to_vllm no longer takes {DISPATCH_PARAMS}"]
+    if "self.vllm_engines" not in inspect.getsource(dispatch):
+        return ["SamplesGenerator._dispatch_prompts_to_vllm no longer picks from self.vllm_engines"]
+    return []
 
 
 def install(spec: SpecConfig, num_speculative_tokens: Optional[int] = None) -> dict:
@@ -64,7 +79,7 @@ def install(spec: SpecConfig, num_speculative_tokens: Optional[int] = None) -> d
 
     kwargs = engine_kwargs(spec, num_speculative_tokens)
     if not getattr(trainer_ray.create_vllm_engines, "_rollout_spec", False):
-        wrapped = wrap_create_vllm_engines(vllm_engine, kwargs)
+        wrapped = wrap_create_vllm_engines(vllm_engine, kwargs, spec)
         wrapped._rollout_spec = True
         trainer_ray.create_vllm_engines = wrapped
         ppo_trainer.PPOTrainer = actor_subclass(

@@ -58,6 +58,10 @@ class RolloutSpecCorpus:
     ``draft_token_num`` fixes the output layout, ``external_corpus_max_tokens`` bounds external
     corpora, and the trie/BFS options of SGLang's own corpus are accepted but unused (our drafter
     is configured by ``spec``, by default from the ``ROLLOUT_SPEC_SGLANG`` variable).
+
+    With ``spec.shared_index`` set, the drafter shares its index with the other replicas
+    (``rollout_spec.distributed.share_drafter``; placement from ``ROLLOUT_SPEC_REPLICA_ID`` and
+    ``ROLLOUT_SPEC_NUM_REPLICAS``): finished requests are recorded, ``reset`` publishes them.
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class RolloutSpecCorpus:
 
             drafter = NgramDrafter(spec)
         self.spec = spec
-        self.drafter = drafter
+        self.drafter = _maybe_shared(drafter, spec)
         self.draft_token_num = draft_token_num
         self.max_trie_depth = max_trie_depth
         self.external_corpus_max_tokens = external_corpus_max_tokens
@@ -255,3 +259,34 @@ class RolloutSpecCorpus:
     def stats(self) -> dict[str, Any]:
         """Adapter counters (requests, gaps, skipped puts, steps) merged with the drafter's stats."""
         return {**self._counters, "live_requests": len(self._live), **self.drafter.stats()}
+
+
+def _maybe_shared(drafter: Any, spec: SpecConfig) -> Any:
+    """The drafter, wrapped to share its index when ``spec.shared_index`` is set.
+
+    Raises:
+        ValueError: SGLang runs tensor parallel. Every rank drafts for itself and the ranks must
+            propose identical trees, which a background ingest at rank-dependent times breaks.
+    """
+    if spec.shared_index is None:
+        return drafter
+    from rollout_spec.distributed.sharing import SharingDrafter, share_drafter
+
+    if isinstance(drafter, SharingDrafter):
+        return drafter
+    if _tensor_parallel_size() > 1:
+        raise ValueError(
+            "SpecConfig.shared_index is not supported with SGLang tensor parallelism (tp_size > 1): "
+            "each rank drafts on its own and background ingestion would make their drafts differ"
+        )
+    return share_drafter(drafter, spec, None)
+
+
+def _tensor_parallel_size() -> int:
+    """SGLang's tensor-parallel world size in this scheduler process (1 outside SGLang)."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size())
+    except (ImportError, AssertionError):  # no SGLang, or its groups are not initialised
+        return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from rollout_spec.config import SpecConfig
+from rollout_spec.distributed.placement import ReplicaPlacement
 from rollout_spec.integrations.vllm.config import spec_from_dict
 
 FLAG_PATH = "actor_rollout_ref.rollout.custom.speculative"
@@ -85,11 +86,12 @@ def merged_engine_kwargs(user: Optional[Mapping[str, Any]], ours: Mapping[str, A
     return merged
 
 
-def backend_engine_kwargs(spec: SpecConfig, backend: str) -> dict[str, Any]:
+def backend_engine_kwargs(spec: SpecConfig, backend: str, placement: Optional[ReplicaPlacement] = None) -> dict[str, Any]:
     """Engine arguments that make ``backend`` draft with rollout-spec.
 
     SGLang: the NGRAM worker sized for ``spec`` (our corpus replaces its trie through the SGLang
-    plugin). vLLM: the custom proposer of ``rollout_spec.integrations.vllm``.
+    plugin; its placement travels in the environment). vLLM: the custom proposer of
+    ``rollout_spec.integrations.vllm``, with ``placement`` in its additional_config.
     """
     if backend == "sglang":
         from rollout_spec.integrations.sglang.config import server_args
@@ -98,5 +100,5 @@ def backend_engine_kwargs(spec: SpecConfig, backend: str) -> dict[str, Any]:
     if backend == "vllm":
         from rollout_spec.integrations.vllm.config import engine_kwargs
 
-        return engine_kwargs(spec)
+        return engine_kwargs(spec, placement=placement)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

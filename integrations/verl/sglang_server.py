@@ -16,6 +16,7 @@ from rollout_spec.integrations.sglang.rid import rid_with_group
 from rollout_spec.integrations.verl import capture, metrics
 from rollout_spec.integrations.verl.config import spec_from_rollout_config
 from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
+from rollout_spec.integrations.verl.replicas import ScaleOutReplicaMixin, server_placement
 
 
 class RolloutSpecSGLangHttpServer(SGLangHttpServer):
@@ -31,8 +32,15 @@ class RolloutSpecSGLangHttpServer(SGLangHttpServer):
         self._spec_meta: dict[str, dict] = {}
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
-        """Launch SGLang with the NGRAM worker and our plugin's variable set."""
+        """Launch SGLang with the NGRAM worker and our plugin's variables set (the scheduler
+        processes inherit them, the replica placement included when the index is shared)."""
         if self._spec is not None:
+            placement = server_placement(self.config, self._spec, self.replica_rank)
+            if placement is not None:
+                if self.config.tensor_model_parallel_size > 1:
+                    raise ValueError("custom.rollout_spec.shared_index needs tensor_model_parallel_size=1 "
+                                     "with SGLang: every rank drafts on its own")
+                placement.to_env()
             spec_to_env(self._spec)
             install_engine_kwargs(self.config, self._spec, "sglang")
         await super().launch_server(*args, **kwargs)
@@ -52,8 +60,9 @@ class RolloutSpecSGLangHttpServer(SGLangHttpServer):
             self._spec_meta.pop(rid, None)
 
 
-class RolloutSpecSGLangReplica(SGLangReplica):
-    """SGLangReplica that starts our server class when the flag is on (validated here, early)."""
+class RolloutSpecSGLangReplica(ScaleOutReplicaMixin, SGLangReplica):
+    """SGLangReplica that starts our server class when the flag is on (validated here, early),
+    routes group-sticky and creates the shared-index coordinators (``replicas.py``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

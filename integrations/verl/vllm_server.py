@@ -12,6 +12,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 from rollout_spec.integrations.verl import capture, metrics
 from rollout_spec.integrations.verl.config import spec_from_rollout_config
 from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
+from rollout_spec.integrations.verl.replicas import ScaleOutReplicaMixin, server_placement
 
 
 class RolloutSpecvLLMHttpServer(vLLMHttpServer):
@@ -23,9 +24,11 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
         self._spec_stats: dict[str, Any] = {}
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
-        """Launch vLLM with our proposer as its speculative method."""
+        """Launch vLLM with our proposer as its speculative method (and this replica's placement
+        when the drafters share their index)."""
         if self._spec is not None:
-            install_engine_kwargs(self.config, self._spec, "vllm")
+            placement = server_placement(self.config, self._spec, self.replica_rank)
+            install_engine_kwargs(self.config, self._spec, "vllm", placement)
         await super().launch_server(*args, **kwargs)
         if self._spec is not None and getattr(self, "engine", None) is not None:
             capture.record_vllm_stats(self.engine, self._spec_stats)
@@ -42,8 +45,9 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
             self._spec_stats.pop(request_id, None)
 
 
-class RolloutSpecvLLMReplica(vLLMReplica):
-    """vLLMReplica that starts our server class when the flag is on (validated here, early)."""
+class RolloutSpecvLLMReplica(ScaleOutReplicaMixin, vLLMReplica):
+    """vLLMReplica that starts our server class when the flag is on (validated here, early), routes
+    group-sticky and creates the shared-index coordinators (``replicas.py``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

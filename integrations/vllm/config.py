@@ -11,11 +11,14 @@ import dataclasses
 from typing import Any, Mapping
 
 from rollout_spec.config import SpecConfig, check_int
+from rollout_spec.distributed.placement import ReplicaPlacement
 
 PROPOSER_CLASS_PATH = "rollout_spec.integrations.vllm.plugin.VllmProposer"
 """What vLLM's ``speculative_config.model`` must name for vLLM to build our proposer."""
 ADDITIONAL_CONFIG_KEY = "rollout_spec"
 """Key of our options inside vLLM's ``additional_config`` dict."""
+REPLICA_CONFIG_KEY = "rollout_spec_replica"
+"""Key of this engine's ``ReplicaPlacement`` inside ``additional_config`` (the shared index)."""
 GROUP_ID_EXTRA_ARG = "rollout_spec_group"
 """``SamplingParams.extra_args`` key naming a request's group (its prompt) explicitly."""
 
@@ -76,17 +79,30 @@ def spec_from_dict(options: Mapping[str, Any]) -> SpecConfig:
     return SpecConfig(**kwargs)
 
 
-def engine_kwargs(spec: SpecConfig, num_speculative_tokens: int | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    spec: SpecConfig, num_speculative_tokens: int | None = None, placement: ReplicaPlacement | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``/``vllm.EngineArgs``/``AsyncEngineArgs``.
 
     ``disable_log_stats=False`` keeps vLLM's spec-decode counters (drafts, drafted and accepted
-    tokens) flowing into its metrics, which is where acceptance is read from.
+    tokens) flowing into its metrics, which is where acceptance is read from. ``placement`` (this
+    engine's replica rank and the replica count) is what ``spec.shared_index`` needs.
     """
+    extra: dict[str, Any] = {ADDITIONAL_CONFIG_KEY: spec_to_dict(spec)}
+    if placement is not None:
+        extra[REPLICA_CONFIG_KEY] = placement.as_dict()
     return {
         "speculative_config": speculative_config(spec, num_speculative_tokens),
-        "additional_config": {ADDITIONAL_CONFIG_KEY: spec_to_dict(spec)},
+        "additional_config": extra,
         "disable_log_stats": False,
     }
+
+
+def placement_from_vllm_config(vllm_config: Any) -> ReplicaPlacement | None:
+    """The replica placement an engine was built with (None: not given)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    value = extra.get(REPLICA_CONFIG_KEY) if isinstance(extra, Mapping) else None
+    return None if value is None else ReplicaPlacement.from_dict(value)
 
 
 def spec_from_vllm_config(vllm_config: Any) -> SpecConfig:

@@ -65,7 +65,18 @@ class VllmProposer(RolloutSpecProposer):
                 f"rollout-spec's vLLM plugin is not active in this process ({_install_error}); "
                 "reinstall rollout-spec and, if VLLM_PLUGINS is set, add 'rollout_spec' to it"
             )
-        super().__init__(vllm_config)
+        super().__init__(vllm_config, share_index=_drafts_are_used())
+
+
+def _drafts_are_used() -> bool:
+    """Whether this worker's drafts reach vLLM's scheduler: the first tensor-parallel rank of the
+    stage that drafts. The other ranks' drafts are dropped, so only this one shares its index."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except (ImportError, AssertionError):  # no tensor-parallel group (single-process tests)
+        return True
 
 
 def check_runner(runner_cls: type) -> None:

@@ -15,7 +15,11 @@ import numpy as np
 
 from rollout_spec.groups import prompt_group_id
 from rollout_spec.integrations.vllm.chains import best_chains, explicit_group_id
-from rollout_spec.integrations.vllm.config import GROUP_ID_EXTRA_ARG, spec_from_vllm_config
+from rollout_spec.integrations.vllm.config import (
+    GROUP_ID_EXTRA_ARG,
+    placement_from_vllm_config,
+    spec_from_vllm_config,
+)
 from rollout_spec.config import SpecConfig
 
 GroupLookup = Callable[[str, np.ndarray], int]
@@ -27,9 +31,13 @@ class RolloutSpecProposer:
     Request ids (strings in vLLM) map to fresh ints; a request starts in the drafter on its first
     sampled token, is extended with every committed token, and finishes when vLLM's scheduler
     reports it finished or when the trainer signals the RL step boundary (``end_step``).
+
+    With ``SpecConfig.shared_index`` set and ``share_index`` true (the worker whose drafts vLLM
+    uses), the drafter is wrapped by ``rollout_spec.distributed.share_drafter``: finished samples
+    are published at ``end_step`` and other replicas' are ingested in the background.
     """
 
-    def __init__(self, vllm_config: Any, drafter: Optional[Any] = None) -> None:
+    def __init__(self, vllm_config: Any, drafter: Optional[Any] = None, share_index: bool = True) -> None:
         self.spec: SpecConfig = spec_from_vllm_config(vllm_config)
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -37,6 +45,10 @@ class RolloutSpecProposer:
             from rollout_spec.drafter import NgramDrafter
 
             drafter = NgramDrafter(self.spec)
+        if share_index and self.spec.shared_index is not None:
+            from rollout_spec.distributed.sharing import share_drafter
+
+            drafter = share_drafter(drafter, self.spec, placement_from_vllm_config(vllm_config))
         self.drafter = drafter
         self._ids: dict[str, int] = {}
         self._next_id = 0

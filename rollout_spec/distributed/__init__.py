@@ -15,7 +15,13 @@ _LAZY = {
     "IndexCoordinator": "rollout_spec.distributed.coordinator",
     "coordinator_handles": "rollout_spec.distributed.coordinator",
     "create_coordinators": "rollout_spec.distributed.coordinator",
+    "default_num_shards": "rollout_spec.distributed.coordinator",
     "destroy_coordinators": "rollout_spec.distributed.coordinator",
+    "ReplicaPlacement": "rollout_spec.distributed.placement",
+    "placement_from_env": "rollout_spec.distributed.placement",
+    "SharingDrafter": "rollout_spec.distributed.sharing",
+    "ensure_coordinators": "rollout_spec.distributed.sharing",
+    "share_drafter": "rollout_spec.distributed.sharing",
     "SharedIndexClient": "rollout_spec.distributed.shared_index",
     "SharedIndexConfig": "rollout_spec.distributed.shared_index",
 }

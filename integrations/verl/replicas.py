@@ -1,0 +1,118 @@
+"""What verl's replica objects add for scale-out: the replica count, the coordinators and the router.
+
+verl builds one ``RolloutReplica`` per rollout replica in the trainer process, then the global
+load balancer over their servers. :class:`ScaleOutReplicaMixin` (mixed into our SGLang and vLLM
+replicas) learns the replica count when verl initialises the replica, stores it in the rollout
+config's ``custom`` dict (which travels to the server actor), creates the shared-index
+coordinators when ``shared_index`` is set, and registers its server so that
+:func:`install_router_hook` makes verl's default router the group-sticky one. Nothing here
+imports verl at module level.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Optional
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.distributed.placement import ReplicaPlacement
+from rollout_spec.integrations.verl.config import spec_from_rollout_config
+
+logger = logging.getLogger(__name__)
+
+NUM_REPLICAS_KEY = "rollout_spec_num_replicas"
+"""Key in ``actor_rollout_ref.rollout.custom`` where the replica count reaches the server."""
+_SPEC_REPLICAS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # replicas with the flag, this process
+_HOOK_MARK = "_rollout_spec_router_hook"
+
+
+class ScaleOutReplicaMixin:
+    """Put before verl's ``SGLangReplica``/``vLLMReplica`` (after our own replica class body)."""
+
+    async def init_hybrid(self, worker_group: Any) -> None:
+        """verl's hybrid start; the replica count is the worker group's size over ours."""
+        self._scale_out(worker_group.world_size // self.world_size)
+        await super().init_hybrid(worker_group)
+
+    async def init_hybrid_colocated(self, worker_group: Any, resource_pool: Any) -> None:
+        """verl's hybrid start for engines that need a resource pool (same count as hybrid)."""
+        self._scale_out(worker_group.world_size // self.world_size)
+        await super().init_hybrid_colocated(worker_group, resource_pool)
+
+    async def init_colocated(self, resource_pool: Any) -> None:
+        """verl's colocated start; the pool holds every replica's processes."""
+        self._scale_out(resource_pool.world_size // self.world_size)
+        await super().init_colocated(resource_pool)
+
+    async def init_standalone(self) -> None:
+        """verl's standalone start; the count is what verl's LLMServerManager computes."""
+        self._scale_out(self.config.n_gpus_per_node * self.config.nnodes // self.world_size)
+        await super().init_standalone()
+
+    def _scale_out(self, num_replicas: int) -> None:
+        spec = spec_from_rollout_config(self.config)
+        if spec is None:
+            return
+        _SPEC_REPLICAS.add(self)
+        install_router_hook()
+        if spec.shared_index is None:
+            return
+        ReplicaPlacement(self.replica_rank, num_replicas)  # refuses a rank outside the count now
+        custom = self.config.custom
+        if not isinstance(custom, MutableMapping):
+            raise TypeError(f"actor_rollout_ref.rollout.custom must be a dict, got {type(custom).__name__}")
+        custom[NUM_REPLICAS_KEY] = int(num_replicas)
+        from rollout_spec.distributed.sharing import ensure_coordinators
+
+        ensure_coordinators(spec, num_replicas)  # the trainer process owns them: they live as long as the job
+
+
+def server_placement(config: Any, spec: SpecConfig, replica_rank: int) -> Optional[ReplicaPlacement]:
+    """A server's placement for ``spec.shared_index`` (None without it).
+
+    Raises:
+        ValueError: the replica count did not reach the server (its replica is not ours).
+    """
+    if spec.shared_index is None:
+        return None
+    custom = getattr(config, "custom", None) or {}
+    count = custom.get(NUM_REPLICAS_KEY) if isinstance(custom, Mapping) else None
+    if count is None:
+        raise ValueError(
+            f"shared_index={spec.shared_index!r}: the replica count is missing from the rollout config; "
+            "start verl with rollout-spec's replica classes (the verl.plugins entry point)"
+        )
+    return ReplicaPlacement(int(replica_rank), int(count))
+
+
+def install_router_hook() -> bool:
+    """Make verl's router factory pick ``GroupStickyLoadBalancer`` for our servers; idempotent.
+
+    It applies only when verl would build its default balancer (no ``router_config_path``, no
+    injected ``load_balancer_cls``) and every server belongs to a replica with the flag on, so a
+    user's own router and other models' servers (reward, teacher) keep verl's choice. Returns True
+    when the hook was installed by this call.
+    """
+    from verl.workers.rollout import router as verl_router
+
+    original = verl_router.get_router_handle
+    if getattr(original, _HOOK_MARK, False):
+        return False
+
+    def get_router_handle(servers: dict[str, Any], router_config_path: Optional[str] = None,
+                          full_determinism: bool = False, load_balancer_cls: Optional[type] = None) -> Any:
+        ours = {r._server_address for r in list(_SPEC_REPLICAS) if getattr(r, "_server_address", None)}
+        if router_config_path is None and load_balancer_cls is None and servers and set(servers) <= ours:
+            import ray
+
+            from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer
+
+            logger.info("rollout-spec: group-sticky routing over %d servers", len(servers))
+            return ray.remote(GroupStickyLoadBalancer).remote(servers, {})
+        return original(servers, router_config_path=router_config_path, full_determinism=full_determinism,
+                        load_balancer_cls=load_balancer_cls)
+
+    setattr(get_router_handle, _HOOK_MARK, True)
+    verl_router.get_router_handle = get_router_handle
+    return True

@@ -1,0 +1,245 @@
+"""``SpecConfig.shared_index`` through the real adapter code, replicas in separate Ray processes.
+
+Replica 0 drafts for vLLM (``RolloutSpecProposer``, built from a vLLM config as the vLLM worker
+builds it), replica 1 for SGLang (``RolloutSpecCorpus``, configured from the environment as
+SGLang's scheduler process builds it). Each generates with its engine's call sequence, ends the
+step with its engine's boundary call, and the other proposes the response it never saw. The
+embedded engine is covered by two tiny engines sharing through ``attach_shared_index``.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the shared index needs Ray: pip install 'rollout-spec[ray]'")
+
+from rollout_spec.config import SpecConfig  # noqa: E402
+from rollout_spec.distributed import (  # noqa: E402
+    ReplicaPlacement,
+    SharingDrafter,
+    destroy_coordinators,
+    ensure_coordinators,
+    placement_from_env,
+    share_drafter,
+)
+from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID, NAMESPACE  # noqa: E402
+from rollout_spec.groups import prompt_group_id  # noqa: E402
+
+PROMPT = [11, 12, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster; its workers get tests/ on their path to import the actor classes."""
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+def _spec(name: str) -> SpecConfig:
+    return SpecConfig(num_draft_tokens=8, tree=False, shared_index=name)
+
+
+def _wait(read, count: int, timeout_s: float = 30.0) -> None:
+    """Until ``read()`` (sequences the replica ingested) reaches ``count``."""
+    deadline = time.monotonic() + timeout_s
+    while read() < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ingested {read()} of {count} sequences")
+        time.sleep(0.02)
+
+
+@ray.remote(num_cpus=0)
+class VllmReplica:
+    """vLLM's worker side: the proposer vLLM builds from its config, driven as its runner does."""
+
+    def __init__(self, spec: SpecConfig, placement: ReplicaPlacement) -> None:
+        from rollout_spec.integrations.vllm.config import engine_kwargs
+        from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer
+
+        extra = engine_kwargs(spec, placement=placement)["additional_config"]
+        cfg = SimpleNamespace(additional_config=extra, model_config=SimpleNamespace(max_model_len=4096),
+                              speculative_config=SimpleNamespace(num_speculative_tokens=8))
+        self.proposer = RolloutSpecProposer(cfg)
+
+    def _rows(self, rid: str, tokens: list[int], sampled: list[int]) -> list[int]:
+        """One draft step; ``sampled`` are the tokens this verify step committed."""
+        table = np.array([tokens])
+        return self.proposer.propose_rows([rid], [sampled], np.array([len(tokens)]), np.array([len(PROMPT)]),
+                                          table, lambda _rid, prompt: prompt_group_id(prompt), 8)[0]
+
+    def generate(self, rid: str, response: list[int]) -> None:
+        """A request's decode steps, then vLLM's finish and the trainer's step boundary."""
+        done = 0
+        for end in range(1, len(response) + 1, 5):
+            self._rows(rid, PROMPT + response[:end], response[done:end])
+            done = end
+        self.proposer.finish([rid])
+        self.proposer.end_step()
+
+    def propose(self, rid: str, context: list[int]) -> list[int]:
+        return self._rows(rid, PROMPT + context, context[-1:])
+
+    def applied(self) -> float:
+        return self.proposer.stats()["drafter/shared_index/sequences_applied"]
+
+
+@ray.remote(num_cpus=0)
+class SglangReplica:
+    """SGLang's scheduler side: placement and options from the environment, as verl's server sets them."""
+
+    def __init__(self, spec: SpecConfig, placement: ReplicaPlacement) -> None:
+        from rollout_spec.integrations.sglang.config import spec_to_env
+        from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
+
+        placement.to_env()
+        spec_to_env(spec)
+        self.corpus = RolloutSpecCorpus(draft_token_num=9)
+
+    def _get(self, rid: str, tokens: list[int]) -> list[int]:
+        from rollout_spec.integrations.sglang.rid import rid_with_group
+
+        ids, _ = self.corpus.batch_get([rid_with_group(rid, PROMPT)], [tokens[-64:]], [len(tokens)])
+        return ids[1:].tolist()  # ids[0] is the root (the last committed token); tree=False: a chain
+
+    def generate(self, rid: str, response: list[int]) -> None:
+        """batch_get per decode step, erase when the request leaves, reset at the step boundary."""
+        for end in range(1, len(response) + 1, 5):
+            self._get(rid, PROMPT + response[:end])
+        from rollout_spec.integrations.sglang.rid import rid_with_group
+
+        self.corpus.erase_match_state([rid_with_group(rid, PROMPT)])
+        self.corpus.reset()
+
+    def propose(self, rid: str, context: list[int]) -> list[int]:
+        return self._get(rid, PROMPT + context)
+
+    def applied(self) -> float:
+        return self.corpus.stats()["shared_index/sequences_applied"]
+
+
+def _response(seed: int, length: int = 40) -> list[int]:
+    return np.random.default_rng(seed).choice(np.arange(1000, 30000), size=length, replace=False).tolist()
+
+
+def test_vllm_and_sglang_replicas_propose_each_others_samples(ray_cluster) -> None:
+    name = f"wire-{uuid.uuid4().hex[:8]}"
+    spec = _spec(name)
+    ensure_coordinators(spec, num_replicas=2)  # the driver, as the verl/OpenRLHF hooks do
+    vllm = VllmReplica.remote(spec, ReplicaPlacement(0, 2))
+    sglang = SglangReplica.remote(spec, ReplicaPlacement(1, 2))
+    first, second = _response(1), _response(2)
+    assert ray.get(sglang.propose.remote("b0", first[:6]))[:3] != first[6:9]  # never seen there
+    ray.get(vllm.generate.remote("a0", first))
+    _wait(lambda: ray.get(sglang.applied.remote()), 1)
+    assert ray.get(sglang.propose.remote("b1", first[:6]))[:8] == first[6:14]
+    ray.get(sglang.generate.remote("b2", second))
+    _wait(lambda: ray.get(vllm.applied.remote()), 1)
+    assert ray.get(vllm.propose.remote("a1", second[:10]))[:8] == second[10:18]
+    for actor in (vllm, sglang):
+        ray.kill(actor)
+    destroy_coordinators(name, 1, namespace=NAMESPACE)
+
+
+def test_embedded_engines_share_through_attach_shared_index(ray_cluster) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from rollout_spec.config import SamplingParams
+    from rollout_spec.engine import RolloutEngine
+    from rollout_spec.engine.weights import build_model
+    from rollout_spec.rollout import attach_shared_index
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model = build_model(cfg, {k.removeprefix("model."): v for k, v in ref.state_dict().items()},
+                        torch.device("cpu"), torch.float32)
+    name = f"emb-{uuid.uuid4().hex[:8]}"
+    ensure_coordinators(_spec(name), num_replicas=2)
+
+    def engine(spec: SpecConfig) -> RolloutEngine:
+        return RolloutEngine(model, None, spec, num_slots=4, max_model_len=128, draft_budget=lambda _n: 8)
+
+    a, b, alone = engine(_spec(name)), engine(_spec(name)), engine(SpecConfig(num_draft_tokens=8, tree=False))
+    shared_b = attach_shared_index(b, ReplicaPlacement(1, 2), poll_interval_s=0.02)
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=48)
+    with pytest.raises(ValueError, match=ENV_REPLICA_ID):
+        a.generate([PROMPT], greedy)  # a session attaches from the environment, which is not set here
+    assert isinstance(attach_shared_index(a, ReplicaPlacement(0, 2)), SharingDrafter)
+    out_a = a.generate([PROMPT], greedy)
+    a.end_step()  # the RL step boundary publishes
+    _wait(lambda: shared_b.stats()["shared_index/sequences_applied"], 2)
+    single = SamplingParams(n=1, temperature=0.0, max_new_tokens=48)
+    out_b, out_alone = b.generate([PROMPT], single)[0], alone.generate([PROMPT], single)[0]
+    assert out_b.token_ids == out_a[0].token_ids == out_alone.token_ids  # lossless either way
+    assert out_b.num_accepted_tokens >= 0.6 * len(out_b.token_ids) > out_alone.num_accepted_tokens
+    destroy_coordinators(name, 1, namespace=NAMESPACE)
+
+
+class _FakeIndex:
+    """What SharingDrafter needs of SharedIndexClient, recorded."""
+
+    def __init__(self, latest_step: int = -1) -> None:
+        self.latest_step, self.recorded, self.published = latest_step, [], []
+
+    def record(self, group_id: int, tokens: list[int]) -> None:
+        self.recorded.append((group_id, list(tokens)))
+
+    def publish(self, step: int) -> None:
+        self.published.append(step)
+
+    def stats(self) -> dict:
+        return {"publishes": float(len(self.published))}
+
+
+def test_sharing_drafter_records_grouped_responses_and_numbers_steps_like_the_job() -> None:
+    from rollout_spec.drafter import NgramDrafter
+
+    index = _FakeIndex(latest_step=6)  # a restarted replica: the others are at step 6
+    shared = SharingDrafter(NgramDrafter(SpecConfig()), index)
+    shared.start_batch([1, 2], [[5, 6], [5, 6]], [9, None])
+    shared.extend_batch([1, 2], [[7, 8], [7]])
+    shared.extend(1, np.array([9]))
+    shared.finish_batch([1, 2])
+    shared.start(3, [5], group_id=4)
+    shared.finish(3)  # nothing committed: nothing recorded
+    assert index.recorded == [(9, [7, 8, 9])]  # the groupless request is not shared
+    shared.end_step()
+    shared.end_step()
+    assert index.published == [6, 7] and shared.stats()["shared_index/publishes"] == 2.0
+    assert shared.is_live(1) is False  # everything else reaches the wrapped drafter
+
+
+def test_placement_comes_from_the_hook_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = object()
+    assert share_drafter(plain, SpecConfig(), None) is plain  # no shared_index: nothing changes
+    monkeypatch.delenv(ENV_REPLICA_ID, raising=False)
+    monkeypatch.delenv(ENV_NUM_REPLICAS, raising=False)
+    assert placement_from_env() is None
+    with pytest.raises(ValueError, match=ENV_NUM_REPLICAS):
+        share_drafter(plain, SpecConfig(shared_index="x"), None)
+    monkeypatch.setenv(ENV_REPLICA_ID, "3")
+    with pytest.raises(ValueError, match="both"):
+        placement_from_env()
+    monkeypatch.setenv(ENV_NUM_REPLICAS, "3")
+    with pytest.raises(ValueError, match="replica_id must be in"):
+        placement_from_env()
+    monkeypatch.setenv(ENV_NUM_REPLICAS, "4")
+    assert placement_from_env() == ReplicaPlacement(3, 4)
+    assert ReplicaPlacement.from_dict(ReplicaPlacement(3, 4).as_dict()) == ReplicaPlacement(3, 4)
+    with pytest.raises(ValueError, match="replica placement"):
+        ReplicaPlacement.from_dict({"replica_id": 1})
+    with pytest.raises(ValueError, match="shared_index"):
+        SpecConfig(shared_index="")
