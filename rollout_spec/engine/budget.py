@@ -2,9 +2,12 @@
 
 Verifying k draft nodes per request makes a step of width W = k+1 cost ``T(B, W)`` instead of
 ``T(B, 1)`` (the verify tax), and yields ``E(k)`` tokens per request instead of 1 (the TPF). The
-budget picks the k that maximises ``B * E(k) / T(B, k+1)``, i.e. tokens per second, which is
-k = 0 (plain decode) whenever no draft size pays for its tax. ``T`` comes from a few timed
-forwards at engine start (cached per GPU and model); ``E`` from running acceptance statistics.
+budget picks the k that maximises ``B * E(k) / T(B, k)``, i.e. tokens per second, which is
+k = 0 (plain decode) whenever no draft size pays for its tax. ``T`` is the GPU grid -- a few
+timed forwards at engine start, cached per GPU and model -- plus what the step costs outside the
+captured forward (drafter, tree inputs, LM head, verification, commit), learned online from the
+engine's wall clock per path (``step_cost.OnlineStepCost``); ``E`` comes from running
+acceptance statistics.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
+from rollout_spec.engine.step_cost import OnlineStepCost
 
 
 @dataclass(frozen=True)
@@ -151,28 +155,55 @@ class AcceptanceTracker:
 class DraftBudget:
     """Callable budget policy: ``budget(batch_size) -> draft nodes per request`` (0 = no drafts).
 
-    Each call maximises ``B * E(k) / T(B, k+1)`` over the candidate sizes. Every
-    ``probe_every`` calls that chose 0 it offers the smallest positive size once, so the
-    acceptance estimates keep tracking the workload after speculation was switched off.
+    Each call maximises ``B * E(k) / T(B, k)`` over the candidate sizes, where ``T(B, k)`` is the
+    GPU grid's ``T(B, k+1)`` plus, with ``host`` given, the step's learned residual (host work,
+    LM head, verification; see ``step_cost``), so k = 0 wins whenever speculation's whole cost
+    is not paid back. Every ``probe_every`` calls that chose 0 it offers the smallest positive
+    size once, so the acceptance and cost estimates keep tracking the workload after speculation
+    was switched off.
     """
 
     def __init__(self, cost: CostModel, tracker: AcceptanceTracker, candidates: Sequence[int],
-                 probe_every: int = 64) -> None:
+                 probe_every: int = 64, host: OnlineStepCost | None = None) -> None:
         cands = sorted(set(int(c) for c in candidates) | {0})
         if cands[0] < 0:
             raise ValueError(f"candidates must be >= 0, got {list(candidates)}")
         check_int("probe_every", probe_every, 1, 1_000_000)
         self.cost, self.tracker, self.candidates = cost, tracker, tuple(cands)
         self.probe_every = probe_every
+        self.host = host
+        self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
+
+    def step_time(self, batch: int, k: int) -> float:
+        """Predicted wall seconds of a step offering ``k`` nodes to each of ``batch`` requests."""
+        gpu = self.cost.step_time(batch, k + 1)
+        if self.host is None:
+            return gpu
+        # A residual fitted on noisy steps may dip below zero; the forward itself is a floor.
+        return max(gpu + self.host.residual(k > 0, batch, self.fill * batch * k), 0.5 * gpu)
 
     def throughput(self, batch: int, k: int) -> float:
         """Predicted tokens per second at ``batch`` requests offering ``k`` nodes each."""
-        return batch * self.tracker.expected_tokens(k) / self.cost.step_time(batch, k + 1)
+        return batch * self.tracker.expected_tokens(k) / self.step_time(batch, k)
 
     def observe(self, offered: np.ndarray, accepted: np.ndarray) -> None:
-        """Feed one verify step's outcome: draft nodes offered and accepted per request."""
+        """Feed one verify step's outcome: node budget offered and nodes accepted per request."""
         self.tracker.update(offered, accepted)
+
+    def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float) -> None:
+        """Feed one decode step's wall time (engine clock) to the residual model.
+
+        ``offered`` is the step's total node budget (0 on the plain path), ``nodes`` what the
+        drafter proposed, ``width`` the forward's columns (1 + largest tree).
+        """
+        if self.host is None:
+            return
+        check_int("offered", offered, 0, 1 << 30)
+        check_int("width", width, 1, 1 << 20)
+        if offered > 0:
+            self.fill += 0.05 * (min(nodes / offered, 1.0) - self.fill)
+        self.host.observe(offered > 0, batch, nodes, seconds - self.cost.step_time(batch, width))
 
     def best(self, batch: int) -> int:
         """The candidate draft size with the highest predicted tokens per second."""
@@ -211,4 +242,5 @@ def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key:
 
     key = f"{key}_b{max_batch}_k{max_draft}"
     cost = measure() if cache_dir is None else cached_cost_model(cache_dir, key, measure)
-    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands)
+    host = OnlineStepCost(max_batch, max_batch * max(cands))
+    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands, host=host)

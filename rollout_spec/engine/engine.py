@@ -8,10 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as Seq
 from typing import Any, Optional, Union
 
+import time
+
 import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams, SpecConfig, check_int
+from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
+from rollout_spec.engine.drafter_queue import DrafterQueue
 from rollout_spec.engine.model import Transformer
 from rollout_spec.engine.runner import ModelRunner
 from rollout_spec.engine.scheduler import Scheduler
@@ -51,6 +55,11 @@ class RolloutEngine:
         cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
             with a drafter and no ``draft_budget``, time them into a batch-aware
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
+        overlap_drafter: run the drafter's bookkeeping (start/extend/finish) on a worker thread
+            while the next forward runs (``drafter_queue``); outputs are identical either way.
+
+    ``phase_seconds`` accumulates the decode steps' wall time by phase (budget + propose,
+    tree inputs + forward + verification, commit) and their count, for profiling.
     """
 
     def __init__(
@@ -66,6 +75,7 @@ class RolloutEngine:
         eos_token_ids: Seq[int] = (),
         max_draft_tokens: int = 64,
         cuda_graphs: bool = True,
+        overlap_drafter: bool = True,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.num_slots = check_int("num_slots", num_slots, 1, 1 << 20)
@@ -74,7 +84,11 @@ class RolloutEngine:
         self.max_model_len = check_int("max_model_len", max_model_len, 2, limit)
         self.max_prefill_tokens = check_int("max_prefill_tokens", max_prefill_tokens, 1, 1 << 30)
         self.max_draft_tokens = check_int("max_draft_tokens", max_draft_tokens, 0, 1024)
-        self.drafter = _make_drafter(spec)
+        self._drafter = _make_drafter(spec)
+        self._queue = DrafterQueue(overlap_drafter)
+        self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
+        self.phase_seconds: dict[str, float] = dict.fromkeys(
+            ("propose", "forward_verify", "commit", "steps"), 0.0)
         default = spec.num_draft_tokens if isinstance(spec, SpecConfig) else 8
         self.draft_budget: DraftBudget = draft_budget or (lambda _num_running: default)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
@@ -82,7 +96,7 @@ class RolloutEngine:
         self.runner = ModelRunner(model, num_slots, self.max_model_len + self.max_draft_tokens + 1)
         self._next_req_id = 0
         if cuda_graphs and self.runner.device.type == "cuda":
-            self._setup_gpu(auto_budget=draft_budget is None, max_draft=default if self.drafter else 0)
+            self._setup_gpu(auto_budget=draft_budget is None, max_draft=default if self._drafter else 0)
 
     def _setup_gpu(self, auto_budget: bool, max_draft: int) -> None:
         """Capture the decode/verify ladder; time it into a DraftBudget unless one was given."""
@@ -123,6 +137,18 @@ class RolloutEngine:
         return cls(model, tokenizer, spec, eos_token_ids=eos_ids, **kwargs)
 
     @property
+    def drafter(self) -> Any:
+        """The drafter, once every queued call has reached it (None without speculation)."""
+        self._queue.drain()
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, value: Any) -> None:
+        """Replace the drafter (e.g. by a wrapper that times it) after the queued calls ran."""
+        self._queue.drain()
+        self._drafter = value
+
+    @property
     def device(self) -> torch.device:
         """The device the model and KV cache live on."""
         return self.runner.device
@@ -151,8 +177,8 @@ class RolloutEngine:
 
     def end_step(self) -> None:
         """RL step boundary: forwards to the drafter (ages and evicts its history)."""
-        if self.drafter is not None:
-            self.drafter.end_step()
+        if self.drafter is not None:  # the property waits for the queued calls
+            self._drafter.end_step()
 
     def step(self, sched: Scheduler, generator: torch.Generator) -> list[Sequence]:
         """One engine iteration (prefill of admitted samples, else one decode); returns finished."""
@@ -161,50 +187,73 @@ class RolloutEngine:
             self._prefill(groups, generator)
         else:
             self._decode(sched.running, generator)
-        return sched.release_finished()
+        finished = sched.release_finished()
+        if sched.done:  # the call is over: callers may read the drafter now
+            self._queue.drain()
+        return finished
 
     def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
         logits = self.runner.prefill(groups)
         seqs = [s for g in groups for s in g]
         rows = torch.as_tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs), generator)
-        if self.drafter is not None:
-            self.drafter.start_batch(
-                [s.req_id for s in seqs], [s.prompt for s in seqs], [s.group_id for s in seqs]
-            )
-        self._commit(seqs, res, None)
+        if self._drafter is not None:
+            self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
+                               [s.prompt for s in seqs], [s.group_id for s in seqs])
+        prompt_len = np.array([len(s.prompt) for s in seqs], np.int64)
+        zeros = np.zeros(len(seqs), np.int64)
+        self._commit(seqs, res, None, zeros, prompt_len, zeros,
+                     np.array([s.params.max_new_tokens for s in seqs], np.int64))
 
     def _decode(self, seqs: list[Sequence], generator: torch.Generator) -> None:
-        batch = self._propose(seqs)
-        logits, tree = self.runner.verify_forward(seqs, batch)
+        t0 = self.clock()
+        run = RunningBatch.of(seqs)
+        budgets = self._budgets(run)
+        batch = self._propose(run, budgets)
+        t1 = self.clock()
+        logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree)
-        self._commit(seqs, res, batch)
+        t2 = self.clock()
+        accepted = self._commit(seqs, res, batch, run.ctx_len, run.prompt_len, run.out_len, run.max_new,
+                                run.slot)
+        t3 = self.clock()
+        self._account(run, budgets, batch, accepted, (t0, t1, t2, t3))
 
-    def _budgets(self, seqs: list[Sequence]) -> np.ndarray:
+    def _account(self, run: RunningBatch, budgets: np.ndarray, batch: DraftBatch,
+                 accepted: np.ndarray, marks: tuple[float, float, float, float]) -> None:
+        """Feed the budget (acceptance, step wall time) and the per-phase clock."""
+        t0, t1, t2, t3 = marks
+        for name, secs in zip(("propose", "forward_verify", "commit"), (t1 - t0, t2 - t1, t3 - t2)):
+            self.phase_seconds[name] += secs
+        self.phase_seconds["steps"] += 1
+        offered = int(budgets.sum())
+        if offered:  # adaptive budgets learn acceptance from steps that offered drafts
+            observe = getattr(self.draft_budget, "observe", None)
+            if observe is not None:
+                observe(budgets, np.minimum(accepted, budgets))
+        record = getattr(self.draft_budget, "record_step", None)
+        if record is not None:
+            width = 1 + int(batch.sizes().max(initial=0))
+            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0)
+
+    def _budgets(self, run: RunningBatch) -> np.ndarray:
         """Per-request node budgets: the pluggable budget, capped by what each request can keep."""
-        asked = np.broadcast_to(np.asarray(self.draft_budget(len(seqs)), np.int64), (len(seqs),))
-        room = np.array(
-            [
-                min(s.params.max_new_tokens - len(s.output), self.max_model_len - len(s.prompt) - len(s.output))
-                for s in seqs
-            ],
-            np.int64,
-        )
+        if self._drafter is None:
+            return np.zeros(len(run.slot), np.int64)
+        asked = np.broadcast_to(np.asarray(self.draft_budget(len(run.slot)), np.int64), (len(run.slot),))
         # A step emits accepted + 1 tokens, so drafting more than room - 1 could not be kept.
-        return np.clip(np.minimum(asked, room - 1), 0, self.max_draft_tokens)
+        return np.clip(np.minimum(asked, run.room(self.max_model_len) - 1), 0, self.max_draft_tokens)
 
-    def _propose(self, seqs: list[Sequence]) -> DraftBatch:
-        if self.drafter is None:
-            return DraftBatch.empty(len(seqs))
-        budgets = self._budgets(seqs)
+    def _propose(self, run: RunningBatch, budgets: np.ndarray) -> DraftBatch:
         if not budgets.any():
-            return DraftBatch.empty(len(seqs))
-        batch = self.drafter.propose([s.req_id for s in seqs], budgets)
+            return DraftBatch.empty(len(budgets))
+        self._queue.drain()  # the drafter must have seen every committed token
+        batch = self._drafter.propose(run.req_id.tolist(), budgets)
         batch.validate()
-        if batch.num_requests != len(seqs) or (batch.sizes() > budgets).any():
+        if batch.num_requests != len(budgets) or (batch.sizes() > budgets).any():
             raise ValueError(
                 f"drafter returned {batch.num_requests} trees of sizes {batch.sizes().tolist()} "
-                f"for {len(seqs)} requests with budgets {budgets.tolist()}"
+                f"for {len(budgets)} requests with budgets {budgets.tolist()}"
             )
         if batch.num_nodes and int(batch.tokens.max()) >= self.model.config.vocab_size:
             raise ValueError(
@@ -213,35 +262,51 @@ class RolloutEngine:
             )
         return batch
 
-    def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch]) -> None:
-        """Keep accepted KV, append emitted tokens (truncated at stops/limits), feed the drafter."""
-        acc_off, acc_nodes, em_off, em_tok, em_lp = _to_host(res)
-        if batch is not None:
-            self.runner.keep_accepted_kv(seqs, acc_off, acc_nodes)
-        sizes = batch.sizes() if batch is not None else np.zeros(len(seqs), np.int64)
-        kept_lists = []
-        for i, s in enumerate(seqs):
-            kept = s.append(em_tok[em_off[i] : em_off[i + 1]], em_lp[em_off[i] : em_off[i + 1]], self.max_model_len)
-            kept_lists.append(kept)
-            s.num_verify_steps += 1  # prefill counts: TPF is exactly 1.0 without speculation
-            if batch is not None:
-                s.num_draft_tokens += int(sizes[i])
-                s.num_accepted_tokens += min(int(acc_off[i + 1] - acc_off[i]), len(kept))
-        observe = getattr(self.draft_budget, "observe", None)
-        if batch is not None and observe is not None:  # adaptive budgets learn acceptance
-            observe(sizes.astype(np.int64), np.diff(acc_off).astype(np.int64))
-        if self.drafter is not None:
-            self.drafter.extend_batch([s.req_id for s in seqs], kept_lists)
-            done = [s.req_id for s in seqs if s.finished]
+    def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch],
+                ctx_len: np.ndarray, prompt_len: np.ndarray, out_len: np.ndarray, max_new: np.ndarray,
+                slots: Optional[np.ndarray] = None) -> np.ndarray:
+        """Keep accepted KV, append emitted tokens (cut at stops/limits), feed the drafter.
+
+        Returns the accepted draft nodes kept per request.
+        """
+        h = res.host
+        if batch is not None and slots is not None:
+            self.runner.keep_accepted_kv(slots, ctx_len, h.accepted_offsets, h.accepted_nodes)
+        em_off = h.emitted_offsets
+        req_of = np.repeat(np.arange(len(seqs)), np.diff(em_off))
+        left = self.max_model_len - prompt_len - out_len
+        keep, reason = plan_commit(em_off, h.emitted_tokens, np.minimum(max_new - out_len, left),
+                                   stop_mask(seqs, req_of, h.emitted_tokens), out_len, max_new, left)
+        accepted = np.minimum(np.diff(h.accepted_offsets), keep)
+        kept = _apply(seqs, em_off, keep, reason, h.emitted_tokens.tolist(),
+                      h.emitted_logprobs.astype(np.float64).tolist(),
+                      batch.sizes().tolist() if batch is not None else None, accepted.tolist())
+        if self._drafter is not None:
+            self._queue.submit(self._drafter.extend_batch, [s.req_id for s in seqs], kept)
+            done = [s.req_id for s in seqs if s.finish_reason is not None]
             if done:
-                self.drafter.finish_batch(done)
+                self._queue.submit(self._drafter.finish_batch, done)
+        return accepted
 
 
-def _to_host(res: VerifyResult) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[float]]:
-    """The step's verify outcome on the host (verification already computed it there)."""
-    h = res.host
-    return (h.accepted_offsets, h.accepted_nodes, h.emitted_offsets, h.emitted_tokens.tolist(),
-            h.emitted_logprobs.astype(np.float64).tolist())
+def _apply(seqs: list[Sequence], offsets: np.ndarray, keep: np.ndarray, reason: np.ndarray,
+           tokens: list[int], logprobs: list[float], sizes: Optional[list[int]],
+           accepted: list[int]) -> list[list[int]]:
+    """Append each sequence's kept tokens and counters; return the kept token lists."""
+    kept_lists = []
+    starts, stops = offsets[:-1].tolist(), (offsets[:-1] + keep).tolist()
+    for i, (s, a, b, why) in enumerate(zip(seqs, starts, stops, reason.tolist())):
+        kept = tokens[a:b]
+        s.output += kept
+        s.logprobs += logprobs[a:b]
+        s.num_verify_steps += 1  # prefill counts: TPF is exactly 1.0 without speculation
+        if sizes is not None:
+            s.num_draft_tokens += sizes[i]
+            s.num_accepted_tokens += accepted[i]
+        if why:
+            s.finish_reason = reason_name(why)
+        kept_lists.append(kept)
+    return kept_lists
 
 
 def _params_of(seqs: list[Sequence]) -> SamplingParams | list[SamplingParams]:

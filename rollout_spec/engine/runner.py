@@ -33,6 +33,7 @@ class ModelRunner:
         )
         self.prefill_tokens = 0  # prompt tokens run through prefill (padding excluded), for stats/tests
         self.graphs: Optional[GraphLadder] = None  # captured verify/decode steps (CUDA only)
+        self._ones: Optional[Tensor] = None
 
     def capture_graphs(self, batch_sizes: list[int], widths: list[int]) -> None:
         """Capture the decode/verify forward for every (B, W) bucket; steps outside run eagerly."""
@@ -72,50 +73,62 @@ class ModelRunner:
         self.prefill_tokens += sum(lens)
         return self.model.logits(last)
 
+    def _upload_step(self, slots: np.ndarray, ctx_lens: np.ndarray, roots: np.ndarray) -> Tensor:
+        """int64 ``[3, B]`` (slot, ctx_len, root) on the device in one copy."""
+        host = np.stack([slots, ctx_lens, roots]).astype(np.int64, copy=False)
+        if self.device.type == "cpu":
+            return torch.from_numpy(host)
+        return torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def verify_forward(self, seqs: list[Sequence], batch: DraftBatch) -> tuple[Tensor, TreeInputs]:
+    def verify_forward(self, slots: np.ndarray, ctx_lens: np.ndarray, roots: np.ndarray,
+                       batch: DraftBatch) -> tuple[Tensor, Optional[TreeInputs]]:
         """One forward over every request's root and draft nodes; logits ``[B + N, V]``.
 
-        Rows follow verify's order (request b's root, then its nodes in slice order); the tree
-        inputs are returned too so verification does not rebuild them.
+        ``slots``, ``ctx_lens``, ``roots`` are int64[B] host arrays. Rows follow verify's order
+        (request b's root, then its nodes in slice order); the tree inputs are returned too so
+        verification does not rebuild them (None for a step without drafts: one row each).
         """
-        ctx_lens = np.array([s.ctx_len for s in seqs], np.int64)
-        width = 1 + int(batch.sizes().max(initial=0))
-        graphs = self.graphs if self.graphs is not None and self.graphs.fits(len(seqs), width) else None
+        num, width = len(slots), 1 + int(batch.sizes().max(initial=0))
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num, width) else None
         if graphs is not None:  # build at the bucket's width so the replay needs no column padding
-            width = graphs.bucket(len(seqs), width)[1]
-        ti = build_tree_inputs(
-            batch, self._long([s.root for s in seqs]), self._long(ctx_lens), self.device, width=width
-        )
-        if graphs is not None:
-            hidden = graphs.run({"input_ids": ti.input_ids, "positions": ti.positions,
-                                 "slot_ids": self._long([s.slot for s in seqs]),
-                                 "ctx_lens": self._long(ctx_lens), "tree_mask": ti.tree_mask})[: len(seqs)]
+            width = graphs.bucket(num, width)[1]
+        slot_t, ctx_t, root_t = self._upload_step(slots, ctx_lens, roots).unbind(0)
+        if batch.num_nodes == 0 and width == 1:  # plain decode: the tree is each root alone
+            ti, ids, pos, mask = None, root_t[:, None], ctx_t[:, None], self._decode_mask(num)
         else:
-            ctx = StepContext(
-                self.cache, self._long([s.slot for s in seqs]), self._long(ctx_lens), ti.tree_mask,
-                kv_limit=int(ctx_lens.max()) + width,
-            )
-            hidden = self.model.hidden(ti.input_ids, ti.positions, ctx)
-        rows = hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]
+            ti = build_tree_inputs(batch, root_t, ctx_t, self.device, width=width)
+            ids, pos, mask = ti.input_ids, ti.positions, ti.tree_mask
+        if graphs is not None:
+            hidden = graphs.run({"input_ids": ids, "positions": pos, "slot_ids": slot_t,
+                                 "ctx_lens": ctx_t, "tree_mask": mask})[:num]
+        else:
+            ctx = StepContext(self.cache, slot_t, ctx_t, mask, kv_limit=int(ctx_lens.max()) + width)
+            hidden = self.model.hidden(ids, pos, ctx)
+        rows = hidden[:, 0] if ti is None else hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]
         return self.model.logits(rows), ti
 
-    def keep_accepted_kv(
-        self, seqs: list[Sequence], accepted_offsets: np.ndarray, accepted_nodes: np.ndarray
-    ) -> None:
+    def _decode_mask(self, num: int) -> Tensor:
+        """A ``[num, 1, 1]`` all-true tree mask, allocated once per size bound."""
+        if self._ones is None or self._ones.shape[0] < num:
+            self._ones = torch.ones(max(num, self.cache.num_slots), 1, 1, dtype=torch.bool, device=self.device)
+        return self._ones[:num]
+
+    def keep_accepted_kv(self, slots: np.ndarray, ctx_lens: np.ndarray, accepted_offsets: np.ndarray,
+                         accepted_nodes: np.ndarray) -> None:
         """Move accepted nodes' KV from their tree columns onto their path positions.
 
         Node j was written at ``ctx_len + 1 + j``; the d-th accepted node (1-based) belongs at
-        ``ctx_len + d``. Must run before the sequences' ``ctx_len`` advances.
+        ``ctx_len + d``. ``ctx_lens`` are the lengths before this step's tokens are committed.
         """
         counts = np.diff(accepted_offsets)
         if counts.sum() == 0:
             return
-        base = np.repeat(np.array([s.ctx_len for s in seqs], np.int64), counts)
+        base = np.repeat(ctx_lens, counts)
         depth = np.arange(len(accepted_nodes)) - np.repeat(accepted_offsets[:-1], counts) + 1
         src = base + 1 + accepted_nodes
         dst = base + depth
         moved = src != dst  # a chain accepted from its first node is already in place
         if moved.any():
-            slots = np.repeat(np.array([s.slot for s in seqs], np.int64), counts)
-            self.cache.move(self._long(slots[moved]), self._long(src[moved]), self._long(dst[moved]))
+            index = self._long(np.stack([np.repeat(slots, counts)[moved], src[moved], dst[moved]]))
+            self.cache.move(index[0], index[1], index[2])

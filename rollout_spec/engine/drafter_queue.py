@@ -1,0 +1,77 @@
+"""The drafter's bookkeeping calls, run in order on one worker thread while the GPU works.
+
+The engine feeds the drafter after every step (``extend`` with the committed tokens, ``start``
+for admitted samples, ``finish`` for ended ones). None of that is needed before the next forward
+is launched unless the next step drafts, so the calls go to a single worker thread (FIFO, hence
+in the engine's order) and run while the main thread launches the next forward, verifies and
+commits. The C++ drafter releases the GIL, so the overlap is real. Anything that reads the
+drafter's state (``propose``, ``stats``, ``end_step``) first waits for the queue to empty, which
+keeps every proposal -- and so every output -- identical to the synchronous engine's.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+
+class DrafterQueue:
+    """Ordered asynchronous drafter calls; ``overlap=False`` runs every call at once (same results).
+
+    ``wait_seconds`` accumulates the time the main thread spent waiting in ``drain``: the part of
+    the drafter's bookkeeping that the overlap did not hide.
+    """
+
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pending: list[Future] = []
+        self.wait_seconds = 0.0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` after every earlier submission (now, when overlap is off)."""
+        if not self.overlap:
+            fn(*args)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-spec-drafter")
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)`` behind the pending calls and return its future (result or error)."""
+        if not self.overlap:
+            fut: Future = Future()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as err:  # surfaced by fut.result(), like the threaded path
+                fut.set_exception(err)
+            return fut
+        self.submit(fn, *args)
+        return self._pending[-1]
+
+    @property
+    def busy(self) -> bool:
+        """True while some submitted call has not finished."""
+        return any(not f.done() for f in self._pending)
+
+    def drain(self) -> None:
+        """Wait for every submitted call; re-raise the first error one of them raised."""
+        if not self._pending:
+            return
+        import time
+
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]  # waits for each, in order
+        self.wait_seconds += time.perf_counter() - t0
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise RuntimeError(f"drafter call failed on the worker thread: {first!r}") from first
+
+    def close(self) -> None:
+        """Drain, then stop the worker thread (a later submit starts a new one)."""
+        try:
+            self.drain()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
