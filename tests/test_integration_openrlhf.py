@@ -4,6 +4,9 @@ real packages in tests/test_integration_openrlhf_real.py when they are importabl
 from __future__ import annotations
 
 import asyncio
+import sys
+import types
+from types import SimpleNamespace
 
 import pytest
 
@@ -118,6 +121,73 @@ def test_inject_kwargs_keeps_openrlhfs_options_call():
 
     _InjectKwargs(Remote(), {"speculative_config": 1}).options(num_gpus=1).remote(model="m")
     assert calls == [({"num_gpus": 1}, {"rollout_spec_engine_kwargs": {"speculative_config": 1}, "model": "m"})]
+
+
+def test_inject_kwargs_places_engine_i_as_replica_i_for_the_shared_index():
+    calls = []
+
+    class Remote:
+        def options(self, **o):
+            return self
+
+        def remote(self, **kw):
+            calls.append(kw["rollout_spec_engine_kwargs"]["additional_config"])
+
+    inject = _InjectKwargs(Remote(), {"additional_config": {"rollout_spec": {}}}, num_engines=2)
+    inject.options(num_gpus=1).remote()
+    inject.options(num_gpus=1).remote()
+    assert calls == [{"rollout_spec": {}, "rollout_spec_replica": {"replica_id": r, "num_replicas": 2}}
+                     for r in range(2)]
+
+
+class _Engine:
+    def __init__(self, name: str, pending: int) -> None:
+        self.name = name
+        self.get_num_unfinished_requests = SimpleNamespace(remote=lambda: pending)
+
+
+class _SamplesGenerator:
+    """OpenRLHF's SamplesGenerator reduced to what the routing hook touches."""
+
+    def __init__(self, engines: list) -> None:
+        self.vllm_engines, self.calls = engines, []
+        self.tokenizer = lambda text, add_special_tokens: {"input_ids": [ord(c) for c in text]}
+        self.args = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=4))
+
+    def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
+        self.calls.append(len(self.vllm_engines))  # OpenRLHF's least-pending pick among these
+        return [(self.vllm_engines[0].name, p, lab, img) for p, lab, img in zip(prompts, labels, images)]
+
+
+def test_trainer_mixin_makes_openrlhfs_dispatch_sticky_by_prompt(monkeypatch):
+    from rollout_spec.distributed import GroupRouter, group_key
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=lambda refs: refs))
+    engines_ = [_Engine(f"e{i}", pending=0) for i in range(4)]
+
+    class Trainer:
+        def __init__(self):
+            self.samples_generator = _SamplesGenerator(engines_)
+
+    trainer = type("Spec", (SpecTrainerMixin, Trainer), {})()
+    gen = trainer.samples_generator
+    prompts = [f"q{i}" for i in range(12)]
+    refs = gen._dispatch_prompts_to_vllm(prompts, [f"l{i}" for i in range(12)], temperature=1.0)
+    keys = [group_key([ord(c) for c in p]) for p in prompts]  # the engine-side drafter's group ids
+    expected = GroupRouter(4).assign(keys, weights=[4] * 12).tolist()
+    assert [r[0] for r in refs] == [f"e{e}" for e in expected] and [r[1] for r in refs] == prompts
+    assert set(gen.calls) == {1} and gen.vllm_engines == engines_  # narrowed per call, then restored
+    again = gen._dispatch_prompts_to_vllm(prompts[::-1], ["x"] * 12, images=[None] * 12)
+    assert [r[0] for r in again] == [r[0] for r in refs][::-1]  # next step: same prompt, same engine
+
+
+def test_check_openrlhf_names_a_changed_dispatch():
+    from rollout_spec.integrations.openrlhf.train_ppo_ray import _dispatch_problems
+
+    assert _dispatch_problems(_SamplesGenerator) == []
+    changed = type("G", (), {"_dispatch_prompts_to_vllm": lambda self, prompts: []})
+    assert "no longer takes" in _dispatch_problems(changed)[0]
+    assert "is gone" in _dispatch_problems(object)[0]
 
 
 def _load_example(name: str):

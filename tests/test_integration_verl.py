@@ -144,6 +144,23 @@ def test_verl_still_has_the_shape_the_hook_relies_on():
     assert '"verl.plugins"' in init, "verl no longer loads verl.plugins entry points"
     rollout_cfg = (VERL / "workers/config/rollout.py").read_text()
     assert "custom: Optional[dict] = None" in rollout_cfg and '"engine_kwargs"' in rollout_cfg
+    # scale-out (replicas.py): replica start methods, the servers' rank, the router factory
+    import ast
+
+    starts = {f.name: [a.arg for a in f.args.args] for f in ast.walk(ast.parse(replica))
+              if isinstance(f, ast.AsyncFunctionDef) and f.name.startswith("init_")}
+    for name, params in (("init_hybrid", ["self", "worker_group"]), ("init_standalone", ["self"]),
+                         ("init_hybrid_colocated", ["self", "worker_group", "resource_pool"]),
+                         ("init_colocated", ["self", "resource_pool"])):
+        assert starts.get(name) == params, f"RolloutReplica.{name} changed: {starts.get(name)}"
+    assert "self.replica_rank = replica_rank" in sglang_server and "self.replica_rank = replica_rank" in vllm_server
+    assert "config=self.config," in (VERL / "workers/rollout/vllm_rollout/vllm_async_server.py").read_text()
+    router = (VERL / "workers/rollout/router.py").read_text()
+    assert "def get_router_handle(\n    servers: dict[str, Any],\n    router_config_path: str | None = None,\n" \
+           "    full_determinism: bool = False,\n    load_balancer_cls: type | None = None," in router
+    manager = (VERL / "workers/rollout/llm_server.py").read_text()
+    assert "from verl.workers.rollout.router import get_router_handle" in manager  # looked up at call time
+    assert "num_replicas = world_size // rollout_world_size" in manager
 
 
 # ---------------------------------------------------------------- counters kept from the engines

@@ -19,7 +19,7 @@ import pytest
 from rollout_spec.integrations.sglang.config import ENV_VAR, spec_from_env
 from rollout_spec.integrations.sglang.rid import group_from_rid
 
-pytest.importorskip("ray", reason="verl's replicas wrap servers with ray.remote")
+ray = pytest.importorskip("ray", reason="verl's replicas wrap servers with ray.remote")
 
 FLAG = {"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": 5}}
 
@@ -54,8 +54,11 @@ class SGLangHttpServer:
 
 class SGLangReplica:
     def __init__(self, replica_rank, config, *args, **kwargs):
-        self.config = config
+        self.replica_rank, self.config, self.world_size = replica_rank, config, 1
         self.server_class = "verl's own"
+
+    async def init_hybrid(self, worker_group):
+        self._server_address = f"10.0.0.{self.replica_rank}:8000"
 
 
 @pytest.fixture
@@ -100,3 +103,40 @@ def test_bad_flag_fails_when_the_replica_is_built(sglang_server):
     with pytest.raises(ValueError, match="num_draft_tokens must be in"):
         sglang_server.RolloutSpecSGLangReplica(0, config({"speculative": "rollout_spec",
                                                           "rollout_spec": {"num_draft_tokens": 5000}}))
+
+
+def test_shared_index_reaches_the_server_and_our_servers_route_group_sticky(sglang_server, monkeypatch):
+    from rollout_spec.distributed import sharing
+    from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID, placement_from_env
+
+    made = []
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: made.append((spec.shared_index, n)))
+    router = types.ModuleType("verl.workers.rollout.router")
+    router.get_router_handle = lambda servers, router_config_path=None, full_determinism=False, \
+        load_balancer_cls=None: ("verl's", router_config_path)
+    monkeypatch.setitem(sys.modules, router.__name__, router)
+    for var in (ENV_REPLICA_ID, ENV_NUM_REPLICAS):
+        monkeypatch.delenv(var, raising=False)
+    flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-7"}}
+    replicas = [sglang_server.RolloutSpecSGLangReplica(r, config(dict(flag, rollout_spec=dict(flag["rollout_spec"]))))
+                for r in range(3)]
+    for replica in replicas:  # verl's hybrid start: 6 workers, 2 per replica (tp=2 would be refused below)
+        replica.world_size = 2
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=6)))
+    assert made == [("job-7", 3)] * 3 and replicas[2].config.custom["rollout_spec_num_replicas"] == 3
+    server = sglang_server.RolloutSpecSGLangHttpServer(replicas[2].config, replica_rank=2)
+    server.config.tensor_model_parallel_size = 1
+    asyncio.run(server.launch_server())
+    assert placement_from_env().as_dict() == {"replica_id": 2, "num_replicas": 3}  # for SGLang's schedulers
+    server.config.tensor_model_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
+        asyncio.run(server.launch_server())
+    ours = {r._server_address: f"h{i}" for i, r in enumerate(replicas)}
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
+    lb = router.get_router_handle(ours)  # verl's default choice, replaced by ours
+    assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == list(ours)
+    assert router.get_router_handle(ours, router_config_path="mine.yaml") == ("verl's", "mine.yaml")
+    assert router.get_router_handle({"reward:1": "h"}) == ("verl's", None)  # not our replicas' servers
+    unplaced = sglang_server.RolloutSpecSGLangHttpServer(config(flag), replica_rank=0)
+    with pytest.raises(ValueError, match="replica count is missing"):
+        asyncio.run(unplaced.launch_server())

@@ -94,8 +94,9 @@ def install_router_hook() -> bool:
     user's own router and other models' servers (reward, teacher) keep verl's choice. Returns True
     when the hook was installed by this call.
     """
-    from verl.workers.rollout import router as verl_router
+    from importlib import import_module
 
+    verl_router = import_module("verl.workers.rollout.router")  # the module verl's manager imports from
     original = verl_router.get_router_handle
     if getattr(original, _HOOK_MARK, False):
         return False
