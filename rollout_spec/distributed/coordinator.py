@@ -64,6 +64,7 @@ class IndexCoordinator:
         self._by_dest: dict[int, deque[tuple[Entry, Bucket]]] = {}
         self._seq = 0
         self._latest_step = -1
+        self._kept_from = -(1 << 62)  # every retained entry has step >= this
         self._counters = dict.fromkeys(("publish_s", "pull_s", "publishes", "pulls", "pulled_bytes"), 0.0)
 
     def publish(self, src: int, step: int, dests: list[int], lengths: list[int], payload: np.ndarray) -> int:
@@ -132,6 +133,9 @@ class IndexCoordinator:
 
     def _evict(self) -> None:
         oldest_kept = self._latest_step - self.retain_steps + 1
+        if oldest_kept <= self._kept_from:  # once per new step, not per publish: a scan is O(retained)
+            return
+        self._kept_from = oldest_kept
         for queue in self._by_dest.values():
             # entries arrive in seq order but steps of slow publishers may interleave: filter all
             if any(e.step < oldest_kept for e, _ in queue):
