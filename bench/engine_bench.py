@@ -218,11 +218,13 @@ def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: tor
 
 def run_generate(engine: object, prompts: list[list[int]], groups: list[int], temperature: float,
                  n: int, max_new: int, stop: tuple[int, ...] | None) -> dict:
-    """One timed ``generate``; tokens, forwards and drafted nodes summed over the samples."""
+    """One timed ``generate``; tokens, forwards, drafted nodes and per-phase step times (ms)."""
     from rollout_spec.config import SamplingParams
 
     params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new, seed=0,
                             stop_token_ids=stop)
+    before = dict(engine.phase_seconds)
+    wait0 = engine._queue.wait_seconds
     sync(engine.device)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, group_ids=groups)
@@ -230,8 +232,12 @@ def run_generate(engine: object, prompts: list[list[int]], groups: list[int], te
     secs = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     steps = sum(o.num_verify_steps for o in outs)
+    phases = {k: engine.phase_seconds[k] - before[k] for k in before}
+    decodes = max(phases.pop("steps"), 1)
     return {"secs": secs, "tokens": tokens, "tps": tokens / secs, "tpf": tokens / max(steps, 1),
-            "width": 1 + sum(o.num_draft_tokens for o in outs) / max(steps, 1)}
+            "width": 1 + sum(o.num_draft_tokens for o in outs) / max(steps, 1),
+            "ms": {k: 1e3 * v / decodes for k, v in phases.items()}, "decodes": decodes,
+            "wait_ms": 1e3 * (engine._queue.wait_seconds - wait0) / decodes}
 
 
 def make_engines(args: argparse.Namespace) -> tuple[object, object, list[list[int]], tuple | None]:
@@ -280,6 +286,7 @@ def engine_rows(args: argparse.Namespace) -> None:
     print(f"\n## Engine tokens/s, speculation on vs off ({src}; same prompts and seeds)")
     print("| T | B | no-spec tok/s | spec tok/s | TPF | mean W | tax | bound TPF/tax | speedup "
           "| speedup/bound |\n|---|---|---|---|---|---|---|---|---|---|")
+    phase_rows = []
     for temp in args.temperatures:
         for b in args.batch_sizes:
             n = min(8, b)
@@ -292,11 +299,65 @@ def engine_rows(args: argparse.Namespace) -> None:
             bound, speedup = spec["tpf"] / tax, spec["tps"] / base["tps"]
             print(f"| {temp} | {b} | {base['tps']:.0f} | {spec['tps']:.0f} | {spec['tpf']:.2f} | "
                   f"{spec['width']:.2f} | {tax:.2f} | {bound:.2f} | {speedup:.2f} | {speedup / bound:.2f} |")
+            phase_rows.append((temp, b, base, spec, cost[(b, 1)]))
+    print_phase_table(phase_rows)
+    print_budget_state(spec_eng.draft_budget, args.batch_sizes)
+    for b in args.profile:
+        profile_generate(args, spec_eng, prompts, stop, b)
     if args.reference:
         b, dev = max(args.batch_sizes), torch.device(args.device)
         theirs = hf_generate_tokens_per_s(spec_eng.model.config.hf_config, dev, spec_eng.runner.dtype,
                                           b, 128, args.max_new_tokens)
         print(f"\ntransformers generate, B={b}, prompt 128, {args.max_new_tokens} new: {theirs:.0f} tok/s")
+
+
+def print_phase_table(rows: list) -> None:
+    """Where a decode step's wall time goes (ms per step), plain engine vs speculative engine.
+
+    propose = budget + drafter proposal (including waiting for the drafter's queued bookkeeping,
+    shown separately as wait); forward+verify = tree inputs, graphed forward, LM head and
+    verification (it ends on the host sync); commit = KV moves, token appends, queueing the
+    drafter's extend. GPU(B,1) is the grid's decode step, for scale.
+    """
+    print("\n## Decode step by phase, ms per step (plain engine / speculative engine)")
+    print("| T | B | GPU(B,1) | plain: fwd+verify | commit | total | spec: propose | wait | fwd+verify "
+          "| commit | total | steps plain/spec |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for temp, b, base, spec, gpu in rows:
+        pm, sm = base["ms"], spec["ms"]
+        print(f"| {temp} | {b} | {gpu * 1e3:.2f} | {pm['forward_verify']:.2f} | {pm['commit']:.2f} | "
+              f"{sum(pm.values()):.2f} | {sm['propose']:.2f} | {spec['wait_ms']:.2f} | "
+              f"{sm['forward_verify']:.2f} | {sm['commit']:.2f} | {sum(sm.values()):.2f} | "
+              f"{base['decodes']:.0f}/{spec['decodes']:.0f} |")
+
+
+def print_budget_state(budget: object, batches: list[int]) -> None:
+    """What the engine's budget learned: acceptance per depth, residual step time per path, picks."""
+    host = getattr(budget, "host", None)
+    if host is None:
+        return
+    rates = ", ".join(f"{r:.2f}" for r in budget.tracker.rate[1:])
+    print(f"\n## Budget state after the runs: acceptance by depth [{rates}], drafter fill "
+          f"{budget.fill:.2f}, steps observed plain/spec {host.counts()}")
+    print("| B | GPU k=0 ms | residual plain ms | residual spec ms (k=4) | pick now |\n|---|---|---|---|---|")
+    for b in batches:
+        print(f"| {b} | {budget.cost.step_time(b, 1) * 1e3:.2f} | {host.residual(False, b, 0) * 1e3:.2f} | "
+              f"{host.residual(True, b, budget.fill * b * 4) * 1e3:.2f} | {budget.best(b)} |")
+
+
+def profile_generate(args: argparse.Namespace, engine: object, prompts: list[list[int]],
+                     stop: tuple | None, batch: int) -> None:
+    """cProfile one speculative ``generate`` at ``batch`` requests: the host's hot functions."""
+    import cProfile
+    import pstats
+
+    n = min(8, batch)
+    group = prompts[: max(1, batch // n)]
+    prof = cProfile.Profile()
+    prof.enable()
+    run_generate(engine, group, list(range(len(group))), args.temperatures[0], n, args.max_new_tokens, stop)
+    prof.disable()
+    print(f"\n## cProfile of one speculative generate, B={batch}, T={args.temperatures[0]} (tottime)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def interp_tax(cost: dict[tuple[int, int], float], batch: int, width: float) -> float:
@@ -341,10 +402,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="engine mode without a checkpoint: SmolLM2-135M shapes, random prompts")
     ap.add_argument("--reference", action="store_true",
                     help="engine mode: also time transformers' generate at the largest B")
+    ap.add_argument("--profile", default="", help="engine mode: cProfile one spec generate at these B")
     ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     args.temperatures = [float(x) for x in args.temperatures.split(",")]
+    args.profile = [int(x) for x in args.profile.split(",") if x]
     if args.quick:
         args.batch_sizes, args.max_new_tokens, args.ctx = [1, 8], 16, 64
     return args

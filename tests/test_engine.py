@@ -434,3 +434,29 @@ def test_vectorised_commit_cuts_like_sequence_append() -> None:
         for i, (s, e) in enumerate(zip(seqs, emitted)):
             kept = s.append(e, [0.0] * len(e), max_len)
             assert (len(kept), s.finish_reason) == (keep[i], reason_name(reason[i])), trial
+
+
+def test_drafter_queue_keeps_order_bounds_itself_and_reports_errors() -> None:
+    import threading
+
+    from rollout_spec.engine.drafter_queue import DrafterQueue
+
+    q, seen, gate = DrafterQueue(), [], threading.Event()
+    q.submit(gate.wait)  # the worker blocks until the main thread lets it go
+    for i in range(5):
+        q.submit(seen.append, i)
+    assert q.busy and seen == []
+    gate.set()
+    assert q.call(len, seen).result() == 5  # runs after everything queued before it
+    q.drain()
+    assert seen == [0, 1, 2, 3, 4] and not q.busy
+    for i in range(3 * q.max_pending):  # never more than max_pending calls outstanding
+        q.submit(seen.append, i)
+        assert len(q._pending) <= q.max_pending
+    q.submit(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        q.drain()
+    q.close()
+    inline = DrafterQueue(overlap=False)
+    inline.submit(seen.append, "now")
+    assert seen[-1] == "now" and isinstance(inline.call(lambda: 1 / 0).exception(), ZeroDivisionError)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,11 +49,21 @@ class CostModel:
         if list(self.widths) != sorted(set(self.widths)) or self.widths[0] != 1:
             raise ValueError(f"widths must be increasing and start at 1 (decode), got {self.widths}")
 
+    @cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The grid as float arrays, converted once (the budget asks several times per step)."""
+        return (np.asarray(self.batch_sizes, np.float64), np.asarray(self.widths, np.float64),
+                np.asarray(self.seconds, np.float64))
+
     def step_time(self, batch: int, width: int) -> float:
         """Predicted seconds of one step with ``batch`` rows of ``width`` tokens."""
-        grid = np.asarray(self.seconds, dtype=np.float64)
-        bs = np.asarray(self.batch_sizes, dtype=np.float64)
-        per_width = np.array([np.interp(width, self.widths, row) for row in grid])
+        bs, ws, grid = self._arrays
+        j = int(np.clip(np.searchsorted(ws, width), 1, len(ws) - 1)) if len(ws) > 1 else 0
+        if len(ws) > 1:  # linear in W between the two neighbouring widths, held at the edges
+            f = min(max((width - ws[j - 1]) / (ws[j] - ws[j - 1]), 0.0), 1.0)
+            per_width = grid[:, j - 1] * (1 - f) + grid[:, j] * f
+        else:
+            per_width = grid[:, 0]
         if batch > bs[-1]:
             return float(per_width[-1] * batch / bs[-1])
         return float(np.interp(batch, bs, per_width))
@@ -206,8 +217,11 @@ class DraftBudget:
         self.host.observe(offered > 0, batch, nodes, seconds - self.cost.step_time(batch, width))
 
     def best(self, batch: int) -> int:
-        """The candidate draft size with the highest predicted tokens per second."""
-        return max(self.candidates, key=lambda k: (self.throughput(batch, k), -k))
+        """The candidate draft size with the highest predicted tokens per second (smallest on ties)."""
+        gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.tracker.rate[1:]))])
+        top = len(gain) - 1
+        rates = [batch * gain[min(k, top)] / self.step_time(batch, k) for k in self.candidates]
+        return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
 
     def __call__(self, batch_size: int) -> int:
         """Draft nodes per request for the next step of ``batch_size`` running requests."""

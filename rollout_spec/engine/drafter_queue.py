@@ -21,6 +21,8 @@ class DrafterQueue:
     the drafter's bookkeeping that the overlap did not hide.
     """
 
+    max_pending = 16  # queued calls before ``submit`` waits (a few steps of extend + finish)
+
     def __init__(self, overlap: bool = True) -> None:
         self.overlap = overlap
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -34,6 +36,8 @@ class DrafterQueue:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-spec-drafter")
+        if len(self._pending) >= self.max_pending:  # a worker slower than the steps: wait, stay bounded
+            self.drain()
         self._pending.append(self._pool.submit(fn, *args))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:

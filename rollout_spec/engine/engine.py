@@ -278,35 +278,30 @@ class RolloutEngine:
         keep, reason = plan_commit(em_off, h.emitted_tokens, np.minimum(max_new - out_len, left),
                                    stop_mask(seqs, req_of, h.emitted_tokens), out_len, max_new, left)
         accepted = np.minimum(np.diff(h.accepted_offsets), keep)
-        kept = _apply(seqs, em_off, keep, reason, h.emitted_tokens.tolist(),
-                      h.emitted_logprobs.astype(np.float64).tolist(),
-                      batch.sizes().tolist() if batch is not None else None, accepted.tolist())
-        if self._drafter is not None:
+        tokens = h.emitted_tokens.tolist()
+        starts, stops = em_off[:-1].tolist(), (em_off[:-1] + keep).tolist()
+        kept = [tokens[a:b] for a, b in zip(starts, stops)]
+        if self._drafter is not None:  # queued first: the worker extends while we append below
             self._queue.submit(self._drafter.extend_batch, [s.req_id for s in seqs], kept)
-            done = [s.req_id for s in seqs if s.finish_reason is not None]
-            if done:
-                self._queue.submit(self._drafter.finish_batch, done)
+            if reason.any():
+                self._queue.submit(self._drafter.finish_batch, [seqs[i].req_id for i in np.flatnonzero(reason)])
+        _apply(seqs, kept, starts, reason, h.emitted_logprobs.astype(np.float64).tolist(),
+               batch.sizes().tolist() if batch is not None else None, accepted.tolist())
         return accepted
 
 
-def _apply(seqs: list[Sequence], offsets: np.ndarray, keep: np.ndarray, reason: np.ndarray,
-           tokens: list[int], logprobs: list[float], sizes: Optional[list[int]],
-           accepted: list[int]) -> list[list[int]]:
-    """Append each sequence's kept tokens and counters; return the kept token lists."""
-    kept_lists = []
-    starts, stops = offsets[:-1].tolist(), (offsets[:-1] + keep).tolist()
-    for i, (s, a, b, why) in enumerate(zip(seqs, starts, stops, reason.tolist())):
-        kept = tokens[a:b]
-        s.output += kept
-        s.logprobs += logprobs[a:b]
+def _apply(seqs: list[Sequence], kept: list[list[int]], starts: list[int], reason: np.ndarray,
+           logprobs: list[float], sizes: Optional[list[int]], accepted: list[int]) -> None:
+    """Append each sequence's kept tokens, their logprobs and the step's counters."""
+    for i, (s, toks, a, why) in enumerate(zip(seqs, kept, starts, reason.tolist())):
+        s.output += toks
+        s.logprobs += logprobs[a : a + len(toks)]
         s.num_verify_steps += 1  # prefill counts: TPF is exactly 1.0 without speculation
         if sizes is not None:
             s.num_draft_tokens += sizes[i]
             s.num_accepted_tokens += accepted[i]
         if why:
             s.finish_reason = reason_name(why)
-        kept_lists.append(kept)
-    return kept_lists
 
 
 def _params_of(seqs: list[Sequence]) -> SamplingParams | list[SamplingParams]:
