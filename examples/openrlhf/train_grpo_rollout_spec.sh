@@ -11,11 +11,13 @@ PROMPTS="$OUT/prompts.jsonl"
 
 python "$HERE/make_prompts.py" --out "$PROMPTS" --size 256
 
+# shared_index: the engines' drafters also learn from each other's samples (docs/scale_out.md)
 ROLLOUT_SPEC_ARGS=(
   --rollout_spec
   --rollout_spec.num_draft_tokens 8
   --rollout_spec.group_weight 2.0
   --rollout_spec.history_steps 4
+  --rollout_spec.shared_index grpo-index
 )
 
 OPENRLHF_ARGS=(

@@ -4,6 +4,8 @@
 #   python examples/verl/make_gsm_data.py --out "$DATA"
 #   bash examples/verl/run_grpo_smollm2.sh [extra hydra overrides]
 # The two `custom` lines are the whole integration; drop them to compare against plain decoding.
+# With several rollout replicas, add `shared_index: my-job` inside custom.rollout_spec: every
+# replica's drafter then also learns from the others' samples (docs/scale_out.md).
 set -euo pipefail
 DATA=${DATA:-$HOME/data/gsm_symbolic}
 MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}   # or Qwen/Qwen2.5-0.5B-Instruct
