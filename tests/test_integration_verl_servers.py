@@ -140,3 +140,56 @@ def test_shared_index_reaches_the_server_and_our_servers_route_group_sticky(sgla
     unplaced = sglang_server.RolloutSpecSGLangHttpServer(config(flag), replica_rank=0)
     with pytest.raises(ValueError, match="replica count is missing"):
         asyncio.run(unplaced.launch_server())
+
+
+class _VllmEngine:
+    def __init__(self) -> None:
+        self.rpcs = []
+
+    async def collective_rpc(self, method):
+        self.rpcs.append(method)
+
+    async def generate(self, *args, **kwargs):
+        yield SimpleNamespace(metrics=None)
+
+
+class vLLMHttpServer:
+    """Stand-in for verl's vLLM server: config, the engine set by launch_server, set_global_steps."""
+
+    def __init__(self, config, *args, replica_rank=0, **kwargs):
+        self.config, self.replica_rank = config, replica_rank
+
+    async def launch_server(self, *args, **kwargs):
+        self.launched_with = dict(self.config.engine_kwargs.get("vllm") or {})
+        self.engine = _VllmEngine()
+
+    async def set_global_steps(self, global_steps):
+        self.global_steps = global_steps
+
+
+@pytest.fixture
+def vllm_server(monkeypatch):
+    fake = types.ModuleType("verl.workers.rollout.vllm_rollout.vllm_async_server")
+    fake.vLLMHttpServer, fake.vLLMReplica = vLLMHttpServer, SGLangReplica
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    sys.modules.pop("rollout_spec.integrations.verl.vllm_server", None)
+    yield importlib.import_module("rollout_spec.integrations.verl.vllm_server")
+    sys.modules.pop("rollout_spec.integrations.verl.vllm_server", None)
+
+
+def test_vllm_server_places_its_engine_and_ends_the_step_when_weights_change(vllm_server):
+    flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-7"},
+            "rollout_spec_num_replicas": 4}
+    cfg = SimpleNamespace(name="vllm", custom=flag, engine_kwargs={}, mtp=None, disaggregation=None)
+    server = vllm_server.RolloutSpecvLLMHttpServer(cfg, replica_rank=3)
+    asyncio.run(server.launch_server())
+    extra = server.launched_with["additional_config"]
+    assert extra["rollout_spec_replica"] == {"replica_id": 3, "num_replicas": 4}
+    assert extra["rollout_spec"]["shared_index"] == "job-7"
+    for step in (1, 1, 2):  # verl may report the same weights twice: one boundary per new step
+        asyncio.run(server.set_global_steps(step))
+    assert server.engine.rpcs == ["rollout_spec_end_step"] * 2 and server.global_steps == 2
+    off = vllm_server.RolloutSpecvLLMHttpServer(SimpleNamespace(name="vllm", custom=None, engine_kwargs={}))
+    asyncio.run(off.launch_server())
+    asyncio.run(off.set_global_steps(5))
+    assert off.engine.rpcs == [] and "additional_config" not in off.launched_with

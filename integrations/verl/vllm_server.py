@@ -22,6 +22,7 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
         super().__init__(config, *args, **kwargs)
         self._spec = spec_from_rollout_config(self.config)
         self._spec_stats: dict[str, Any] = {}
+        self._spec_weights_step: Any = None
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         """Launch vLLM with our proposer as its speculative method (and this replica's placement
@@ -32,6 +33,15 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
         await super().launch_server(*args, **kwargs)
         if self._spec is not None and getattr(self, "engine", None) is not None:
             capture.record_vllm_stats(self.engine, self._spec_stats)
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        """verl calls this right after new weights reach the engine: the RL step boundary, where
+        the drafters age their history (and publish to the shared index). Once per step."""
+        if self._spec is not None and getattr(self, "engine", None) is not None \
+                and global_steps != self._spec_weights_step:
+            self._spec_weights_step = global_steps
+            await self.engine.collective_rpc("rollout_spec_end_step")
+        await super().set_global_steps(global_steps)
 
     async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str, *args: Any, **kwargs: Any):
         """verl's generate with the three counters in extra_fields."""
