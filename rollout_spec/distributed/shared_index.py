@@ -46,7 +46,10 @@ class SharedIndexConfig:
     ingest_budget_tokens: int = 4_000_000
     """Most tokens ingested from one pull, newest first; keep it at or below capacity_tokens."""
     poll_interval_s: float = 0.05
-    """Pause of the background thread between pulls."""
+    """Pause of the background thread between pulls while publications arrive."""
+    max_poll_interval_s: float = 1.0
+    """The pause doubles after each empty pull up to this, so idle replicas do not keep their
+    coordinator shard busy (N/S replicas each pull once per pause)."""
     name: str = "rollout-spec-index"
     """Name prefix of the coordinator actors (one job, one name)."""
     namespace: Optional[str] = None
@@ -71,6 +74,7 @@ class SharedIndexConfig:
         check_int("affinity_k", self.affinity_k, 1, 1 << 16)  # above num_replicas means all
         check_int("ingest_budget_tokens", self.ingest_budget_tokens, 1, 1 << 40)
         check_float("poll_interval_s", self.poll_interval_s, 0.0, 3600.0)
+        check_float("max_poll_interval_s", self.max_poll_interval_s, self.poll_interval_s, 3600.0)
         check_int("num_shards", self.num_shards, 1, 4096)
         check_int("router_seed", self.router_seed, 0, 2**63 - 1)
         check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0)
@@ -236,12 +240,14 @@ class SharedIndexClient:
         return out
 
     def _loop(self) -> None:
+        base, wait = self.config.poll_interval_s, self.config.poll_interval_s
         try:
             while not self._stop.is_set():
-                self.poll()
+                got = self.poll()
                 if self.config.apply_in_thread:
                     self.apply()
-                self._stop.wait(self.config.poll_interval_s)
+                wait = base if got else min(max(2 * wait, base, 1e-3), self.config.max_poll_interval_s)
+                self._stop.wait(wait)
         except BaseException as exc:  # surfaced on the owner's next publish/stats/close
             self._error = exc
 
