@@ -58,6 +58,8 @@ nb::dict stats_dict(const DrafterCore& core) {
   d["group_records"] = s.group_records;
   d["global_records"] = s.global_records;
   d["evictions"] = s.evictions;
+  d["proposals"] = s.proposals;
+  d["gathers"] = s.gathers;
   return d;
 }
 
@@ -90,6 +92,8 @@ void bind_config(nb::module_& m) {
       .def_rw("chain_walk", &CoreConfig::chain_walk)
       .def_rw("enough_occurrences", &CoreConfig::enough_occurrences)
       .def_rw("match_power", &CoreConfig::match_power)
+      .def_rw("regather_below", &CoreConfig::regather_below)
+      .def_rw("regather_every", &CoreConfig::regather_every)
       .def_rw("evidence_discount", &CoreConfig::evidence_discount)
       .def("set_scope_weights", [](CoreConfig& c, double r, double g, double w) {
         c.scope_weight[0] = r;
@@ -102,7 +106,7 @@ void bind_config(nb::module_& m) {
 
 NB_MODULE(_core, m) {
   m.doc() = "rollout-spec native core: multi-scope n-gram chain index and draft-tree proposals";
-  m.attr("ABI_VERSION") = 2;
+  m.attr("ABI_VERSION") = 3;
   m.attr("KEY_LENGTHS") = nb::make_tuple(8, 4, 2, 1);
   bind_config(m);
   nb::class_<DrafterCore>(m, "DrafterCore")

@@ -30,6 +30,12 @@ class ChainIndex {
   // once per position and shared by the request, group and global indexes).
   void insert_keys(int32_t seq, int32_t pos, const uint64_t* keys);
 
+  // Start loading the hash slots that insert_keys(.., keys) will touch.
+  void prefetch(const uint64_t* keys) const {
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
+  }
+
   // Index of the newest record of key length kKeyLens[ki] with this key, or -1.
   int32_t head(int ki, uint64_t key) const { return heads_[ki].get(key); }
 

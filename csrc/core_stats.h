@@ -16,6 +16,8 @@ struct CoreStats {
   int64_t group_records = 0;    // chain records over all group indexes
   int64_t global_records = 0;   // chain records of the global index
   int64_t evictions = 0;        // sequences evicted so far
+  int64_t proposals = 0;        // request proposals made (budget > 0)
+  int64_t gathers = 0;          // of those, the ones that searched the chains (no usable match state)
 };
 
 }  // namespace rollout_spec

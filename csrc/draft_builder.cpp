@@ -16,7 +16,7 @@ int32_t DraftBuilder::child(int32_t parent, int32_t token) {
   return id;
 }
 
-void DraftBuilder::grow_trie(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
+void DraftBuilder::grow_trie(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
                              const CoreConfig& cfg, int32_t depth) {
   nodes_.clear();
   nodes_.push_back(TrieNode{-1, -1, -1, -1, -1, -1, 0.0, 0, 1.0, 1.0});
@@ -24,12 +24,12 @@ void DraftBuilder::grow_trie(const std::vector<Occurrence>& occ, const std::vect
     // Longer matches are more predictive: weight = scope prior * match_len ** match_power.
     double w = cfg.scope_weight[o.scope];
     for (int32_t i = 0; i < cfg.match_power; ++i) w *= o.match_len;
-    const std::vector<int32_t>& toks = seqs[o.seq].tokens;
-    int32_t end = std::min<int64_t>(static_cast<int64_t>(toks.size()), int64_t(o.pos) + 1 + depth);
+    const SlotView& v = view[o.seq];
+    const int32_t end = std::min(v.size, o.pos + 1 + depth);
     nodes_[0].weight += w;
     int32_t cur = 0;
     for (int32_t i = o.pos + 1; i < end; ++i) {
-      cur = child(cur, toks[i]);
+      cur = child(cur, v.tokens[i]);
       nodes_[cur].weight += w;
       nodes_[cur].count += 1;
     }
@@ -50,11 +50,11 @@ void DraftBuilder::push_children(int32_t node, double beta) {
   }
 }
 
-void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
+void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
                          const CoreConfig& cfg, int32_t budget, DraftOutput& out) {
   int32_t emitted = 0;
   if (budget > 0 && !occ.empty()) {
-    grow_trie(occ, seqs, cfg, std::min(budget, cfg.max_depth));
+    grow_trie(occ, view, cfg, std::min(budget, cfg.max_depth));
     double floor = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
     heap_.clear();
     push_children(0, cfg.evidence_discount);

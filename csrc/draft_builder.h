@@ -9,7 +9,7 @@
 #include "core_config.h"
 #include "draft_output.h"
 #include "occurrence.h"
-#include "sequence.h"
+#include "slot_view.h"
 #include "trie_node.h"
 
 namespace rollout_spec {
@@ -17,11 +17,11 @@ namespace rollout_spec {
 class DraftBuilder {
  public:
   // Append the request's tree (at most `budget` nodes) to `out`, including its offsets entry.
-  void build(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
+  void build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
              const CoreConfig& cfg, int32_t budget, DraftOutput& out);
 
  private:
-  void grow_trie(const std::vector<Occurrence>& occ, const std::vector<Sequence>& seqs,
+  void grow_trie(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
                  const CoreConfig& cfg, int32_t depth);
   int32_t child(int32_t parent, int32_t token);
   void push_children(int32_t node, double beta);

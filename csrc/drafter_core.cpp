@@ -27,6 +27,34 @@ void DrafterCore::check_ids(const int64_t* ids, size_t n, bool must_exist) const
   }
 }
 
+void DrafterCore::resolve(const int64_t* ids, size_t n) {
+  reqs_.resize(n);
+  const uint64_t call = ++call_;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = requests_.find(ids[i]);
+    if (it == requests_.end())
+      throw std::invalid_argument("req_ids: unknown request id " + std::to_string(ids[i]));
+    if (it->second.call == call)
+      throw std::invalid_argument("req_ids: duplicate request id " + std::to_string(ids[i]));
+    it->second.call = call;
+    reqs_[i] = &it->second;
+  }
+}
+
+void DrafterCore::refresh_view(int32_t slot) {
+  if (view_.size() < seqs_.size()) view_.resize(seqs_.size());
+  const Sequence& s = seqs_[slot];
+  const bool in_scope = s.alive && s.group >= 0 &&
+                        (s.live || s.pinned || s.step >= step_ - cfg_.history_steps);
+  view_[slot] = SlotView{s.tokens.data(), static_cast<int32_t>(s.tokens.size()),
+                         in_scope ? s.group : -1};
+}
+
+void DrafterCore::refresh_all_views() {
+  view_.assign(seqs_.size(), SlotView{});
+  for (int32_t i = 0; i < static_cast<int32_t>(seqs_.size()); ++i) refresh_view(i);
+}
+
 int32_t DrafterCore::new_slot() {
   int32_t slot;
   if (!free_slots_.empty()) {
@@ -68,6 +96,7 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     s.prompt_len = static_cast<int32_t>(s.tokens.size());
     s.live = true;
     stored_tokens_ += s.prompt_len;
+    refresh_view(slot);
     RequestState& req = requests_[ids[i]];
     req.slot = slot;
     for (int32_t p = 0; p < s.prompt_len; ++p) index_position(slot, &req, p);
@@ -78,18 +107,82 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
 void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                          size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  check_ids(ids, n, /*must_exist=*/true);
+  resolve(ids, n);
   for (size_t i = 0; i < n; ++i) {
-    RequestState& req = requests_.find(ids[i])->second;
-    Sequence& s = seqs_[req.slot];
-    int32_t first = static_cast<int32_t>(s.tokens.size());
+    Sequence& s = seqs_[reqs_[i]->slot];
     s.tokens.insert(s.tokens.end(), tokens + offsets[i], tokens + offsets[i + 1]);
     s.step = step_;
     stored_tokens_ += offsets[i + 1] - offsets[i];
-    for (int32_t p = first; p < static_cast<int32_t>(s.tokens.size()); ++p)
-      index_position(req.slot, &req, p);
+    refresh_view(reqs_[i]->slot);
+  }
+  index_appended(offsets, n);
+  for (size_t i = 0; i < n; ++i) {
+    RequestState& req = *reqs_[i];
+    if (req.gathered) advance(req, view_[req.slot].size - static_cast<int32_t>(offsets[i + 1] - offsets[i]));
   }
   maybe_evict();
+}
+
+void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
+  // Every record lands in a random slot of a large hash table. Hashing all new positions first
+  // and prefetching their slots lets those cache misses overlap instead of queueing one by one.
+  struct Pending {
+    RequestState* req;
+    ChainIndex* group;  // null when the position is not indexed in a group scope
+    bool shared;        // also indexed in the group and global scopes
+    int32_t pos;
+    uint64_t keys[kNumKeys];
+  };
+  thread_local std::vector<Pending> pending;
+  pending.clear();
+  for (size_t i = 0; i < n; ++i) {
+    RequestState* req = reqs_[i];
+    const Sequence& s = seqs_[req->slot];
+    const int32_t end = static_cast<int32_t>(s.tokens.size());
+    const int32_t begin = end - static_cast<int32_t>(offsets[i + 1] - offsets[i]);
+    ChainIndex* group = (s.group >= 0 && begin < end) ? &groups_[s.group] : nullptr;
+    for (int32_t p = begin; p < end; ++p) {
+      Pending& e = pending.emplace_back();
+      e.req = req;
+      e.pos = p;
+      e.shared = p >= s.prompt_len - 1;  // shared scopes index only response continuations
+      e.group = e.shared ? group : nullptr;
+      ngram_keys(s.tokens.data(), p, e.keys);
+      req->own.prefetch(e.keys);
+      if (e.group) e.group->prefetch(e.keys);
+      if (e.shared) global_.prefetch(e.keys);
+    }
+  }
+  for (const Pending& e : pending) {
+    e.req->own.insert_keys(e.req->slot, e.pos, e.keys);
+    if (e.group) e.group->insert_keys(e.req->slot, e.pos, e.keys);
+    if (e.shared) global_.insert_keys(e.req->slot, e.pos, e.keys);
+  }
+}
+
+void DrafterCore::advance(RequestState& req, int32_t first) const {
+  const SlotView& me = view_[req.slot];
+  const int32_t k = me.size - first;
+  size_t kept = 0;
+  for (const Occurrence& o : req.occ) {
+    const SlotView& v = view_[o.seq];
+    // Survives only if it still has a continuation after the k confirmed tokens.
+    if (o.pos + k + 1 >= v.size) continue;
+    if (!std::equal(me.tokens + first, me.tokens + me.size, v.tokens + o.pos + 1)) continue;
+    Occurrence& n = req.occ[kept++];
+    n = o;
+    n.pos += k;
+    n.match_len = std::min(o.match_len + k, cfg_.max_match_len);
+  }
+  req.occ.resize(kept);
+  req.since_gather += k;
+}
+
+void DrafterCore::drop_matches() {
+  for (auto& [id, req] : requests_) {
+    req.gathered = false;
+    req.occ.clear();
+  }
 }
 
 void DrafterCore::finish(const int64_t* ids, size_t n) {
@@ -97,10 +190,12 @@ void DrafterCore::finish(const int64_t* ids, size_t n) {
   check_ids(ids, n, /*must_exist=*/true);
   for (size_t i = 0; i < n; ++i) {
     auto it = requests_.find(ids[i]);
-    Sequence& s = seqs_[it->second.slot];
+    const int32_t slot = it->second.slot;
+    Sequence& s = seqs_[slot];
     s.live = false;
     s.req_id = -1;
     s.step = step_;
+    refresh_view(slot);
     requests_.erase(it);
   }
   maybe_evict();
@@ -116,6 +211,7 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
     s.group = groups[i];
     s.pinned = pinned;
     stored_tokens_ += static_cast<int64_t>(s.tokens.size());
+    refresh_view(slot);
     for (int32_t p = 0; p < static_cast<int32_t>(s.tokens.size()); ++p)
       index_position(slot, nullptr, p);
     // Evicting inside the loop keeps a huge ingest within capacity as it streams in.
@@ -127,7 +223,8 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
 void DrafterCore::end_step() {
   std::lock_guard<std::mutex> lock(mu_);
   ++step_;
-  // Aging: drop group records that fell out of the history window (they stay global).
+  drop_matches();  // group scopes change below
+  refresh_all_views();  // Aging: drop group records that fell out of the history window (they stay global).
   for (auto it = groups_.begin(); it != groups_.end();) {
     int32_t group = it->first;
     it->second.rebuild(
@@ -138,9 +235,7 @@ void DrafterCore::end_step() {
 }
 
 bool DrafterCore::in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const {
-  const Sequence& s = seqs_[seq];
-  return seq != own_slot && s.alive && s.group == group && group >= 0 &&
-         (s.live || s.pinned || s.step >= step_ - cfg_.history_steps);
+  return seq != own_slot && group >= 0 && view_[seq].scope_group == group;
 }
 
 bool DrafterCore::has_request(int64_t id) const {

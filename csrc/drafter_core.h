@@ -20,6 +20,7 @@
 #include "occurrence.h"
 #include "request_state.h"
 #include "sequence.h"
+#include "slot_view.h"
 
 namespace rollout_spec {
 
@@ -49,19 +50,31 @@ class DrafterCore {
 
  private:
   int32_t new_slot();
+  // Copy slot's hot fields into view_ (after any change to its tokens, step, liveness, group).
+  void refresh_view(int32_t slot);
+  void refresh_all_views();
   void index_position(int32_t slot, RequestState* req, int32_t pos);
+  // Index the positions extend just appended: all keys hashed and prefetched, then inserted.
+  void index_appended(const int64_t* offsets, size_t n);
   void gather(const RequestState& req, std::vector<Occurrence>& occ) const;
+  // Keep the occurrences whose continuation equals the tokens appended from `first` on.
+  void advance(RequestState& req, int32_t first) const;
+  // Forget every request's match state (slots were freed, or scopes changed).
+  void drop_matches();
   template <class Accept>
-  void gather_scope(const ChainIndex& index, int scope, const std::vector<int32_t>& ctx,
+  void gather_scope(const ChainIndex& index, int scope, const SlotView& ctx, const int32_t* heads,
                     Accept accept, std::vector<Occurrence>& occ) const;
   bool in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const;
   void maybe_evict();
   void rebuild_shared();
   void check_ids(const int64_t* ids, size_t n, bool must_exist) const;
+  // Live states of ids into reqs_ (one hash lookup each); unknown or repeated ids throw.
+  void resolve(const int64_t* ids, size_t n);
 
   CoreConfig cfg_;                                     // immutable settings
   mutable std::mutex mu_;                              // serialises every public call
   std::vector<Sequence> seqs_;                         // sequence slots (dead ones reused)
+  std::vector<SlotView> view_;                         // hot fields of seqs_, same indexing
   std::vector<int32_t> free_slots_;                    // dead slots no index refers to any more
   std::unordered_map<int64_t, RequestState> requests_; // live requests by id
   std::unordered_map<int32_t, ChainIndex> groups_;     // group scope indexes by group_id
@@ -70,8 +83,12 @@ class DrafterCore {
   uint64_t next_order_ = 0;                            // creation counter for eviction ties
   int64_t stored_tokens_ = 0;                          // tokens over all alive sequences
   int64_t evictions_ = 0;                              // sequences evicted so far
-  mutable std::vector<Occurrence> occ_;                // scratch for propose
+  int64_t proposals_ = 0;                              // request proposals with budget > 0
+  int64_t gathers_ = 0;                                // proposals that searched the chains
   mutable DraftBuilder builder_;                       // scratch trie and heap for propose
+  mutable std::vector<ChainRecord> walk_;              // scratch: chain records fetched ahead
+  std::vector<RequestState*> reqs_;                    // scratch: states of the current call's ids
+  uint64_t call_ = 0;                                  // stamps reqs_ entries to catch repeated ids
 };
 
 }  // namespace rollout_spec

@@ -10,7 +10,7 @@
 namespace rollout_spec {
 
 namespace {
-constexpr uint64_t kMagic = 0x3152444150535352ULL;  // "RSSPADR1"
+constexpr uint64_t kMagic = 0x3252444150535352ULL;  // "RSSPADR2"
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -79,6 +79,9 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
     put(os, id);
     put(os, req.slot);
     put_index(os, req.own);
+    put_vec(os, req.occ);  // the match state, so that the next proposals are the same
+    put(os, req.since_gather);
+    put<uint8_t>(os, req.gathered);
   }
   put<uint64_t>(os, groups_.size());
   for (const auto& [g, index] : groups_) {
@@ -112,12 +115,22 @@ std::string DrafterCore::load(std::istream& is) {
     stored_tokens_ += static_cast<int64_t>(s.tokens.size());
   }
   free_slots_ = get_vec<int32_t>(is);
+  refresh_all_views();
   requests_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
     int64_t id = get<int64_t>(is);
     RequestState& req = requests_[id];
     req.slot = get<int32_t>(is);
+    if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
+      throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
     get_index(is, req.own, seqs_);
+    req.occ = get_vec<Occurrence>(is);
+    for (const Occurrence& o : req.occ)
+      if (o.seq < 0 || o.seq >= static_cast<int32_t>(seqs_.size()) || o.pos < 0 ||
+          o.pos + 1 >= static_cast<int32_t>(seqs_[o.seq].tokens.size()) || o.scope < 0 || o.scope > 2)
+        throw std::runtime_error("drafter checkpoint is corrupt (occurrence out of range)");
+    req.since_gather = get<int32_t>(is);
+    req.gathered = get<uint8_t>(is) != 0;
   }
   groups_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {

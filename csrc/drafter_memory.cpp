@@ -25,10 +25,12 @@ void DrafterCore::maybe_evict() {
     Sequence& s = seqs_[v];
     stored_tokens_ -= static_cast<int64_t>(s.tokens.size());
     s = Sequence{};  // alive = false, tokens released
+    refresh_view(v);
     freed.push_back(v);
     ++evictions_;
   }
   if (freed.empty()) return;
+  drop_matches();  // their occurrences may point into freed (soon reused) slots
   rebuild_shared();
   free_slots_.insert(free_slots_.end(), freed.begin(), freed.end());
 }
@@ -51,6 +53,8 @@ CoreStats DrafterCore::stats() const {
   st.step = step_;
   st.num_groups = static_cast<int64_t>(groups_.size());
   st.evictions = evictions_;
+  st.proposals = proposals_;
+  st.gathers = gathers_;
   int64_t mem = sizeof(*this) + seqs_.capacity() * sizeof(Sequence) +
                 free_slots_.capacity() * sizeof(int32_t);
   for (const Sequence& s : seqs_) {
@@ -79,6 +83,15 @@ std::string DrafterCore::check_integrity() const {
     stored += static_cast<int64_t>(s.tokens.size());
   }
   if (stored != stored_tokens_) return "stored token count out of sync";
+  if (view_.size() != seqs_.size()) return "slot views out of sync with the slots";
+  for (size_t i = 0; i < seqs_.size(); ++i) {
+    const Sequence& s = seqs_[i];
+    const bool in_scope = s.alive && s.group >= 0 &&
+                          (s.live || s.pinned || s.step >= step_ - cfg_.history_steps);
+    if (view_[i].tokens != s.tokens.data() || view_[i].size != static_cast<int32_t>(s.tokens.size()) ||
+        view_[i].scope_group != (in_scope ? s.group : -1))
+      return "slot view differs from its sequence";
+  }
   for (int32_t f : free_slots_)
     if (seqs_[f].alive) return "free slot is alive";
   for (const auto& [id, req] : requests_) {
