@@ -10,8 +10,6 @@ step, so speculative and plain decoding report identical log-probabilities.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,15 +94,15 @@ class RowStats:
 
 def row_stats(
     logits: torch.Tensor, table: SamplingTable, rows_per_request: np.ndarray, want_argmax: bool,
-    temp_rows: torch.Tensor | None = None, backend: str = "auto",
+    temp_rows: torch.Tensor | None = None,
 ) -> RowStats:
     """Normalisers (and truncation thresholds, argmaxes) of every row's target distribution.
 
     Row r belongs to the request that ``rows_per_request`` (int64[B], summing to R) assigns it.
     ``temp_rows`` is float32[R] of effective temperatures on the device when the table is not
-    uniform (the caller uploads it with its other per-step arrays). ``backend``: "torch", "triton"
-    (the one-pass kernel of verify_triton.py, used when nothing is truncated) or "auto" (triton on
-    CUDA when it is installed). Never modifies ``logits``.
+    uniform (the caller uploads it with its other per-step arrays). This is the torch reference
+    of verify.py (verify_triton.py computes the same inside its kernel). Never modifies
+    ``logits``.
     """
     vocab = logits.shape[1]
     if table.uniform:
@@ -114,11 +112,6 @@ def row_stats(
         if temp_rows is None:
             raise ValueError("temp_rows (float32[R]) is required when requests differ")
         temp = temp_rows[:, None]
-    if not table.truncates(vocab) and _use_triton(backend, logits.device):
-        from rollout_spec.verify_triton import row_lse_argmax
-
-        lse, argmax = row_lse_argmax(logits, temp)
-        return RowStats(temp=temp, lse=lse, thr=None, argmax=argmax if want_argmax else None)
     scores = scale(logits, temp)
     thr = None
     if table.truncates(vocab):
@@ -137,24 +130,6 @@ def row_stats(
         scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
     argmax = logits.argmax(dim=-1) if want_argmax else None
     return RowStats(temp=temp, lse=torch.logsumexp(scores, dim=-1), thr=thr, argmax=argmax)
-
-
-def _use_triton(backend: str, device: torch.device) -> bool:
-    """Resolve the row-statistics backend; "triton" without triton installed is an error."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return False
-    if not _triton_installed():
-        if backend == "triton":
-            raise ImportError("backend='triton' needs the triton package (pip install triton)")
-        return False
-    return True
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def effective_temperature(table: SamplingTable) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Draft trees in CSR form (DESIGN.md's DraftBatch) and what one verify forward needs from them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,7 +68,18 @@ class DraftBatch:
         return batch
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when the batch breaks the CSR tree contract."""
+        """Raise ValueError naming the field when the batch breaks the CSR tree contract.
+
+        A batch that passed is remembered as valid: the drafter, ``build_tree_inputs`` and
+        ``verify`` all check the same batch every step (its arrays must not be edited in place
+        afterwards, as for any frozen DraftBatch).
+        """
+        if self.__dict__.get("_valid", False):
+            return
+        self._check()
+        object.__setattr__(self, "_valid", True)
+
+    def _check(self) -> None:
         for name, dtype in (("offsets", np.int32), ("tokens", np.int32), ("parents", np.int32)):
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
@@ -119,6 +130,8 @@ class TreeInputs:
     depth: torch.Tensor  # int64[B, W]; 0 for the root and for padding
     parent_col: torch.Tensor  # int64[B, W]; column of the parent, -1 for root and padding
     row_index: torch.Tensor  # int64[B, W]; verify row of each cell; padding -> its root's row
+    # The batch these inputs were built from: verify() reuses the index arrays above for it.
+    source: DraftBatch | None = field(default=None, compare=False, repr=False)
 
     @property
     def width(self) -> int:
@@ -126,28 +139,41 @@ class TreeInputs:
         return int(self.input_ids.shape[1])
 
 
-def _host_tree_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Index arrays and ancestor mask of a validated batch, computed with numpy on the host.
-
-    Returns ``packed`` int64[4*B*W + B + N] (tokens, depth, parent_col, row_index as [B, W] each,
-    then flat_index) and the ancestor mask bool[B, W, W]; see TreeInputs.
-    """
-    num_req, num_nodes = batch.num_requests, batch.num_nodes
-    sizes = batch.sizes()
+def _node_cells(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Request, column and flattened [B*W] cell of every node of a validated batch."""
     starts = batch.offsets[:-1].astype(np.int64)
-    req = np.repeat(np.arange(num_req, dtype=np.int64), sizes)
-    col = np.arange(num_nodes, dtype=np.int64) - starts[req] + 1
-    cell = req * width + col  # flattened [B*W] cell of every node
+    req = np.repeat(np.arange(batch.num_requests, dtype=np.int64), batch.sizes())
+    col = np.arange(batch.num_nodes, dtype=np.int64) - starts[req] + 1
+    return req, col, req * width + col
+
+
+def index_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TreeInputs' tokens, parent_col and row_index (int64[B, W] each) of a validated batch, on
+    the host; the walk of verification needs nothing else (tokens: 0 in the root column)."""
+    num_req = batch.num_requests
+    req, col, cell = _node_cells(batch, width)
     tokens = np.zeros(num_req * width, np.int64)
     tokens[cell] = batch.tokens
+    parent_col = np.full(num_req * width, -1, np.int64)
+    parent_col[cell] = batch.parents.astype(np.int64) + 1
+    root_rows = batch.offsets[:-1].astype(np.int64) + np.arange(num_req, dtype=np.int64)
+    row_index = np.repeat(root_rows, width)
+    row_index[cell] += col
+    shape = (num_req, width)
+    return tokens.reshape(shape), parent_col.reshape(shape), row_index.reshape(shape)
+
+
+def _host_tree_arrays(batch: DraftBatch, width: int) -> dict[str, np.ndarray]:
+    """TreeInputs' fields of a validated batch as host arrays (input_ids with 0 at the roots,
+    and ``depth`` in place of positions), computed with numpy; see TreeInputs."""
+    num_req, num_nodes = batch.num_requests, batch.num_nodes
+    req, col, cell = _node_cells(batch, width)
+    tokens, parent_col, row_index = index_arrays(batch, width)
+    valid = parent_col >= 0
+    valid[:, 0] = True
     # Parent columns: 0 (the root) for nodes hanging off it; the root and padding point at the
     # root too, which makes the root a fixed point of the pointer jumping below.
-    parent = np.zeros(num_req * width, np.int64)
-    parent[cell] = batch.parents.astype(np.int64) + 1
-    parent = parent.reshape(num_req, width)
-    valid = np.zeros((num_req, width), bool)
-    valid[:, 0] = True
-    valid.reshape(-1)[cell] = True
+    parent = np.maximum(parent_col, 0)
     # Pointer jumping: after step s, reach[i] holds i's ancestors up to distance 2**s - 1.
     reach = np.zeros((num_req, width, width), bool)
     diag = np.arange(width)
@@ -158,18 +184,12 @@ def _host_tree_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.nda
     for _ in range(max(1, int(np.ceil(np.log2(width))))):
         reach |= reach[rows, jump]
         jump = np.take_along_axis(jump, jump, axis=1)
-    depth = reach.sum(axis=2) - 1
-    parent_col = np.where(valid, parent, -1)
-    parent_col[:, 0] = -1
-    root_rows = starts + np.arange(num_req, dtype=np.int64)  # verify row of each root
-    row_index = root_rows[:, None] + np.where(valid, np.arange(width), 0)
+    root_rows = row_index[:, 0]  # verify row of each root
     flat_index = np.empty(num_req + num_nodes, np.int64)
     flat_index[root_rows] = np.arange(num_req, dtype=np.int64) * width
     flat_index[root_rows[req] + col] = cell
-    packed = np.concatenate(
-        [tokens, depth.reshape(-1), parent_col.reshape(-1), row_index.reshape(-1), flat_index]
-    )
-    return packed, reach
+    return dict(input_ids=tokens, depth=reach.sum(axis=2) - 1, parent_col=parent_col,
+                row_index=row_index, flat_index=flat_index, valid=valid, tree_mask=reach)
 
 
 def build_tree_inputs(
@@ -182,7 +202,9 @@ def build_tree_inputs(
     """Everything one padded tree-verify forward needs, from a DraftBatch (see TreeInputs).
 
     ``root_tokens``/``root_positions`` are int64[B] (any device); ``width`` pads every request to
-    a fixed W (e.g. a CUDA-graph bucket) and must be at least 1 + the largest tree.
+    a fixed W (e.g. a CUDA-graph bucket) and must be at least 1 + the largest tree. Host (CPU)
+    roots are cheapest: everything is then computed on the host and arrives in one copy with no
+    kernel launched; device roots cost two small kernels.
     """
     import torch
 
@@ -198,50 +220,59 @@ def build_tree_inputs(
     elif isinstance(width, bool) or not isinstance(width, int) or width < need:
         raise ValueError(f"width must be an int >= 1 + largest tree = {need}, got {width!r}")
     device = torch.device(device) if device is not None else root_tokens.device
-    packed, reach = _host_tree_arrays(batch, width)
-    cells = num_req * width
-    packed_t, mask_t = to_device([packed, reach], device)
-    tokens, depth, parent_col, row_index = packed_t[: 4 * cells].view(4, num_req, width).unbind(0)
-    input_ids = tokens.clone()
-    input_ids[:, 0] = root_tokens.to(device=device, dtype=torch.int64)
-    positions = root_positions.to(device=device, dtype=torch.int64)[:, None] + depth
-    valid = parent_col >= 0
-    valid[:, 0] = True
-    return TreeInputs(
-        input_ids=input_ids,
-        positions=positions,
-        tree_mask=mask_t,
-        valid=valid,
-        flat_index=packed_t[4 * cells :],
-        depth=depth,
-        parent_col=parent_col,
-        row_index=row_index,
-    )
+    host = _host_tree_arrays(batch, width)
+    host_roots = root_tokens.device.type == "cpu" and root_positions.device.type == "cpu"
+    if host_roots:
+        host["input_ids"][:, 0] = root_tokens.numpy()
+        host["positions"] = host["depth"] + root_positions.numpy().astype(np.int64)[:, None]
+    names = list(host)
+    fields = dict(zip(names, to_device([host[n] for n in names], device)))
+    if not host_roots:  # the upload is a fresh buffer: finishing it in place is safe
+        fields["input_ids"][:, 0] = root_tokens.to(device=device, dtype=torch.int64)
+        fields["positions"] = (root_positions.to(device=device, dtype=torch.int64)[:, None]
+                               + fields["depth"])
+    return TreeInputs(**fields, source=batch)
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Move host arrays to ``device`` in ONE copy (byte-packed, 8-byte aligned), keeping shapes.
 
     Small per-step index arrays are dominated by per-copy latency on a GPU, so they travel
-    together. On the CPU the arrays are wrapped without copying.
+    together, from pinned memory and without waiting: the copy queues behind earlier work on
+    the stream instead of stalling the host until it has run (torch's caching host allocator
+    keeps the staging buffer until the copy is done). On the CPU the arrays are wrapped without
+    copying.
     """
     import torch
 
     if device.type == "cpu":
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    buf, spans = pack_bytes(arrays)
-    return unpack_bytes(torch.from_numpy(buf).to(device), arrays, spans)
+    raws = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    spans, total = _byte_spans(raws)
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    buf = staging.numpy()
+    for raw, (start, size) in zip(raws, spans):
+        buf[start : start + size] = raw
+    return unpack_bytes(staging.to(device, non_blocking=True), arrays, spans)
+
+
+def _byte_spans(raws: list[np.ndarray]) -> tuple[list[tuple[int, int]], int]:
+    """(start, size) of each byte array packed with 8-byte aligned starts, and the total size."""
+    spans, pos = [], 0
+    for raw in raws:
+        spans.append((pos, len(raw)))
+        pos += len(raw) + (-len(raw) % 8)
+    return spans, pos
 
 
 def pack_bytes(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """Concatenate the arrays' bytes, each start 8-byte aligned; return the buffer and spans."""
-    chunks, spans, pos = [], [], 0
-    for a in arrays:
-        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        chunks += [raw, np.zeros(-len(raw) % 8, np.uint8)]
-        spans.append((pos, len(raw)))
-        pos += len(raw) + len(chunks[-1])
-    return (np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)), spans
+    raws = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    spans, total = _byte_spans(raws)
+    buf = np.zeros(total, np.uint8)
+    for raw, (start, size) in zip(raws, spans):
+        buf[start : start + size] = raw
+    return buf, spans
 
 
 def unpack_bytes(

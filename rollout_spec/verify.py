@@ -27,6 +27,8 @@ DraftBatch, ``verify`` is plain sampling and reports the same numbers.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -144,14 +146,31 @@ def verify(
         generator: torch.Generator on the logits' device; seeded runs reproduce.
         tree: the TreeInputs of this forward; optional, only checked against the batch (the
             walk needs nothing that the batch does not already hold on the host).
-        backend: row statistics by "torch", "triton" (one-pass kernel) or "auto" (triton on
-            CUDA when installed); the law and the results do not depend on it beyond rounding.
+        backend: "triton" (the whole walk in one kernel, verify_triton.py), "torch" (the
+            reference: torch row statistics, numpy walk) or "auto" (triton on CUDA when it is
+            installed). Same law and logprobs; the random streams differ (seeded runs
+            reproduce within a backend).
     Returns:
         VerifyResult (numpy arrays in ``.host``, device tensors on access).
     Raises:
         ValueError/TypeError naming the offending argument or field.
     """
     table = _check_inputs(logits, batch, sampling, tree)
+    if use_triton(backend, logits.device):
+        from rollout_spec.verify_fused import verify_fused
+
+        return VerifyResult(verify_fused(logits, batch, table, generator, tree), logits.device)
+    return VerifyResult(verify_torch(logits, batch, table, generator), logits.device)
+
+
+def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
+                 generator: torch.Generator | None,
+                 noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> HostVerifyResult:
+    """The reference path for validated inputs: row statistics with torch, the walk in numpy.
+
+    ``noise`` (tests only) replaces the draws from ``generator``: uniforms per node [N] and per
+    row and token [R, V] (the bonus race of a final row r uses row r), as verify_triton takes.
+    """
     dev, nodes = logits.device, _Nodes.of(batch)
     temps = effective_temperature(table)
     rows_per_req = batch.sizes() + 1
@@ -159,19 +178,39 @@ def verify(
     uploads = [nodes.parent_row, nodes.tok] + ([temp_rows] if temp_rows is not None else [])
     dev_arrays = to_device(uploads, dev)
     stats = row_stats(logits, table, rows_per_req, table.any_greedy,
-                      dev_arrays[2] if temp_rows is not None else None, backend)
+                      dev_arrays[2] if temp_rows is not None else None)
     child_logit = logits[dev_arrays[0], dev_arrays[1]].float()
-    u = torch.rand(batch.num_nodes, generator=generator, device=dev)
+    u = noise[0] if noise is not None else torch.rand(batch.num_nodes, generator=generator,
+                                                      device=dev)
     child_logit, lse, thr, argmax, u = _fetch([child_logit, stats.lse, stats.thr, stats.argmax, u])
     logp = _node_logprobs(nodes, temps, child_logit, lse, thr)
     by_parent = np.argsort(nodes.parent_row, kind="stable")  # sibling groups, in slice order
     hit = _hits(nodes, by_parent, table.temperature == 0, logp, argmax, u)
     accepted = _on_path(nodes, _first_per_parent(nodes, by_parent, hit))
     final_row, acc_idx = _final_rows(nodes, accepted, batch.num_requests)
-    bonus, bonus_score = _bonus(logits, stats, table, temps, nodes, final_row, generator)
+    bonus, bonus_score = _bonus(logits, stats, table, temps, nodes, final_row, generator,
+                                noise[1] if noise is not None else None)
     bonus_logp = bonus_score - lse[final_row]
-    host = _assemble(nodes, acc_idx, logp, bonus, bonus_logp, batch.num_requests)
-    return VerifyResult(host, dev)
+    return _assemble(nodes, acc_idx, logp, bonus, bonus_logp, batch.num_requests)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Resolve ``backend``: "triton" (the fused kernel; an error without triton), "torch" (the
+    reference) or "auto" (triton on CUDA when it is installed)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return False
+    if not _triton_installed():
+        if backend == "triton":
+            raise ImportError("backend='triton' needs the triton package (pip install triton)")
+        return False
+    return True
 
 
 def _check_inputs(
@@ -294,8 +333,8 @@ def _final_rows(nodes: _Nodes, accepted: np.ndarray, num_req: int) -> tuple[np.n
 
 
 def _bonus(logits: torch.Tensor, stats: RowStats, table: SamplingTable, temps: np.ndarray,
-           nodes: _Nodes, final_row: np.ndarray, generator: torch.Generator | None
-           ) -> tuple[np.ndarray, np.ndarray]:
+           nodes: _Nodes, final_row: np.ndarray, generator: torch.Generator | None,
+           race_noise: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
     """Bonus tokens (int64[B]) and their masked scaled logits (float32[B]), from the final rows.
 
     Sampling uses the Gumbel race: argmax of ``log p(x) + G_x`` with ``G_x = -log(-log U_x)`` is a
@@ -313,7 +352,8 @@ def _bonus(logits: torch.Tensor, stats: RowStats, table: SamplingTable, temps: n
     temp = stats.temp if table.uniform else dev[3]
     scores = target_scores_of_rows(logits, stats, dev[0], temp)
     if table.any_sampling:
-        u = torch.rand(scores.shape, generator=generator, device=scores.device)
+        u = (race_noise[dev[0]] if race_noise is not None
+             else torch.rand(scores.shape, generator=generator, device=scores.device))
         race = scores - (-u.log()).log()
         race[dev[1], dev[2]] = float("-inf")
         bonus = race.argmax(dim=-1)

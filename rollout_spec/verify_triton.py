@@ -1,69 +1,359 @@
-"""Triton kernel for the one [rows, V] pass verification needs when nothing is truncated.
+"""Verification on the GPU in one Triton kernel: one program walks one request's draft tree.
 
-For every verify row it returns the log-normaliser of ``logits / T`` and the argmax of the raw
-logits, reading each logit once (online log-sum-exp). torch's ``logsumexp`` makes about five
-passes over the same [rows, V] float32 matrix (max, subtract, exp, sum), which dominates the
-verification cost on a GPU. ``sampling.row_stats`` is the torch reference and the fallback;
-tests/test_verify_triton.py checks this kernel against it (on CPU through TRITON_INTERPRET=1).
+``verify.py``'s torch path is the reference: it computes every row's statistics, walks all trees
+on the host and draws the bonus afterwards (two device round trips and dozens of launches). Here
+program b does the whole walk of request b on the device. Starting at the root row it makes one
+pass over the row (log-normaliser of the masked scaled logits, raw argmax, and a Gumbel race that
+samples the row's distribution), decides the row's children exactly as the reference does
+(``p(c)`` against the mass not yet rejected, in float64), then moves to the accepted child or,
+when none is accepted, emits the race winner as the bonus. If that winner is one of the rejected
+children, a second pass repeats the race with the same noise over the other tokens: a draw from
+the residual. Rows off the accepted path are never read, so a step reads about (accepted + 1)
+rows per request, in one launch, with one device-to-host copy of the outcome.
+
+Randomness: Philox-4x32-10 keyed by the torch generator's seed, with the generator's offset in
+the counter (advanced per call), so seeded runs reproduce. Tests inject the uniforms instead
+(``noise``) to compare the kernel with the torch reference decision for decision.
+
+Truncated rows (top-k/top-p) need their thresholds first: ``truncation_thresholds`` ranks a few
+candidates per row with ``torch.topk`` and finishes in ``_threshold_kernel``; a row whose cut
+cannot be decided from its candidates is flagged, and the caller falls back to a full sort.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels: its log/exp are exact
+
+    @triton.jit
+    def _precise_log(x):
+        """log (numpy's, exact enough)."""
+        return tl.log(x)
+
+    @triton.jit
+    def _exp64(x):
+        """exp (numpy's, keeps float64)."""
+        return tl.exp(x)
+
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _precise_log(x):
+        """Correctly rounded log: exponential variates near 0 decide the race."""
+        return libdevice.log(x)
+
+    @triton.jit
+    def _exp64(x):
+        """exp of float64 (tl.exp is the float32 approximation)."""
+        return libdevice.exp(x)
+
+# Kernel constants (constexpr: jitted code may only read constexpr globals).
+CERTAIN = tl.constexpr(1.0 - 1e-6)  # as verify._CERTAIN: a child holding all remaining mass wins
+NODE_STREAM = tl.constexpr(0x7FFFFFFF)  # counter word 0 of node uniforms; race words stay < V/4
+OUT_FIELDS = tl.constexpr(3)  # per request, W slots each: accepted column, emitted token, logprob
+MAX_CANDIDATES = 4096  # largest candidate list that _threshold_kernel ranks in one program
+
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, stride, temp_ptr, temp_scalar, lse_ptr, argmax_ptr, vocab,
-                      PER_ROW_TEMP: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * stride
-    if PER_ROW_TEMP:
-        temp = tl.load(temp_ptr + row)
-    else:
-        temp = temp_scalar
-    run_max = -float("inf")
-    run_sum = 0.0
+def _scaled(row_ptr, cols, vocab, temp, thr, SCALE: tl.constexpr, HAS_THR: tl.constexpr):
+    """Raw logits x at ``cols`` (-inf outside the vocabulary) and y = x / T, -inf below the
+    truncation threshold."""
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    y = x
+    if SCALE:  # IEEE division, bit-identical to torch's, so threshold comparisons agree
+        y = tl.math.div_rn(x, temp)
+    if HAS_THR:
+        y = tl.where(y >= thr, y, float("-inf"))
+    return x, y
+
+
+@triton.jit
+def _philox_words(k0, k1, c0, c1, c2, c3):
+    """Philox-4x32-10 of counters (c0, c1, c2, c3) (uint32 vectors/scalars) under key (k0, k1)."""
+    zero = (c1 * 0 + c0 * 0).to(tl.uint32)  # c0 or c1 may be a scalar or a constant
+    return tl.philox_impl((zero + c0).to(tl.uint32), (zero + c1).to(tl.uint32), zero + c2,
+                          zero + c3, k0, k1)
+
+
+@triton.jit
+def _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, base, bits, vocab, temp, thr,
+            kid_tok_ptr, kid_pcol_ptr, width, cur, Q: tl.constexpr, SCALE: tl.constexpr,
+            HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr,
+            EXCLUDE: tl.constexpr):
+    """Fold columns [base, base + Q) of a row into the running statistics: max m and sum s of
+    the online log-sum-exp of y, argmax of x, and the race (EXCLUDE: column ``cur``'s children
+    take no part)."""
+    cols = base + tl.arange(0, Q)
+    x, y = _scaled(row_ptr, cols, vocab, temp, thr, SCALE, HAS_THR)
+    blk = tl.max(x, axis=0)
+    bi = tl.where(blk > best, base + tl.argmax(x, axis=0), bi)  # strict: first index on ties
+    best = tl.maximum(best, blk)
+    new_m = tl.maximum(m, tl.max(y, axis=0))
+    anchor = tl.where(new_m == float("-inf"), 0.0, new_m)  # nothing kept yet: no NaN
+    s = s * tl.exp(m - anchor) + tl.sum(tl.exp(y - anchor), axis=0)
+    if RACE:
+        if EXT_NOISE:
+            u = tl.load(noise_ptr + cols, mask=cols < vocab, other=0.0)
+        else:
+            u = tl.uint_to_uniform_float(bits)
+        e = -_precise_log(u)  # u in [0, 1): e in (0, inf]; the race is max of y - log(e)
+        r = tl.where(y > float("-inf"), y - tl.log(e), float("-inf"))
+        if EXCLUDE:
+            for j in range(1, width):  # a handful of children: mask their tokens out
+                kid = tl.load(kid_pcol_ptr + j) == cur
+                r = tl.where(kid & (cols == tl.load(kid_tok_ptr + j)), float("-inf"), r)
+        rb = tl.max(r, axis=0)
+        ri = tl.where(rb > rbest, base + tl.argmax(r, axis=0), ri)
+        rbest = tl.maximum(rbest, rb)
+    return new_m, s, best, bi, rbest, ri
+
+
+@triton.jit
+def _row_pass(row_ptr, noise_ptr, k0, k1, c2, c3, row, vocab, temp, thr, kid_tok_ptr,
+              kid_pcol_ptr, width, cur, Q: tl.constexpr, SCALE: tl.constexpr,
+              HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr,
+              EXCLUDE: tl.constexpr):
+    """One read of a row: (log-normaliser of the kept y, argmax of x, race winner).
+
+    Race noise of column c comes from word c % 4 of Philox counter (c // 4, row, c2, c3), so a
+    repeated pass (EXCLUDE) sees the same noise."""
+    m = -float("inf")
+    s = 0.0
     best = -float("inf")
-    best_idx = 0
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
-        block_best = tl.max(x, axis=0)
-        block_idx = tl.argmax(x, axis=0)
-        # Strictly greater: ties keep the earliest index, as torch.argmax does.
-        take = block_best > best
-        best_idx = tl.where(take, start + block_idx, best_idx)
-        best = tl.where(take, block_best, best)
-        y = x / temp
-        new_max = tl.maximum(run_max, tl.max(y, axis=0))
-        # An all -inf prefix has nothing to rescale: anchor at 0 instead of producing NaN.
-        anchor = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - anchor) + tl.sum(tl.exp(y - anchor), axis=0)
-        run_max = new_max
-    lse = tl.where(run_max == -float("inf"), run_max, run_max + tl.log(run_sum))
-    tl.store(lse_ptr + row, lse)
-    tl.store(argmax_ptr + row, best_idx.to(tl.int64))
+    bi = 0
+    rbest = -float("inf")
+    ri = 0
+    for start in range(0, vocab, 4 * Q):
+        if RACE and not EXT_NOISE:  # one Philox call feeds four sub-blocks
+            w0, w1, w2, w3 = _philox_words(k0, k1, start // 4 + tl.arange(0, Q), row, c2, c3)
+        else:
+            w0 = tl.zeros([Q], tl.uint32)
+            w1 = w0
+            w2 = w0
+            w3 = w0
+        m, s, best, bi, rbest, ri = _absorb(
+            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start, w0, vocab, temp, thr,
+            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
+        m, s, best, bi, rbest, ri = _absorb(
+            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + Q, w1, vocab, temp, thr,
+            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
+        m, s, best, bi, rbest, ri = _absorb(
+            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + 2 * Q, w2, vocab, temp, thr,
+            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
+        m, s, best, bi, rbest, ri = _absorb(
+            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + 3 * Q, w3, vocab, temp, thr,
+            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
+    lse = tl.where(m == float("-inf"), m, m + tl.log(s))
+    return lse, bi, ri
 
 
-def row_lse_argmax(logits: torch.Tensor, temp: float | torch.Tensor, block: int = 4096
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32[R] logsumexp of ``logits / temp`` and int64[R] argmax of ``logits`` per row.
+@triton.jit
+def _pick(values, jj, j):
+    """values[j] of a small vector (registers cannot be indexed by a runtime scalar)."""
+    return tl.sum(tl.where(jj == j, values, 0), axis=0)
 
-    ``temp`` is one float or float32[R] (or [R, 1]); ``logits`` is any float dtype, row-major.
+
+@triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg"])
+def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, temp_ptr,
+                 temp_scalar, thr_ptr, unode_ptr, noise_ptr, k0_arg, k1_arg, c2_arg, c3_arg,
+                 out_ptr, vocab, Q: tl.constexpr, WPAD: tl.constexpr, PER_REQ_TEMP: tl.constexpr,
+                 SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
+                 EXT_NOISE: tl.constexpr):
+    b = tl.program_id(0)
+    k0 = k0_arg.to(tl.uint32, bitcast=True)
+    k1 = k1_arg.to(tl.uint32, bitcast=True)
+    c2 = c2_arg.to(tl.uint32, bitcast=True)
+    c3 = c3_arg.to(tl.uint32, bitcast=True)
+    if PER_REQ_TEMP:
+        t_raw = tl.load(temp_ptr + b)
+    else:
+        t_raw = temp_scalar
+    greedy = t_raw == 0.0
+    temp = tl.where(greedy, 1.0, t_raw)
+    jj = tl.arange(0, WPAD)
+    live = jj < width
+    cell0 = b.to(tl.int64) * width
+    toks = tl.load(tok_ptr + cell0 + jj, mask=live, other=-1)
+    pcols = tl.load(pcol_ptr + cell0 + jj, mask=live, other=-1)
+    rows = tl.load(rowidx_ptr + cell0 + jj, mask=live, other=0)
+    # dup[j]: an earlier sibling carries the same token, so j has no mass left.
+    same = (pcols[:, None] == pcols[None, :]) & (toks[:, None] == toks[None, :])
+    dup = tl.max((same & (jj[None, :] < jj[:, None])).to(tl.int32), axis=1) > 0
+    if RACE:  # one uniform per node; unused draws do not change the law of the used ones
+        if EXT_NOISE:
+            u_node = tl.load(unode_ptr + rows - b - 1, mask=pcols >= 0, other=0.0)
+        else:
+            u_node = tl.uint_to_uniform_float(_philox_words(k0, k1, NODE_STREAM, rows, c2, c3)[0])
+    out = out_ptr + b.to(tl.int64) * (1 + OUT_FIELDS * width)
+    cur = 0
+    n = 0
+    walking = True
+    while walking:
+        row = _pick(rows, jj, cur)
+        row_ptr = logits_ptr + row * stride_row
+        noise_row = noise_ptr + row * vocab
+        thr = -float("inf")
+        if HAS_THR:
+            thr = tl.load(thr_ptr + row)
+        lse, amax, ridx = _row_pass(row_ptr, noise_row, k0, k1, c2, c3, row, vocab, temp, thr,
+                                    tok_ptr + cell0, pcol_ptr + cell0, width, cur, Q, SCALE,
+                                    HAS_THR, RACE, EXT_NOISE, False)
+        kids = (pcols == cur) & live
+        kx, ky = _scaled(row_ptr, tl.where(kids, toks, 0), vocab, temp, thr, SCALE, HAS_THR)
+        klogp = tl.where(kids, ky - lse, 0.0)
+        hit = kids & ~dup & (toks == amax)  # greedy: the child equal to the argmax
+        if RACE:
+            p = tl.where(kids & ~dup, _exp64(klogp.to(tl.float64)), 0.0)
+            left = tl.maximum(1.0 - (tl.cumsum(p, axis=0) - p), 0.0)
+            take = (p > 0) & ((u_node.to(tl.float64) * left < p) | (p >= left * CERTAIN))
+            hit = tl.where(greedy, hit, take)
+        first = tl.min(tl.where(hit, jj, WPAD), axis=0)
+        if first < WPAD:
+            tl.store(out + 1 + n, first)
+            tl.store(out + 1 + width + n, _pick(toks, jj, first).to(tl.int32))
+            tl.store(out + 1 + 2 * width + n, _pick(klogp, jj, first).to(tl.int32, bitcast=True))
+            n += 1
+            cur = first
+        else:
+            bonus = tl.where(greedy, amax, ridx)
+            if RACE:
+                clash = tl.max((kids & (toks == ridx)).to(tl.int32), axis=0) > 0
+                if clash & (t_raw != 0.0):  # the winner was rejected: race the rest again
+                    _, _, bonus = _row_pass(row_ptr, noise_row, k0, k1, c2, c3, row, vocab, temp,
+                                            thr, tok_ptr + cell0, pcol_ptr + cell0, width, cur,
+                                            Q, SCALE, HAS_THR, RACE, EXT_NOISE, True)
+            bx, by = _scaled(row_ptr, bonus, vocab, temp, thr, SCALE, HAS_THR)
+            tl.store(out + 1 + width + n, bonus.to(tl.int32))
+            tl.store(out + 1 + 2 * width + n, (by - lse).to(tl.int32, bitcast=True))
+            walking = False
+    tl.store(out, n)
+
+
+@triton.jit
+def _threshold_kernel(logits_ptr, stride_row, cand_ptr, ncand, pcol_ptr, rowidx_ptr, width,
+                      temp_ptr, temp_scalar, k_ptr, k_scalar, p_ptr, p_scalar, thr_ptr, flag_ptr,
+                      vocab, Q: tl.constexpr, CPAD: tl.constexpr, PER_REQ: tl.constexpr,
+                      SCALE: tl.constexpr):
+    """Truncation threshold of one verify row (program (b, column)) from its ``ncand`` largest
+    raw logits, sorted: top-k's k-th largest scaled logit, then top-p's cut over the top-k set
+    renormalised (sampling.py's law). Flags the row when the candidates cannot decide it: ties
+    of the k-th value may continue past them, or their mass does not reach top_p."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    cell = b.to(tl.int64) * width + c
+    if (c == 0) | (tl.load(pcol_ptr + cell) >= 0):
+        row = tl.load(rowidx_ptr + cell)
+        if PER_REQ:
+            t_raw = tl.load(temp_ptr + b)
+            k = tl.load(k_ptr + b)
+            p = tl.load(p_ptr + b)
+        else:
+            t_raw = temp_scalar
+            k = k_scalar
+            p = p_scalar
+        sampling = t_raw > 0.0
+        temp = tl.where(sampling, t_raw, 1.0)
+        k = tl.where(sampling & (k > 0) & (k < vocab), k, vocab)
+        p = tl.where(sampling, p, 1.0)
+        k_cut = k < vocab
+        i = tl.arange(0, CPAD)
+        inc = i < ncand
+        v = tl.load(cand_ptr + row * ncand + i, mask=inc, other=float("-inf")).to(tl.float32)
+        y = v
+        if SCALE:
+            y = tl.math.div_rn(v, temp)
+        thr_k = tl.where(k_cut, _pick(y, i, k - 1), -float("inf"))
+        beyond = k_cut & (ncand < vocab) & (_pick(y, i, ncand - 1) >= thr_k)
+        kept = inc & (y >= thr_k)
+        ym = tl.max(tl.where(kept, y, -float("inf")), axis=0)
+        lse = ym + tl.log(tl.sum(tl.where(kept, tl.exp(y - ym), 0.0), axis=0))
+        if (k >= vocab) & (p < 1.0):  # the top-p mass is relative to the whole row
+            lse, _, _ = _row_pass(logits_ptr + row * stride_row, logits_ptr, 0, 0, 0, 0, row,
+                                  vocab, temp, 0.0, pcol_ptr, pcol_ptr, width, 0, Q, SCALE,
+                                  False, False, False, False)
+        probs = tl.where(kept, tl.exp(y - lse), 0.0)
+        mass = tl.cumsum(probs, axis=0)
+        covered = k_cut | (p >= 1.0) | (ncand >= vocab) | (tl.max(mass, axis=0) >= p)
+        keep_n = tl.maximum(tl.sum((inc & ((mass - probs) < p)).to(tl.int32), axis=0), 1)
+        thr_p = tl.where(p < 1.0, _pick(y, i, keep_n - 1), -float("inf"))
+        tl.store(thr_ptr + row, tl.maximum(thr_k, thr_p))
+        tl.store(flag_ptr + row, (beyond | ~covered).to(tl.int32))
+
+
+def _quarter_block(vocab: int) -> int:
+    """Q: a row is read in blocks of 4 * Q columns, one Philox call per four columns."""
+    return max(16, min(512, triton.next_power_of_2(-(-vocab // 4))))  # 512: no spills
+
+
+def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Tensor,
+                row_index: torch.Tensor, temp: float | torch.Tensor, thr: torch.Tensor | None,
+                keys: tuple[int, int, int, int], out: torch.Tensor, race: bool,
+                noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Walk every request's tree on the device; fills ``out`` int32[B, 1 + 3W] (row b: number
+    accepted n, then W accepted columns, W emitted tokens, W emitted logprobs as float32 bits;
+    the first n, n + 1, n + 1 slots are meaningful).
+
+    ``tokens``/``parent_col``/``row_index`` are [B, W] as in TreeInputs; ``temp`` is one raw
+    temperature or float32[B] (0 = greedy); ``thr`` float32[R] truncation thresholds or None;
+    ``keys`` four int32-range Philox words (see ``philox_keys``); ``race`` is False only when
+    every request is greedy; ``noise`` (tests) replaces Philox: (uniforms per node [N],
+    uniforms per row and token [R, V]).
     """
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    rows, vocab = logits.shape
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return lse, argmax
-    per_row = isinstance(temp, torch.Tensor)
-    temp_t = temp.reshape(-1).float().contiguous() if per_row else lse  # unused when scalar
-    block = min(block, triton.next_power_of_2(vocab))
-    _row_stats_kernel[(rows,)](
-        logits, logits.stride(0), temp_t, float(temp) if not per_row else 1.0, lse, argmax,
-        vocab, PER_ROW_TEMP=per_row, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    num_req, width = tokens.shape
+    per_req = isinstance(temp, torch.Tensor)
+    _walk_kernel[(num_req,)](
+        logits, logits.stride(0), tokens, parent_col, row_index, width,
+        temp if per_req else out, 0.0 if per_req else float(temp),
+        thr if thr is not None else out,
+        noise[0] if noise is not None else out, noise[1] if noise is not None else out,
+        *keys, out, logits.shape[1],
+        Q=_quarter_block(logits.shape[1]), WPAD=max(2, triton.next_power_of_2(width)),
+        PER_REQ_TEMP=per_req, SCALE=per_req or float(temp) not in (0.0, 1.0),
+        HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None, num_warps=8,
     )
-    return lse, argmax
+
+
+def launch_thresholds(logits: torch.Tensor, candidates: torch.Tensor, parent_col: torch.Tensor,
+                      row_index: torch.Tensor, params: tuple, thr: torch.Tensor,
+                      flags: torch.Tensor) -> None:
+    """Fill ``thr`` float32[R] and ``flags`` int32[R] from ``candidates`` [R, n], the n largest
+    raw logits of every row, sorted descending. ``params`` is (temperature, top_k, top_p), each
+    a scalar for all requests or a [B] tensor."""
+    num_req, width = parent_col.shape
+    ncand = candidates.shape[1]
+    per_req = isinstance(params[0], torch.Tensor)
+    scalars = (0.0, 0, 1.0) if per_req else (float(params[0]), int(params[1]), float(params[2]))
+    ptrs = params if per_req else (thr, thr, thr)
+    _threshold_kernel[(num_req, width)](
+        logits, logits.stride(0), candidates.contiguous(), ncand, parent_col, row_index, width,
+        ptrs[0], scalars[0], ptrs[1], scalars[1], ptrs[2], scalars[2], thr, flags,
+        logits.shape[1], Q=_quarter_block(logits.shape[1]),
+        CPAD=max(2, triton.next_power_of_2(ncand)), PER_REQ=per_req,
+        SCALE=per_req or scalars[0] not in (0.0, 1.0), num_warps=4,
+    )
+
+
+_TAG = 0x2545F491  # in counter word 3: keeps our Philox counters apart from torch's own
+
+
+def philox_keys(generator: torch.Generator | None, device: torch.device) -> tuple[int, ...]:
+    """Four Philox words (key from the generator's seed, counter from its offset, which is
+    advanced so the next call draws fresh numbers), each as an int32-range int."""
+    if generator is None:
+        generator = (torch.cuda.default_generators[device.index or torch.cuda.current_device()]
+                     if device.type == "cuda" else torch.default_generator)
+    if generator.device.type == "cuda":
+        seed, offset = generator.initial_seed(), generator.get_offset()
+        generator.set_offset(offset + 4)
+    else:  # CPU generators (interpreter tests) have no offset: draw the counter from them
+        seed = generator.initial_seed()
+        offset = int(torch.randint(0, 2**62, (1,), generator=generator))
+    words = (seed, seed >> 32, offset, (offset >> 32) ^ _TAG)
+    return tuple(((w & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for w in words)

@@ -1,9 +1,16 @@
-"""build_tree_inputs against a per-node Python reference, and its input checks."""
+"""build_tree_inputs against a per-node Python reference, and its input checks.
+
+``ROLLOUT_SPEC_TEST_DEVICE=cuda`` builds on the GPU, from host and from device roots.
+"""
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from rollout_spec.tree import DraftBatch, build_tree_inputs
+from rollout_spec.tree import DraftBatch, build_tree_inputs, index_arrays
+
+DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
 
 
 def random_batch(rng: np.random.Generator, num_req: int, max_size: int, vocab: int) -> DraftBatch:
@@ -41,14 +48,19 @@ def reference_inputs(batch: DraftBatch, roots, root_pos, width):
     return ids, pos, mask, depth, np.array(flat)
 
 
+@pytest.mark.parametrize("roots_on", ["host", "device"])
 @pytest.mark.parametrize("seed", range(5))
-def test_matches_reference(seed):
+def test_matches_reference(seed, roots_on):
     rng = np.random.default_rng(seed)
     batch = random_batch(rng, num_req=7, max_size=9, vocab=50)
     roots = torch.from_numpy(rng.integers(0, 50, 7))
     root_pos = torch.from_numpy(rng.integers(0, 1000, 7))
     width = 1 + int(batch.sizes().max()) + seed % 2  # extra padding column on odd seeds
-    ti = build_tree_inputs(batch, roots, root_pos, "cpu", width=width)
+    place = DEVICE if roots_on == "device" else torch.device("cpu")
+    ti = build_tree_inputs(batch, roots.to(place), root_pos.to(place), DEVICE, width=width)
+    ti = type(ti)(**{f: getattr(ti, f).cpu() for f in ti.__dataclass_fields__ if f != "source"},
+                  source=ti.source)
+    assert ti.source is batch
     ids, pos, mask, depth, flat = reference_inputs(batch, roots.numpy(), root_pos.numpy(), width)
     valid = np.arange(width)[None, :] <= batch.sizes()[:, None]
     assert ti.width == width
@@ -65,6 +77,10 @@ def test_matches_reference(seed):
     expect = np.concatenate([[-1] + list(batch.parents[lo:hi] + 1)
                              for lo, hi in zip(batch.offsets[:-1], batch.offsets[1:])])
     np.testing.assert_array_equal(node_cols.numpy(), expect)
+    host = index_arrays(batch, width)  # what verify uploads when it has no TreeInputs
+    np.testing.assert_array_equal(host[0][:, 1:], ids[:, 1:])
+    np.testing.assert_array_equal(host[1], ti.parent_col.numpy())
+    np.testing.assert_array_equal(host[2], ti.row_index.numpy())
 
 
 def test_deep_chain_needs_every_jump():
@@ -100,8 +116,10 @@ def test_bad_arguments_name_the_field(kwargs, message):
 def test_malformed_batch_is_rejected():
     bad = DraftBatch(offsets=np.array([0, 2], np.int32), tokens=np.array([1, 2], np.int32),
                      parents=np.array([-1, 1], np.int32), probs=np.ones(2, np.float32))
-    with pytest.raises(ValueError, match="parents"):
-        build_tree_inputs(bad, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    for _ in range(2):  # a failed check is not remembered as valid
+        with pytest.raises(ValueError, match="parents"):
+            build_tree_inputs(bad, torch.zeros(1, dtype=torch.int64),
+                              torch.zeros(1, dtype=torch.int64))
 
 
 def test_byte_packing_round_trips():

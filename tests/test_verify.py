@@ -1,6 +1,10 @@
 """verify(): greedy equals the argmax walk, logprobs equal a reference, results are well formed
 and reproducible, bad input is refused. The sampling law itself is tested in test_verify_law.py.
+``ROLLOUT_SPEC_TEST_DEVICE=cuda`` runs the walk, logprob and reproducibility tests on a GPU (the
+fused Triton path); references stay on the CPU.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +18,13 @@ from rollout_spec.config import SamplingParams
 from rollout_spec.tree import DraftBatch, build_tree_inputs
 from rollout_spec.verify import verify
 from test_tree import random_batch
+
+DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
+
+
+def gen_on_device(seed: int) -> torch.Generator:
+    """A seeded generator on the test device."""
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 def reference_logprobs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -76,7 +87,7 @@ def draft_friendly_logits(batch: DraftBatch, vocab: int, seed: int) -> torch.Ten
 def test_greedy_is_the_argmax_walk(seed):
     batch = random_batch(np.random.default_rng(seed), num_req=12, max_size=10, vocab=6)
     logits = draft_friendly_logits(batch, 6, seed)
-    res = verify(logits, batch, SamplingParams(temperature=0))
+    res = verify(logits.to(DEVICE), batch, SamplingParams(temperature=0))
     for b in range(batch.num_requests):
         nodes, toks, lps = greedy_walk(logits, batch, b)
         got = split(res, b)
@@ -98,7 +109,7 @@ def test_paths_and_logprobs_match_reference(seed):
     batch = random_batch(np.random.default_rng(seed), num_req=40, max_size=8, vocab=7)
     logits = draft_friendly_logits(batch, 7, seed)
     params = [MIXED[b % len(MIXED)] for b in range(batch.num_requests)]
-    res = verify(logits, batch, params, torch.Generator().manual_seed(seed))
+    res = verify(logits.to(DEVICE), batch, params, gen_on_device(seed))
     for b in range(batch.num_requests):
         nodes, toks, lps = split(res, b)
         lo, col = int(batch.offsets[b]), 0
@@ -116,7 +127,7 @@ def test_paths_and_logprobs_match_reference(seed):
 def test_empty_batch_is_plain_sampling_with_same_logprobs():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
     params = [MIXED[b] for b in range(5)]
-    res = verify(logits, DraftBatch.empty(5), params, torch.Generator().manual_seed(0))
+    res = verify(logits.to(DEVICE), DraftBatch.empty(5), params, gen_on_device(0))
     assert res.num_accepted.tolist() == [0] * 5 and res.emitted_offsets.tolist() == list(range(6))
     for b in range(5):
         ref = reference_logprobs(logits[b], params[b])
@@ -128,7 +139,7 @@ def test_seeded_runs_reproduce_and_seeds_matter():
     batch = random_batch(np.random.default_rng(0), num_req=64, max_size=8, vocab=5)
     logits = draft_friendly_logits(batch, 5, 0)
     sp = SamplingParams(temperature=1.0)
-    runs = [verify(logits, batch, sp, torch.Generator().manual_seed(s)) for s in (3, 3, 4)]
+    runs = [verify(logits.to(DEVICE), batch, sp, gen_on_device(s)) for s in (3, 3, 4)]
     assert torch.equal(runs[0].emitted_tokens, runs[1].emitted_tokens)
     assert torch.equal(runs[0].accepted_nodes, runs[1].accepted_nodes)
     assert not torch.equal(runs[0].emitted_tokens, runs[2].emitted_tokens)
@@ -205,7 +216,7 @@ def test_large_vocab_top_p_logprobs_match_transformers():
                              generator=torch.Generator().manual_seed(8))
     params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.6, top_k=30),
               SamplingParams(temperature=1.0, top_p=0.95, top_k=500)] * 2
-    res = verify(logits, batch, params, torch.Generator().manual_seed(1)).host
+    res = verify(logits.to(DEVICE), batch, params, gen_on_device(1)).host
     for b in range(batch.num_requests):
         lo, col = int(batch.offsets[b]), 0
         e0, e1 = res.emitted_offsets[b : b + 2]

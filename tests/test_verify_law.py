@@ -7,7 +7,11 @@ Each node gets a chi-square test (cells with expected count < 5 pooled) and toke
 support must never appear. False-alarm rate: each test fails with probability <= ALPHA under a
 correct sampler (Bonferroni: every node's test runs at ALPHA / nodes tested). Conditionals of
 every prefix determine the joint law, so this covers whole emitted sequences.
+``ROLLOUT_SPEC_TEST_DEVICE=cuda`` runs the same tests on a GPU, i.e. through the fused Triton
+kernel and its own (Philox) random numbers.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +21,7 @@ from rollout_spec.tree import DraftBatch
 from rollout_spec.verify import verify
 from test_verify import reference_logprobs
 
+DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
 ALPHA = 1e-4
 N_SAMPLES = 200_000
 VOCAB = 8
@@ -60,7 +65,8 @@ def sample_emitted(nodes, logits, sampling, n: int, seed: int) -> np.ndarray:
         tokens=np.tile(one.tokens, n), parents=np.tile(one.parents, n),
         probs=np.tile(one.probs, n),
     )
-    res = verify(logits.repeat(n, 1), batch, sampling, torch.Generator().manual_seed(seed)).host
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    res = verify(logits.repeat(n, 1).to(DEVICE), batch, sampling, gen).host
     out = np.full((n, size + 1), -1, np.int64)
     out[np.arange(size + 1)[None, :] <= res.num_accepted[:, None]] = res.emitted_tokens
     return out

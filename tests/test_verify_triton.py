@@ -1,8 +1,12 @@
-"""The one-pass Triton row-statistics kernel against torch, and verify() through it.
+"""The fused walk kernel (verify_triton.py via verify_fused.py) against the torch reference.
 
-Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
+Given the same uniforms (injected in place of the kernel's Philox draws), the kernel must take
+every decision the reference takes: same accepted nodes, bonus tokens and logprobs, for greedy,
+sampling, truncation and mixed per-request parameters, duplicate siblings and rejected race
+winners. Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
 (TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed
-(CI's .venv has no triton).
+(CI's .venv has no triton). The law of the Philox draws is tested by test_verify_law.py with
+ROLLOUT_SPEC_TEST_DEVICE=cuda.
 """
 from __future__ import annotations
 
@@ -16,48 +20,128 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed")
 
+from rollout_spec import verify_fused as fused  # noqa: E402
 from rollout_spec.config import SamplingParams  # noqa: E402
-from rollout_spec.tree import DraftBatch  # noqa: E402
-from rollout_spec.verify import verify  # noqa: E402
-from rollout_spec.verify_triton import row_lse_argmax  # noqa: E402
+from rollout_spec.sampling import SamplingTable  # noqa: E402
+from rollout_spec.tree import DraftBatch, build_tree_inputs  # noqa: E402
+from rollout_spec.verify import verify, verify_torch  # noqa: E402
+from test_tree import random_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FIELDS = ("accepted_offsets", "accepted_nodes", "bonus", "emitted_offsets", "emitted_tokens",
+          "num_accepted")
+MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+         SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.3, top_p=0.6),
+         SamplingParams(temperature=0.9, top_k=5, top_p=0.8)]
+MODES = {
+    "greedy": SamplingParams(temperature=0),
+    "t1.0": SamplingParams(temperature=1.0),
+    "t0.7": SamplingParams(temperature=0.7),
+    "k3": SamplingParams(temperature=1.0, top_k=3),
+    "p0.6": SamplingParams(temperature=1.3, top_p=0.6),
+    "k5_p0.8": SamplingParams(temperature=0.9, top_k=5, top_p=0.8),
+    "mixed": MIXED,
+}
 
 
-@pytest.mark.parametrize("vocab, block", [(7, 4096), (1000, 256), (3000, 1024)])
-@pytest.mark.parametrize("temp", [1.0, 0.7, "per_row"])
-def test_lse_and_argmax_match_torch(vocab, block, temp):
-    gen = torch.Generator().manual_seed(vocab)
-    x = 3 * torch.randn(5, vocab, generator=gen)
-    x[1] = -float("inf")  # a masked row with a single finite entry
-    x[1, vocab // 2] = 2.0
-    x[2, 3] = x[2].max() + 1  # a tie: the first index wins, as in torch
-    x[2, vocab - 1] = x[2, 3]
-    x = x.to(DEVICE)
-    t = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3], device=DEVICE) if temp == "per_row" else temp
-    lse, am = row_lse_argmax(x, t, block=block)
-    ref = torch.logsumexp(x / (t[:, None] if temp == "per_row" else t), dim=-1)
-    torch.testing.assert_close(lse, ref, atol=1e-5, rtol=1e-6)
-    assert torch.equal(am, x.argmax(dim=-1))
+def friendly_logits(batch: DraftBatch, vocab: int, seed: int) -> torch.Tensor:
+    """Random logits whose parent rows mostly favour the drafted token (deep accepts)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(batch.num_requests + batch.num_nodes, vocab, generator=gen)
+    for b in range(batch.num_requests):
+        lo = int(batch.offsets[b])
+        for j in range(int(batch.sizes()[b])):
+            if torch.rand((), generator=gen) < 0.7:
+                logits[lo + b + int(batch.parents[lo + j]) + 1, batch.tokens[lo + j]] += 3.0
+    return logits
+
+
+def both_paths(logits, batch, params, seed, tree=None):
+    """(kernel, reference) HostVerifyResults on the same injected uniforms."""
+    table = SamplingTable.from_params(params, batch.num_requests)
+    gen = torch.Generator().manual_seed(seed)
+    noise = (torch.rand(batch.num_nodes, generator=gen).to(DEVICE),
+             torch.rand(logits.shape, generator=gen).to(DEVICE))
+    logits = logits.to(DEVICE)
+    return (fused.verify_fused(logits, batch, table, None, tree, noise=noise),
+            verify_torch(logits, batch, table, None, noise=noise))
+
+
+def assert_same(got, ref) -> None:
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+    np.testing.assert_allclose(got.emitted_logprobs, ref.emitted_logprobs, atol=2e-5)
+
+
+@pytest.mark.parametrize("vocab", [7, 300])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_kernel_takes_the_reference_decisions(mode, vocab):
+    seed = list(MODES).index(mode) * 10 + vocab % 7
+    batch = random_batch(np.random.default_rng(seed), num_req=10, max_size=8, vocab=6)
+    params = MODES[mode]
+    if isinstance(params, list):
+        params = [params[b % len(params)] for b in range(batch.num_requests)]
+    got, ref = both_paths(friendly_logits(batch, vocab, seed), batch, params, seed)
+    assert_same(got, ref)
+
+
+def test_rejected_race_winners_are_raced_again():
+    """Many final rows whose unconstrained race winner is a rejected child: the kernel's second
+    pass over the other tokens must give the reference's residual draw."""
+    batch = DraftBatch.from_lists([[(t, -1) for t in range(4)]] * 24)  # wide roots, V=6
+    logits = torch.zeros(batch.num_requests * 5, 6)
+    got, ref = both_paths(logits, batch, SamplingParams(temperature=1.0), 3)
+    assert_same(got, ref)
+    assert (ref.num_accepted == 0).sum() >= 3  # several roots rejected all four children
+
+
+@pytest.mark.parametrize("case", ["flat_top_p", "tie_at_top_k"])
+def test_undecided_cuts_fall_back_to_the_full_sort(case, monkeypatch):
+    calls = []
+    exact = fused._exact_thresholds
+    monkeypatch.setattr(fused, "_exact_thresholds", lambda *a: calls.append(1) or exact(*a))
+    batch = random_batch(np.random.default_rng(4), num_req=4, max_size=3, vocab=6)
+    rows = batch.num_requests + batch.num_nodes
+    if case == "flat_top_p":  # 0.9 of the mass needs more than the 1024 candidates
+        logits = 0.01 * torch.randn(rows, 1500, generator=torch.Generator().manual_seed(4))
+        params = SamplingParams(temperature=1.0, top_p=0.9)
+    else:  # the 5th largest value ties with everything below it
+        logits = torch.zeros(rows, 1500)
+        logits[:, :3] = 2.0
+        params = SamplingParams(temperature=0.8, top_k=5)
+    got, ref = both_paths(logits, batch, params, 5)
+    assert_same(got, ref)
+    assert calls, "the candidates were trusted where they could not decide the cut"
+
+
+def test_tree_inputs_of_the_batch_are_reused(monkeypatch):
+    batch = random_batch(np.random.default_rng(6), num_req=9, max_size=6, vocab=6)
+    logits = friendly_logits(batch, 40, 6)
+    zeros = torch.zeros(batch.num_requests, dtype=torch.int64)
+    tree = build_tree_inputs(batch, zeros, zeros, DEVICE, width=9)  # wider than needed
+    plain = both_paths(logits, batch, SamplingParams(temperature=0.8, top_p=0.9), 1)[0]
+    monkeypatch.setattr(fused, "index_arrays", lambda *a: pytest.fail("rebuilt index arrays"))
+    reused = both_paths(logits, batch, SamplingParams(temperature=0.8, top_p=0.9), 1, tree)[0]
+    assert_same(reused, plain)
 
 
 def test_bfloat16_logits_are_read_in_float32():
-    x = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    lse, am = row_lse_argmax(x.to(DEVICE), 1.0, block=128)
-    torch.testing.assert_close(lse, torch.logsumexp(x.float().to(DEVICE), -1), atol=1e-5, rtol=1e-6)
-    assert torch.equal(am, x.to(DEVICE).argmax(-1))
+    batch = random_batch(np.random.default_rng(7), num_req=8, max_size=5, vocab=6)
+    logits = friendly_logits(batch, 50, 7).to(torch.bfloat16)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=4)):
+        got, ref = both_paths(logits, batch, params, 7)
+        assert_same(got, ref)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
-                                      SamplingParams(temperature=0.8),
-                                      [SamplingParams(temperature=0.0), SamplingParams(temperature=1.2)]])
-def test_verify_agrees_across_backends(sampling):
-    batch = DraftBatch.from_lists([[(1, -1), (2, 0), (3, 0)], [(4, -1), (5, 0)]])
-    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    logits[0, 1] += 6  # make some drafts acceptable
-    logits[1, 2] += 6
-    out = [verify(logits, batch, sampling,
-                  torch.Generator(device=DEVICE).manual_seed(0), backend=b).host
-           for b in ("torch", "triton")]
-    np.testing.assert_array_equal(out[0].emitted_tokens, out[1].emitted_tokens)
-    np.testing.assert_allclose(out[0].emitted_logprobs, out[1].emitted_logprobs, atol=1e-5)
+def test_seeded_runs_reproduce_and_seeds_matter():
+    batch = random_batch(np.random.default_rng(8), num_req=32, max_size=6, vocab=5)
+    logits = friendly_logits(batch, 20, 8).to(DEVICE)
+    sp = SamplingParams(temperature=1.0)
+    runs = [verify(logits, batch, sp, torch.Generator(device=DEVICE).manual_seed(s),
+                   backend="triton").host for s in (3, 3, 4)]
+    np.testing.assert_array_equal(runs[0].emitted_tokens, runs[1].emitted_tokens)
+    np.testing.assert_array_equal(runs[0].accepted_nodes, runs[1].accepted_nodes)
+    assert not np.array_equal(runs[0].emitted_tokens, runs[2].emitted_tokens)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)  # one generator: each call draws anew
+    again = [verify(logits, batch, sp, gen, backend="triton").host for _ in range(2)]
+    assert not np.array_equal(again[0].emitted_tokens, again[1].emitted_tokens)

@@ -1,0 +1,116 @@
+"""The GPU path of ``verify``: the tree walk runs in verify_triton's kernel, the host only packs
+inputs and unpacks one small result.
+
+Per step: no upload when the engine passes the TreeInputs of this batch and all requests share
+their sampling parameters (one small upload otherwise), ``torch.topk`` plus one threshold kernel
+when top-k/top-p truncate, one walk kernel, one device-to-host copy. The law and the reported
+log-probabilities are those of the torch reference in verify.py (tests compare the two on the
+same uniforms); only the source of randomness differs (Philox inside the kernel).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rollout_spec.sampling import TOP_P_CANDIDATES, SamplingTable, effective_temperature, row_stats
+from rollout_spec.tree import DraftBatch, TreeInputs, index_arrays, to_device
+from rollout_spec.verify import HostVerifyResult
+from rollout_spec.verify_triton import (
+    MAX_CANDIDATES,
+    OUT_FIELDS,
+    launch_thresholds,
+    launch_walk,
+    philox_keys,
+)
+
+
+def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
+                 generator: torch.Generator | None, tree: TreeInputs | None,
+                 noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> HostVerifyResult:
+    """Verify validated inputs with the walk kernel; results on the host.
+
+    ``noise`` (tests only) replaces the kernel's Philox draws, see ``launch_walk``.
+    """
+    dev, num_req, vocab = logits.device, batch.num_requests, logits.shape[1]
+    own_tree = tree is not None and tree.source is batch  # the forward's arrays: no upload
+    width = tree.width if own_tree else 1 + int(batch.sizes().max(initial=0))
+    truncating = table.truncates(vocab)
+    host = [] if own_tree else list(index_arrays(batch, width))
+    if not table.uniform:  # per-request parameters travel with the index arrays
+        host += [table.temperature] + ([table.top_k, table.top_p] if truncating else [])
+    uploaded = to_device(host, dev) if host else []
+    if own_tree:
+        cells, params = [tree.input_ids, tree.parent_col, tree.row_index], uploaded
+    else:
+        cells, params = uploaded[:3], uploaded[3:]
+    temp: float | torch.Tensor = params[0] if params else float(table.temperature[0])
+    rows, walk_size = num_req + batch.num_nodes, num_req * (1 + OUT_FIELDS.value * width)
+    out = torch.empty(walk_size + (rows if truncating else 0), dtype=torch.int32, device=dev)
+    thr, checked = None, False
+    if truncating:
+        thr = _candidate_thresholds(logits, table, cells, params, out[walk_size:])
+        checked = thr is not None
+        if thr is None:
+            thr = _exact_thresholds(logits, table, batch)
+    keys = philox_keys(generator, dev)
+    launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
+    got = out.cpu().numpy()
+    if checked and got[walk_size:].any():  # rare: some cut lies past its candidates
+        thr = _exact_thresholds(logits, table, batch)
+        launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
+        got = out.cpu().numpy()
+    return _unpack(got[:walk_size].reshape(num_req, -1), width)
+
+
+def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: list[torch.Tensor],
+                          params: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor | None:
+    """float32[R] thresholds from each row's largest logits (torch.topk, then one kernel);
+    ``flags`` marks rows the candidates cannot decide. None when too many candidates are
+    needed (a top-k beyond MAX_CANDIDATES)."""
+    vocab = logits.shape[1]
+    sampling = table.temperature > 0
+    top_k = np.where(sampling & (table.top_k > 0), np.minimum(table.top_k, vocab), vocab)
+    k_cut = top_k < vocab
+    need_p = bool((~k_cut & sampling & (table.top_p < 1)).any())
+    # One more than the largest k: a tie of the k-th value continuing past the list shows.
+    ncand = min(vocab, max(int(top_k[k_cut].max(initial=0)) + 1, TOP_P_CANDIDATES * need_p))
+    if ncand > MAX_CANDIDATES:
+        return None
+    candidates = torch.topk(logits, ncand, dim=-1).values
+    thr = torch.empty(flags.shape[0], dtype=torch.float32, device=logits.device)
+    per_request = tuple(params) if params else (table.temperature[0], table.top_k[0],
+                                                table.top_p[0])
+    launch_thresholds(logits, candidates, cells[1], cells[2], per_request, thr, flags)
+    return thr
+
+
+def _exact_thresholds(logits: torch.Tensor, table: SamplingTable, batch: DraftBatch
+                      ) -> torch.Tensor:
+    """float32[R] thresholds by the torch reference (sorts whole rows where it must)."""
+    rows_per_req = batch.sizes() + 1
+    temp_rows = None
+    if not table.uniform:
+        temps = np.repeat(effective_temperature(table), rows_per_req)
+        temp_rows = torch.from_numpy(temps).to(logits.device)
+    return row_stats(logits, table, rows_per_req, False, temp_rows).thr
+
+
+def _unpack(got: np.ndarray, width: int) -> HostVerifyResult:
+    """CSR results from the kernel's padded rows [n, columns[W], tokens[W], logprobs[W]]."""
+    num_req = got.shape[0]
+    num_acc = got[:, 0].astype(np.int64)
+    cols = np.arange(width)
+    acc_mask = cols < num_acc[:, None]
+    em_mask = cols <= num_acc[:, None]
+    tokens = got[:, 1 + width : 1 + 2 * width]
+    acc_off = np.zeros(num_req + 1, np.int64)
+    np.cumsum(num_acc, out=acc_off[1:])
+    return HostVerifyResult(
+        accepted_offsets=acc_off,
+        accepted_nodes=got[:, 1 : 1 + width][acc_mask].astype(np.int64) - 1,
+        bonus=tokens[np.arange(num_req), num_acc].astype(np.int64),
+        emitted_offsets=acc_off + np.arange(num_req + 1, dtype=np.int64),
+        emitted_tokens=tokens[em_mask].astype(np.int64),
+        emitted_logprobs=got[:, 1 + 2 * width :].view(np.float32)[em_mask],
+        num_accepted=num_acc,
+    )
