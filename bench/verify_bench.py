@@ -1,18 +1,25 @@
 """Cost of tree-input building plus verification per step, next to the verify forward it serves.
 
 For every batch size B and draft budget (nodes per request) it times, in one run:
-  build   build_tree_inputs (host index math, two host-to-device copies, device ids/positions)
-  verify  verify(logits, ...) for each sampling mode and row-statistics backend ("torch", or
-          "auto" = the one-pass Triton kernel on CUDA; truncating modes always sort in torch),
-          fp32 logits [B + N, 49152] as the engine passes them; results read from ``.host``
+  build   build_tree_inputs with the roots on the device, as the engine passes them today (host
+          index math, one pinned upload, two small kernels); ``build_h``: roots on the host (no
+          kernel at all)
+  verify  verify(logits, ..., tree=the forward's TreeInputs) for each sampling mode and backend:
+          "torch" (the reference: torch row statistics, numpy walk, two round trips) and "auto"
+          (on CUDA the fused Triton walk of verify_triton.py), fp32 logits [B + N, 49152] as the
+          engine passes them; results read from ``.host``
   forward one forward of a SmolLM2-135M-shaped Llama (random weights, transformers, SDPA, bf16 on
           CUDA / fp32 on CPU) over the B x W tree tokens with a 4-D tree mask and a 512-token KV
           cache per request: an approximation of the engine's verify forward (its own model and
           attention kernel may be faster, which would raise the ratio).
 Trees are random with exactly ``budget`` nodes (chains with random branching). Times are medians.
+``(b+v)/fwd`` is (build + verify) over that forward; ``/step`` is the same cost over
+``--step-ms`` (default 4.5 ms: the engine's own CUDA-graphed verify step at B=64, W=9, as
+bench/engine_bench.py --mode steps measured it on an H100).
 
-    python bench/verify_bench.py --device cuda        # < 2 minutes on one H100
+    python bench/verify_bench.py --device cuda        # about a minute on one H100
     python bench/verify_bench.py --device cpu         # B in {1, 64}, budgets {4, 8} by default
+    python bench/verify_bench.py --device cuda --profile   # where the time goes at B=64, budget 8
 """
 from __future__ import annotations
 
@@ -112,6 +119,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 CUDA, 3 CPU)")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
+    ap.add_argument("--step-ms", type=float, default=4.5, help="engine verify step to compare with")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler tables of build and verify at B=64, budget 8 instead")
     args = ap.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -120,15 +130,17 @@ def main() -> None:
     sizes = args.batch_sizes or ("1,64,256" if gpu else "1,64")
     budgets = args.budgets or ("4,8,16" if gpu else "4,8")
     variants = [(m, b) for m in args.modes.split(",")
-                for b in (args.backends or ("torch,auto" if gpu else "torch")).split(",")
-                if b == "torch" or MODES[m].top_p == 1 and MODES[m].top_k < 0]
+                for b in (args.backends or ("torch,auto" if gpu else "torch")).split(",")]
+    if args.profile:
+        profile(variants, device)
+        return
     model = None if args.no_forward else make_model(device)
     rows = []
     for num_req in map(int, sizes.split(",")):
         for budget in map(int, budgets.split(",")):
             rows.extend(bench_point(num_req, budget, variants, model, args.context, device, reps,
                                     warmup))
-    print_table(rows, device)
+    print_table(rows, device, args.step_ms)
 
 
 def bench_point(num_req, budget, variants, model, context, device, reps, warmup) -> list[dict]:
@@ -140,6 +152,9 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
     ti = build_tree_inputs(batch, roots, root_pos, device)
     build = median_ms(lambda: build_tree_inputs(batch, roots, root_pos, device), device, reps,
                       warmup)
+    roots_h, pos_h = roots.cpu(), root_pos.cpu()
+    build_h = median_ms(lambda: build_tree_inputs(batch, roots_h, pos_h, device), device, reps,
+                        warmup)
     logits = 3 * torch.randn(num_req + batch.num_nodes, VOCAB, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     fwd = float("nan") if model is None else forward_ms(
@@ -150,23 +165,53 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
         ver = median_ms(lambda: verify(logits, batch, sp, gen, tree=ti, backend=backend).host,
                         device, reps, warmup)
         out.append(dict(B=num_req, budget=budget, W=ti.width, mode=mode, backend=backend,
-                        build=build, verify=ver, forward=fwd))
+                        build=build, build_h=build_h, verify=ver, forward=fwd))
     return out
 
 
-def print_table(rows: list[dict], device: torch.device) -> None:
-    """One line per (B, budget, mode); ratio = (build + verify) / forward."""
+def print_table(rows: list[dict], device: torch.device, step_ms: float) -> None:
+    """One line per (B, budget, mode, backend); ratios of (build + verify)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     head = f"{'B':>4} {'budget':>6} {'W':>3} {'mode':>14} {'backend':>8} {'build ms':>9} " \
-           f"{'verify ms':>10} {'forward ms':>11} {'(b+v)/fwd':>10}"
+           f"{'build_h':>8} {'verify ms':>10} {'forward ms':>11} {'(b+v)/fwd':>10} " \
+           f"{'/' + format(step_ms, 'g') + 'ms':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        ratio = (r["build"] + r["verify"]) / r["forward"] * 100
+        cost = r["build"] + r["verify"]
         print(f"{r['B']:>4} {r['budget']:>6} {r['W']:>3} {r['mode']:>14} {r['backend']:>8} "
-              f"{r['build']:>9.3f} "
-              f"{r['verify']:>10.3f} {r['forward']:>11.2f} {ratio:>9.1f}%")
+              f"{r['build']:>9.3f} {r['build_h']:>8.3f} {r['verify']:>10.3f} "
+              f"{r['forward']:>11.2f} {cost / r['forward'] * 100:>9.1f}% "
+              f"{cost / step_ms * 100:>7.1f}%")
+
+
+def profile(variants: list[tuple[str, str]], device: torch.device) -> None:
+    """torch.profiler tables (ten calls each) of build and of every verify variant at B=64,
+    budget 8: kernel launches, copies and synchronisations by name."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    batch = random_trees(64, 8, np.random.default_rng(6408))
+    roots = torch.randint(0, VOCAB, (64,), device=device)
+    pos = torch.full((64,), 512, dtype=torch.int64, device=device)
+    ti = build_tree_inputs(batch, roots, pos, device)
+    logits = 3 * torch.randn(64 + batch.num_nodes, VOCAB, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    jobs = [("build", lambda: build_tree_inputs(batch, roots, pos, device))] + [
+        (f"verify {m} {b}", lambda m=m, b=b: verify(logits, batch, MODES[m], gen, tree=ti,
+                                                    backend=b).host) for m, b in variants]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, fn in jobs:
+        for _ in range(3):
+            fn()  # compile and warm up outside the trace
+        with torch_profile(activities=acts) as prof:
+            for _ in range(10):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        print(f"== {name} (10 calls)")
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48))
 
 
 if __name__ == "__main__":
