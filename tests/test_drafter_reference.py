@@ -1,8 +1,10 @@
 """Random operation sequences: the C++ drafter against a slow pure-Python model of its semantics.
 
 ``RefDrafter`` restates docs/drafter.md's rules with plain lists (no hashing, no chains): scopes,
-newest-first occurrence search per key length, weighted continuation trie, best-first expansion,
-eviction by (step, creation order), aging at end_step. Proposals must match node for node.
+newest-first occurrence search per key length, per-request match state (occurrences advanced by
+extend, searched again when too few survive or too many tokens passed), weighted continuation
+trie, best-first expansion, eviction by (step, creation order), aging at end_step. Proposals must
+match node for node.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ KEYS = (8, 4, 2, 1)
 class RefDrafter:
     """Pure-Python model of DrafterCore (exact same outputs, none of its speed)."""
 
-    def __init__(self, cfg: SpecConfig, capacity: int):
+    def __init__(self, cfg: SpecConfig, capacity: int, regather: tuple[int, int]):
         self.cfg, self.capacity = cfg, capacity
+        self.regather_below, self.regather_every = regather
+        self.match: dict[int, dict] = {}  # per live request: occ, since (tokens), gathered
         self.weights = (cfg.request_weight, cfg.group_weight, cfg.global_weight)
         self.seqs: list[dict] = []
         self.free: list[int] = []
@@ -78,10 +82,24 @@ class RefDrafter:
             self.seqs[v] = dict(tokens=[], alive=False, live=False, pinned=False, group=-1, step=0, order=0)
             freed.append(v)
         if freed:
+            self._drop_matches()
             for index in [self.glob, *self.groups.values()]:
                 for ki in range(len(KEYS)):
                     index[ki] = [r for r in index[ki] if self.seqs[r[0]]["alive"]]
             self.free.extend(freed)
+
+    def _drop_matches(self) -> None:
+        for m in self.match.values():
+            m.update(occ=[], gathered=False)
+
+    def _advance(self, rid: int, new: list) -> None:
+        m, k = self.match[rid], len(new)
+        kept = []
+        for seq, pos, length, scope in m["occ"]:
+            toks = self.seqs[seq]["tokens"]
+            if pos + k + 1 < len(toks) and toks[pos + 1:pos + 1 + k] == new:
+                kept.append((seq, pos + k, min(length + k, self.cfg.max_match_len), scope))
+        m["occ"], m["since"] = kept, m["since"] + k
 
     # -- operations
     def start(self, ids, groups, prompts):
@@ -90,6 +108,7 @@ class RefDrafter:
             self.stored += len(p)
             self.reqs[rid] = slot
             self.own[rid] = [[] for _ in KEYS]
+            self.match[rid] = dict(occ=[], since=0, gathered=False)
             for pos in range(len(p)):
                 self._index(slot, self.own[rid], pos)
         self._evict()
@@ -104,13 +123,15 @@ class RefDrafter:
             self.stored += len(toks)
             for pos in range(first, len(s["tokens"])):
                 self._index(slot, self.own[rid], pos)
+            if self.match[rid]["gathered"]:
+                self._advance(rid, list(toks))
         self._evict()
 
     def finish(self, ids):
         for rid in ids:
             s = self.seqs[self.reqs.pop(rid)]
             s.update(live=False, step=self.step)
-            del self.own[rid]
+            del self.own[rid], self.match[rid]
         self._evict()
 
     def add(self, groups, seqs):
@@ -125,6 +146,7 @@ class RefDrafter:
 
     def end_step(self):
         self.step += 1
+        self._drop_matches()
         for g, index in self.groups.items():
             for ki in range(len(KEYS)):
                 index[ki] = [r for r in index[ki] if self._in_group(r[0], -1, g)]
@@ -223,20 +245,25 @@ class RefDrafter:
     def propose(self, ids, budgets):
         left, trees = self.cfg.max_batch_draft_tokens, []
         for rid, b in zip(ids, budgets):
-            budget = min(b, left)
-            tree = self._build(self._gather(rid), budget) if budget > 0 else []
+            budget, m = min(b, left), self.match[rid]
+            if budget > 0 and (not m["gathered"] or m["since"] >= self.regather_every
+                               or len(m["occ"]) < self.regather_below):
+                m.update(occ=self._gather(rid), since=0, gathered=True)
+            tree = self._build(m["occ"], budget) if budget > 0 else []
             left -= len(tree)
             trees.append(tree)
         return trees
 
 
-def make_pair(cfg: SpecConfig, capacity: int) -> tuple[NgramDrafter, RefDrafter]:
-    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens)."""
+def make_pair(cfg: SpecConfig, capacity: int, regather: tuple[int, int]) -> tuple[NgramDrafter, RefDrafter]:
+    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens) and the
+    given match-state refresh rule (small values make reuse and refresh both happen often)."""
     d = NgramDrafter(cfg)
     core_cfg = _core_config(cfg)
     core_cfg.capacity_tokens = capacity
+    core_cfg.regather_below, core_cfg.regather_every = regather
     d._core = _core.DrafterCore(core_cfg)
-    return d, RefDrafter(cfg, capacity)
+    return d, RefDrafter(cfg, capacity, regather)
 
 
 def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
@@ -246,12 +273,27 @@ def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
             for b in range(batch.num_requests)]
 
 
-tokens_st = st.lists(st.integers(0, 4), min_size=0, max_size=12)
+def best_path(tree: list[tuple[int, int, np.float32]]) -> list[int]:
+    """Tokens along the first child at every level (siblings are ordered best first)."""
+    path, cur = [], -1
+    for i, (tok, parent, _) in enumerate(tree):
+        if parent == cur:
+            path.append(tok)
+            cur = i
+    return path
+
+
+# A 3-token vocabulary: matches are long and occurrences survive many extends, so reuse and
+# refresh of the match state are both exercised.
+tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=12)
 op_st = st.one_of(
-    st.tuples(st.just("start"), st.lists(st.integers(0, 4), min_size=1, max_size=10), st.sampled_from([None, 0, 1, 2])),
+    st.tuples(st.just("start"), st.lists(st.integers(0, 2), min_size=1, max_size=10), st.sampled_from([None, 0, 1, 2])),
     st.tuples(st.just("extend"), st.integers(0, 7), tokens_st),
     st.tuples(st.just("finish"), st.integers(0, 7)),
     st.tuples(st.just("propose"), st.integers(0, 3), st.integers(0, 9)),
+    # an engine step: propose, accept the first n nodes of the best path, commit them + a bonus
+    # (bonus -1: none, as when a request is cut at its length limit)
+    st.tuples(st.just("accept"), st.integers(0, 7), st.integers(0, 4), st.integers(-1, 2)),
     st.tuples(st.just("add"), st.sampled_from([None, 0, 1, 3]), tokens_st),
     st.tuples(st.just("end_step")),
 )
@@ -272,9 +314,10 @@ config_st = st.builds(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=config_st, capacity=st.integers(20, 80), ops=st.lists(op_st, min_size=1, max_size=40))
-def test_random_operations_match_reference(cfg, capacity, ops):
-    d, ref = make_pair(cfg, capacity)
+@given(cfg=config_st, capacity=st.integers(20, 80), ops=st.lists(op_st, min_size=1, max_size=40),
+       regather=st.tuples(st.integers(1, 4), st.integers(1, 12)))
+def test_random_operations_match_reference(cfg, capacity, ops, regather):
+    d, ref = make_pair(cfg, capacity, regather)
     live: list[int] = []
     next_id = 0
     for op in ops:
@@ -296,6 +339,13 @@ def test_random_operations_match_reference(cfg, capacity, ops):
             budgets = [op[2]] * len(ids)
             got = as_lists(d.propose(ids, budgets))
             assert got == ref.propose(ids, budgets)
+        elif op[0] == "accept" and live:
+            rid = live[op[1] % len(live)]
+            got = as_lists(d.propose([rid]))
+            assert got == ref.propose([rid], [cfg.num_draft_tokens])
+            path = best_path(got[0])[:op[2]] + ([op[3]] if op[3] >= 0 else [])
+            d.extend(rid, path)
+            ref.extend([rid], [path])
         elif op[0] == "add":
             d.add_sequences([op[1]], [op[2]])
             ref.add([-1 if op[1] is None else op[1]], [op[2]])
