@@ -97,6 +97,43 @@ def test_real_create_vllm_engines_starts_our_engine_actor(local_ray, monkeypatch
     assert vllm_engine.RolloutRayActor is RolloutRayActor  # restored after the factory ran
 
 
+def test_real_dispatch_sends_each_prompt_to_its_groups_engine(local_ray):
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    from rollout_spec.distributed import GroupRouter, group_key
+    from rollout_spec.integrations.openrlhf.routing import route_dispatch_by_group
+
+    @ray.remote(num_cpus=0)
+    class Engine:  # the two RolloutRayActor methods OpenRLHF's dispatch calls
+        def __init__(self, index):
+            self.index = index
+
+        def get_num_unfinished_requests(self):
+            return 0
+
+        def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images):
+            return self.index, prompt, label, num_samples, sampling_params.temperature
+
+    def tokenizer(text, add_special_tokens):
+        return {"input_ids": [ord(c) for c in text]}
+
+    args = SimpleNamespace(rollout=SimpleNamespace(n_samples_per_prompt=4),
+                           algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="off")))
+    engines = [Engine.remote(i) for i in range(3)]
+    generator = SamplesGenerator(SimpleNamespace(args=args), None, None, tokenizer, engines)
+    route_dispatch_by_group(generator)
+    prompts = [f"question {i}" for i in range(9)]
+    refs = generator._dispatch_prompts_to_vllm(prompts, [f"a{i}" for i in range(9)], temperature=0.7,
+                                               max_new_tokens=16)
+    got = ray.get(refs, timeout=120)
+    placed = GroupRouter(3).assign([group_key([ord(c) for c in p]) for p in prompts], weights=[4] * 9)
+    assert [g[0] for g in got] == placed.tolist() and [g[1] for g in got] == prompts
+    assert {g[3] for g in got} == {4} and {g[4] for g in got} == {0.7}  # OpenRLHF's own parameters
+    assert generator.vllm_engines == engines
+
+
 def test_example_script_uses_only_flags_openrlhf_defines():
     import importlib.util
     import re

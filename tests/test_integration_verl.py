@@ -145,8 +145,6 @@ def test_verl_still_has_the_shape_the_hook_relies_on():
     rollout_cfg = (VERL / "workers/config/rollout.py").read_text()
     assert "custom: Optional[dict] = None" in rollout_cfg and '"engine_kwargs"' in rollout_cfg
     # scale-out (replicas.py): replica start methods, the servers' rank, the router factory
-    import ast
-
     starts = {f.name: [a.arg for a in f.args.args] for f in ast.walk(ast.parse(replica))
               if isinstance(f, ast.AsyncFunctionDef) and f.name.startswith("init_")}
     for name, params in (("init_hybrid", ["self", "worker_group"]), ("init_standalone", ["self"]),
@@ -233,3 +231,25 @@ def test_real_rollout_config_with_the_flag():
     install_engine_kwargs(real, SpecConfig(num_draft_tokens=5), "sglang")
     assert real.engine_kwargs["sglang"]["speculative_num_draft_tokens"] == 6
     assert FLAG_PATH.endswith("custom.speculative")
+
+
+@needs_verl_runtime
+def test_router_hook_replaces_verls_default_balancer_for_our_servers(monkeypatch):
+    import weakref
+
+    import ray
+    from verl.workers.rollout import router as verl_router
+
+    from rollout_spec.integrations.verl import replicas
+
+    class Replica:  # what the hook reads from our replica objects
+        _server_address = "10.0.0.1:8000"
+
+    ours = Replica()
+    monkeypatch.setattr(verl_router, "get_router_handle", verl_router.get_router_handle)  # undone after
+    monkeypatch.setattr(replicas, "_SPEC_REPLICAS", weakref.WeakSet([ours]))
+    assert replicas.install_router_hook() and not replicas.install_router_hook()
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
+    lb = verl_router.get_router_handle({ours._server_address: "handle"})
+    assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == [ours._server_address]
+    assert lb.require_acquire_fields() == ["prompt_ids"]
