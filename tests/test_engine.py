@@ -272,6 +272,8 @@ def test_unknown_model_and_bad_arguments() -> None:
         RolloutEngine(model, None, None, num_slots=0)
     with pytest.raises(TypeError, match="lacks"):
         RolloutEngine(model, None, object())
+    with pytest.raises(ValueError, match="verify_backend"):
+        RolloutEngine(model, None, None, verify_backend="cuda")
     with pytest.raises(ValueError, match="tokenizer"):
         engine(model).generate(["hello"], SamplingParams())
 

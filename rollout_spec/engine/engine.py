@@ -57,6 +57,8 @@ class RolloutEngine:
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
         overlap_drafter: run the drafter's bookkeeping (start/extend/finish) on a worker thread
             while the next forward runs (``drafter_queue``); outputs are identical either way.
+        verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
+            "triton").
 
     ``phase_seconds`` accumulates the decode steps' wall time by phase (budget + propose,
     tree inputs + forward + verification, commit) and their count, for profiling.
@@ -76,6 +78,7 @@ class RolloutEngine:
         max_draft_tokens: int = 64,
         cuda_graphs: bool = True,
         overlap_drafter: bool = True,
+        verify_backend: str = "auto",
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.num_slots = check_int("num_slots", num_slots, 1, 1 << 20)
@@ -84,6 +87,9 @@ class RolloutEngine:
         self.max_model_len = check_int("max_model_len", max_model_len, 2, limit)
         self.max_prefill_tokens = check_int("max_prefill_tokens", max_prefill_tokens, 1, 1 << 30)
         self.max_draft_tokens = check_int("max_draft_tokens", max_draft_tokens, 0, 1024)
+        if verify_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"verify_backend must be 'auto', 'torch' or 'triton', got {verify_backend!r}")
+        self.verify_backend = verify_backend
         self._drafter = _make_drafter(spec)
         self._queue = DrafterQueue(overlap_drafter)
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
@@ -196,7 +202,8 @@ class RolloutEngine:
         logits = self.runner.prefill(groups)
         seqs = [s for g in groups for s in g]
         rows = torch.as_tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
-        res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs), generator)
+        res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs), generator,
+                     backend=self.verify_backend)
         if self._drafter is not None:
             self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
                                [s.prompt for s in seqs], [s.group_id for s in seqs])
@@ -212,7 +219,7 @@ class RolloutEngine:
         batch = self._propose(run, budgets)
         t1 = self.clock()
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
-        res = verify(logits, batch, _params_of(seqs), generator, tree=tree)
+        res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run.ctx_len, run.prompt_len, run.out_len, run.max_new,
                                 run.slot)
