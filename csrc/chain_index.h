@@ -1,10 +1,13 @@
 // Hash chains over stored positions, one chain per n-gram, for the key lengths in kKeyLens.
 //
 // Inserting position p of a sequence adds, for every key length k <= p + 1, a record to the
-// chain of the k tokens ending at p. A chain is walked newest first through `prev` links, so a
-// lookup sees recent rollouts before old ones. Records are only appended; removal happens by
-// `rebuild`, which re-inserts the kept records in their original order (recency is preserved,
-// which keeps save/load and eviction from changing later proposals).
+// chain of the k tokens ending at p. A chain is walked newest first, so a lookup sees recent
+// rollouts before old ones. Two views of the same records are kept: the insertion log (each
+// record linked to the previous one of its key; used by rebuild, checkpoints and the integrity
+// check) and the lookup view (ChainTable heads with the newest record inline, older records in
+// blocks of kChainBlock). Records are only appended; removal happens by `rebuild`, which
+// re-inserts the kept records in their original order (so recency, and every later proposal,
+// is unaffected by when it ran).
 #pragma once
 
 #include <cstdint>
@@ -12,14 +15,14 @@
 #include <vector>
 
 #include "chain_record.h"
-#include "flat_map.h"
+#include "chain_table.h"
 
 namespace rollout_spec {
 
 constexpr int kNumKeys = 4;
 constexpr int32_t kKeyLens[kNumKeys] = {8, 4, 2, 1};  // longest first: lookups try these in order
 
-// Hash of tokens[pos-k+1 .. pos] tagged with k; never 0 (0 marks an empty FlatMap slot).
+// Hash of tokens[pos-k+1 .. pos] tagged with k; never 0 (0 marks an empty table slot).
 uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k);
 // keys[ki] = ngram_key(tokens, pos, kKeyLens[ki]) for the key lengths that fit (others 0).
 void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys);
@@ -30,16 +33,17 @@ class ChainIndex {
   // once per position and shared by the request, group and global indexes).
   void insert_keys(int32_t seq, int32_t pos, const uint64_t* keys);
 
-  // Start loading the hash slots that insert_keys(.., keys) will touch.
+  // Start loading the table slots that a lookup or insert of these keys will touch.
   void prefetch(const uint64_t* keys) const {
     for (int ki = 0; ki < kNumKeys; ++ki)
       if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
   }
 
-  // Index of the newest record of key length kKeyLens[ki] with this key, or -1.
-  int32_t head(int ki, uint64_t key) const { return heads_[ki].get(key); }
+  // Head of the chain of key length kKeyLens[ki] with this key, or null.
+  const ChainHead* head(int ki, uint64_t key) const { return heads_[ki].find(key); }
+  const ChainBlock& block(int ki, int32_t b) const { return blocks_[ki][b]; }
 
-  const ChainRecord& record(int ki, int32_t i) const { return recs_[ki][i]; }
+  // The insertion log of key length kKeyLens[ki].
   const std::vector<ChainRecord>& records(int ki) const { return recs_[ki]; }
 
   // Keep only the records for which `keep(seq)` holds, in their original order.
@@ -53,14 +57,16 @@ class ChainIndex {
   size_t memory_bytes() const;
   bool empty() const { return num_records() == 0; }
 
-  // Integrity check: every chain link points backwards to a record of the same key.
+  // Integrity check: log links point backwards to records of the same key, and every chain's
+  // lookup view lists exactly its log records, newest first.
   bool check(const std::function<const int32_t*(int32_t)>& tokens_of) const;
 
  private:
-  void append(int ki, int32_t seq, const int32_t* tokens, int32_t pos);
+  void insert(int ki, uint64_t key, int32_t seq, int32_t pos);
 
-  FlatMap heads_[kNumKeys];                  // per key length: n-gram key -> newest record index
-  std::vector<ChainRecord> recs_[kNumKeys];  // per key length: records in insertion order
+  ChainTable heads_[kNumKeys];                // per key length: n-gram key -> chain head
+  std::vector<ChainBlock> blocks_[kNumKeys];  // per key length: blocks of older records
+  std::vector<ChainRecord> recs_[kNumKeys];   // per key length: insertion log
 };
 
 }  // namespace rollout_spec

@@ -62,8 +62,8 @@ class DrafterCore {
   // Forget every request's match state (slots were freed, or scopes changed).
   void drop_matches();
   template <class Accept>
-  void gather_scope(const ChainIndex& index, int scope, const SlotView& ctx, const int32_t* heads,
-                    Accept accept, std::vector<Occurrence>& occ) const;
+  void gather_scope(const ChainIndex& index, int scope, const SlotView& ctx,
+                    const ChainHead* const* heads, Accept accept, std::vector<Occurrence>& occ) const;
   bool in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const;
   void maybe_evict();
   void rebuild_shared();
@@ -86,7 +86,6 @@ class DrafterCore {
   int64_t proposals_ = 0;                              // request proposals with budget > 0
   int64_t gathers_ = 0;                                // proposals that searched the chains
   mutable DraftBuilder builder_;                       // scratch trie and heap for propose
-  mutable std::vector<ChainRecord> walk_;              // scratch: chain records fetched ahead
   std::vector<RequestState*> reqs_;                    // scratch: states of the current call's ids
   uint64_t call_ = 0;                                  // stamps reqs_ entries to catch repeated ids
 };

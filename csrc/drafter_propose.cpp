@@ -13,46 +13,44 @@ inline int32_t match_back(const SlotView& ctx, const int32_t* seq, int32_t pos, 
   while (m < cap && c - m >= 0 && pos - m >= 0 && ctx.tokens[c - m] == seq[pos - m]) ++m;
   return m;
 }
-constexpr int32_t kWalkBatch = 8;  // chain records fetched ahead of their use
 }  // namespace
 
 template <class Accept>
 void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotView& ctx,
-                               const int32_t* heads, Accept accept,
+                               const ChainHead* const* heads, Accept accept,
                                std::vector<Occurrence>& occ) const {
   const size_t first = occ.size();
   const size_t cap = static_cast<size_t>(cfg_.max_occurrences);
   for (int ki = 0; ki < kNumKeys; ++ki) {
-    const int32_t k = kKeyLens[ki];
     if (occ.size() - first >= static_cast<size_t>(cfg_.enough_occurrences)) break;
-    if (k > ctx.size) continue;
-    const int32_t need = std::max(std::min(k, cfg_.max_match_len), cfg_.min_match_len);
-    // Records are read in small batches: phase 1 follows the chain's links (each a dependent
-    // cache miss) and prefetches the tokens every record points at; phase 2 then reads those
-    // tokens with their misses overlapped. Batches stop the walk soon after enough were found.
-    int32_t r = heads[ki];
-    for (int32_t walked = 0; r >= 0 && walked < cfg_.chain_walk;) {
-      const int32_t batch = std::min(kWalkBatch, cfg_.chain_walk - walked);
-      walk_.clear();
-      for (; r >= 0 && static_cast<int32_t>(walk_.size()) < batch; ++walked) {
-        const ChainRecord& rec = index.record(ki, r);
-        walk_.push_back(rec);
-        __builtin_prefetch(view_[rec.seq].tokens + rec.pos);
-        r = rec.prev;
-      }
-      for (const ChainRecord& rec : walk_) {
-        // Positions taken through a longer key come back in the shorter keys' chains.
-        bool dup = false;
-        for (size_t j = first; j < occ.size() && !dup; ++j)
-          dup = occ[j].seq == rec.seq && occ[j].pos == rec.pos;
-        if (dup) continue;
-        const SlotView& v = view_[rec.seq];
-        if (rec.pos + 1 >= v.size || !accept(rec.seq)) continue;
-        const int32_t m = match_back(ctx, v.tokens, rec.pos, cfg_.max_match_len);
-        if (m < need) continue;  // hash collision, or shorter than min_match_len
-        occ.push_back(Occurrence{rec.seq, rec.pos, m, scope});
-        if (occ.size() - first >= cap) return;
-      }
+    const ChainHead* h = heads[ki];
+    if (!h) continue;
+    const int32_t need = std::max(std::min(kKeyLens[ki], cfg_.max_match_len), cfg_.min_match_len);
+    // Adds the occurrence at (seq, pos) if it qualifies; true once the scope is full.
+    auto take = [&](int32_t seq, int32_t pos) {
+      // Positions taken through a longer key come back in the shorter keys' chains.
+      for (size_t j = first; j < occ.size(); ++j)
+        if (occ[j].seq == seq && occ[j].pos == pos) return false;
+      const SlotView& v = view_[seq];
+      if (pos + 1 >= v.size || !accept(seq)) return false;
+      const int32_t m = match_back(ctx, v.tokens, pos, cfg_.max_match_len);
+      if (m < need) return false;  // hash collision, or shorter than min_match_len
+      occ.push_back(Occurrence{seq, pos, m, scope});
+      return occ.size() - first >= cap;
+    };
+    if (take(h->seq, h->pos)) return;
+    int32_t walked = 1;
+    // Older records come a block (one cache line) at a time: the next block and the tokens of
+    // this block's records are prefetched before any of them is read.
+    for (int32_t b = h->block; b >= 0 && walked < cfg_.chain_walk;) {
+      const ChainBlock& blk = index.block(ki, b);
+      b = blk.prev;
+      if (b >= 0) __builtin_prefetch(&index.block(ki, b));
+      const int32_t lo = std::max(0, blk.n - (cfg_.chain_walk - walked));
+      for (int32_t j = blk.n - 1; j >= lo; --j) __builtin_prefetch(view_[blk.seq[j]].tokens + blk.pos[j]);
+      for (int32_t j = blk.n - 1; j >= lo; --j)
+        if (take(blk.seq[j], blk.pos[j])) return;
+      walked += blk.n - lo;
     }
   }
 }
@@ -70,17 +68,21 @@ void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) 
     auto it = groups_.find(group);
     if (it != groups_.end()) index[1] = &it->second;
   }
-  // The context's keys are looked up in every scope at once: first all hash slots are
-  // prefetched, then all chain heads, so these misses overlap instead of queueing.
+  // The context's keys are looked up in every scope at once, in waves: all table slots are
+  // prefetched, then all heads read and their first block and tokens prefetched, so these
+  // misses overlap instead of queueing one behind the other.
   uint64_t keys[kNumKeys];
   ngram_keys(ctx.tokens, ctx.size - 1, keys);  // 0 where the context is shorter than the key
   for (const ChainIndex* ix : index)
     if (ix) ix->prefetch(keys);
-  int32_t heads[3][kNumKeys];
+  const ChainHead* heads[3][kNumKeys];
   for (int sc = 0; sc < 3; ++sc)
     for (int ki = 0; ki < kNumKeys; ++ki) {
-      heads[sc][ki] = index[sc] && keys[ki] ? index[sc]->head(ki, keys[ki]) : -1;
-      if (heads[sc][ki] >= 0) __builtin_prefetch(&index[sc]->record(ki, heads[sc][ki]));
+      const ChainHead* h = index[sc] && keys[ki] ? index[sc]->head(ki, keys[ki]) : nullptr;
+      heads[sc][ki] = h;
+      if (!h) continue;
+      __builtin_prefetch(view_[h->seq].tokens + h->pos);
+      if (h->block >= 0) __builtin_prefetch(&index[sc]->block(ki, h->block));
     }
   if (index[0]) gather_scope(*index[0], 0, ctx, heads[0], [](int32_t) { return true; }, occ);
   if (index[1])

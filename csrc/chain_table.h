@@ -1,0 +1,92 @@
+// The lookup side of a chain index: an open-addressing table from an n-gram key to its chain's
+// head, where the head holds the newest record itself and the block of the next-older ones.
+// A lookup of a key seen once (most long n-grams) therefore costs one cache line, and a walk
+// over older records one line per kChainBlock records instead of one per record.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace rollout_spec {
+
+constexpr int32_t kChainBlock = 7;  // records per block: 8 + 7 * 8 bytes = one 64-byte line
+
+// Older records of one chain, oldest first within the block; `prev` is the next-older block.
+struct alignas(64) ChainBlock {
+  int32_t prev = -1;
+  int32_t n = 0;
+  int32_t seq[kChainBlock];
+  int32_t pos[kChainBlock];
+};
+
+struct ChainHead {
+  uint64_t key = 0;     // 0 marks an empty slot (hashes are never 0)
+  int32_t newest = -1;  // index of the newest record in the insertion log
+  int32_t seq = -1;     // that record's sequence slot ...
+  int32_t pos = -1;     // ... and position
+  int32_t block = -1;   // block of the next-older records, -1 if none
+};
+
+class ChainTable {
+ public:
+  // Head of `key`'s chain, or null.
+  const ChainHead* find(uint64_t key) const {
+    if (slots_.empty()) return nullptr;
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = key & mask;; i = (i + 1) & mask) {
+      if (slots_[i].key == key) return &slots_[i];
+      if (slots_[i].key == 0) return nullptr;
+    }
+  }
+
+  // Head of `key`'s chain, inserted empty (newest = -1) if missing. Valid until the next upsert.
+  ChainHead& upsert(uint64_t key) {
+    if ((size_ + 1) * 2 > slots_.size()) rehash(slots_.empty() ? 16 : slots_.size() * 2);
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = key & mask;; i = (i + 1) & mask) {
+      if (slots_[i].key == key) return slots_[i];
+      if (slots_[i].key == 0) {
+        slots_[i].key = key;
+        ++size_;
+        return slots_[i];
+      }
+    }
+  }
+
+  // Start loading the slot where a lookup of `key` begins (callers batch these ahead of use).
+  void prefetch(uint64_t key) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[key & (slots_.size() - 1)]);
+  }
+
+  // Size the table for `n` keys up front (a rebuild knows its size; doubling would rehash).
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    if (cap > slots_.size()) rehash(cap);
+  }
+
+  void clear() {
+    slots_.clear();
+    slots_.shrink_to_fit();
+    size_ = 0;
+  }
+
+  const std::vector<ChainHead>& slots() const { return slots_; }
+  size_t size() const { return size_; }
+  size_t memory_bytes() const { return slots_.capacity() * sizeof(ChainHead); }
+
+ private:
+  void rehash(size_t cap) {
+    std::vector<ChainHead> old = std::move(slots_);
+    slots_.assign(cap, ChainHead{});
+    size_ = 0;
+    for (const ChainHead& h : old)
+      if (h.key != 0) upsert(h.key) = h;
+  }
+
+  std::vector<ChainHead> slots_;  // linear probing; capacity a power of two
+  size_t size_ = 0;               // occupied slots; kept <= half the capacity
+};
+
+}  // namespace rollout_spec
