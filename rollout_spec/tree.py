@@ -171,19 +171,15 @@ def _host_tree_arrays(batch: DraftBatch, width: int) -> dict[str, np.ndarray]:
     tokens, parent_col, row_index = index_arrays(batch, width)
     valid = parent_col >= 0
     valid[:, 0] = True
-    # Parent columns: 0 (the root) for nodes hanging off it; the root and padding point at the
-    # root too, which makes the root a fixed point of the pointer jumping below.
+    # Columns are in topological order, so a node's ancestor row is its parent's row plus
+    # itself: one vectorised step per column (padding and the root see only the root).
     parent = np.maximum(parent_col, 0)
-    # Pointer jumping: after step s, reach[i] holds i's ancestors up to distance 2**s - 1.
     reach = np.zeros((num_req, width, width), bool)
-    diag = np.arange(width)
-    reach[:, diag, diag] = valid
     reach[:, :, 0] = True
-    jump = parent
-    rows = np.arange(num_req)[:, None]
-    for _ in range(max(1, int(np.ceil(np.log2(width))))):
-        reach |= reach[rows, jump]
-        jump = np.take_along_axis(jump, jump, axis=1)
+    every = np.arange(num_req)
+    for j in range(1, width):
+        reach[:, j] = reach[every, parent[:, j]]
+        reach[:, j, j] = valid[:, j]
     root_rows = row_index[:, 0]  # verify row of each root
     flat_index = np.empty(num_req + num_nodes, np.int64)
     flat_index[root_rows] = np.arange(num_req, dtype=np.int64) * width

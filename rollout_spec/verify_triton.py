@@ -85,32 +85,41 @@ def _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, base, bits, vocab, te
             kid_tok_ptr, kid_pcol_ptr, width, cur, Q: tl.constexpr, SCALE: tl.constexpr,
             HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr,
             EXCLUDE: tl.constexpr):
-    """Fold columns [base, base + Q) of a row into the running statistics: max m and sum s of
-    the online log-sum-exp of y, argmax of x, and the race (EXCLUDE: column ``cur``'s children
-    take no part)."""
+    """Fold columns [base, base + Q) of a row into per-lane running statistics: max m and sum
+    s of an online log-sum-exp of y, best x and its column, best race value and its column
+    (EXCLUDE: column ``cur``'s children take no part in the race). Lanes are reduced once per
+    row (``_row_pass``): no cross-warp reduction inside the loop, so loads stream."""
     cols = base + tl.arange(0, Q)
     x, y = _scaled(row_ptr, cols, vocab, temp, thr, SCALE, HAS_THR)
-    blk = tl.max(x, axis=0)
-    bi = tl.where(blk > best, base + tl.argmax(x, axis=0), bi)  # strict: first index on ties
-    best = tl.maximum(best, blk)
-    new_m = tl.maximum(m, tl.max(y, axis=0))
-    anchor = tl.where(new_m == float("-inf"), 0.0, new_m)  # nothing kept yet: no NaN
-    s = s * tl.exp(m - anchor) + tl.sum(tl.exp(y - anchor), axis=0)
+    take = x > best  # strict: a lane keeps its earliest column on ties
+    bi = tl.where(take, cols, bi)
+    best = tl.where(take, x, best)
+    new_m = tl.maximum(m, y)
+    # One exp per element: the smaller of (m, y) relative to the new max; nothing kept: 0.
+    e = tl.where(new_m == float("-inf"), 0.0, tl.exp(tl.minimum(m, y) - new_m))
+    s = tl.where(y > m, s * e + 1.0, s + e)
     if RACE:
         if EXT_NOISE:
             u = tl.load(noise_ptr + cols, mask=cols < vocab, other=0.0)
         else:
             u = tl.uint_to_uniform_float(bits)
-        e = -_precise_log(u)  # u in [0, 1): e in (0, inf]; the race is max of y - log(e)
-        r = tl.where(y > float("-inf"), y - tl.log(e), float("-inf"))
+        ex = -_precise_log(u)  # u in [0, 1): ex in (0, inf]; the race is max of y - log(ex)
+        r = tl.where(y > float("-inf"), y - tl.log(ex), float("-inf"))
         if EXCLUDE:
             for j in range(1, width):  # a handful of children: mask their tokens out
                 kid = tl.load(kid_pcol_ptr + j) == cur
                 r = tl.where(kid & (cols == tl.load(kid_tok_ptr + j)), float("-inf"), r)
-        rb = tl.max(r, axis=0)
-        ri = tl.where(rb > rbest, base + tl.argmax(r, axis=0), ri)
-        rbest = tl.maximum(rbest, rb)
+        take_r = r > rbest
+        ri = tl.where(take_r, cols, ri)
+        rbest = tl.where(take_r, r, rbest)
     return new_m, s, best, bi, rbest, ri
+
+
+@triton.jit
+def _first_max(values, cols):
+    """(max, smallest column holding it) over lanes."""
+    top = tl.max(values, axis=0)
+    return top, tl.min(tl.where(values == top, cols, 2147483647), axis=0)
 
 
 @triton.jit
@@ -120,14 +129,15 @@ def _row_pass(row_ptr, noise_ptr, k0, k1, c2, c3, row, vocab, temp, thr, kid_tok
               EXCLUDE: tl.constexpr):
     """One read of a row: (log-normaliser of the kept y, argmax of x, race winner).
 
-    Race noise of column c comes from word c % 4 of Philox counter (c // 4, row, c2, c3), so a
-    repeated pass (EXCLUDE) sees the same noise."""
-    m = -float("inf")
-    s = 0.0
-    best = -float("inf")
-    bi = 0
-    rbest = -float("inf")
-    ri = 0
+    Race noise: the super-block of 4Q columns at ``start`` uses Philox counters
+    (start / 4 + i, row, c2, c3), word w feeding column start + w * Q + i, so a repeated pass
+    (EXCLUDE) sees the same noise."""
+    m = tl.full([Q], float("-inf"), tl.float32)
+    s = tl.zeros([Q], tl.float32)
+    best = tl.full([Q], float("-inf"), tl.float32)
+    bi = tl.zeros([Q], tl.int32)
+    rbest = tl.full([Q], float("-inf"), tl.float32)
+    ri = tl.zeros([Q], tl.int32)
     for start in range(0, vocab, 4 * Q):
         if RACE and not EXT_NOISE:  # one Philox call feeds four sub-blocks
             w0, w1, w2, w3 = _philox_words(k0, k1, start // 4 + tl.arange(0, Q), row, c2, c3)
@@ -148,8 +158,13 @@ def _row_pass(row_ptr, noise_ptr, k0, k1, c2, c3, row, vocab, temp, thr, kid_tok
         m, s, best, bi, rbest, ri = _absorb(
             m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + 3 * Q, w3, vocab, temp, thr,
             kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
-    lse = tl.where(m == float("-inf"), m, m + tl.log(s))
-    return lse, bi, ri
+    top = tl.max(m, axis=0)
+    anchor = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - anchor)), axis=0)
+    lse = tl.where(top == float("-inf"), top, top + tl.log(total))
+    _, amax = _first_max(best, bi)
+    _, ridx = _first_max(rbest, ri)
+    return lse, amax, ridx
 
 
 @triton.jit
@@ -287,7 +302,13 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, ncand, pcol_ptr, rowidx_
 
 def _quarter_block(vocab: int) -> int:
     """Q: a row is read in blocks of 4 * Q columns, one Philox call per four columns."""
-    return max(16, min(512, triton.next_power_of_2(-(-vocab // 4))))  # 512: no spills
+    return max(16, min(1024, triton.next_power_of_2(-(-vocab // 4))))
+
+
+def _warps(q: int) -> int:
+    """Warps per walk program: 16 at Q = 1024 (one element per thread and sub-block, 16 KB of
+    loads in flight per iteration, 104 registers, no spills on sm_90), fewer for small rows."""
+    return max(2, min(16, q // 64))
 
 
 def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Tensor,
@@ -316,7 +337,8 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
         *keys, out, logits.shape[1],
         Q=_quarter_block(logits.shape[1]), WPAD=max(2, triton.next_power_of_2(width)),
         PER_REQ_TEMP=per_req, SCALE=per_req or float(temp) not in (0.0, 1.0),
-        HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None, num_warps=8,
+        HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None,
+        num_warps=_warps(_quarter_block(logits.shape[1])),
     )
 
 

@@ -145,3 +145,10 @@ def test_seeded_runs_reproduce_and_seeds_matter():
     gen = torch.Generator(device=DEVICE).manual_seed(3)  # one generator: each call draws anew
     again = [verify(logits, batch, sp, gen, backend="triton").host for _ in range(2)]
     assert not np.array_equal(again[0].emitted_tokens, again[1].emitted_tokens)
+
+
+@pytest.mark.parametrize("k", [1, 6, 51, 129])
+def test_two_stage_selection_equals_topk(k):
+    x = (3 * torch.randn(5, 8192, generator=torch.Generator().manual_seed(k))).round(decimals=1)
+    x = x.to(DEVICE)  # rounded: many ties, which must keep their multiplicity
+    torch.testing.assert_close(fused._largest(x, k), torch.topk(x, k).values, rtol=0, atol=0)
