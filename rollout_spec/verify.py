@@ -13,11 +13,13 @@ were rejected, uses its own uniform draw, so every node's decision is computed a
 on the accepted path iff it and all its ancestors were their parent's first accepted child
 (pointer jumping: a loop of log2(depth) numpy steps). No loop runs over requests or nodes.
 
-Where the work runs. Everything of size [rows, V] runs on the logits' device (normalisers,
-truncation, the bonus draw); the tree walk is O(N) integer work on a few thousand numbers, which
-numpy on the host does in microseconds where a GPU would spend dozens of kernel launches. One
-step therefore costs two device-to-host copies (row statistics; bonus tokens) and a handful of
-kernels. Random numbers come from ``generator`` on the device, so seeded runs reproduce.
+Where the work runs. Two implementations of this law. On CUDA (``backend="auto"``) the whole
+walk runs in one Triton kernel, one program per request reading only the rows on its accepted
+path (verify_fused.py, verify_triton.py): one launch, one small device-to-host copy. The torch
+path below is the reference (and the CPU path): everything of size [rows, V] runs on the logits'
+device, the O(N) integer walk in numpy, with two device-to-host copies (row statistics; bonus
+tokens). Random numbers come from ``generator`` (in the kernel: Philox keyed by it), so seeded
+runs reproduce; tests hold both paths to the same decisions on the same uniforms.
 
 Log-probabilities. Every emitted token (accepted or bonus) reports ``log p(token)`` under the
 distribution it was drawn from at its parent: temperature-scaled, top-k/top-p truncated and
