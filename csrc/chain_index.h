@@ -39,6 +39,17 @@ class ChainIndex {
       if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
   }
 
+  // Start loading the blocks and log ends that an insert of these keys writes (their table
+  // slots should be cached by now: call prefetch first, a few positions earlier).
+  void prefetch_tails(const uint64_t* keys) const {
+    for (int ki = 0; ki < kNumKeys; ++ki) {
+      if (keys[ki] == 0) continue;
+      const ChainHead* h = heads_[ki].find(keys[ki]);
+      if (h && h->block >= 0) __builtin_prefetch(&blocks_[ki][h->block]);
+      __builtin_prefetch(recs_[ki].data() + recs_[ki].size());
+    }
+  }
+
   // Head of the chain of key length kKeyLens[ki] with this key, or null.
   const ChainHead* head(int ki, uint64_t key) const { return heads_[ki].find(key); }
   const ChainBlock& block(int ki, int32_t b) const { return blocks_[ki][b]; }

@@ -34,7 +34,7 @@ class ChainTable {
   const ChainHead* find(uint64_t key) const {
     if (slots_.empty()) return nullptr;
     const size_t mask = slots_.size() - 1;
-    for (size_t i = key & mask;; i = (i + 1) & mask) {
+    for (size_t i = home(key, mask);; i = (i + 1) & mask) {
       if (slots_[i].key == key) return &slots_[i];
       if (slots_[i].key == 0) return nullptr;
     }
@@ -44,7 +44,7 @@ class ChainTable {
   ChainHead& upsert(uint64_t key) {
     if ((size_ + 1) * 2 > slots_.size()) rehash(slots_.empty() ? 16 : slots_.size() * 2);
     const size_t mask = slots_.size() - 1;
-    for (size_t i = key & mask;; i = (i + 1) & mask) {
+    for (size_t i = home(key, mask);; i = (i + 1) & mask) {
       if (slots_[i].key == key) return slots_[i];
       if (slots_[i].key == 0) {
         slots_[i].key = key;
@@ -56,7 +56,7 @@ class ChainTable {
 
   // Start loading the slot where a lookup of `key` begins (callers batch these ahead of use).
   void prefetch(uint64_t key) const {
-    if (!slots_.empty()) __builtin_prefetch(&slots_[key & (slots_.size() - 1)]);
+    if (!slots_.empty()) __builtin_prefetch(&slots_[home(key, slots_.size() - 1)]);
   }
 
   // Size the table for `n` keys up front (a rebuild knows its size; doubling would rehash).
@@ -77,6 +77,10 @@ class ChainTable {
   size_t memory_bytes() const { return slots_.capacity() * sizeof(ChainHead); }
 
  private:
+  // First slot probed for `key`. Bit 0 of every key is forced to 1 (keys are never 0), so it
+  // must not pick the slot: with it, only odd slots would be used and probe runs would grow long.
+  static size_t home(uint64_t key, size_t mask) { return (key >> 1) & mask; }
+
   void rehash(size_t cap) {
     std::vector<ChainHead> old = std::move(slots_);
     slots_.assign(cap, ChainHead{});

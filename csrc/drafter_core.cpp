@@ -124,8 +124,10 @@ void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_
 }
 
 void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
-  // Every record lands in a random slot of a large hash table. Hashing all new positions first
-  // and prefetching their slots lets those cache misses overlap instead of queueing one by one.
+  // Every record lands in a random slot of a large hash table, that chain's newest block and
+  // the end of a log. Positions are hashed first; then, while inserting position j, the slots of
+  // position j + kAhead and the blocks of position j + kAhead / 2 are prefetched, so that the
+  // misses of several positions overlap and their lines are still in L1 when used.
   struct Pending {
     RequestState* req;
     ChainIndex* group;  // null when the position is not indexed in a group scope
@@ -133,6 +135,7 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     int32_t pos;
     uint64_t keys[kNumKeys];
   };
+  constexpr size_t kAhead = 8;
   thread_local std::vector<Pending> pending;
   pending.clear();
   for (size_t i = 0; i < n; ++i) {
@@ -148,12 +151,25 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       e.shared = p >= s.prompt_len - 1;  // shared scopes index only response continuations
       e.group = e.shared ? group : nullptr;
       ngram_keys(s.tokens.data(), p, e.keys);
-      req->own.prefetch(e.keys);
-      if (e.group) e.group->prefetch(e.keys);
-      if (e.shared) global_.prefetch(e.keys);
     }
   }
-  for (const Pending& e : pending) {
+  auto slots = [&](const Pending& e) {
+    e.req->own.prefetch(e.keys);
+    if (e.group) e.group->prefetch(e.keys);
+    if (e.shared) global_.prefetch(e.keys);
+  };
+  auto tails = [&](const Pending& e) {
+    e.req->own.prefetch_tails(e.keys);
+    if (e.group) e.group->prefetch_tails(e.keys);
+    if (e.shared) global_.prefetch_tails(e.keys);
+  };
+  const size_t total = pending.size();
+  for (size_t j = 0; j < std::min(total, kAhead); ++j) slots(pending[j]);
+  for (size_t j = 0; j < std::min(total, kAhead / 2); ++j) tails(pending[j]);
+  for (size_t j = 0; j < total; ++j) {
+    if (j + kAhead < total) slots(pending[j + kAhead]);
+    if (j + kAhead / 2 < total) tails(pending[j + kAhead / 2]);
+    const Pending& e = pending[j];
     e.req->own.insert_keys(e.req->slot, e.pos, e.keys);
     if (e.group) e.group->insert_keys(e.req->slot, e.pos, e.keys);
     if (e.shared) global_.insert_keys(e.req->slot, e.pos, e.keys);
@@ -162,17 +178,24 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
 
 void DrafterCore::advance(RequestState& req, int32_t first) const {
   const SlotView& me = view_[req.slot];
+  const int32_t* added = me.tokens + first;
   const int32_t k = me.size - first;
   size_t kept = 0;
   for (const Occurrence& o : req.occ) {
+    // Compare with the cached continuation first: most occurrences diverge there, and reading
+    // it costs no cache miss on the other sequence.
+    const int32_t c = std::min(k, o.cached);
+    if (!std::equal(added, added + c, o.next)) continue;
     const SlotView& v = view_[o.seq];
     // Survives only if it still has a continuation after the k confirmed tokens.
     if (o.pos + k + 1 >= v.size) continue;
-    if (!std::equal(me.tokens + first, me.tokens + me.size, v.tokens + o.pos + 1)) continue;
-    Occurrence& n = req.occ[kept++];
-    n = o;
-    n.pos += k;
-    n.match_len = std::min(o.match_len + k, cfg_.max_match_len);
+    if (!std::equal(added + c, added + k, v.tokens + o.pos + 1 + c)) continue;
+    Occurrence moved = o;  // req.occ[kept] may be o itself
+    moved.pos += k;
+    moved.match_len = std::min(o.match_len + k, cfg_.max_match_len);
+    moved.cached = o.cached - c;
+    std::copy(o.next + c, o.next + o.cached, moved.next);
+    req.occ[kept++] = moved;
   }
   req.occ.resize(kept);
   req.since_gather += k;

@@ -1,6 +1,7 @@
 // Checkpoint format of DrafterCore: a versioned little-endian binary dump of the sequences and
 // of every chain index's records in insertion order (prev links and hash heads are rebuilt on
 // load by re-inserting them in that order, which reproduces the exact chains).
+#include <algorithm>
 #include <istream>
 #include <ostream>
 #include <stdexcept>
@@ -127,7 +128,10 @@ std::string DrafterCore::load(std::istream& is) {
     req.occ = get_vec<Occurrence>(is);
     for (const Occurrence& o : req.occ)
       if (o.seq < 0 || o.seq >= static_cast<int32_t>(seqs_.size()) || o.pos < 0 ||
-          o.pos + 1 >= static_cast<int32_t>(seqs_[o.seq].tokens.size()) || o.scope < 0 || o.scope > 2)
+          o.pos + 1 >= static_cast<int32_t>(seqs_[o.seq].tokens.size()) || o.scope < 0 || o.scope > 2 ||
+          o.cached < 0 || o.cached > kCachedNext ||
+          o.pos + o.cached >= static_cast<int32_t>(seqs_[o.seq].tokens.size()) ||
+          !std::equal(o.next, o.next + o.cached, seqs_[o.seq].tokens.begin() + o.pos + 1))
         throw std::runtime_error("drafter checkpoint is corrupt (occurrence out of range)");
     req.since_gather = get<int32_t>(is);
     req.gathered = get<uint8_t>(is) != 0;

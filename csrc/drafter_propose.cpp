@@ -35,7 +35,13 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
       if (pos + 1 >= v.size || !accept(seq)) return false;
       const int32_t m = match_back(ctx, v.tokens, pos, cfg_.max_match_len);
       if (m < need) return false;  // hash collision, or shorter than min_match_len
-      occ.push_back(Occurrence{seq, pos, m, scope});
+      Occurrence& o = occ.emplace_back();
+      o.seq = seq;
+      o.pos = pos;
+      o.match_len = m;
+      o.scope = scope;
+      o.cached = std::min(kCachedNext, v.size - pos - 1);
+      std::copy(v.tokens + pos + 1, v.tokens + pos + 1 + o.cached, o.next);
       return occ.size() - first >= cap;
     };
     if (take(h->seq, h->pos)) return;

@@ -5,11 +5,17 @@
 
 namespace rollout_spec {
 
+constexpr int32_t kCachedNext = 3;  // continuation tokens copied into an occurrence
+
 struct Occurrence {
   int32_t seq = 0;        // sequence slot
   int32_t pos = 0;        // index of the last matched token; the continuation starts at pos + 1
   int32_t match_len = 0;  // matched tokens, counted backwards from pos, capped at max_match_len
   int32_t scope = 0;      // 0 request, 1 group, 2 global: selects the weight prior
+  // The first `cached` continuation tokens (stored tokens never change), so that extend can
+  // advance the occurrence without touching the sequence's memory.
+  int32_t cached = 0;
+  int32_t next[kCachedNext] = {};
 };
 
 }  // namespace rollout_spec

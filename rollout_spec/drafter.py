@@ -35,6 +35,7 @@ _MAX_REQ_ID = 2**63 - 1
 #: inspected per key length and scope, the exponent of match_len in an occurrence's weight, and
 #: beta of the evidence discount n / (n + beta) applied to a node backed by n occurrences.
 MAX_OCCURRENCES = 16
+ENOUGH_OCCURRENCES = 16
 CHAIN_WALK = 64
 MATCH_POWER = 1
 EVIDENCE_DISCOUNT = 1.0
@@ -99,7 +100,7 @@ def _core_config(config: SpecConfig) -> "_core.CoreConfig":
         setattr(c, name, getattr(config, name))
     c.set_scope_weights(config.request_weight, config.group_weight, config.global_weight)
     c.max_occurrences = MAX_OCCURRENCES
-    c.enough_occurrences = MAX_OCCURRENCES
+    c.enough_occurrences = ENOUGH_OCCURRENCES
     c.chain_walk = CHAIN_WALK
     c.match_power = MATCH_POWER
     c.evidence_discount = EVIDENCE_DISCOUNT
