@@ -13,6 +13,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+from rollout_spec.engine.sequence import Sequence
+
 
 class DrafterQueue:
     """Ordered asynchronous drafter calls; ``overlap=False`` runs every call at once (same results).
@@ -79,3 +81,60 @@ class DrafterQueue:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+class DrafterFeed:
+    """Gives the drafter the engine's committed tokens: right away, or deferred to the next proposal.
+
+    After a step that drafted, the next one most likely drafts too, so its tokens go to the worker
+    at once (the extend overlaps the rest of the step). After a step without drafts, feeding is
+    pure overhead unless speculation switches back on, so the tokens stay in the sequences
+    (``Sequence.drafter_fed`` counts what the drafter has) and ``ready`` hands them over in one
+    batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees
+    the same tokens in the same order either way, so proposals do not change.
+    """
+
+    def __init__(self, queue: DrafterQueue) -> None:
+        self.queue = queue
+        self._unfed: dict[int, Sequence] = {}
+        self._finished: list[Sequence] = []
+
+    @property
+    def pending(self) -> bool:
+        """True while some committed tokens or finishes have not been handed to the drafter."""
+        return bool(self._unfed or self._finished)
+
+    def committed(self, drafter: Any, seqs: list[Sequence], kept: list[list[int]],
+                  finished: list[Sequence], now: bool) -> None:
+        """Record a step's kept tokens (not yet appended to ``seqs``) and the sequences it ended."""
+        if not now:
+            self._unfed.update((s.req_id, s) for s in seqs)
+            self._finished += finished
+            return
+        self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
+        self.queue.submit(drafter.extend_batch, [s.req_id for s in seqs], kept)
+        for s, toks in zip(seqs, kept):
+            s.drafter_fed += len(toks)
+        if finished:
+            self.queue.submit(drafter.finish_batch, [s.req_id for s in finished])
+
+    def flush(self, drafter: Any) -> None:
+        """Queue every deferred extend (each request's unseen output) and finish."""
+        if not self.pending:
+            return
+        ids, toks = [], []
+        for s in self._unfed.values():
+            if len(s.output) > s.drafter_fed:
+                ids.append(s.req_id)
+                toks.append(s.output[s.drafter_fed:])
+                s.drafter_fed = len(s.output)
+        if ids:
+            self.queue.submit(drafter.extend_batch, ids, toks)
+        if self._finished:
+            self.queue.submit(drafter.finish_batch, [s.req_id for s in self._finished])
+        self._unfed, self._finished = {}, []
+
+    def ready(self, drafter: Any) -> None:
+        """Before a proposal: everything committed has reached the drafter."""
+        self.flush(drafter)
+        self.queue.drain()
