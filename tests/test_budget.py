@@ -246,3 +246,20 @@ def test_record_step_tracks_the_drafter_fill_and_validates():
     plain = DraftBudget(gpu_grid(), AcceptanceTracker(8), [8])  # no host model: GPU grid only
     plain.record_step(8, 64, 16, 9, 1.0)
     assert plain.step_time(8, 8) == gpu_grid().step_time(8, 9)
+
+
+def test_one_off_stalls_are_capped_but_a_real_high_cost_is_learned():
+    """A 300 ms compile stall on one drafting step barely moves the spec residual; a residual
+    that really is 10x the GPU step is reached within about a hundred steps despite the cap."""
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    gpu = gpu_grid()
+    t = gpu.step_time(64, 5)
+    budget = DraftBudget(gpu, AcceptanceTracker(8, prior=0.6), [4], host=OnlineStepCost(256, 2048))
+    for _ in range(30):
+        budget.record_step(64, 256, 256, 5, t + 1e-3)
+    budget.record_step(64, 256, 256, 5, t + 0.3)  # the stall
+    assert budget.host.residual(True, 64, 256) < 2e-3
+    for _ in range(120):
+        budget.record_step(64, 256, 256, 5, t + 10 * t)
+    assert budget.host.residual(True, 64, 256) == pytest.approx(10 * t, rel=0.1)

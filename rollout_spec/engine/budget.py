@@ -185,13 +185,32 @@ class DraftBudget:
         self.host = host
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
+        self._gpu_cache: dict[int, np.ndarray] = {}
+
+    def _gpu_times(self, batch: int) -> np.ndarray:
+        """Grid time T(B, k+1) of every candidate k at this batch size (the grid never changes)."""
+        times = self._gpu_cache.get(batch)
+        if times is None:
+            times = np.array([self.cost.step_time(batch, k + 1) for k in self.candidates])
+            self._gpu_cache[batch] = times
+        return times
+
+    def step_times(self, batch: int) -> np.ndarray:
+        """Predicted wall seconds of a step at every candidate size (see ``step_time``)."""
+        gpu = self._gpu_times(batch)
+        if self.host is None:
+            return gpu
+        nodes = self.fill * batch * np.asarray(self.candidates, np.float64)
+        # A residual fitted on noisy steps may dip below zero; the forward itself is a floor.
+        return np.maximum(gpu + self.host.residuals(batch, nodes), 0.5 * gpu)
 
     def step_time(self, batch: int, k: int) -> float:
         """Predicted wall seconds of a step offering ``k`` nodes to each of ``batch`` requests."""
+        if k in self.candidates:
+            return float(self.step_times(batch)[self.candidates.index(k)])
         gpu = self.cost.step_time(batch, k + 1)
         if self.host is None:
             return gpu
-        # A residual fitted on noisy steps may dip below zero; the forward itself is a floor.
         return max(gpu + self.host.residual(k > 0, batch, self.fill * batch * k), 0.5 * gpu)
 
     def throughput(self, batch: int, k: int) -> float:
@@ -214,13 +233,18 @@ class DraftBudget:
         check_int("width", width, 1, 1 << 20)
         if offered > 0:
             self.fill += 0.05 * (min(nodes / offered, 1.0) - self.fill)
-        self.host.observe(offered > 0, batch, nodes, seconds - self.cost.step_time(batch, width))
+        gpu = self.cost.step_time(batch, width)
+        # One-off stalls (a Triton kernel compiling for a new shape: hundreds of ms) must not
+        # switch speculation off for good; a cost that really is this high still gets learned,
+        # because the cap grows with the prediction.
+        cap = max(3.0 * gpu, 2.0 * abs(self.host.residual(offered > 0, batch, nodes)))
+        self.host.observe(offered > 0, batch, nodes, min(seconds - gpu, cap))
 
     def best(self, batch: int) -> int:
         """The candidate draft size with the highest predicted tokens per second (smallest on ties)."""
         gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.tracker.rate[1:]))])
-        top = len(gain) - 1
-        rates = [batch * gain[min(k, top)] / self.step_time(batch, k) for k in self.candidates]
+        cands = np.minimum(np.asarray(self.candidates), len(gain) - 1)
+        rates = gain[cands] / self.step_times(batch)
         return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
 
     def __call__(self, batch_size: int) -> int:

@@ -78,6 +78,13 @@ class OnlineStepCost:
         model = self.spec if drafted else self.plain
         return model.predict(self._features(drafted, batch, nodes))
 
+    def residuals(self, batch: int, nodes: np.ndarray) -> np.ndarray:
+        """Vectorised ``residual``: the plain path where ``nodes == 0``, else the speculative one."""
+        nodes = np.asarray(nodes, np.float64)
+        b = batch / self.max_batch
+        spec = self.spec._theta @ np.stack([np.ones_like(nodes), np.full_like(nodes, b), nodes / self.max_nodes])
+        return np.where(nodes > 0, spec, self.plain._theta @ np.array([1.0, b]))
+
     def counts(self) -> tuple[int, int]:
         """Steps observed so far on the (plain, speculative) path."""
         return self.plain.count, self.spec.count
