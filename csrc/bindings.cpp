@@ -45,6 +45,35 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
   return nb::ndarray<nb::numpy, T, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
 }
 
+// extend's fast path for the usual input, a Python list of Python lists of ints: flattened here
+// without building numpy arrays. Returns false, with nothing changed, for anything else (other
+// types, bools, out-of-range values, a length mismatch); the facade then takes its validating path,
+// which raises the precise error.
+bool extend_lists(DrafterCore& core, Vec<int64_t> ids, nb::handle lists) {
+  PyObject* outer = lists.ptr();
+  if (!PyList_CheckExact(outer) || static_cast<size_t>(PyList_GET_SIZE(outer)) != ids.shape(0)) return false;
+  const size_t n = ids.shape(0);
+  std::vector<int64_t> offsets(n + 1, 0);
+  std::vector<int32_t> tokens;
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* part = PyList_GET_ITEM(outer, i);
+    if (!PyList_CheckExact(part)) return false;
+    const Py_ssize_t m = PyList_GET_SIZE(part);
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      PyObject* t = PyList_GET_ITEM(part, j);
+      if (!PyLong_CheckExact(t)) return false;  // bools and numpy scalars take the slow path
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+      if (overflow || v < 0 || v > INT32_MAX) return false;
+      tokens.push_back(static_cast<int32_t>(v));
+    }
+    offsets[i + 1] = static_cast<int64_t>(tokens.size());
+  }
+  nb::gil_scoped_release release;
+  core.extend(ids.data(), tokens.data(), offsets.data(), n);
+  return true;
+}
+
 nb::dict stats_dict(const DrafterCore& core) {
   rollout_spec::CoreStats s = core.stats();
   nb::dict d;
@@ -122,6 +151,7 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         c.extend(ids.data(), toks.data(), offs.data(), ids.shape(0));
       })
+      .def("extend_lists", &extend_lists, "ids"_a, "lists"_a)
       .def("finish", [](DrafterCore& c, Vec<int64_t> ids) {
         nb::gil_scoped_release release;
         c.finish(ids.data(), ids.shape(0));

@@ -18,7 +18,7 @@ void DrafterCore::check_ids(const int64_t* ids, size_t n, bool must_exist) const
   std::unordered_set<int64_t> seen;
   for (size_t i = 0; i < n; ++i) {
     if (!seen.insert(ids[i]).second)
-      throw std::invalid_argument("req_ids: duplicate request id " + std::to_string(ids[i]));
+      throw std::invalid_argument("req_ids must not repeat a request id: " + std::to_string(ids[i]));
     bool exists = requests_.count(ids[i]) != 0;
     if (must_exist && !exists)
       throw std::invalid_argument("req_ids: unknown request id " + std::to_string(ids[i]));
@@ -35,7 +35,7 @@ void DrafterCore::resolve(const int64_t* ids, size_t n) {
     if (it == requests_.end())
       throw std::invalid_argument("req_ids: unknown request id " + std::to_string(ids[i]));
     if (it->second.call == call)
-      throw std::invalid_argument("req_ids: duplicate request id " + std::to_string(ids[i]));
+      throw std::invalid_argument("req_ids must not repeat a request id: " + std::to_string(ids[i]));
     it->second.call = call;
     reqs_[i] = &it->second;
   }

@@ -164,7 +164,11 @@ class NgramDrafter:
 
     def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[TokenIds]) -> None:
         """Batch form of ``extend``; raises ValueError for unknown or repeated ids or bad tokens."""
-        ids = self._ids(req_ids, must_be_live=True)
+        ids = self._ids(req_ids, must_be_live=True, core_checks=True)
+        # Lists of Python ints (the decode loop's form) are converted natively; anything else,
+        # including every invalid input, goes through the validating path below.
+        if self._core.extend_lists(ids, token_lists):
+            return
         tokens, offsets = _flatten("token_ids", token_lists, len(ids))
         self._core.extend(ids, tokens, offsets)
 
@@ -190,7 +194,7 @@ class NgramDrafter:
         Returns:
             A DraftBatch; siblings are ordered best first, ``probs`` are path probabilities.
         """
-        ids = self._ids(req_ids, must_be_live=True)
+        ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         native_budgets = None
         if budgets is not None:
             arr = _int_array("budgets", budgets)
@@ -257,11 +261,17 @@ class NgramDrafter:
         return drafter
 
     # ----------------------------------------------------------------- helpers
-    def _ids(self, req_ids: Iterable[int], *, must_be_live: bool) -> np.ndarray:
-        """Validated int64 id array: integers in range, no repeats, live (or not) as required."""
+    def _ids(self, req_ids: Iterable[int], *, must_be_live: bool, core_checks: bool = False) -> np.ndarray:
+        """Validated int64 id array: integers in range, no repeats, live (or not) as required.
+
+        ``core_checks``: leave the repeat and liveness checks to the native call, which makes
+        them (ValueError, before any state changes) with one hash lookup per id.
+        """
         ids = _int_array("req_ids", req_ids if isinstance(req_ids, np.ndarray) else list(req_ids))
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_REQ_ID):
             raise ValueError(f"req_ids must be in [0, {_MAX_REQ_ID}]")
+        if core_checks:
+            return ids.astype(np.int64, copy=False)
         as_list = ids.tolist()
         unique = set(as_list)
         if len(unique) != len(as_list):
