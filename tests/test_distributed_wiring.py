@@ -136,7 +136,9 @@ def _response(seed: int, length: int = 40) -> list[int]:
 def test_vllm_and_sglang_replicas_propose_each_others_samples(ray_cluster) -> None:
     name = f"wire-{uuid.uuid4().hex[:8]}"
     spec = _spec(name)
-    ensure_coordinators(spec, num_replicas=2)  # the driver, as the verl/OpenRLHF hooks do
+    first = ensure_coordinators(spec, num_replicas=2)  # the driver, as the verl/OpenRLHF hooks do
+    again = ensure_coordinators(spec, num_replicas=2)  # hooks may run once per replica object: same actors
+    assert [h._actor_id for h in again] == [h._actor_id for h in first]
     vllm = VllmReplica.remote(spec, ReplicaPlacement(0, 2))
     sglang = SglangReplica.remote(spec, ReplicaPlacement(1, 2))
     first, second = _response(1), _response(2)

@@ -169,11 +169,21 @@ def create_coordinators(
 
     check_int("num_shards", num_shards, 1, 4096)
     check_int("retain_steps", retain_steps, 1, 1 << 20)
+    kept = _KEEP_ALIVE.get((namespace, name))
+    if kept is not None and len(kept) == num_shards:
+        return kept
     remote_cls = ray.remote(num_cpus=0, max_concurrency=1)(IndexCoordinator)
-    options: dict[str, Any] = {"namespace": namespace, "get_if_exists": True}
+    options: dict[str, Any] = {"namespace": namespace}
     if detached:
         options["lifetime"] = "detached"
-    handles = [remote_cls.options(name=_shard_name(name, s), **options).remote(retain_steps) for s in range(num_shards)]
+    handles = []
+    for s in range(num_shards):
+        # not Ray's get_if_exists: in Ray 2.60 a second call with it made the name unresolvable
+        # for other processes (tests/test_distributed_wiring.py caught it)
+        try:
+            handles.append(ray.get_actor(_shard_name(name, s), namespace=namespace))
+        except ValueError:  # none yet: create it
+            handles.append(remote_cls.options(name=_shard_name(name, s), **options).remote(retain_steps))
     ray.get([h.stats.remote() for h in handles])  # constructed and registered before replicas look
     _KEEP_ALIVE[(namespace, name)] = handles  # a named actor still dies when its handles are dropped
     return handles
