@@ -1,9 +1,14 @@
 // Turns one request's occurrences into a draft tree: a weighted continuation trie, expanded
 // best first by estimated path probability until the budget or the probability floor is hit.
+//
+// The trie is grown lazily: a node's children are made only when the node is emitted, from the
+// occurrences passing through it, so the work follows the (small) emitted tree rather than
+// every occurrence's full continuation. Ties in priority go to the node first reached by the
+// earlier occurrence, then the shallower one: the order in which an eager build, occurrence by
+// occurrence, would have created them.
 #pragma once
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "core_config.h"
@@ -21,13 +26,23 @@ class DraftBuilder {
              const CoreConfig& cfg, int32_t budget, DraftOutput& out);
 
  private:
-  void grow_trie(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
-                 const CoreConfig& cfg, int32_t depth);
-  int32_t child(int32_t parent, int32_t token);
-  void push_children(int32_t node, double beta);
+  // Make `node`'s children from its member occurrences and push them on the heap.
+  void expand(int32_t node, const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
+              int32_t max_depth, double beta);
 
-  std::vector<TrieNode> nodes_;                    // scratch trie; nodes_[0] is the root
-  std::vector<std::pair<double, int32_t>> heap_;   // frontier: (path prob, -node id), max-heap
+  std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
+  std::vector<int32_t> members_;  // occurrence indices, grouped per node
+  std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
+  std::vector<int32_t> scratch_;  // per member of the node being expanded: its child's index
+  struct Entry {
+    double priority;
+    int64_t tie;  // smaller wins among equal priorities
+    int32_t node;
+    bool operator<(const Entry& o) const {
+      return priority != o.priority ? priority < o.priority : tie > o.tie;
+    }
+  };
+  std::vector<Entry> heap_;  // frontier, a max-heap by (priority, -tie)
 };
 
 }  // namespace rollout_spec
