@@ -140,6 +140,32 @@ def test_inject_kwargs_places_engine_i_as_replica_i_for_the_shared_index():
                      for r in range(2)]
 
 
+def test_engine_factory_creates_the_coordinators_and_places_each_engine(monkeypatch):
+    from rollout_spec.distributed import sharing
+
+    made, started = [], []
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: made.append((spec.shared_index, n)))
+
+    class Remote:  # our engine actor class, as actor_subclass would build it
+        def options(self, **o):
+            return self
+
+        def remote(self, *args, **kw):
+            started.append(kw["rollout_spec_engine_kwargs"]["additional_config"]["rollout_spec_replica"])
+            return len(started)
+
+    monkeypatch.setattr(engines, "actor_subclass", lambda mixin, cls, name: Remote())
+    module = SimpleNamespace(RolloutRayActor="theirs")
+
+    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain):  # OpenRLHF's loop, reduced
+        return [module.RolloutRayActor.options(num_gpus=1).remote(model=pretrain) for _ in range(num_engines)]
+
+    module.create_vllm_engines = create_vllm_engines
+    create = engines.wrap_create_vllm_engines(module, {"additional_config": {}}, SpecConfig(shared_index="idx"))
+    assert create(3, 1, pretrain="m") == [1, 2, 3] and module.RolloutRayActor == "theirs"
+    assert made == [("idx", 3)] and started == [{"replica_id": i, "num_replicas": 3} for i in range(3)]
+
+
 class _Engine:
     def __init__(self, name: str, pending: int) -> None:
         self.name = name
