@@ -1,5 +1,5 @@
 """The shared index on a local Ray cluster: replica actors in separate worker processes, the real
-NgramDrafter in each, publications through the object store and the coordinator actor."""
+NgramDrafter in each, publications through the coordinator actor."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,8 @@
 """Compact wire form of one replica's finished responses: one flat int32 array per bucket.
 
 A bucket is what one replica published in one step for one destination replica. Flat int arrays
-travel through Ray's object store without pickling per sequence and are read back zero-copy.
+travel through Ray (a publish call's argument, a pull's reply) without pickling per sequence and
+are read back zero-copy.
 """
 from __future__ import annotations
 
@@ -58,11 +59,6 @@ def unpack(bucket: Bucket) -> tuple[list[int | None], list[list[int]]]:
 def bucket_tokens(bucket: Bucket) -> int:
     """Tokens held by a bucket."""
     return len(_header(bucket)[3])
-
-
-def bucket_nbytes(bucket: Bucket) -> int:
-    """Payload bytes of a bucket (what the object store holds, less Ray's small header)."""
-    return int(bucket.nbytes)
 
 
 def split_by_destination(

@@ -1,4 +1,4 @@
-"""One drafter index shared across rollout replicas through Ray's object store.
+"""One drafter index shared across rollout replicas through Ray (coordinator actors).
 
 At each step boundary a replica publishes its finished responses, split by destination: a
 response of group g goes to the ``affinity_k`` replicas the router ranks first for g (those that
