@@ -61,14 +61,16 @@ class SpecConfig:
     """Longest context suffix matched against the index."""
     min_match_len: int = 1
     """Shortest context suffix whose continuations may be proposed."""
-    min_token_prob: float = 0.1
-    """Path-probability floor of proposed nodes (applied when adaptive_budget is on)."""
+    min_token_prob: float = 0.02
+    """Path-probability floor of proposed nodes (applied when adaptive_budget is on); low, because
+    at temperature 1.0 even 5-10% candidates pay for their verify slot (docs/drafter.md)."""
     tree: bool = True
     """Propose branching trees; False proposes a single chain per request."""
     adaptive_budget: bool = True
     """Shrink a request's draft to what its match confidence supports."""
-    request_weight: float = 1.0
-    """Scope prior for the request's own prompt and output (0 disables the scope)."""
+    request_weight: float = 3.0
+    """Scope prior for the request's own prompt and output (0 disables the scope); a sample repeats
+    itself more reliably than it follows its siblings (docs/drafter.md)."""
     group_weight: float = 1.0
     """Scope prior for samples of the same group_id, this step and history_steps before (0 disables)."""
     global_weight: float = 0.5

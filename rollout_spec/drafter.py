@@ -31,13 +31,14 @@ _MAX_TOKEN = 2**31 - 1
 _MAX_REQ_ID = 2**63 - 1
 
 #: Search constants (tuned on the shared GRPO traces, see docs/drafter.md): occurrences gathered
-#: per scope per proposal (shorter key lengths are tried while fewer were found), chain records
-#: inspected per key length and scope, the exponent of match_len in an occurrence's weight, and
-#: beta of the evidence discount n / (n + beta) applied to a node backed by n occurrences.
-MAX_OCCURRENCES = 16
-ENOUGH_OCCURRENCES = 16
-CHAIN_WALK = 64
-MATCH_POWER = 1
+#: per scope per proposal, the count below which shorter key lengths are tried (a few long
+#: matches are enough evidence; short ones need many), chain records inspected per key length
+#: and scope, the exponent of match_len in an occurrence's weight, and beta of the evidence
+#: discount n / (n + beta) applied to a node backed by n occurrences.
+MAX_OCCURRENCES = 32
+ENOUGH_OCCURRENCES = 8
+CHAIN_WALK = 32
+MATCH_POWER = 2
 EVIDENCE_DISCOUNT = 1.0
 #: Match state: a request's occurrences are advanced by the tokens it commits and reused by the
 #: next proposal; the chains are searched again when fewer than REGATHER_BELOW survive or after

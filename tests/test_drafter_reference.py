@@ -155,8 +155,8 @@ class RefDrafter:
     def _scope(self, index, scope, ctx, accept, occ):
         cfg, first = self.cfg, len(occ)
         for ki, k in enumerate(KEYS):
-            if len(occ) - first >= drafter_mod.MAX_OCCURRENCES:
-                break
+            if len(occ) - first >= drafter_mod.ENOUGH_OCCURRENCES:
+                break  # shorter keys only while too few were found
             if k > len(ctx):
                 continue
             need = max(min(k, cfg.max_match_len), cfg.min_match_len)
