@@ -379,7 +379,8 @@ def test_drafter_error_on_the_worker_is_raised(pair) -> None:
         engine(model, Broken("random")).generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=6))
 
 
-def test_budget_gets_every_decode_step_on_the_engine_clock(pair) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) -> None:
     """``record_step`` receives (B, offered nodes, proposed nodes, width, wall seconds) per decode
     step; the clock is injected, so the seconds are exact."""
     _, model = pair
@@ -387,24 +388,29 @@ def test_budget_gets_every_decode_step_on_the_engine_clock(pair) -> None:
     class Budget:
         def __init__(self) -> None:
             self.steps: list[tuple[int, int, int, int, float]] = []
+            self.calls = 0
 
         def __call__(self, batch_size: int) -> int:
-            return 3 if len(self.steps) % 2 else 0  # alternate plain and drafting steps
+            self.calls += 1
+            return 3 if self.calls % 3 else 0  # two drafting steps, then a plain one
 
         def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float) -> None:
             self.steps.append((batch, offered, nodes, width, seconds))
 
     ticks = iter(range(10_000))
     budget = Budget()
-    eng = engine(model, ScriptedDrafter("random", seed=1), draft_budget=budget)
+    eng = engine(model, ScriptedDrafter("random", seed=1), draft_budget=budget, overlap_drafter=overlap)
     eng.clock = lambda: float(next(ticks))
-    eng.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    eng.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
     plain = [s for s in budget.steps if s[1] == 0]
     drafting = [s for s in budget.steps if s[1] > 0]
-    assert plain and drafting
-    # Four clock reads per step; a drafting step after a plain one reads two more around handing
-    # the deferred tokens to the drafter, and that catch-up is left out of its recorded time.
-    assert all(s[4] == 3.0 for s in plain) and all(s[4] == 4.0 for s in drafting)
+    assert plain and drafting and budget.calls == len(budget.steps)  # one decision per step
+    # Four clock reads per step, one more when a step proposes for itself, and one more again
+    # around handing over tokens deferred by a plain step (that catch-up is left out of the
+    # step's time). With the overlap a drafting step after a drafting one was proposed ahead.
+    assert all(s[4] == 3.0 for s in plain)
+    assert all(s[4] == 4.0 for s in drafting[::2])  # the first of each pair follows a plain step
+    assert all(s[4] == (3.0 if overlap else 4.0) for s in drafting[1::2])
     assert all(n == 0 and w == 1 for _, _, n, w, _ in plain)
     assert all(b == 4 and 0 < n <= o <= 3 * b and 2 <= w <= 4 for b, o, n, w, _ in drafting[:2])
     assert eng.phase_seconds["steps"] == len(budget.steps)

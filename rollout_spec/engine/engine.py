@@ -94,6 +94,7 @@ class RolloutEngine:
         self._queue = DrafterQueue(overlap_drafter)
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
+        self._ahead: Optional[tuple[np.ndarray, np.ndarray, Any]] = None  # next step's proposal
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
         self.phase_seconds: dict[str, float] = dict.fromkeys(
             ("propose", "forward_verify", "commit", "steps"), 0.0)
@@ -193,8 +194,8 @@ class RolloutEngine:
         groups = sched.admit()
         if groups:
             self._prefill(groups, generator)
-        else:
-            self._decode(sched.running, generator)
+        else:  # no sample waits for a slot: the batch of the next step is known at this commit
+            self._decode(sched.running, generator, ahead_ok=not sched.waiting)
         finished = sched.release_finished()
         if sched.done and self._drafter is not None:  # the call is over: the drafter gets everything
             self._feed.flush(self._drafter)
@@ -210,22 +211,24 @@ class RolloutEngine:
         if self._drafter is not None:
             self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
                                [s.prompt for s in seqs], [s.group_id for s in seqs])
-        prompt_len = np.array([len(s.prompt) for s in seqs], np.int64)
         zeros = np.zeros(len(seqs), np.int64)
-        self._commit(seqs, res, None, zeros, prompt_len, zeros,
-                     np.array([s.params.max_new_tokens for s in seqs], np.int64))
+        run = RunningBatch(zeros, np.array([len(s.prompt) for s in seqs], np.int64), zeros, zeros,
+                           np.array([s.req_id for s in seqs], np.int64),
+                           np.array([s.params.max_new_tokens for s in seqs], np.int64))
+        self._commit(seqs, res, None, run)
 
-    def _decode(self, seqs: list[Sequence], generator: torch.Generator) -> None:
+    def _decode(self, seqs: list[Sequence], generator: torch.Generator, ahead_ok: bool = False) -> None:
         t0 = self.clock()
         run = RunningBatch.of(seqs)
-        budgets = self._budgets(run)
-        batch = self._propose(run, budgets)
+        budgets, batch = self._take_ahead(run)
+        if batch is None:
+            budgets = self._budgets(run)
+            batch = self._propose(run, budgets)
         t1 = self.clock()
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
-        accepted = self._commit(seqs, res, batch, run.ctx_len, run.prompt_len, run.out_len, run.max_new,
-                                run.slot)
+        accepted = self._commit(seqs, res, batch, run, ahead_ok and self._queue.overlap)
         t3 = self.clock()
         self._account(run, budgets, batch, accepted, (t0, t1, t2, t3))
 
@@ -263,7 +266,10 @@ class RolloutEngine:
         # Catching up after steps without drafts is not this step's cost: a drafting run feeds
         # the drafter every step, overlapped; keep it out of the budget's per-step figure.
         self._flush_seconds = self.clock() - t0 if deferred else 0.0
-        batch = self._drafter.propose(run.req_id.tolist(), budgets)
+        return self._checked(self._drafter.propose(run.req_id.tolist(), budgets), budgets)
+
+    def _checked(self, batch: DraftBatch, budgets: np.ndarray) -> DraftBatch:
+        """The drafter's batch, after checking it against the budgets and the vocabulary."""
         batch.validate()
         if batch.num_requests != len(budgets) or (batch.sizes() > budgets).any():
             raise ValueError(
@@ -277,21 +283,50 @@ class RolloutEngine:
             )
         return batch
 
-    def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch],
-                ctx_len: np.ndarray, prompt_len: np.ndarray, out_len: np.ndarray, max_new: np.ndarray,
-                slots: Optional[np.ndarray] = None) -> np.ndarray:
-        """Keep accepted KV, append emitted tokens (cut at stops/limits), feed the drafter.
+    def _propose_ahead(self, run: RunningBatch, keep: np.ndarray, reason: np.ndarray) -> None:
+        """Decide the next step's budgets now and queue its proposal on the drafter's worker.
 
-        Returns the accepted draft nodes kept per request.
+        Called only when no sample can be admitted before the next step, so the next batch is
+        this one minus the requests finishing here, in the same order. The budget decides one
+        step early (before this step's outcome is observed).
         """
+        alive = reason == 0
+        if not alive.any():
+            return
+        nxt = RunningBatch(run.slot[alive], run.prompt_len[alive], (run.out_len + keep)[alive],
+                           run.root[alive], run.req_id[alive], run.max_new[alive])
+        budgets = self._budgets(nxt)
+        future = self._queue.call(self._drafter.propose, nxt.req_id.tolist(), budgets) if budgets.any() else None
+        self._ahead = (nxt.req_id, budgets, future)
+
+    def _take_ahead(self, run: RunningBatch) -> tuple[Optional[np.ndarray], Optional[DraftBatch]]:
+        """The budgets and proposal queued for this step by the previous one, if they fit it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, None
+        ids, budgets, future = ahead
+        if not np.array_equal(ids, run.req_id):  # the batch changed after all: propose afresh
+            self._queue.drain()
+            return None, None
+        self._flush_seconds = 0.0
+        if future is None:
+            return budgets, DraftBatch.empty(len(budgets))
+        self._queue.drain()  # the proposal and everything queued before it; raises their errors
+        return budgets, self._checked(future.result(), budgets)
+
+    def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch],
+                run: RunningBatch, ahead: bool = False) -> np.ndarray:
+        """Keep accepted KV, append emitted tokens (cut at stops/limits), feed the drafter and,
+        with ``ahead``, queue the next step's proposal behind the extend (it runs on the worker
+        while this thread appends). Returns the accepted draft nodes kept per request."""
         h = res.host
-        if batch is not None and slots is not None:
-            self.runner.keep_accepted_kv(slots, ctx_len, h.accepted_offsets, h.accepted_nodes)
+        if batch is not None:
+            self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes)
         em_off = h.emitted_offsets
         req_of = np.repeat(np.arange(len(seqs)), np.diff(em_off))
-        left = self.max_model_len - prompt_len - out_len
-        keep, reason = plan_commit(em_off, h.emitted_tokens, np.minimum(max_new - out_len, left),
-                                   stop_mask(seqs, req_of, h.emitted_tokens), out_len, max_new, left)
+        left = self.max_model_len - run.prompt_len - run.out_len
+        keep, reason = plan_commit(em_off, h.emitted_tokens, np.minimum(run.max_new - run.out_len, left),
+                                   stop_mask(seqs, req_of, h.emitted_tokens), run.out_len, run.max_new, left)
         accepted = np.minimum(np.diff(h.accepted_offsets), keep)
         tokens = h.emitted_tokens.tolist()
         starts, stops = em_off[:-1].tolist(), (em_off[:-1] + keep).tolist()
@@ -300,6 +335,8 @@ class RolloutEngine:
             drafted = batch is not None and batch.num_nodes > 0
             finished = [seqs[i] for i in np.flatnonzero(reason)] if reason.any() else []
             self._feed.committed(self._drafter, seqs, kept, finished, now=drafted)
+            if drafted and ahead:
+                self._propose_ahead(run, keep, reason)
         _apply(seqs, kept, starts, reason, h.emitted_logprobs.astype(np.float64).tolist(),
                batch.sizes().tolist() if batch is not None else None, accepted.tolist())
         return accepted
