@@ -288,5 +288,5 @@ def _tensor_parallel_size() -> int:
         from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 
         return int(get_tensor_model_parallel_world_size())
-    except (ImportError, AssertionError):  # no SGLang, or its groups are not initialised
+    except (ImportError, AssertionError, RuntimeError):  # no SGLang, or no TP group in this process
         return 1
