@@ -451,7 +451,7 @@ def test_drafter_queue_keeps_order_bounds_itself_and_reports_errors() -> None:
 
     from rollout_spec.engine.drafter_queue import DrafterQueue
 
-    q, seen, gate = DrafterQueue(), [], threading.Event()
+    q, seen, gate = DrafterQueue(overlap=True), [], threading.Event()
     q.submit(gate.wait)  # the worker blocks until the main thread lets it go
     for i in range(5):
         q.submit(seen.append, i)

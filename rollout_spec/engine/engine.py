@@ -55,8 +55,13 @@ class RolloutEngine:
         cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
             with a drafter and no ``draft_budget``, time them into a batch-aware
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
-        overlap_drafter: run the drafter's bookkeeping (start/extend/finish) on a worker thread
-            while the next forward runs (``drafter_queue``); outputs are identical either way.
+        overlap_drafter: run the drafter's calls on a worker thread (``drafter_queue``): extends
+            and, when no sample waits for a slot, the next step's proposal are queued as soon as
+            a drafting step commits. Outputs are identical either way. Off by default: the
+            engine's bookkeeping between commit and the next proposal is Python holding the GIL,
+            so the worker rarely runs beside it, and on a loaded 2-core host the thread
+            hand-offs measured slower (docs/gpu.md). Plain steps feed the drafter nothing either
+            way (``DrafterFeed`` defers it to the next proposal).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
             "triton").
 
@@ -77,7 +82,7 @@ class RolloutEngine:
         eos_token_ids: Seq[int] = (),
         max_draft_tokens: int = 64,
         cuda_graphs: bool = True,
-        overlap_drafter: bool = True,
+        overlap_drafter: bool = False,
         verify_backend: str = "auto",
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
