@@ -85,8 +85,14 @@ class ChainTable {
     std::vector<ChainHead> old = std::move(slots_);
     slots_.assign(cap, ChainHead{});
     size_ = 0;
-    for (const ChainHead& h : old)
-      if (h.key != 0) upsert(h.key) = h;
+    // Moving a large table is a stream of random writes: prefetch a few slots ahead of them.
+    constexpr size_t kAhead = 16;
+    const size_t mask = cap - 1;
+    for (size_t i = 0; i < old.size(); ++i) {
+      if (i + kAhead < old.size() && old[i + kAhead].key != 0)
+        __builtin_prefetch(&slots_[home(old[i + kAhead].key, mask)], 1);
+      if (old[i].key != 0) upsert(old[i].key) = old[i];
+    }
   }
 
   std::vector<ChainHead> slots_;  // linear probing; capacity a power of two

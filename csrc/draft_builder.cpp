@@ -32,12 +32,18 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     nodes_[c].count += 1;
     scratch_[j] = c;
   }
-  // Pass 2: lay out each child's members contiguously, keeping occurrence order.
+  // Pass 2: lay out each child's members contiguously (a counting sort, keeping their order).
   const int32_t last = static_cast<int32_t>(nodes_.size());
+  int32_t at = static_cast<int32_t>(members_.size());
   for (int32_t c = first_child; c < last; ++c) {
-    nodes_[c].members = static_cast<int32_t>(members_.size());
-    for (int32_t j = 0; j < parent.count; ++j)
-      if (scratch_[j] == c) members_.push_back(members_[parent.members + j]);
+    nodes_[c].members = at;
+    at += nodes_[c].count;
+  }
+  members_.resize(at);
+  fill_.assign(last - first_child, 0);
+  for (int32_t j = 0; j < parent.count; ++j) {
+    const int32_t c = scratch_[j];
+    if (c >= 0) members_[nodes_[c].members + fill_[c - first_child]++] = members_[parent.members + j];
   }
   for (int32_t c = first_child; c < last; ++c) {
     TrieNode& n = nodes_[c];

@@ -34,6 +34,7 @@ class DraftBuilder {
   std::vector<int32_t> members_;  // occurrence indices, grouped per node
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
   std::vector<int32_t> scratch_;  // per member of the node being expanded: its child's index
+  std::vector<int32_t> fill_;     // per child of that node: members placed so far
   struct Entry {
     double priority;
     int64_t tie;  // smaller wins among equal priorities
