@@ -135,12 +135,12 @@ def main() -> None:
         profile(variants, device)
         return
     model = None if args.no_forward else make_model(device)
-    rows = []
+    print_header(device, args.step_ms)
     for num_req in map(int, sizes.split(",")):
         for budget in map(int, budgets.split(",")):
-            rows.extend(bench_point(num_req, budget, variants, model, args.context, device, reps,
-                                    warmup))
-    print_table(rows, device, args.step_ms)
+            for row in bench_point(num_req, budget, variants, model, args.context, device, reps,
+                                   warmup):
+                print_row(row, args.step_ms)
 
 
 def bench_point(num_req, budget, variants, model, context, device, reps, warmup) -> list[dict]:
@@ -169,21 +169,24 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
     return out
 
 
-def print_table(rows: list[dict], device: torch.device, step_ms: float) -> None:
-    """One line per (B, budget, mode, backend); ratios of (build + verify)."""
+def print_header(device: torch.device, step_ms: float) -> None:
+    """Device line and column titles (rows follow as they are measured)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     head = f"{'B':>4} {'budget':>6} {'W':>3} {'mode':>14} {'backend':>8} {'build ms':>9} " \
            f"{'build_h':>8} {'verify ms':>10} {'forward ms':>11} {'(b+v)/fwd':>10} " \
            f"{'/' + format(step_ms, 'g') + 'ms':>8}"
     print(head)
-    print("-" * len(head))
-    for r in rows:
-        cost = r["build"] + r["verify"]
-        print(f"{r['B']:>4} {r['budget']:>6} {r['W']:>3} {r['mode']:>14} {r['backend']:>8} "
-              f"{r['build']:>9.3f} {r['build_h']:>8.3f} {r['verify']:>10.3f} "
-              f"{r['forward']:>11.2f} {cost / r['forward'] * 100:>9.1f}% "
-              f"{cost / step_ms * 100:>7.1f}%")
+    print("-" * len(head), flush=True)
+
+
+def print_row(r: dict, step_ms: float) -> None:
+    """One (B, budget, mode, backend) line; ratios of build (device roots) + verify."""
+    cost = r["build"] + r["verify"]
+    print(f"{r['B']:>4} {r['budget']:>6} {r['W']:>3} {r['mode']:>14} {r['backend']:>8} "
+          f"{r['build']:>9.3f} {r['build_h']:>8.3f} {r['verify']:>10.3f} "
+          f"{r['forward']:>11.2f} {cost / r['forward'] * 100:>9.1f}% "
+          f"{cost / step_ms * 100:>7.1f}%", flush=True)
 
 
 def profile(variants: list[tuple[str, str]], device: torch.device) -> None:

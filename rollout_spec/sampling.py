@@ -138,10 +138,17 @@ def effective_temperature(table: SamplingTable) -> np.ndarray:
 
 
 def scale(logits: torch.Tensor, temp: float | torch.Tensor) -> torch.Tensor:
-    """``logits / temp`` in float32 (division, as the reference warpers do; no copy at T = 1)."""
+    """``logits / temp`` in float32, the IEEE quotient on every device (no copy at T = 1).
+
+    torch divides a CUDA tensor by a Python number as a multiplication by its reciprocal, which
+    can differ in the last bit; thresholds, node logprobs (divided on the host) and the Triton
+    kernel (``div_rn``) must all see the same scaled logit, so the divisor is a device tensor.
+    """
     scores = logits.float()
-    if isinstance(temp, float) and temp == 1.0:
-        return scores
+    if isinstance(temp, float):
+        if temp == 1.0:
+            return scores
+        temp = torch.full((), temp, dtype=torch.float32, device=scores.device)
     return scores / temp
 
 

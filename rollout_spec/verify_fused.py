@@ -18,6 +18,7 @@ from rollout_spec.verify import HostVerifyResult
 from rollout_spec.verify_triton import (
     MAX_CANDIDATES,
     OUT_FIELDS,
+    largest,
     launch_thresholds,
     launch_walk,
     philox_keys,
@@ -76,25 +77,12 @@ def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: lis
     ncand = min(vocab, max(int(top_k[k_cut].max(initial=0)) + 1, TOP_P_CANDIDATES * need_p))
     if ncand > MAX_CANDIDATES:
         return None
-    candidates = _largest(logits, ncand)
+    candidates = largest(logits, ncand)
     thr = torch.empty(flags.shape[0], dtype=torch.float32, device=logits.device)
     per_request = tuple(params) if params else (table.temperature[0], table.top_k[0],
                                                 table.top_p[0])
-    launch_thresholds(logits, candidates, cells[1], cells[2], per_request, thr, flags)
+    launch_thresholds(logits, candidates, ncand, cells[1], cells[2], per_request, thr, flags)
     return thr
-
-
-def _largest(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest values of every row, sorted descending. For a small k on a long row it
-    selects in two stages (the k largest of every chunk of C columns, then of those), which
-    torch runs with one block per slice instead of its much slower multi-block selection; the
-    values (with multiplicity) are the same."""
-    rows, vocab = logits.shape
-    chunk = next((c for c in (1024, 2048, 512, 4096, 256) if vocab % c == 0 and c >= 8 * k), 0)
-    if not chunk or not logits.is_contiguous():
-        return torch.topk(logits, k, dim=-1).values
-    part = logits.view(rows, vocab // chunk, chunk).topk(k, dim=-1, sorted=False).values
-    return part.view(rows, -1).topk(k, dim=-1).values
 
 
 def _exact_thresholds(logits: torch.Tensor, table: SamplingTable, batch: DraftBatch

@@ -250,7 +250,8 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
 
 
 @triton.jit
-def _threshold_kernel(logits_ptr, stride_row, cand_ptr, ncand, pcol_ptr, rowidx_ptr, width,
+def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_ptr, rowidx_ptr,
+                      width,
                       temp_ptr, temp_scalar, k_ptr, k_scalar, p_ptr, p_scalar, thr_ptr, flag_ptr,
                       vocab, Q: tl.constexpr, CPAD: tl.constexpr, PER_REQ: tl.constexpr,
                       SCALE: tl.constexpr):
@@ -278,7 +279,7 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, ncand, pcol_ptr, rowidx_
         k_cut = k < vocab
         i = tl.arange(0, CPAD)
         inc = i < ncand
-        v = tl.load(cand_ptr + row * ncand + i, mask=inc, other=float("-inf")).to(tl.float32)
+        v = tl.load(cand_ptr + row * stride_c + i, mask=inc, other=float("-inf")).to(tl.float32)
         y = v
         if SCALE:
             y = tl.math.div_rn(v, temp)
@@ -342,24 +343,60 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
     )
 
 
-def launch_thresholds(logits: torch.Tensor, candidates: torch.Tensor, parent_col: torch.Tensor,
-                      row_index: torch.Tensor, params: tuple, thr: torch.Tensor,
-                      flags: torch.Tensor) -> None:
-    """Fill ``thr`` float32[R] and ``flags`` int32[R] from ``candidates`` [R, n], the n largest
-    raw logits of every row, sorted descending. ``params`` is (temperature, top_k, top_p), each
-    a scalar for all requests or a [B] tensor."""
+def launch_thresholds(logits: torch.Tensor, candidates: torch.Tensor, ncand: int,
+                      parent_col: torch.Tensor, row_index: torch.Tensor, params: tuple,
+                      thr: torch.Tensor, flags: torch.Tensor) -> None:
+    """Fill ``thr`` float32[R] and ``flags`` int32[R] from ``candidates`` [R, >= ncand] (unit
+    column stride), whose first ``ncand`` columns are the ncand largest raw logits of every row,
+    sorted descending. ``params`` is (temperature, top_k, top_p), each a scalar for all requests
+    or a [B] tensor."""
     num_req, width = parent_col.shape
-    ncand = candidates.shape[1]
     per_req = isinstance(params[0], torch.Tensor)
     scalars = (0.0, 0, 1.0) if per_req else (float(params[0]), int(params[1]), float(params[2]))
     ptrs = params if per_req else (thr, thr, thr)
     _threshold_kernel[(num_req, width)](
-        logits, logits.stride(0), candidates.contiguous(), ncand, parent_col, row_index, width,
+        logits, logits.stride(0), candidates, candidates.stride(0), ncand, parent_col, row_index,
+        width,
         ptrs[0], scalars[0], ptrs[1], scalars[1], ptrs[2], scalars[2], thr, flags,
         logits.shape[1], Q=_quarter_block(logits.shape[1]),
         CPAD=max(2, triton.next_power_of_2(ncand)), PER_REQ=per_req,
         SCALE=per_req or scalars[0] not in (0.0, 1.0), num_warps=4,
     )
+
+
+@triton.jit
+def _largest_kernel(logits_ptr, stride_row, out_ptr, vocab, K: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """The K largest values of one row, sorted descending: a running top-K merged with the
+    top-K of every block (bitonic, in registers), one read of the row."""
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    best = tl.full([K], float("-inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        both = tl.reshape(tl.join(best, tl.topk(x, K)), [2 * K])
+        best = tl.topk(both, K)
+    tl.store(out_ptr + row.to(tl.int64) * K + tl.arange(0, K), best)
+
+
+MAX_TRITON_TOPK = 128  # larger selections go to torch.topk (register pressure of the merge)
+
+
+def largest(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """float32[R, >= k]: every row's k largest values first, sorted descending (values with
+    multiplicity, as ``torch.topk(...).values``). One Triton program per row for k up to
+    MAX_TRITON_TOPK (torch's multi-block selection reads 49k-wide rows several times)."""
+    kp = max(16, triton.next_power_of_2(k))
+    if kp > MAX_TRITON_TOPK or logits.stride(1) != 1:
+        return torch.topk(logits, k, dim=-1).values.float()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, kp, dtype=torch.float32, device=logits.device)
+    if rows:
+        _largest_kernel[(rows,)](logits, logits.stride(0), out, vocab, K=kp,
+                                 BLOCK=max(kp, min(2048, triton.next_power_of_2(vocab))),
+                                 num_warps=4)
+    return out
 
 
 _TAG = 0x2545F491  # in counter word 3: keeps our Philox counters apart from torch's own

@@ -226,3 +226,15 @@ def test_large_vocab_top_p_logprobs_match_transformers():
             assert res.emitted_logprobs[e0 + i] == pytest.approx(float(ref[tok]), abs=1e-4)
             if i < len(nodes):
                 col = nodes[i] + 1
+
+
+@pytest.mark.parametrize("temp", [0.9, 0.7, 1.3, 0.6])
+def test_scaling_is_the_ieee_quotient_on_every_device(temp):
+    """Thresholds (device), node logprobs (host) and the kernel must see one scaled logit: torch
+    multiplies a CUDA tensor by the reciprocal of a Python divisor, which can differ in the last
+    bit, and once made a drafted boundary token lose its place in the top-k."""
+    from rollout_spec.sampling import scale
+
+    x = 5 * torch.randn(4000, generator=torch.Generator().manual_seed(0))
+    exact = (x.double() / torch.tensor(temp, dtype=torch.float32).double()).float()
+    assert torch.equal(scale(x.to(DEVICE), temp).cpu(), exact)
