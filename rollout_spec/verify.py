@@ -236,7 +236,7 @@ def _check_inputs(
         raise ValueError(
             f"DraftBatch.tokens must be < V={logits.shape[1]}, got {int(batch.tokens.max())}"
         )
-    if tree is not None:
+    if tree is not None and tree.source is not batch:  # built from this batch: fits it
         need = 1 + int(batch.sizes().max(initial=0))
         if tree.input_ids.shape[0] != batch.num_requests or tree.width < need:
             raise ValueError(
