@@ -150,19 +150,39 @@ def test_observe_feeds_the_tracker():
 
 
 def test_online_step_cost_recovers_a_linear_residual():
-    """Residual = 0.2 ms + 4 us/request (+ 1 us/node when drafting), seen at varying B and N."""
+    """Residual = 0.2 ms + 4 us/request (+ 1 us/node when drafting), seen at varying B and N: the
+    global models recover the law; the per-bucket ones predict within their bucket's spread."""
     from rollout_spec.engine.step_cost import OnlineStepCost
 
     rng = np.random.default_rng(0)
     host = OnlineStepCost(max_batch=256, max_nodes=2048, decay=0.01)
     for _ in range(400):
         b = int(rng.integers(1, 257))
-        n = int(rng.integers(0, 8 * b + 1))
+        n = int(rng.integers(1, 8 * b + 1))
         host.observe(False, b, 0, 2e-4 + 4e-6 * b)
         host.observe(True, b, n, 2e-4 + 4e-6 * b + 1e-6 * n)
-    assert host.residual(False, 100, 0) == pytest.approx(2e-4 + 4e-4, rel=0.02)
-    assert host.residual(True, 64, 512) == pytest.approx(2e-4 + 256e-6 + 512e-6, rel=0.02)
+    assert host.plain.predict(np.array([1.0, 100 / 256])) == pytest.approx(6e-4, rel=0.02)
+    assert host.spec.predict(np.array([1.0, 64 / 256, 512 / 2048])) == pytest.approx(968e-6, rel=0.02)
+    assert host.residual(False, 100, 0) == pytest.approx(6e-4, rel=0.1)
+    assert host.residual(True, 64, 512) == pytest.approx(968e-6, rel=0.1)
     assert host.counts() == (400, 400)
+
+
+def test_local_models_fix_what_a_global_line_cannot():
+    """Host cost flat above B=64 (e.g. the drafter's per-call floor): after steps at B=256 the
+    prediction there is the measured one, not the line through the small batches."""
+    from rollout_spec.engine.step_cost import OnlineStepCost
+
+    host = OnlineStepCost(max_batch=256, max_nodes=2048)
+    cost = lambda b: 1e-3 + 4e-5 * min(b, 64)  # noqa: E731
+    for _ in range(50):
+        for b in (8, 16, 32, 64):
+            host.observe(True, b, 4 * b, cost(b))
+    assert host.residual(True, 256, 1024) > 1.2 * cost(256)  # the global line overshoots
+    for _ in range(5):
+        host.observe(True, 256, 1024, cost(256))
+    assert host.residual(True, 256, 1024) == pytest.approx(cost(256), rel=0.1)
+    assert host.residuals(256, np.array([0.0, 1024.0]))[1] == pytest.approx(host.residual(True, 256, 1024))
 
 
 def test_online_step_cost_starts_optimistic_and_rejects_bad_input():

@@ -16,6 +16,8 @@ path never measured looks cheap, so the budget tries it and learns its real cost
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
@@ -47,22 +49,40 @@ class _ForgettingLeastSquares:
 class OnlineStepCost:
     """Residual step time (seconds) of the plain and the speculative path (see module docstring).
 
-    Features are scaled by ``max_batch`` and ``max_nodes`` so one ridge strength suits both.
-    ``decay`` is the weight lost by old observations per step of the same path (0.05: about the
-    last 20 steps count); ``ridge`` is the prior's weight in observations.
+    Two levels: one global model per path over all batch sizes (features scaled by ``max_batch``
+    and ``max_nodes``), and one small model per path and half-octave of B (the plain path a
+    constant, the speculative path a + c * nodes-per-request). A bucket's own model predicts once
+    it has ``min_local`` observations; before that the global one extrapolates. Draft nodes grow
+    with B at a fixed size, so globally the per-request and per-node costs are hard to tell
+    apart, and extrapolating them to a batch size never drafted at can be far off; the local
+    models only interpolate. ``decay`` is the weight lost by old observations per update (0.05:
+    about the last 20 steps count); ``ridge`` is the prior's weight in observations.
     """
 
-    def __init__(self, max_batch: int, max_nodes: int, decay: float = 0.05, ridge: float = 0.5) -> None:
+    def __init__(self, max_batch: int, max_nodes: int, decay: float = 0.05, ridge: float = 0.5,
+                 min_local: int = 3) -> None:
         self.max_batch = check_int("max_batch", max_batch, 1, 1 << 20)
         self.max_nodes = check_int("max_nodes", max_nodes, 1, 1 << 30)
-        check_float("decay", decay, 1e-6, 1.0)
-        check_float("ridge", ridge, 1e-9, 1e6)
+        self.decay, self.ridge = check_float("decay", decay, 1e-6, 1.0), check_float("ridge", ridge, 1e-9, 1e6)
+        self.min_local = check_int("min_local", min_local, 1, 1 << 20)
         self.plain = _ForgettingLeastSquares(2, decay, ridge)
         self.spec = _ForgettingLeastSquares(3, decay, ridge)
+        self._local: dict[tuple[bool, int], _ForgettingLeastSquares] = {}
 
     def _features(self, drafted: bool, batch: int, nodes: float) -> np.ndarray:
         b = batch / self.max_batch
         return np.array([1.0, b, nodes / self.max_nodes]) if drafted else np.array([1.0, b])
+
+    def _fill(self, batch: int, nodes: np.ndarray | float) -> np.ndarray | float:
+        """Nodes per request as a fraction of the most a request may get."""
+        return nodes * self.max_batch / (batch * self.max_nodes)
+
+    def _local_model(self, drafted: bool, batch: int, create: bool = False) -> _ForgettingLeastSquares | None:
+        key = (drafted, int(round(2 * math.log2(batch))))
+        model = self._local.get(key)
+        if model is None and create:
+            model = self._local[key] = _ForgettingLeastSquares(2 if drafted else 1, self.decay, self.ridge)
+        return model if model is not None and (create or model.count >= self.min_local) else None
 
     def observe(self, drafted: bool, batch: int, nodes: int, residual_seconds: float) -> None:
         """Record one step: which path, its batch size, draft nodes, and wall minus GPU grid time."""
@@ -70,20 +90,29 @@ class OnlineStepCost:
         check_int("nodes", nodes, 0, 1 << 30)
         if not np.isfinite(residual_seconds):
             raise ValueError(f"residual_seconds must be finite, got {residual_seconds}")
-        model = self.spec if drafted else self.plain
-        model.update(self._features(drafted, batch, nodes), float(residual_seconds))
+        y = float(residual_seconds)
+        (self.spec if drafted else self.plain).update(self._features(drafted, batch, nodes), y)
+        local = self._local_model(drafted, batch, create=True)
+        local.update(np.array([1.0, self._fill(batch, nodes)]) if drafted else np.ones(1), y)
 
     def residual(self, drafted: bool, batch: int, nodes: float) -> float:
         """Predicted seconds a step spends outside the graphed forward."""
-        model = self.spec if drafted else self.plain
-        return model.predict(self._features(drafted, batch, nodes))
+        local = self._local_model(drafted, batch)
+        if local is not None:
+            return local.predict(np.array([1.0, self._fill(batch, nodes)]) if drafted else np.ones(1))
+        return (self.spec if drafted else self.plain).predict(self._features(drafted, batch, nodes))
 
     def residuals(self, batch: int, nodes: np.ndarray) -> np.ndarray:
         """Vectorised ``residual``: the plain path where ``nodes == 0``, else the speculative one."""
         nodes = np.asarray(nodes, np.float64)
-        b = batch / self.max_batch
-        spec = self.spec._theta @ np.stack([np.ones_like(nodes), np.full_like(nodes, b), nodes / self.max_nodes])
-        return np.where(nodes > 0, spec, self.plain._theta @ np.array([1.0, b]))
+        local = self._local_model(True, batch)
+        if local is not None:
+            spec = local._theta @ np.stack([np.ones_like(nodes), self._fill(batch, nodes)])
+        else:
+            b = batch / self.max_batch
+            spec = self.spec._theta @ np.stack([np.ones_like(nodes), np.full_like(nodes, b),
+                                                nodes / self.max_nodes])
+        return np.where(nodes > 0, spec, self.residual(False, batch, 0.0))
 
     def counts(self) -> tuple[int, int]:
         """Steps observed so far on the (plain, speculative) path."""
