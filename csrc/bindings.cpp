@@ -136,7 +136,7 @@ void bind_config(nb::module_& m) {
 NB_MODULE(_core, m) {
   m.doc() = "rollout-spec native core: multi-scope n-gram chain index and draft-tree proposals";
   m.attr("ABI_VERSION") = 3;
-  m.attr("KEY_LENGTHS") = nb::make_tuple(8, 4, 2, 1);
+  m.attr("KEY_LENGTHS") = nb::make_tuple(4, 2, 1);
   bind_config(m);
   nb::class_<DrafterCore>(m, "DrafterCore")
       .def(nb::init<const CoreConfig&>(), "config"_a)

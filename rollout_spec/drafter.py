@@ -7,9 +7,11 @@ the conversion of native results into ``DraftBatch``. The core does the work wit
 How a draft is made (docs/drafter.md has the full story): the request's context is matched
 against three scopes -- its own prompt and output (prompt lookup), the other samples of its
 ``group_id`` (siblings in flight, finished ones, and the last ``history_steps`` RL steps) and all
-recent rollouts. Each scope yields up to 16 occurrences of the context's suffix (n-gram chains of
-length 8, 4, 2, 1, newest first), weighted by ``scope_weight * match_len``; their continuations
-form a weighted trie that is expanded best first by estimated path probability.
+recent rollouts. Each scope yields up to 32 occurrences of the context's suffix (n-gram chains of
+length 4, 2, 1, newest first), weighted by ``scope_weight * match_len ** 2``; their continuations
+form a weighted trie that is expanded best first by estimated path probability. Each request
+keeps its occurrences between steps (advanced by the tokens it commits), so the chains are
+searched again only when too few of them survive.
 """
 from __future__ import annotations
 

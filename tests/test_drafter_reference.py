@@ -19,7 +19,7 @@ from rollout_spec import drafter as drafter_mod
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter, _core_config
 
-KEYS = (8, 4, 2, 1)
+KEYS = (4, 2, 1)
 
 
 class RefDrafter:
