@@ -18,7 +18,6 @@ from rollout_spec.verify import HostVerifyResult
 from rollout_spec.verify_triton import (
     MAX_CANDIDATES,
     OUT_FIELDS,
-    largest,
     launch_thresholds,
     launch_walk,
     philox_keys,
@@ -77,7 +76,7 @@ def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: lis
     ncand = min(vocab, max(int(top_k[k_cut].max(initial=0)) + 1, TOP_P_CANDIDATES * need_p))
     if ncand > MAX_CANDIDATES:
         return None
-    candidates = largest(logits, ncand)
+    candidates = torch.topk(logits, ncand, dim=-1).values  # sorted, largest first
     thr = torch.empty(flags.shape[0], dtype=torch.float32, device=logits.device)
     per_request = tuple(params) if params else (table.temperature[0], table.top_k[0],
                                                 table.top_p[0])

@@ -257,8 +257,9 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
                       SCALE: tl.constexpr):
     """Truncation threshold of one verify row (program (b, column)) from its ``ncand`` largest
     raw logits, sorted: top-k's k-th largest scaled logit, then top-p's cut over the top-k set
-    renormalised (sampling.py's law). Flags the row when the candidates cannot decide it: ties
-    of the k-th value may continue past them, or their mass does not reach top_p."""
+    renormalised (sampling.py's law). When ties of the k-th value may continue past the
+    candidates, the normaliser is taken over the whole row. Flags the row when the candidates
+    cannot decide it: top-p without top-k whose mass among them does not reach top_p."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     cell = b.to(tl.int64) * width + c
@@ -288,17 +289,24 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         kept = inc & (y >= thr_k)
         ym = tl.max(tl.where(kept, y, -float("inf")), axis=0)
         lse = ym + tl.log(tl.sum(tl.where(kept, tl.exp(y - ym), 0.0), axis=0))
+        row_ptr = logits_ptr + row * stride_row
         if (k >= vocab) & (p < 1.0):  # the top-p mass is relative to the whole row
-            lse, _, _ = _row_pass(logits_ptr + row * stride_row, logits_ptr, 0, 0, 0, 0, row,
-                                  vocab, temp, 0.0, pcol_ptr, pcol_ptr, width, 0, Q, SCALE,
-                                  False, False, False, False)
+            lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, 0, row, vocab, temp, 0.0,
+                                  pcol_ptr, pcol_ptr, width, 0, Q, SCALE, False, False, False,
+                                  False)
+        if beyond & (p < 1.0):  # ties of the k-th value past the candidates count too
+            lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, 0, row, vocab, temp, thr_k,
+                                  pcol_ptr, pcol_ptr, width, 0, Q, SCALE, True, False, False,
+                                  False)
+        # With that normaliser the cut is exact even then: if the candidates' mass stays below
+        # top_p, only ties of the k-th value remain, so the cut is thr_k (max below).
         probs = tl.where(kept, tl.exp(y - lse), 0.0)
         mass = tl.cumsum(probs, axis=0)
         covered = k_cut | (p >= 1.0) | (ncand >= vocab) | (tl.max(mass, axis=0) >= p)
         keep_n = tl.maximum(tl.sum((inc & ((mass - probs) < p)).to(tl.int32), axis=0), 1)
         thr_p = tl.where(p < 1.0, _pick(y, i, keep_n - 1), -float("inf"))
         tl.store(thr_ptr + row, tl.maximum(thr_k, thr_p))
-        tl.store(flag_ptr + row, (beyond | ~covered).to(tl.int32))
+        tl.store(flag_ptr + row, (~covered).to(tl.int32))
 
 
 def _quarter_block(vocab: int) -> int:
@@ -360,43 +368,9 @@ def launch_thresholds(logits: torch.Tensor, candidates: torch.Tensor, ncand: int
         ptrs[0], scalars[0], ptrs[1], scalars[1], ptrs[2], scalars[2], thr, flags,
         logits.shape[1], Q=_quarter_block(logits.shape[1]),
         CPAD=max(2, triton.next_power_of_2(ncand)), PER_REQ=per_req,
-        SCALE=per_req or scalars[0] not in (0.0, 1.0), num_warps=4,
+        SCALE=per_req or scalars[0] not in (0.0, 1.0),
+        num_warps=_warps(_quarter_block(logits.shape[1])),
     )
-
-
-@triton.jit
-def _largest_kernel(logits_ptr, stride_row, out_ptr, vocab, K: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """The K largest values of one row, sorted descending: a running top-K merged with the
-    top-K of every block (bitonic, in registers), one read of the row."""
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    best = tl.full([K], float("-inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        both = tl.reshape(tl.join(best, tl.topk(x, K)), [2 * K])
-        best = tl.topk(both, K)
-    tl.store(out_ptr + row.to(tl.int64) * K + tl.arange(0, K), best)
-
-
-MAX_TRITON_TOPK = 128  # larger selections go to torch.topk (register pressure of the merge)
-
-
-def largest(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """float32[R, >= k]: every row's k largest values first, sorted descending (values with
-    multiplicity, as ``torch.topk(...).values``). One Triton program per row for k up to
-    MAX_TRITON_TOPK (torch's multi-block selection reads 49k-wide rows several times)."""
-    kp = max(16, triton.next_power_of_2(k))
-    if kp > MAX_TRITON_TOPK or logits.stride(1) != 1:
-        return torch.topk(logits, k, dim=-1).values.float()
-    rows, vocab = logits.shape
-    out = torch.empty(rows, kp, dtype=torch.float32, device=logits.device)
-    if rows:
-        _largest_kernel[(rows,)](logits, logits.stride(0), out, vocab, K=kp,
-                                 BLOCK=max(kp, min(2048, triton.next_power_of_2(vocab))),
-                                 num_warps=4)
-    return out
 
 
 _TAG = 0x2545F491  # in counter word 3: keeps our Philox counters apart from torch's own
