@@ -253,7 +253,7 @@ def make_engines(args: argparse.Namespace) -> tuple[object, object, list[list[in
     max_b, dev = max(args.batch_sizes), torch.device(args.device)
     count = max(1, max_b // 8)
     kw = dict(num_slots=max_b, max_model_len=args.max_model_len, max_draft_tokens=8,
-              verify_backend=args.verify_backend)
+              verify_backend=args.verify_backend, overlap_drafter=args.overlap_drafter)
     if args.random_weights:
         model, _ = random_model(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
         spec_eng = RolloutEngine(model, None, SpecConfig(), **kw)
@@ -423,6 +423,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reference", action="store_true",
                     help="engine mode: also time transformers' generate at the largest B")
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
+    ap.add_argument("--overlap-drafter", action="store_true",
+                    help="engine mode: drafter calls on a worker thread (RolloutEngine(overlap_drafter=True))")
     ap.add_argument("--profile", default="", help="engine mode: cProfile one spec generate at these B")
     ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
     args = ap.parse_args(argv)
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     args = parse_args(argv)
     print(f"device={args.device} torch={torch.__version__} triton={triton_attention.is_available()} "
-          f"verify_backend={args.verify_backend}"
+          f"verify_backend={args.verify_backend} overlap_drafter={args.overlap_drafter}"
           + (f" gpu={torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""))
     (steps_mode if args.mode == "steps" else engine_rows)(args)
 

@@ -496,20 +496,24 @@ class RecordingDrafter(ScriptedDrafter):
         super().finish_batch(req_ids)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("drafts", [0, 2, "alternate"])
-def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, drafts) -> None:
-    """Without drafts the engine hands tokens over lazily (here: once, when generate ends); with
-    drafts every step. Either way each request gets exactly its output, then one finish."""
+def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, drafts, overlap) -> None:
+    """Without drafts the engine hands tokens over lazily (inline: once, when generate ends; with
+    the worker: during each next forward); with drafts every step. Either way each request gets
+    exactly its output, then one finish."""
     _, model = pair
     prompts = mixed_prompts(3, seed=11)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=9)
     steps = iter(range(10_000))
     budget = (lambda b: drafts) if drafts != "alternate" else (lambda b: 2 * (next(steps) % 2))
     drafter = RecordingDrafter()
-    outs = engine(model, drafter, draft_budget=budget).generate(prompts, params)
+    outs = engine(model, drafter, draft_budget=budget, overlap_drafter=overlap).generate(prompts, params)
     assert [drafter.fed[r] for r in sorted(drafter.fed)] == [o.token_ids for o in outs]
     assert sorted(drafter.finished) == sorted(drafter.fed)
-    if drafts == 0:
+    if drafts == 0 and not overlap:
         assert drafter.extend_calls == 1
+    elif drafts == 0:
+        assert drafter.extend_calls == max(o.num_verify_steps for o in outs)  # one per forward + the end
     elif drafts == 2:
         assert drafter.extend_calls >= max(o.num_verify_steps for o in outs) - 1  # about one per step

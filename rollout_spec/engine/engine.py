@@ -55,13 +55,15 @@ class RolloutEngine:
         cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
             with a drafter and no ``draft_budget``, time them into a batch-aware
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
-        overlap_drafter: run the drafter's calls on a worker thread (``drafter_queue``): extends
-            and, when no sample waits for a slot, the next step's proposal are queued as soon as
-            a drafting step commits. Outputs are identical either way. Off by default: the
-            engine's bookkeeping between commit and the next proposal is Python holding the GIL,
-            so the worker rarely runs beside it, and on a loaded 2-core host the thread
-            hand-offs measured slower (docs/gpu.md). Plain steps feed the drafter nothing either
-            way (``DrafterFeed`` defers it to the next proposal).
+        overlap_drafter: run the drafter's calls on a worker thread (``drafter_queue``). A plain
+            step hands the previous steps' tokens to it right after launching its forward, so
+            the C++ extend (GIL released) runs while verification waits for the GPU; a drafting
+            step queues its extend and, when no sample waits for a slot, the next step's
+            proposal as soon as it commits. Outputs are identical either way. Off by default
+            until measured on a GPU host: on a loaded 2-core host the thread hand-offs of
+            drafting steps cost more than they hid (docs/gpu.md). Without it, plain steps feed
+            the drafter nothing; their tokens go over in one batch before the next proposal or
+            when ``generate`` ends (``DrafterFeed``).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
             "triton").
 
@@ -231,6 +233,8 @@ class RolloutEngine:
             batch = self._propose(run, budgets)
         t1 = self.clock()
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
+        if self._queue.overlap and batch.num_nodes == 0 and self._feed.pending:
+            self._feed.flush(self._drafter)  # the worker feeds it while verify waits for the GPU
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run, ahead_ok and self._queue.overlap)
