@@ -173,6 +173,24 @@ def _pick(values, jj, j):
     return tl.sum(tl.where(jj == j, values, 0), axis=0)
 
 
+@triton.jit
+def _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy, vocab, temp, thr,
+                    WPAD: tl.constexpr, SCALE: tl.constexpr, HAS_THR: tl.constexpr,
+                    RACE: tl.constexpr):
+    """(first accepted child's column, or WPAD; the children's logprobs) at the current row:
+    greedy takes the child equal to the argmax, sampling tries each child in column order
+    against the mass not yet rejected, in float64 as the reference does."""
+    kx, ky = _scaled(row_ptr, tl.where(kids, toks, 0), vocab, temp, thr, SCALE, HAS_THR)
+    klogp = tl.where(kids, ky - lse, 0.0)
+    hit = kids & ~dup & (toks == amax)
+    if RACE:
+        p = tl.where(kids & ~dup, _exp64(klogp.to(tl.float64)), 0.0)
+        left = tl.maximum(1.0 - (tl.cumsum(p, axis=0) - p), 0.0)
+        take = (p > 0) & ((u_node.to(tl.float64) * left < p) | (p >= left * CERTAIN))
+        hit = tl.where(greedy, hit, take)
+    return tl.min(tl.where(hit, jj, WPAD), axis=0), klogp
+
+
 @triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg"])
 def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, temp_ptr,
                  temp_scalar, thr_ptr, unode_ptr, noise_ptr, k0_arg, k1_arg, c2_arg, c3_arg,
@@ -204,6 +222,8 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
             u_node = tl.load(unode_ptr + rows - b - 1, mask=pcols >= 0, other=0.0)
         else:
             u_node = tl.uint_to_uniform_float(_philox_words(k0, k1, NODE_STREAM, rows, c2, c3)[0])
+    else:
+        u_node = tl.zeros([WPAD], tl.float32)
     out = out_ptr + b.to(tl.int64) * (1 + OUT_FIELDS * width)
     cur = 0
     n = 0
@@ -219,15 +239,8 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
                                     tok_ptr + cell0, pcol_ptr + cell0, width, cur, Q, SCALE,
                                     HAS_THR, RACE, EXT_NOISE, False)
         kids = (pcols == cur) & live
-        kx, ky = _scaled(row_ptr, tl.where(kids, toks, 0), vocab, temp, thr, SCALE, HAS_THR)
-        klogp = tl.where(kids, ky - lse, 0.0)
-        hit = kids & ~dup & (toks == amax)  # greedy: the child equal to the argmax
-        if RACE:
-            p = tl.where(kids & ~dup, _exp64(klogp.to(tl.float64)), 0.0)
-            left = tl.maximum(1.0 - (tl.cumsum(p, axis=0) - p), 0.0)
-            take = (p > 0) & ((u_node.to(tl.float64) * left < p) | (p >= left * CERTAIN))
-            hit = tl.where(greedy, hit, take)
-        first = tl.min(tl.where(hit, jj, WPAD), axis=0)
+        first, klogp = _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy,
+                                       vocab, temp, thr, WPAD, SCALE, HAS_THR, RACE)
         if first < WPAD:
             tl.store(out + 1 + n, first)
             tl.store(out + 1 + width + n, _pick(toks, jj, first).to(tl.int32))
