@@ -49,10 +49,17 @@ def make_drafter(name: str, budget: int):
 def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None) -> None:
     """Replay ``trace`` with every drafter and print one table row per (step, drafter)."""
     results: dict[str, list[StepResult]] = {}
+    notes = []
     for name in names:
         t0 = time.perf_counter()
-        results[name] = replay(make_drafter(name, budget), trace, budget=budget, max_live=max_live)
+        drafter = make_drafter(name, budget)
+        results[name] = replay(drafter, trace, budget=budget, max_live=max_live)
         print(f"  [{label}] {name}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        if isinstance(drafter, NgramDrafter):
+            st = drafter.stats()
+            notes.append(f"{name}: chains searched for {st['gathers'] / max(st['proposals'], 1):.0%} of "
+                         f"proposals (the rest reused the request's match state); "
+                         f"{st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token")
     live = "all" if max_live is None else str(max_live)
     print(f"\n## {label}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, "
           f"{trace.num_tokens} tokens; budget {budget}; live requests: {live}")
@@ -65,6 +72,8 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
             ratio = f"{r.tpf / ref:.2f}x" if ref else "n/a"
             rate = r.accepted / max(r.drafted, 1)
             print(f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} |")
+    for note in notes:
+        print(f"\n{note}")
 
 
 def main() -> None:
