@@ -154,13 +154,18 @@ class RolloutEngine:
 
     @property
     def drafter(self) -> Any:
-        """The drafter, once every queued call has reached it (None without speculation)."""
+        """The drafter, once every committed token and queued call has reached it (None without
+        speculation)."""
+        if self._drafter is not None:
+            self._feed.flush(self._drafter)
         self._queue.drain()
         return self._drafter
 
     @drafter.setter
     def drafter(self, value: Any) -> None:
         """Replace the drafter (e.g. by a wrapper that times it) after the queued calls ran."""
+        if self._drafter is not None:
+            self._feed.flush(self._drafter)
         self._queue.drain()
         self._drafter = value
 
@@ -193,7 +198,7 @@ class RolloutEngine:
 
     def end_step(self) -> None:
         """RL step boundary: forwards to the drafter (ages and evicts its history)."""
-        if self.drafter is not None:  # the property waits for the queued calls
+        if self.drafter is not None:  # the property hands over everything pending first
             self._drafter.end_step()
 
     def step(self, sched: Scheduler, generator: torch.Generator) -> list[Sequence]:
