@@ -240,7 +240,10 @@ def run_generate(engine: object, prompts: list[list[int]], groups: list[int], te
             "wait_ms": 1e3 * (engine._queue.wait_seconds - wait0) / decodes}
 
 
-def make_engines(args: argparse.Namespace) -> tuple[object, object, list[list[int]], list[list[int]], tuple | None]:
+Prompts = list[list[int]]
+
+
+def make_engines(args: argparse.Namespace) -> tuple[object, object, Prompts, Prompts, tuple | None]:
     """Speculative and plain engines sharing one model, two prompt pools (timed, warm-up), stops.
 
     ``--random-weights``: SmolLM2-135M shapes, random prompts of 128 ids, no stop tokens (every
@@ -424,7 +427,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="engine mode: also time transformers' generate at the largest B")
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--overlap-drafter", action="store_true",
-                    help="engine mode: drafter calls on a worker thread (RolloutEngine(overlap_drafter=True))")
+                    help="engine mode: RolloutEngine(overlap_drafter=True), drafter on a worker thread")
     ap.add_argument("--profile", default="", help="engine mode: cProfile one spec generate at these B")
     ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
     args = ap.parse_args(argv)

@@ -310,7 +310,9 @@ class RolloutEngine:
         nxt = RunningBatch(run.slot[alive], run.prompt_len[alive], (run.out_len + keep)[alive],
                            run.root[alive], run.req_id[alive], run.max_new[alive])
         budgets = self._budgets(nxt)
-        future = self._queue.call(self._drafter.propose, nxt.req_id.tolist(), budgets) if budgets.any() else None
+        future = None
+        if budgets.any():
+            future = self._queue.call(self._drafter.propose, nxt.req_id.tolist(), budgets)
         self._ahead = (nxt.req_id, budgets, future)
 
     def _take_ahead(self, run: RunningBatch) -> tuple[Optional[np.ndarray], Optional[DraftBatch]]:

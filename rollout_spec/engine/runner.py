@@ -111,7 +111,8 @@ class ModelRunner:
     def _decode_mask(self, num: int) -> Tensor:
         """A ``[num, 1, 1]`` all-true tree mask, allocated once per size bound."""
         if self._ones is None or self._ones.shape[0] < num:
-            self._ones = torch.ones(max(num, self.cache.num_slots), 1, 1, dtype=torch.bool, device=self.device)
+            size = max(num, self.cache.num_slots)
+            self._ones = torch.ones(size, 1, 1, dtype=torch.bool, device=self.device)
         return self._ones[:num]
 
     def keep_accepted_kv(self, slots: np.ndarray, ctx_lens: np.ndarray, accepted_offsets: np.ndarray,

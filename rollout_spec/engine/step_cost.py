@@ -63,7 +63,8 @@ class OnlineStepCost:
                  min_local: int = 3) -> None:
         self.max_batch = check_int("max_batch", max_batch, 1, 1 << 20)
         self.max_nodes = check_int("max_nodes", max_nodes, 1, 1 << 30)
-        self.decay, self.ridge = check_float("decay", decay, 1e-6, 1.0), check_float("ridge", ridge, 1e-9, 1e6)
+        self.decay = check_float("decay", decay, 1e-6, 1.0)
+        self.ridge = check_float("ridge", ridge, 1e-9, 1e6)
         self.min_local = check_int("min_local", min_local, 1, 1 << 20)
         self.plain = _ForgettingLeastSquares(2, decay, ridge)
         self.spec = _ForgettingLeastSquares(3, decay, ridge)
