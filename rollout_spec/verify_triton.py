@@ -191,7 +191,9 @@ def _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy, voc
     return tl.min(tl.where(hit, jj, WPAD), axis=0), klogp
 
 
-@triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg"])
+# Seeds and the tree width change from call to call: specialising on them (== 1, % 16) would
+# compile the kernel again in the middle of a rollout.
+@triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg", "width"])
 def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, temp_ptr,
                  temp_scalar, thr_ptr, unode_ptr, noise_ptr, k0_arg, k1_arg, c2_arg, c3_arg,
                  out_ptr, vocab, Q: tl.constexpr, WPAD: tl.constexpr, PER_REQ_TEMP: tl.constexpr,
@@ -262,7 +264,7 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
     tl.store(out, n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "ncand"])
 def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_ptr, rowidx_ptr,
                       width,
                       temp_ptr, temp_scalar, k_ptr, k_scalar, p_ptr, p_scalar, thr_ptr, flag_ptr,
