@@ -11,7 +11,7 @@
 namespace rollout_spec {
 
 namespace {
-constexpr uint64_t kMagic = 0x3252444150535352ULL;  // "RSSPADR2"
+constexpr uint64_t kMagic = 0x3352444150535352ULL;  // "RSSPADR3": 3 key lengths, match state
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -95,7 +95,14 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
 
 std::string DrafterCore::load(std::istream& is) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (get<uint64_t>(is) != kMagic) throw std::runtime_error("not a rollout-spec drafter checkpoint");
+  const uint64_t magic = get<uint64_t>(is);
+  // The low 7 bytes spell "RSSPADR", the top byte the format version.
+  if ((magic & 0x00FFFFFFFFFFFFFFULL) != (kMagic & 0x00FFFFFFFFFFFFFFULL))
+    throw std::runtime_error("not a rollout-spec drafter checkpoint");
+  if (magic != kMagic)
+    throw std::runtime_error("drafter checkpoint of another format version (" +
+                             std::string(1, static_cast<char>(magic >> 56)) + ", this build reads " +
+                             std::string(1, static_cast<char>(kMagic >> 56)) + ")");
   std::vector<char> meta = get_vec<char>(is);
   step_ = get<int64_t>(is);
   next_order_ = get<uint64_t>(is);
