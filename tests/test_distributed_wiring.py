@@ -187,6 +187,8 @@ def test_embedded_engines_share_through_attach_shared_index(ray_cluster) -> None
     out_b, out_alone = b.generate([PROMPT], single)[0], alone.generate([PROMPT], single)[0]
     assert out_b.token_ids == out_a[0].token_ids == out_alone.token_ids  # lossless either way
     assert out_b.num_accepted_tokens >= 0.6 * len(out_b.token_ids) > out_alone.num_accepted_tokens
+    for sharing in (a.drafter, shared_b):  # their pullers must not outlive the cluster
+        sharing.index.close()
     destroy_coordinators(name, 1, namespace=NAMESPACE)
 
 

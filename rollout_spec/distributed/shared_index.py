@@ -240,9 +240,13 @@ class SharedIndexClient:
         return out
 
     def _loop(self) -> None:
+        import ray
+
         base, wait = self.config.poll_interval_s, self.config.poll_interval_s
         try:
             while not self._stop.is_set():
+                if not ray.is_initialized():  # calling into a shut-down Ray aborts the process
+                    raise RuntimeError("Ray was shut down while the shared index was open")
                 got = self.poll()
                 if self.config.apply_in_thread:
                     self.apply()
