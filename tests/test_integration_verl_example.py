@@ -50,4 +50,4 @@ def test_script_is_valid_bash_and_its_flag_parses():
     body = re.search(r"custom\.rollout_spec='\{(.*?)\}'", text).group(1)
     options = {k.strip(): float(v) if "." in v else int(v) for k, v in (p.split(":") for p in body.split(","))}
     cfg = {"name": "sglang", "custom": {"speculative": "rollout_spec", "rollout_spec": options}}
-    assert spec_from_rollout_config(cfg) == SpecConfig(num_draft_tokens=8, max_depth=24, min_token_prob=0.1, history_steps=4)
+    assert spec_from_rollout_config(cfg) == SpecConfig(num_draft_tokens=8, max_depth=24, history_steps=4)

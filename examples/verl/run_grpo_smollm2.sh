@@ -33,7 +33,7 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
     +actor_rollout_ref.rollout.custom.speculative=rollout_spec \
-    +actor_rollout_ref.rollout.custom.rollout_spec='{num_draft_tokens: 8, max_depth: 24, min_token_prob: 0.1, history_steps: 4}' \
+    +actor_rollout_ref.rollout.custom.rollout_spec='{num_draft_tokens: 8, max_depth: 24, history_steps: 4}' \
     trainer.logger='["console","wandb"]' \
     trainer.project_name=rollout-spec \
     trainer.experiment_name="grpo-smollm2-$ROLLOUT-rollout_spec" \
