@@ -517,3 +517,51 @@ def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, draft
         assert drafter.extend_calls == max(o.num_verify_steps for o in outs)  # one per forward + the end
     elif drafts == 2:
         assert drafter.extend_calls >= max(o.num_verify_steps for o in outs) - 1  # about one per step
+
+
+def test_verify_warm_up_covers_every_ladder_width_once() -> None:
+    """Every width class of the CUDA-graph ladder gets its kernel variants planned; a second
+    call plans nothing; per-request truncation adds the threshold kernel's variant."""
+    from rollout_spec.engine.cuda_graphs import default_ladder
+    from rollout_spec.engine.verify_warmup import variant_keys, warm_up
+    from rollout_spec.sampling import SamplingTable
+
+    vocab, widths = 49152, default_ladder(256, 9)[1]
+    for params in (SamplingParams(temperature=0.6, top_p=0.95),
+                   [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)]):
+        num = 1 if isinstance(params, SamplingParams) else len(params)
+        table = SamplingTable.from_params(params, num)
+        warmed: set = set()
+        new = warm_up(table, vocab, widths, torch.device("cpu"), warmed, launch=False)
+        assert new == warmed
+        for w in range(1, widths[-1] + 1):
+            assert variant_keys(table, vocab, w) <= warmed, w
+        assert {k[2] for k in warmed if k[0] == "walk"} == {2, 4, 8, 16}
+        assert any(k[0] == "threshold" for k in warmed)
+        assert warm_up(table, vocab, widths, torch.device("cpu"), warmed, launch=False) == set()
+
+
+def test_engine_warms_verify_before_every_step_uses_it(pair, monkeypatch) -> None:
+    """Each verify the engine runs finds its kernel variants already warmed (planned on CPU),
+    whatever the sampling mode of the call."""
+    import rollout_spec.engine.engine as engine_mod
+    from rollout_spec.engine.verify_warmup import variant_keys
+    from rollout_spec.sampling import SamplingTable
+
+    _, model = pair
+    eng = engine(model, SpecConfig(num_draft_tokens=6))
+    real, seen = engine_mod.verify, []
+
+    def checked(logits, batch, params, *args, **kw):
+        table = SamplingTable.from_params(params, batch.num_requests)
+        width = 1 + int(batch.sizes().max(initial=0))
+        assert variant_keys(table, model.config.vocab_size, width) <= eng._warmed
+        seen.append(width)
+        return real(logits, batch, params, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "verify", checked)
+    prompts = [[7, 8, 9, 10] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]
+    for params in (SamplingParams(n=2, temperature=0.0, max_new_tokens=16),
+                   SamplingParams(n=2, temperature=0.6, top_p=0.9, seed=1, max_new_tokens=16)):
+        eng.generate(prompts, params)
+    assert max(seen) > 1 and eng._max_width == 7
