@@ -186,6 +186,8 @@ class DraftBudget:
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
         self._gpu_cache: dict[int, np.ndarray] = {}
+        self._grid_cache: dict[tuple[int, int], float] = {}
+        self._gain: tuple[bytes, np.ndarray] = (b"", np.ones(0))  # (rates it came from, E(k))
 
     def _gpu_times(self, batch: int) -> np.ndarray:
         """Grid time T(B, k+1) of every candidate k at this batch size (the grid never changes)."""
@@ -194,6 +196,13 @@ class DraftBudget:
             times = np.array([self.cost.step_time(batch, k + 1) for k in self.candidates])
             self._gpu_cache[batch] = times
         return times
+
+    def _grid_time(self, batch: int, width: int) -> float:
+        """``cost.step_time`` memoised: a plain step records one every step, and the grid is fixed."""
+        got = self._grid_cache.get((batch, width))
+        if got is None:
+            got = self._grid_cache[(batch, width)] = self.cost.step_time(batch, width)
+        return got
 
     def step_times(self, batch: int) -> np.ndarray:
         """Predicted wall seconds of a step at every candidate size (see ``step_time``)."""
@@ -233,7 +242,7 @@ class DraftBudget:
         check_int("width", width, 1, 1 << 20)
         if offered > 0:
             self.fill += 0.05 * (min(nodes / offered, 1.0) - self.fill)
-        gpu = self.cost.step_time(batch, width)
+        gpu = self._grid_time(batch, width)
         # One-off stalls (a Triton kernel compiling for a new shape: hundreds of ms) must not
         # switch speculation off for good; a cost that really is this high still gets learned,
         # because the cap grows with the prediction.
@@ -242,9 +251,11 @@ class DraftBudget:
 
     def best(self, batch: int) -> int:
         """The candidate draft size with the highest predicted tokens per second (smallest on ties)."""
-        gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.tracker.rate[1:]))])
-        cands = np.minimum(np.asarray(self.candidates), len(gain) - 1)
-        rates = gain[cands] / self.step_times(batch)
+        key = self.tracker.rate.tobytes()
+        if key != self._gain[0]:  # acceptance moves only on drafting steps: plain ones reuse E(k)
+            gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.tracker.rate[1:]))])
+            self._gain = (key, gain[np.minimum(np.asarray(self.candidates), len(gain) - 1)])
+        rates = self._gain[1] / self.step_times(batch)
         return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
 
     def __call__(self, batch_size: int) -> int:

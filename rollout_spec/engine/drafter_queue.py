@@ -104,6 +104,8 @@ class DrafterFeed:
         self.queue = queue
         self._unfed: dict[int, Sequence] = {}
         self._finished: list[Sequence] = []
+        self._last: list[Sequence] | None = None  # the running list last recorded whole
+        self._last_len = 0
 
     @property
     def pending(self) -> bool:
@@ -114,7 +116,11 @@ class DrafterFeed:
                   finished: list[Sequence], now: bool) -> None:
         """Record a step's kept tokens (not yet appended to ``seqs``) and the sequences it ended."""
         if not now:
-            self._unfed.update((s.req_id, s) for s in seqs)
+            # A plain step of the same running list as the last one adds nobody new (every
+            # sample enters through its prefill's commit): O(1) instead of O(B) per plain step.
+            if seqs is not self._last or len(seqs) != self._last_len:
+                self._unfed.update((s.req_id, s) for s in seqs)
+                self._last, self._last_len = seqs, len(seqs)
             self._finished += finished
             return
         self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
@@ -138,7 +144,7 @@ class DrafterFeed:
             self.queue.submit(drafter.extend_batch, ids, toks)
         if self._finished:
             self.queue.submit(drafter.finish_batch, [s.req_id for s in self._finished])
-        self._unfed, self._finished = {}, []
+        self._unfed, self._finished, self._last = {}, [], None
 
     def ready(self, drafter: Any) -> None:
         """Before a proposal: everything committed has reached the drafter."""

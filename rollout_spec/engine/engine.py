@@ -292,7 +292,10 @@ class RolloutEngine:
         """Per-request node budgets: the pluggable budget, capped by what each request can keep."""
         if self._drafter is None:
             return np.zeros(len(run.slot), np.int64)
-        asked = np.broadcast_to(np.asarray(self.draft_budget(len(run.slot)), np.int64), (len(run.slot),))
+        asked = self.draft_budget(len(run.slot))
+        if isinstance(asked, int) and asked == 0:  # the plain path: nothing to cap
+            return np.zeros(len(run.slot), np.int64)
+        asked = np.broadcast_to(np.asarray(asked, np.int64), (len(run.slot),))
         # A step emits accepted + 1 tokens, so drafting more than room - 1 could not be kept.
         return np.clip(np.minimum(asked, run.room(self.max_model_len) - 1), 0, self.max_draft_tokens)
 
