@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout_spec.engine.verify_warmup import num_candidates
-from rollout_spec.sampling import SamplingTable, effective_temperature, row_stats
+from rollout_spec.sampling import TOP_P_CANDIDATES, SamplingTable, effective_temperature, row_stats
 from rollout_spec.tree import DraftBatch, TreeInputs, index_arrays, to_device
 from rollout_spec.verify import HostVerifyResult
 from rollout_spec.verify_triton import (
@@ -68,8 +67,14 @@ def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: lis
     """float32[R] thresholds from each row's largest logits (torch.topk, then one kernel);
     ``flags`` marks rows the candidates cannot decide. None when too many candidates are
     needed (a top-k beyond MAX_CANDIDATES)."""
-    ncand = num_candidates(table, logits.shape[1], MAX_CANDIDATES)
-    if ncand is None:
+    vocab = logits.shape[1]
+    sampling = table.temperature > 0
+    top_k = np.where(sampling & (table.top_k > 0), np.minimum(table.top_k, vocab), vocab)
+    k_cut = top_k < vocab
+    need_p = bool((~k_cut & sampling & (table.top_p < 1)).any())
+    # One more than the largest k: a tie of the k-th value continuing past the list shows.
+    ncand = min(vocab, max(int(top_k[k_cut].max(initial=0)) + 1, TOP_P_CANDIDATES * need_p))
+    if ncand > MAX_CANDIDATES:
         return None
     candidates = torch.topk(logits, ncand, dim=-1).values  # sorted, largest first
     thr = torch.empty(flags.shape[0], dtype=torch.float32, device=logits.device)

@@ -111,9 +111,6 @@ class RolloutEngine:
         # Slack past max_model_len: a padded tree of the widest request is written past the root.
         self.runner = ModelRunner(model, num_slots, self.max_model_len + self.max_draft_tokens + 1)
         self._next_req_id = 0
-        self._warmed: set[tuple] = set()  # verify kernel variants compiled (or, on CPU, planned)
-        self._warm_key: Any = None  # the sampling mode last checked by ``_warm_verify``
-        self._max_width = 1 + (min(default, self.max_draft_tokens) if self._drafter else 0)
         if cuda_graphs and self.runner.device.type == "cuda":
             self._setup_gpu(auto_budget=draft_budget is None, max_draft=default if self._drafter else 0)
 
@@ -125,7 +122,6 @@ class RolloutEngine:
 
         max_draft = min(max_draft, self.max_draft_tokens)
         self.runner.capture_graphs(*default_ladder(self.num_slots, max_draft + 1))
-        self._max_width = self.runner.graphs.widths[-1]
         if auto_budget and max_draft > 0:
             c, dev = self.model.config, self.runner.device
             key = (f"{torch.cuda.get_device_name(dev)}_{c.model_type}-L{c.num_layers}-H{c.hidden_size}"
@@ -218,28 +214,9 @@ class RolloutEngine:
             self._queue.drain()
         return finished
 
-    def _warm_verify(self, params: SamplingParams | list[SamplingParams]) -> None:
-        """Compile every verify kernel variant this sampling mode needs at any width the engine
-        can run (the ladder's), before a timed step hits one: a Triton compile takes seconds.
-        Cheap when the mode was seen (one identity check per step, O(B) for per-request
-        parameters); on CPU, or with the torch backend, it only records the keys."""
-        key = params if isinstance(params, SamplingParams) else frozenset(map(id, params))
-        if key is self._warm_key or key == self._warm_key:
-            return
-        self._warm_key = key
-        from rollout_spec.sampling import SamplingTable
-        from rollout_spec.verify import use_triton
-        from rollout_spec.engine.verify_warmup import warm_up
-
-        num = 1 if isinstance(params, SamplingParams) else len(params)
-        warm_up(SamplingTable.from_params(params, num), self.model.config.vocab_size,
-                list(range(1, self._max_width + 1)), self.device, self._warmed,
-                launch=use_triton(self.verify_backend, self.device))
-
     def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
-        seqs = [s for g in groups for s in g]
-        self._warm_verify(_params_of(seqs))
         logits = self.runner.prefill(groups)
+        seqs = [s for g in groups for s in g]
         rows = torch.as_tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs), generator,
                      backend=self.verify_backend)
@@ -253,8 +230,6 @@ class RolloutEngine:
         self._commit(seqs, res, None, run)
 
     def _decode(self, seqs: list[Sequence], generator: torch.Generator, ahead_ok: bool = False) -> None:
-        params = _params_of(seqs)
-        self._warm_verify(params)  # before the clock: a compile is no step's cost
         t0 = self.clock()
         run = RunningBatch.of(seqs)
         budgets, batch = self._take_ahead(run)
@@ -265,7 +240,7 @@ class RolloutEngine:
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
         if self._queue.overlap and batch.num_nodes == 0 and self._feed.pending:
             self._feed.flush(self._drafter)  # the worker feeds it while verify waits for the GPU
-        res = verify(logits, batch, params, generator, tree=tree, backend=self.verify_backend)
+        res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run, ahead_ok and self._queue.overlap)
         t3 = self.clock()
