@@ -419,8 +419,26 @@ def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) 
     assert eng.phase_seconds["steps"] == len(budget.steps)
 
 
-def test_vectorised_commit_cuts_like_sequence_append() -> None:
-    """plan_commit on a random batch makes the same cuts and finish reasons as Sequence.append."""
+def _append_one(seq, tokens: list[int], max_len: int) -> list[int]:
+    """Reference commit of one request, token by token: cut at max_new_tokens or ``max_len``,
+    then at the first stop token; sets the finish reason; returns the kept tokens."""
+    room = min(seq.params.max_new_tokens - len(seq.output), max_len - len(seq.prompt) - len(seq.output))
+    kept = tokens[: max(room, 0)]
+    for i, tok in enumerate(kept):
+        if tok in seq.stop_ids:
+            kept = kept[: i + 1]
+            seq.finish_reason = "stop"
+            break
+    seq.output.extend(kept)
+    if seq.finish_reason is None and (len(seq.output) >= seq.params.max_new_tokens
+                                      or len(seq.prompt) + len(seq.output) >= max_len):
+        seq.finish_reason = "length"
+    return kept
+
+
+def test_vectorised_commit_cuts_like_one_request_at_a_time() -> None:
+    """plan_commit on a random batch makes the same cuts and finish reasons as a per-request
+    reference."""
     from rollout_spec.engine.commit import plan_commit, reason_name
     from rollout_spec.engine.sequence import Sequence
 
@@ -442,10 +460,9 @@ def test_vectorised_commit_cuts_like_sequence_append() -> None:
         offsets = np.concatenate([[0], np.cumsum([len(e) for e in emitted])])
         tokens = np.array(sum(emitted, []), np.int64)
         left = max_len - prompt_len - out_len
-        keep, reason = plan_commit(offsets, tokens, np.minimum(max_new - out_len, left),
-                                   np.isin(tokens, list(stops)), out_len, max_new, left)
+        keep, reason = plan_commit(offsets, tokens, np.isin(tokens, list(stops)), out_len, max_new, left)
         for i, (s, e) in enumerate(zip(seqs, emitted)):
-            kept = s.append(e, [0.0] * len(e), max_len)
+            kept = _append_one(s, e, max_len)
             assert (len(kept), s.finish_reason) == (keep[i], reason_name(reason[i])), trial
 
 

@@ -56,21 +56,21 @@ def stop_mask(seqs: list[Sequence], req_of_token: np.ndarray, tokens: np.ndarray
     return np.fromiter((t in s for t, s in zip(tokens.tolist(), stops)), bool, len(tokens))
 
 
-def plan_commit(offsets: np.ndarray, tokens: np.ndarray, room: np.ndarray, is_stop: np.ndarray,
-                out_len: np.ndarray, max_new: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def plan_commit(offsets: np.ndarray, tokens: np.ndarray, is_stop: np.ndarray, out_len: np.ndarray,
+                max_new: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """How many of each request's emitted tokens to keep, and why the request ends (if it does).
 
     Args:
         offsets: int64[B+1] CSR offsets of the emitted tokens; tokens: their ids.
-        room: tokens each request may still commit; is_stop: bool per emitted token.
+        is_stop: bool per emitted token.
         out_len, max_new: committed output length and max_new_tokens per request.
         left: model-length room per request (max_len - prompt - output), before this step.
     Returns:
         ``keep`` int64[B] and ``reason`` int8[B] (REASON_NONE / REASON_STOP / REASON_LENGTH),
-        the same cuts ``Sequence.append`` makes one request at a time.
+        cut at the first stop token, at max_new_tokens or at the model length.
     """
     counts = np.diff(offsets)
-    keep = np.minimum(counts, np.maximum(room, 0))
+    keep = np.minimum(counts, np.maximum(np.minimum(max_new - out_len, left), 0))
     req = np.repeat(np.arange(len(counts)), counts)
     index = np.arange(len(tokens)) - offsets[:-1][req]
     hits = np.flatnonzero(is_stop & (index < keep[req]))

@@ -156,18 +156,20 @@ class RolloutEngine:
     def drafter(self) -> Any:
         """The drafter, once every committed token and queued call has reached it (None without
         speculation)."""
-        if self._drafter is not None:
-            self._feed.flush(self._drafter)
-        self._queue.drain()
+        self._settle_drafter()
         return self._drafter
 
     @drafter.setter
     def drafter(self, value: Any) -> None:
         """Replace the drafter (e.g. by a wrapper that times it) after the queued calls ran."""
+        self._settle_drafter()
+        self._drafter = value
+
+    def _settle_drafter(self) -> None:
+        """Hand the drafter every deferred token and wait for its queued calls (errors raise)."""
         if self._drafter is not None:
             self._feed.flush(self._drafter)
         self._queue.drain()
-        self._drafter = value
 
     @property
     def device(self) -> torch.device:
@@ -210,8 +212,7 @@ class RolloutEngine:
             self._decode(sched.running, generator, ahead_ok=not sched.waiting)
         finished = sched.release_finished()
         if sched.done and self._drafter is not None:  # the call is over: the drafter gets everything
-            self._feed.flush(self._drafter)
-            self._queue.drain()
+            self._settle_drafter()
         return finished
 
     def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
@@ -344,8 +345,8 @@ class RolloutEngine:
         em_off = h.emitted_offsets
         req_of = np.repeat(np.arange(len(seqs)), np.diff(em_off))
         left = self.max_model_len - run.prompt_len - run.out_len
-        keep, reason = plan_commit(em_off, h.emitted_tokens, np.minimum(run.max_new - run.out_len, left),
-                                   stop_mask(seqs, req_of, h.emitted_tokens), run.out_len, run.max_new, left)
+        keep, reason = plan_commit(em_off, h.emitted_tokens, stop_mask(seqs, req_of, h.emitted_tokens),
+                                   run.out_len, run.max_new, left)
         accepted = np.minimum(np.diff(h.accepted_offsets), keep)
         tokens = h.emitted_tokens.tolist()
         starts, stops = em_off[:-1].tolist(), (em_off[:-1] + keep).tolist()

@@ -47,25 +47,3 @@ class Sequence:
     def finished(self) -> bool:
         """True once a finish reason is set."""
         return self.finish_reason is not None
-
-    def append(self, tokens: list[int], logprobs: list[float], max_len: int) -> list[int]:
-        """Commit a step's emitted tokens, cut at a stop token, max_new_tokens or ``max_len``.
-
-        Returns the tokens actually kept (what the drafter may be extended with); sets the
-        finish reason when the sample ends here.
-        """
-        room = min(self.params.max_new_tokens - len(self.output), max_len - len(self.prompt) - len(self.output))
-        kept = tokens[: max(room, 0)]
-        for i, tok in enumerate(kept):
-            if tok in self.stop_ids:
-                kept = kept[: i + 1]
-                self.finish_reason = "stop"
-                break
-        self.output.extend(kept)
-        self.logprobs.extend(logprobs[: len(kept)])
-        if self.finish_reason is None and (
-            len(self.output) >= self.params.max_new_tokens
-            or len(self.prompt) + len(self.output) >= max_len
-        ):
-            self.finish_reason = "length"
-        return kept
