@@ -45,17 +45,18 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
         cells, params = uploaded[:3], uploaded[3:]
     temp: float | torch.Tensor = params[0] if params else float(table.temperature[0])
     rows, walk_size = num_req + batch.num_nodes, num_req * (1 + OUT_FIELDS.value * width)
-    out = torch.empty(walk_size + (rows if truncating else 0), dtype=torch.int32, device=dev)
+    flags_at = walk_size + (-walk_size % 4)  # 16-byte aligned flags: one kernel variant
+    out = torch.empty(flags_at + (rows if truncating else 0), dtype=torch.int32, device=dev)
     thr, checked = None, False
     if truncating:
-        thr = _candidate_thresholds(logits, table, cells, params, out[walk_size:])
+        thr = _candidate_thresholds(logits, table, cells, params, out[flags_at:])
         checked = thr is not None
         if thr is None:
             thr = _exact_thresholds(logits, table, batch)
     keys = philox_keys(generator, dev)
     launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
     got = out.cpu().numpy()
-    if checked and got[walk_size:].any():  # rare: some cut lies past its candidates
+    if checked and got[flags_at:].any():  # rare: some cut lies past its candidates
         thr = _exact_thresholds(logits, table, batch)
         launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
         got = out.cpu().numpy()
