@@ -335,6 +335,14 @@ def _warps(q: int) -> int:
     return max(2, min(16, q // 64))
 
 
+def walk_pad(width: int) -> int:
+    """The walk's padded tree width: 16 for every tree the engine drafts (budget <= 15), so one
+    compiled variant per sampling mode serves every step. A width-dependent pad compiled a new
+    variant (~1.3 s on an H100) the first time a step drafted at a new width class, inside the
+    timed decode loop; the prefill's verify now compiles the variant its decode steps use."""
+    return max(16, triton.next_power_of_2(width))
+
+
 def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Tensor,
                 row_index: torch.Tensor, temp: float | torch.Tensor, thr: torch.Tensor | None,
                 keys: tuple[int, int, int, int], out: torch.Tensor, race: bool,
@@ -359,7 +367,7 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
         thr if thr is not None else out,
         noise[0] if noise is not None else out, noise[1] if noise is not None else out,
         *keys, out, logits.shape[1],
-        Q=_quarter_block(logits.shape[1]), WPAD=max(2, triton.next_power_of_2(width)),
+        Q=_quarter_block(logits.shape[1]), WPAD=walk_pad(width),
         PER_REQ_TEMP=per_req, SCALE=per_req or float(temp) not in (0.0, 1.0),
         HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None,
         num_warps=_warps(_quarter_block(logits.shape[1])),
