@@ -426,14 +426,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reference", action="store_true",
                     help="engine mode: also time transformers' generate at the largest B")
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
-    ap.add_argument("--overlap-drafter", action="store_true",
-                    help="engine mode: RolloutEngine(overlap_drafter=True), drafter on a worker thread")
+    ap.add_argument("--overlap-drafter", choices=("auto", "on", "off"), default="auto",
+                    help="engine mode: the drafter on a worker thread (auto: on for CUDA)")
     ap.add_argument("--profile", default="", help="engine mode: cProfile one spec generate at these B")
     ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     args.temperatures = [float(x) for x in args.temperatures.split(",")]
     args.profile = [int(x) for x in args.profile.split(",") if x]
+    args.overlap_drafter = {"auto": None, "on": True, "off": False}[args.overlap_drafter]
     if args.quick:
         args.batch_sizes, args.max_new_tokens, args.ctx = [1, 8], 16, 64
     return args

@@ -7,6 +7,7 @@ import pytest
 
 from rollout_spec.engine.budget import (AcceptanceTracker, CostModel, DraftBudget,
                                         cached_cost_model, measure_cost_model)
+from rollout_spec.engine.throughput_guard import ThroughputGuard
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 WIDTHS = (1, 2, 3, 5, 9)
@@ -283,3 +284,43 @@ def test_one_off_stalls_are_capped_but_a_real_high_cost_is_learned():
     for _ in range(120):
         budget.record_step(64, 256, 256, 5, t + 10 * t)
     assert budget.host.residual(True, 64, 256) == pytest.approx(10 * t, rel=0.1)
+
+
+def test_guard_vetoes_drafting_that_was_measured_slower_and_probes_keep_it_fresh():
+    """The model wants to draft (high acceptance); steps of this batch size drafted at 3.0 us
+    per token against 1.0 us plain, so drafting stops except for probes at the model's pick.
+    Another batch bucket is untouched; once probes show drafting paying, the veto lifts."""
+    guard = ThroughputGuard(decay=0.5, min_steps=2)
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8],
+                         probe_every=3, guard=guard)
+    k = budget.best(8)
+    assert k > 0 and budget(8) == k  # nothing measured yet: the model decides
+    for _ in range(2):
+        budget.record_step(8, 0, 0, 1, 8e-6, tokens=8)  # plain: 1 us per token
+        budget.record_step(8, 8 * k, 8 * k, k + 1, 3 * 16e-6, tokens=16)  # drafting: 3 us
+    assert not guard.allows_drafting(8) and guard.allows_drafting(128)
+    assert [budget(8) for _ in range(6)] == [0, 0, k, 0, 0, k]
+    assert budget(128) == budget.best(128)
+    for _ in range(4):  # the probes drafted well: 0.5 us per token
+        budget.record_step(8, 8 * k, 8 * k, k + 1, 0.5 * 16e-6, tokens=16)
+    assert guard.allows_drafting(8) and budget(8) == k
+
+
+def test_guard_ignores_steps_without_tokens_and_caps_a_stall():
+    """One compile stall (1000x a normal step) moves a bucket's average by at most 3x per step,
+    so a path measured 2x faster stays allowed; bad inputs name the field."""
+    guard = ThroughputGuard(decay=0.1, min_steps=1)
+    guard.observe(False, 64, 64, 64e-6)
+    guard.observe(True, 64, 128, 64e-6)  # drafting: 0.5 us per token
+    guard.observe(True, 64, 128, 1000 * 64e-6)
+    assert guard.seconds_per_token(True, 64) == pytest.approx(0.5e-6 * 1.2)
+    assert guard.allows_drafting(64)
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [4], guard=guard)
+    budget.record_step(64, 0, 0, 1, 1.0)  # no token count: the guard learns nothing
+    assert guard.seconds_per_token(False, 64) == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="tokens"):
+        guard.observe(True, 64, 0, 1e-3)
+    with pytest.raises(ValueError, match="seconds"):
+        guard.observe(True, 64, 10, float("nan"))
+    with pytest.raises(ValueError, match="min_steps"):
+        ThroughputGuard(min_steps=0)

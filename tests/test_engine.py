@@ -384,8 +384,8 @@ def test_drafter_error_on_the_worker_is_raised(pair) -> None:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) -> None:
-    """``record_step`` receives (B, offered nodes, proposed nodes, width, wall seconds) per decode
-    step; the clock is injected, so the seconds are exact."""
+    """``record_step`` receives (B, offered nodes, proposed nodes, width, wall seconds, tokens
+    emitted) per decode step; the clock is injected, so the seconds are exact."""
     _, model = pair
 
     class Budget:
@@ -397,7 +397,9 @@ def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) 
             self.calls += 1
             return 3 if self.calls % 3 else 0  # two drafting steps, then a plain one
 
-        def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float) -> None:
+        def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float,
+                        tokens: int) -> None:
+            assert batch <= tokens <= batch + nodes  # every request emits 1 + its accepted nodes
             self.steps.append((batch, offered, nodes, width, seconds))
 
     ticks = iter(range(10_000))

@@ -23,6 +23,7 @@ import numpy as np
 
 from rollout_spec.config import check_float, check_int
 from rollout_spec.engine.step_cost import OnlineStepCost
+from rollout_spec.engine.throughput_guard import ThroughputGuard
 
 
 @dataclass(frozen=True)
@@ -169,20 +170,23 @@ class DraftBudget:
     Each call maximises ``B * E(k) / T(B, k)`` over the candidate sizes, where ``T(B, k)`` is the
     GPU grid's ``T(B, k+1)`` plus, with ``host`` given, the step's learned residual (host work,
     LM head, verification; see ``step_cost``), so k = 0 wins whenever speculation's whole cost
-    is not paid back. Every ``probe_every`` calls that chose 0 it offers the smallest positive
-    size once, so the acceptance and cost estimates keep tracking the workload after speculation
-    was switched off.
+    is not paid back. With ``guard``, a drafting pick is also checked against what steps of this
+    batch size actually achieved (``throughput_guard``): where drafting emitted tokens more slowly
+    than plain decoding, the step does not draft. Every ``probe_every`` calls that ended at 0 it
+    offers drafts once (the model's pick, or else the smallest positive size), so the acceptance,
+    cost and guard keep tracking the workload after speculation was switched off.
     """
 
     def __init__(self, cost: CostModel, tracker: AcceptanceTracker, candidates: Sequence[int],
-                 probe_every: int = 64, host: OnlineStepCost | None = None) -> None:
+                 probe_every: int = 64, host: OnlineStepCost | None = None,
+                 guard: ThroughputGuard | None = None) -> None:
         cands = sorted(set(int(c) for c in candidates) | {0})
         if cands[0] < 0:
             raise ValueError(f"candidates must be >= 0, got {list(candidates)}")
         check_int("probe_every", probe_every, 1, 1_000_000)
         self.cost, self.tracker, self.candidates = cost, tracker, tuple(cands)
         self.probe_every = probe_every
-        self.host = host
+        self.host, self.guard = host, guard
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
         self._gpu_cache: dict[int, np.ndarray] = {}
@@ -230,12 +234,16 @@ class DraftBudget:
         """Feed one verify step's outcome: node budget offered and nodes accepted per request."""
         self.tracker.update(offered, accepted)
 
-    def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float) -> None:
-        """Feed one decode step's wall time (engine clock) to the residual model.
+    def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float,
+                    tokens: int | None = None) -> None:
+        """Feed one decode step's wall time (engine clock) to the residual model and the guard.
 
         ``offered`` is the step's total node budget (0 on the plain path), ``nodes`` what the
-        drafter proposed, ``width`` the forward's columns (1 + largest tree).
+        drafter proposed, ``width`` the forward's columns (1 + largest tree), ``tokens`` what
+        the step emitted (the guard learns only from steps that report it).
         """
+        if self.guard is not None and tokens is not None:
+            self.guard.observe(offered > 0, batch, tokens, seconds)
         if self.host is None:
             return
         check_int("offered", offered, 0, 1 << 30)
@@ -262,13 +270,13 @@ class DraftBudget:
         """Draft nodes per request for the next step of ``batch_size`` running requests."""
         check_int("batch_size", batch_size, 1, 1 << 20)
         k = self.best(batch_size)
-        if k > 0:
+        if k > 0 and (self.guard is None or self.guard.allows_drafting(batch_size)):
             self._zeros = 0
             return k
         self._zeros += 1
         if self._zeros >= self.probe_every and len(self.candidates) > 1:
             self._zeros = 0
-            return self.candidates[1]
+            return k or self.candidates[1]
         return 0
 
 
@@ -292,4 +300,4 @@ def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key:
     key = f"{key}_b{max_batch}_k{max_draft}"
     cost = measure() if cache_dir is None else cached_cost_model(cache_dir, key, measure)
     host = OnlineStepCost(max_batch, max_batch * max(cands))
-    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands, host=host)
+    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands, host=host, guard=ThroughputGuard())

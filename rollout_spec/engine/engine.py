@@ -59,11 +59,12 @@ class RolloutEngine:
             step hands the previous steps' tokens to it right after launching its forward, so
             the C++ extend (GIL released) runs while verification waits for the GPU; a drafting
             step queues its extend and, when no sample waits for a slot, the next step's
-            proposal as soon as it commits. Outputs are identical either way. Off by default
-            until measured on a GPU host: on a loaded 2-core host the thread hand-offs of
-            drafting steps cost more than they hid (docs/gpu.md). Without it, plain steps feed
-            the drafter nothing; their tokens go over in one batch before the next proposal or
-            when ``generate`` ends (``DrafterFeed``).
+            proposal as soon as it commits. Outputs are identical either way. None (default):
+            on where the model is on CUDA (measured on an H100: plain steps of the speculative
+            engine then cost what the plain engine's do), off on CPU, where the forward is not
+            asynchronous and the hand-offs only add work (docs/gpu.md). Without it, plain steps
+            feed the drafter nothing; their tokens go over in one batch before the next
+            proposal or when ``generate`` ends (``DrafterFeed``).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
             "triton").
 
@@ -84,7 +85,7 @@ class RolloutEngine:
         eos_token_ids: Seq[int] = (),
         max_draft_tokens: int = 64,
         cuda_graphs: bool = True,
-        overlap_drafter: bool = False,
+        overlap_drafter: Optional[bool] = None,
         verify_backend: str = "auto",
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -98,6 +99,8 @@ class RolloutEngine:
             raise ValueError(f"verify_backend must be 'auto', 'torch' or 'triton', got {verify_backend!r}")
         self.verify_backend = verify_backend
         self._drafter = _make_drafter(spec)
+        if overlap_drafter is None:
+            overlap_drafter = next(model.parameters()).device.type == "cuda"
         self._queue = DrafterQueue(overlap_drafter)
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
@@ -262,7 +265,8 @@ class RolloutEngine:
         record = getattr(self.draft_budget, "record_step", None)
         if record is not None:
             width = 1 + int(batch.sizes().max(initial=0))
-            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0 - self._flush_seconds)
+            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0 - self._flush_seconds,
+                   tokens=len(run.slot) + int(accepted.sum()))
 
     def _budgets(self, run: RunningBatch) -> np.ndarray:
         """Per-request node budgets: the pluggable budget, capped by what each request can keep."""
