@@ -1,5 +1,7 @@
 #include "chain_index.h"
 
+#include <unordered_map>
+
 namespace rollout_spec {
 
 uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k) {
@@ -24,103 +26,95 @@ void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys) {
     keys[ki] = pos + 1 >= kKeyLens[ki] ? ngram_key(tokens, pos, kKeyLens[ki]) : 0;
 }
 
-void ChainIndex::insert(int ki, uint64_t key, int32_t seq, int32_t pos) {
+void ChainIndex::insert_record(int ki, uint64_t key, const ChainEntry& e) {
   ChainHead& h = heads_[ki].upsert(key);
-  std::vector<ChainBlock>& blocks = blocks_[ki];
-  if (h.newest >= 0) {  // the current head record moves into the newest block
-    if (h.block < 0 || blocks[h.block].n == kChainBlock) {
-      ChainBlock fresh;
-      fresh.prev = h.block;
-      blocks.push_back(fresh);
-      h.block = static_cast<int32_t>(blocks.size()) - 1;
-    }
-    ChainBlock& b = blocks[h.block];
-    b.seq[b.n] = h.seq;
-    b.pos[b.n] = h.pos;
-    ++b.n;
-  }
-  recs_[ki].push_back(ChainRecord{seq, pos, h.newest});
-  h.newest = static_cast<int32_t>(recs_[ki].size()) - 1;
-  h.seq = seq;
-  h.pos = pos;
+  if (h.count > 0) pool_.put(h.block, h.count - 1, h.newest);  // the old head becomes older
+  h.newest = e;
+  ++h.count;
+  ++records_;
 }
 
-void ChainIndex::insert_keys(int32_t seq, int32_t pos, const uint64_t* keys) {
-  for (int ki = 0; ki < kNumKeys; ++ki)
-    if (keys[ki] != 0) insert(ki, keys[ki], seq, pos);
+void ChainIndex::insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys) {
+  log_.push_back(ChainRecord{seq, pos});
+  for (int ki = 0; ki < kNumKeys; ++ki) {
+    if (keys[ki] == 0) continue;
+    const int32_t k = kKeyLens[ki];
+    insert_record(ki, keys[ki], ChainEntry{seq, pos, pos >= k ? tokens[pos - k] : -1, tokens[pos + 1]});
+  }
+}
+
+void ChainIndex::clear() {
+  for (int ki = 0; ki < kNumKeys; ++ki) heads_[ki].clear();
+  pool_.clear();
+  log_ = {};
+  records_ = 0;
 }
 
 void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,
                          const std::function<const int32_t*(int32_t)>& tokens_of) {
-  for (int ki = 0; ki < kNumKeys; ++ki) {
-    std::vector<ChainRecord> old = std::move(recs_[ki]);
-    recs_[ki] = {};
-    blocks_[ki] = {};
-    heads_[ki].clear();
-    size_t kept = 0;
-    for (const ChainRecord& r : old) kept += keep(r.seq);
-    recs_[ki].reserve(kept);
-    heads_[ki].reserve(kept);  // an upper bound on distinct keys
-    for (const ChainRecord& r : old)
-      if (keep(r.seq)) insert(ki, ngram_key(tokens_of(r.seq), r.pos, kKeyLens[ki]), r.seq, r.pos);
+  std::vector<ChainRecord> old = std::move(log_);
+  clear();
+  size_t kept = 0;
+  for (const ChainRecord& r : old) kept += keep(r.seq);
+  log_.reserve(kept);
+  for (int ki = 0; ki < kNumKeys; ++ki) heads_[ki].reserve(kept);  // an upper bound on keys
+  uint64_t keys[kNumKeys];
+  for (const ChainRecord& r : old) {
+    if (!keep(r.seq)) continue;
+    const int32_t* tokens = tokens_of(r.seq);
+    ngram_keys(tokens, r.pos, keys);
+    insert(r.seq, r.pos, tokens, keys);
   }
 }
 
-void ChainIndex::restore(int ki, const std::vector<ChainRecord>& recs,
-                         const int32_t* const* tokens_by_seq) {
-  recs_[ki].clear();
-  blocks_[ki].clear();
-  heads_[ki].clear();
-  recs_[ki].reserve(recs.size());
-  for (const ChainRecord& r : recs)
-    insert(ki, ngram_key(tokens_by_seq[r.seq], r.pos, kKeyLens[ki]), r.seq, r.pos);
-}
-
-size_t ChainIndex::num_records() const {
-  size_t n = 0;
-  for (const auto& r : recs_) n += r.size();
-  return n;
+void ChainIndex::restore(const std::vector<ChainRecord>& log,
+                         const std::function<const int32_t*(int32_t)>& tokens_of) {
+  clear();
+  log_.reserve(log.size());
+  uint64_t keys[kNumKeys];
+  for (const ChainRecord& r : log) {
+    const int32_t* tokens = tokens_of(r.seq);
+    ngram_keys(tokens, r.pos, keys);
+    insert(r.seq, r.pos, tokens, keys);
+  }
 }
 
 size_t ChainIndex::memory_bytes() const {
-  size_t n = sizeof(*this);
-  for (int ki = 0; ki < kNumKeys; ++ki)
-    n += heads_[ki].memory_bytes() + recs_[ki].capacity() * sizeof(ChainRecord) +
-         blocks_[ki].capacity() * sizeof(ChainBlock);
+  size_t n = sizeof(*this) + log_.capacity() * sizeof(ChainRecord) + pool_.memory_bytes();
+  for (int ki = 0; ki < kNumKeys; ++ki) n += heads_[ki].memory_bytes();
   return n;
 }
 
 bool ChainIndex::check(const std::function<const int32_t*(int32_t)>& tokens_of) const {
+  size_t total = 0;
   for (int ki = 0; ki < kNumKeys; ++ki) {
-    const auto& recs = recs_[ki];
-    for (size_t i = 0; i < recs.size(); ++i) {
-      const ChainRecord& r = recs[i];
-      if (r.pos + 1 < kKeyLens[ki]) return false;
-      const uint64_t key = ngram_key(tokens_of(r.seq), r.pos, kKeyLens[ki]);
-      if (r.prev >= static_cast<int32_t>(i)) return false;
-      if (r.prev >= 0 && ngram_key(tokens_of(recs[r.prev].seq), recs[r.prev].pos, kKeyLens[ki]) != key)
-        return false;
-      const ChainHead* h = heads_[ki].find(key);  // the newest record of each key is the head
-      if (!h || h->newest < static_cast<int32_t>(i)) return false;
-    }
-    size_t listed = 0;
+    const int32_t k = kKeyLens[ki];
+    // The log's positions of every key, oldest first: the key's lookup view must list the newest.
+    std::unordered_map<uint64_t, std::vector<ChainRecord>> expected;
+    for (const ChainRecord& r : log_)
+      if (r.pos + 1 >= k) expected[ngram_key(tokens_of(r.seq), r.pos, k)].push_back(r);
+    auto same = [&](const ChainEntry& e, const ChainRecord& r) {
+      if (r.seq != e.seq || r.pos != e.pos) return false;
+      const int32_t* t = tokens_of(e.seq);
+      return e.before == (e.pos >= k ? t[e.pos - k] : -1) && e.after == t[e.pos + 1];
+    };
+    size_t chains = 0;
     for (const ChainHead& h : heads_[ki].slots()) {
       if (h.key == 0) continue;
-      // The lookup view, newest first, must equal the log's chain from the head record.
-      int32_t r = h.newest;
-      if (r < 0 || recs[r].seq != h.seq || recs[r].pos != h.pos) return false;
-      r = recs[r].prev;
-      ++listed;
-      for (int32_t b = h.block; b >= 0; b = blocks_[ki][b].prev) {
-        const ChainBlock& blk = blocks_[ki][b];
-        for (int32_t j = blk.n - 1; j >= 0; --j, r = recs[r].prev, ++listed)
-          if (r < 0 || recs[r].seq != blk.seq[j] || recs[r].pos != blk.pos[j]) return false;
-      }
-      if (r != -1) return false;
+      auto it = expected.find(h.key);
+      if (it == expected.end() || static_cast<size_t>(h.count) != it->second.size()) return false;
+      const std::vector<ChainRecord>& want = it->second;
+      if (!same(h.newest, want.back())) return false;
+      const Older o = older(h);
+      if (o.n != std::min<int32_t>(h.count - 1, pool_.max_older())) return false;
+      for (int32_t t = 0; t < o.n; ++t)
+        if (!same(o.base[(o.last - t) % o.cap], want[want.size() - 2 - t])) return false;
+      ++chains;
+      total += want.size();
     }
-    if (listed != recs.size()) return false;
+    if (chains != expected.size()) return false;
   }
-  return true;
+  return total == records_;
 }
 
 }  // namespace rollout_spec

@@ -1,19 +1,21 @@
 // Hash chains over stored positions, one chain per n-gram, for the key lengths in kKeyLens.
 //
-// Inserting position p of a sequence adds, for every key length k <= p + 1, a record to the
-// chain of the k tokens ending at p. A chain is walked newest first, so a lookup sees recent
-// rollouts before old ones. Two views of the same records are kept: the insertion log (each
-// record linked to the previous one of its key; used by rebuild, checkpoints and the integrity
-// check) and the lookup view (ChainTable heads with the newest record inline, older records in
-// blocks of kChainBlock). Records are only appended; removal happens by `rebuild`, which
-// re-inserts the kept records in their original order (so recency, and every later proposal,
-// is unaffected by when it ran).
+// Indexing position p of a sequence (once token p + 1 exists: a record is only useful with a
+// continuation) adds, for every key length k <= p + 1, a record to the chain of the k tokens
+// ending at p. A chain is walked newest first, so a lookup sees recent rollouts before old ones.
+// Two views of the same records are kept: the insertion log (one entry per indexed position,
+// shared by all key lengths; used by rebuild, checkpoints and the integrity check) and the
+// lookup view (ChainTable heads with the newest record inline, older records in blocks of a
+// ChainPool, newest `keep` only, since no search reads further). Records are only appended;
+// removal happens by `rebuild`, which re-inserts the kept positions in their original order (so
+// recency, and every later proposal, is unaffected by when it ran).
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <vector>
 
+#include "chain_pool.h"
 #include "chain_record.h"
 #include "chain_table.h"
 
@@ -32,9 +34,13 @@ void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys);
 
 class ChainIndex {
  public:
-  // Add records for position `pos` of sequence `seq`, given its keys from ngram_keys (computed
-  // once per position and shared by the request, group and global indexes).
-  void insert_keys(int32_t seq, int32_t pos, const uint64_t* keys);
+  // Chains keep their newest `keep` (>= 1) records for lookups (the log keeps every one).
+  explicit ChainIndex(int32_t keep = 32) : pool_(keep - 1) {}
+
+  // Index position `pos` of sequence `seq` (whose tokens are `tokens`, holding pos + 1 at least),
+  // given its keys from ngram_keys (computed once per position and shared by the request, group
+  // and global indexes).
+  void insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys);
 
   // Start loading the table slots that a lookup or insert of these keys will touch.
   void prefetch(const uint64_t* keys) const {
@@ -42,45 +48,76 @@ class ChainIndex {
       if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
   }
 
-  // Start loading the blocks and log ends that an insert of these keys writes (their table
-  // slots should be cached by now: call prefetch first, a few positions earlier).
+  // Start loading the lines that an insert of these keys writes (their table slots should be
+  // cached by now: call prefetch first, a few positions earlier).
   void prefetch_tails(const uint64_t* keys) const {
     for (int ki = 0; ki < kNumKeys; ++ki) {
       if (keys[ki] == 0) continue;
       const ChainHead* h = heads_[ki].find(keys[ki]);
-      if (h && h->block >= 0) __builtin_prefetch(&blocks_[ki][h->block]);
-      __builtin_prefetch(recs_[ki].data() + recs_[ki].size());
+      if (!h || h->count == 0 || pool_.max_older() == 0) continue;
+      const int32_t older = h->count - 1;
+      if (older == 0) continue;
+      int32_t cap;
+      const ChainEntry* e = pool_.entries(h->block, older, cap);
+      __builtin_prefetch(e + older % cap);
     }
   }
 
   // Head of the chain of key length kKeyLens[ki] with this key, or null.
   const ChainHead* head(int ki, uint64_t key) const { return heads_[ki].find(key); }
-  const ChainBlock& block(int ki, int32_t b) const { return blocks_[ki][b]; }
 
-  // The insertion log of key length kKeyLens[ki].
-  const std::vector<ChainRecord>& records(int ki) const { return recs_[ki]; }
+  // The older records kept for chain `h`: the t-th newest of them (t < n) is base[(last - t) % cap].
+  struct Older {
+    const ChainEntry* base = nullptr;
+    int32_t cap = 1;
+    int32_t last = 0;  // number of the newest older record, counted from the oldest ever
+    int32_t n = 0;     // older records kept
+  };
+  Older older(const ChainHead& h) const {
+    Older o;
+    const int32_t older = h.count - 1;
+    o.n = std::min(older, pool_.max_older());
+    if (o.n <= 0) return o;
+    o.base = pool_.entries(h.block, older, o.cap);
+    o.last = older - 1;
+    return o;
+  }
+  // Start loading every line of those records.
+  static void prefetch(const Older& o) {
+    const char* p = reinterpret_cast<const char*>(o.base);
+    for (int32_t off = 0; off < o.cap * static_cast<int32_t>(sizeof(ChainEntry)); off += 64)
+      __builtin_prefetch(p + off);
+  }
 
-  // Keep only the records for which `keep(seq)` holds, in their original order.
+  // The insertion log: every indexed position, oldest first.
+  const std::vector<ChainRecord>& log() const { return log_; }
+
+  // Keep only the positions for which `keep(seq)` holds, in their original order.
   void rebuild(const std::function<bool(int32_t)>& keep,
                const std::function<const int32_t*(int32_t)>& tokens_of);
 
-  // Re-insert records exactly as listed (used by load); `recs` hold seq/pos, prev is recomputed.
-  void restore(int ki, const std::vector<ChainRecord>& recs, const int32_t* const* tokens_by_seq);
+  // Re-index positions exactly as listed, oldest first (used by load).
+  void restore(const std::vector<ChainRecord>& log,
+               const std::function<const int32_t*(int32_t)>& tokens_of);
 
-  size_t num_records() const;
+  // Records over all key lengths (a position counts once per key length that fits).
+  size_t num_records() const { return records_; }
   size_t memory_bytes() const;
-  bool empty() const { return num_records() == 0; }
+  bool empty() const { return log_.empty(); }
 
-  // Integrity check: log links point backwards to records of the same key, and every chain's
-  // lookup view lists exactly its log records, newest first.
+  // Integrity check: every chain's lookup view lists exactly the log's positions with its key,
+  // newest first, with the right neighbouring tokens, and nothing else is listed. The caller
+  // checks first that every logged position has a continuation.
   bool check(const std::function<const int32_t*(int32_t)>& tokens_of) const;
 
  private:
-  void insert(int ki, uint64_t key, int32_t seq, int32_t pos);
+  void insert_record(int ki, uint64_t key, const ChainEntry& e);
+  void clear();
 
   ChainTable heads_[kNumKeys];                // per key length: n-gram key -> chain head
-  std::vector<ChainBlock> blocks_[kNumKeys];  // per key length: blocks of older records
-  std::vector<ChainRecord> recs_[kNumKeys];   // per key length: insertion log
+  ChainPool pool_;                            // older records of every chain
+  std::vector<ChainRecord> log_;              // indexed positions in insertion order
+  size_t records_ = 0;                        // records over all key lengths
 };
 
 }  // namespace rollout_spec

@@ -1,7 +1,11 @@
 // The lookup side of a chain index: an open-addressing table from an n-gram key to its chain's
-// head, where the head holds the newest record itself and the block of the next-older ones.
-// A lookup of a key seen once (most long n-grams) therefore costs one cache line, and a walk
-// over older records one line per kChainBlock records instead of one per record.
+// head, where the head holds the newest record itself and the location of the older ones.
+// A lookup of a key seen once (most long n-grams) therefore costs one cache line.
+//
+// Every record carries two tokens of its sequence: the one just before its n-gram (`before`) and
+// the one just after it (`after`). A search learns from `before` whether the match is exactly the
+// key's length, and gets the first continuation token from `after`, without touching the other
+// sequence's memory; most records of a short key are decided that way.
 #pragma once
 
 #include <cstddef>
@@ -10,22 +14,18 @@
 
 namespace rollout_spec {
 
-constexpr int32_t kChainBlock = 7;  // records per block: 8 + 7 * 8 bytes = one 64-byte line
-
-// Older records of one chain, oldest first within the block; `prev` is the next-older block.
-struct alignas(64) ChainBlock {
-  int32_t prev = -1;
-  int32_t n = 0;
-  int32_t seq[kChainBlock];
-  int32_t pos[kChainBlock];
+struct ChainEntry {
+  int32_t seq = -1;     // sequence slot
+  int32_t pos = -1;     // index of the n-gram's last token there
+  int32_t before = -1;  // token at pos - k, or -1 where the n-gram starts its sequence
+  int32_t after = -1;   // token at pos + 1
 };
 
 struct ChainHead {
-  uint64_t key = 0;     // 0 marks an empty slot (hashes are never 0)
-  int32_t newest = -1;  // index of the newest record in the insertion log
-  int32_t seq = -1;     // that record's sequence slot ...
-  int32_t pos = -1;     // ... and position
-  int32_t block = -1;   // block of the next-older records, -1 if none
+  uint64_t key = 0;    // 0 marks an empty slot (hashes are never 0)
+  ChainEntry newest;   // the chain's newest record
+  int32_t block = -1;  // the older records' block in the index's pool of its size class
+  int32_t count = 0;   // records ever added to the chain (older ones beyond the kept few dropped)
 };
 
 class ChainTable {
@@ -40,7 +40,7 @@ class ChainTable {
     }
   }
 
-  // Head of `key`'s chain, inserted empty (newest = -1) if missing. Valid until the next upsert.
+  // Head of `key`'s chain, inserted empty (count = 0) if missing. Valid until the next upsert.
   ChainHead& upsert(uint64_t key) {
     if ((size_ + 1) * 2 > slots_.size()) rehash(slots_.empty() ? 16 : slots_.size() * 2);
     const size_t mask = slots_.size() - 1;

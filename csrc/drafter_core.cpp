@@ -12,7 +12,15 @@ constexpr int kGroupScope = 1;
 constexpr int kGlobalScope = 2;
 }  // namespace
 
-DrafterCore::DrafterCore(const CoreConfig& cfg) : cfg_(cfg) {}
+DrafterCore::DrafterCore(const CoreConfig& cfg) : cfg_(cfg), global_(cfg.chain_walk) {
+  // Chains keep only the records a search may read (ChainPool's classes go up to 4095).
+  if (cfg.chain_walk < 1 || cfg.chain_walk > 4096)
+    throw std::invalid_argument("chain_walk must be in [1, 4096], got " + std::to_string(cfg.chain_walk));
+}
+
+ChainIndex& DrafterCore::group_index(int32_t group) {
+  return groups_.try_emplace(group, cfg_.chain_walk).first->second;
+}
 
 void DrafterCore::check_ids(const int64_t* ids, size_t n, bool must_exist) const {
   std::unordered_set<int64_t> seen;
@@ -76,11 +84,11 @@ void DrafterCore::index_position(int32_t slot, RequestState* req, int32_t pos) {
   const Sequence& s = seqs_[slot];
   uint64_t keys[kNumKeys];
   ngram_keys(s.tokens.data(), pos, keys);
-  if (req) req->own.insert_keys(slot, pos, keys);
+  if (req) req->own.insert(slot, pos, s.tokens.data(), keys);
   // Shared scopes only index positions whose continuation is a response token.
   if (pos < s.prompt_len - 1) return;
-  if (s.group >= 0) groups_[s.group].insert_keys(slot, pos, keys);
-  global_.insert_keys(slot, pos, keys);
+  if (s.group >= 0) group_index(s.group).insert(slot, pos, s.tokens.data(), keys);
+  global_.insert(slot, pos, s.tokens.data(), keys);
 }
 
 void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
@@ -99,7 +107,9 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     refresh_view(slot);
     RequestState& req = requests_[ids[i]];
     req.slot = slot;
-    for (int32_t p = 0; p < s.prompt_len; ++p) index_position(slot, &req, p);
+    req.own = ChainIndex(cfg_.chain_walk);
+    // A position is indexed once its next token exists: the prompt's last one at the first extend.
+    for (int32_t p = 0; p + 1 < s.prompt_len; ++p) index_position(slot, &req, p);
   }
   maybe_evict();
 }
@@ -124,10 +134,10 @@ void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_
 }
 
 void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
-  // Every record lands in a random slot of a large hash table, that chain's newest block and
-  // the end of a log. Positions are hashed first; then, while inserting position j, the slots of
-  // position j + kAhead and the blocks of position j + kAhead / 2 are prefetched, so that the
-  // misses of several positions overlap and their lines are still in L1 when used.
+  // Every record lands in a random slot of a large hash table and that chain's newest block.
+  // Positions are hashed first; then, while inserting position j, the slots of position
+  // j + kAhead and the blocks of position j + kAhead / 2 are prefetched, so that the misses of
+  // several positions overlap and their lines are still in L1 when used.
   struct Pending {
     RequestState* req;
     ChainIndex* group;  // null when the position is not indexed in a group scope
@@ -141,9 +151,13 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     RequestState* req = reqs_[i];
     const Sequence& s = seqs_[req->slot];
-    const int32_t end = static_cast<int32_t>(s.tokens.size());
-    const int32_t begin = end - static_cast<int32_t>(offsets[i + 1] - offsets[i]);
-    ChainIndex* group = (s.group >= 0 && begin < end) ? &groups_[s.group] : nullptr;
+    const int32_t size = static_cast<int32_t>(s.tokens.size());
+    const int32_t added = static_cast<int32_t>(offsets[i + 1] - offsets[i]);
+    if (added == 0) continue;
+    // The newly appended tokens give a continuation to the previous last position and to every
+    // new one but the last.
+    const int32_t begin = std::max(size - added - 1, 0), end = size - 1;
+    ChainIndex* group = (s.group >= 0 && begin < end) ? &group_index(s.group) : nullptr;
     for (int32_t p = begin; p < end; ++p) {
       Pending& e = pending.emplace_back();
       e.req = req;
@@ -170,9 +184,10 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     if (j + kAhead < total) slots(pending[j + kAhead]);
     if (j + kAhead / 2 < total) tails(pending[j + kAhead / 2]);
     const Pending& e = pending[j];
-    e.req->own.insert_keys(e.req->slot, e.pos, e.keys);
-    if (e.group) e.group->insert_keys(e.req->slot, e.pos, e.keys);
-    if (e.shared) global_.insert_keys(e.req->slot, e.pos, e.keys);
+    const int32_t* tokens = view_[e.req->slot].tokens;
+    e.req->own.insert(e.req->slot, e.pos, tokens, e.keys);
+    if (e.group) e.group->insert(e.req->slot, e.pos, tokens, e.keys);
+    if (e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys);
   }
 }
 
@@ -235,7 +250,7 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
     s.pinned = pinned;
     stored_tokens_ += static_cast<int64_t>(s.tokens.size());
     refresh_view(slot);
-    for (int32_t p = 0; p < static_cast<int32_t>(s.tokens.size()); ++p)
+    for (int32_t p = 0; p + 1 < static_cast<int32_t>(s.tokens.size()); ++p)
       index_position(slot, nullptr, p);
     // Evicting inside the loop keeps a huge ingest within capacity as it streams in.
     if (stored_tokens_ > cfg_.capacity_tokens) maybe_evict();

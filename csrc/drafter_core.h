@@ -50,6 +50,8 @@ class DrafterCore {
 
  private:
   int32_t new_slot();
+  // The group scope index of `group`, created empty if missing.
+  ChainIndex& group_index(int32_t group);
   // Copy slot's hot fields into view_ (after any change to its tokens, step, liveness, group).
   void refresh_view(int32_t slot);
   void refresh_all_views();

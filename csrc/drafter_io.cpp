@@ -1,6 +1,6 @@
 // Checkpoint format of DrafterCore: a versioned little-endian binary dump of the sequences and
-// of every chain index's records in insertion order (prev links and hash heads are rebuilt on
-// load by re-inserting them in that order, which reproduces the exact chains).
+// of every chain index's insertion log (the chains are rebuilt on load by re-indexing the logged
+// positions in that order, which reproduces them exactly).
 #include <algorithm>
 #include <istream>
 #include <ostream>
@@ -11,7 +11,9 @@
 namespace rollout_spec {
 
 namespace {
-constexpr uint64_t kMagic = 0x3352444150535352ULL;  // "RSSPADR3": 3 key lengths, match state
+// "RSSPADR4": one log per index, positions indexed once their next token exists (version 3 had
+// one log per key length and also indexed each sequence's last position).
+constexpr uint64_t kMagic = 0x3452444150535352ULL;
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -39,21 +41,15 @@ std::vector<T> get_vec(std::istream& is) {
   return v;
 }
 
-void put_index(std::ostream& os, const ChainIndex& index) {
-  for (int ki = 0; ki < kNumKeys; ++ki) put_vec(os, index.records(ki));
-}
+void put_index(std::ostream& os, const ChainIndex& index) { put_vec(os, index.log()); }
 
 void get_index(std::istream& is, ChainIndex& index, const std::vector<Sequence>& seqs) {
-  std::vector<const int32_t*> toks(seqs.size());
-  for (size_t i = 0; i < seqs.size(); ++i) toks[i] = seqs[i].tokens.data();
-  for (int ki = 0; ki < kNumKeys; ++ki) {
-    std::vector<ChainRecord> recs = get_vec<ChainRecord>(is);
-    for (const ChainRecord& r : recs)
-      if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs.size()) || r.pos < 0 ||
-          r.pos >= static_cast<int32_t>(seqs[r.seq].tokens.size()))
-        throw std::runtime_error("drafter checkpoint is corrupt (record out of range)");
-    index.restore(ki, recs, toks.data());
-  }
+  std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
+  for (const ChainRecord& r : log)
+    if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs.size()) || r.pos < 0 ||
+        r.pos + 1 >= static_cast<int32_t>(seqs[r.seq].tokens.size()))
+      throw std::runtime_error("drafter checkpoint is corrupt (record out of range)");
+  index.restore(log, [&](int32_t seq) { return seqs[seq].tokens.data(); });
 }
 }  // namespace
 
@@ -128,6 +124,7 @@ std::string DrafterCore::load(std::istream& is) {
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
     int64_t id = get<int64_t>(is);
     RequestState& req = requests_[id];
+    req.own = ChainIndex(cfg_.chain_walk);
     req.slot = get<int32_t>(is);
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
@@ -146,9 +143,9 @@ std::string DrafterCore::load(std::istream& is) {
   groups_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
     int32_t g = get<int32_t>(is);
-    get_index(is, groups_[g], seqs_);
+    get_index(is, group_index(g), seqs_);
   }
-  global_ = ChainIndex{};
+  global_ = ChainIndex(cfg_.chain_walk);
   get_index(is, global_, seqs_);
   return std::string(meta.begin(), meta.end());
 }

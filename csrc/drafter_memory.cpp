@@ -97,26 +97,23 @@ std::string DrafterCore::check_integrity() const {
   for (const auto& [id, req] : requests_) {
     const Sequence& s = seqs_[req.slot];
     if (!s.alive || !s.live || s.req_id != id) return "request state points at a wrong sequence";
-    for (int ki = 0; ki < kNumKeys; ++ki)
-      for (const ChainRecord& r : req.own.records(ki))
-        if (r.seq != req.slot || r.pos >= static_cast<int32_t>(s.tokens.size()))
-          return "request index refers outside its own sequence";
+    for (const ChainRecord& r : req.own.log())
+      if (r.seq != req.slot || r.pos < 0 || r.pos + 1 >= static_cast<int32_t>(s.tokens.size()))
+        return "request index refers outside its own sequence";
     if (!req.own.check(tokens_of)) return "request index chains broken";
   }
   auto shared_ok = [&](const ChainIndex& index) {
-    for (int ki = 0; ki < kNumKeys; ++ki)
-      for (const ChainRecord& r : index.records(ki))
-        if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs_.size()) || !seqs_[r.seq].alive ||
-            r.pos >= static_cast<int32_t>(seqs_[r.seq].tokens.size()))
-          return false;
+    for (const ChainRecord& r : index.log())
+      if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs_.size()) || !seqs_[r.seq].alive ||
+          r.pos < 0 || r.pos + 1 >= static_cast<int32_t>(seqs_[r.seq].tokens.size()))
+        return false;
     return index.check(tokens_of);
   };
   if (!shared_ok(global_)) return "global index refers to dead or short sequences";
   for (const auto& [g, index] : groups_) {
     if (!shared_ok(index)) return "group index refers to dead or short sequences";
-    for (int ki = 0; ki < kNumKeys; ++ki)
-      for (const ChainRecord& r : index.records(ki))
-        if (seqs_[r.seq].group != g) return "group index holds another group's sequence";
+    for (const ChainRecord& r : index.log())
+      if (seqs_[r.seq].group != g) return "group index holds another group's sequence";
   }
   return "";
 }

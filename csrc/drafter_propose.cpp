@@ -21,43 +21,52 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
                                std::vector<Occurrence>& occ) const {
   const size_t first = occ.size();
   const size_t cap = static_cast<size_t>(cfg_.max_occurrences);
+  const int32_t c = ctx.size - 1;
   for (int ki = 0; ki < kNumKeys; ++ki) {
     if (occ.size() - first >= static_cast<size_t>(cfg_.enough_occurrences)) break;
     const ChainHead* h = heads[ki];
     if (!h) continue;
-    const int32_t need = std::max(std::min(kKeyLens[ki], cfg_.max_match_len), cfg_.min_match_len);
-    // Adds the occurrence at (seq, pos) if it qualifies; true once the scope is full.
-    auto take = [&](int32_t seq, int32_t pos) {
-      // Positions taken through a longer key come back in the shorter keys' chains.
-      for (size_t j = first; j < occ.size(); ++j)
-        if (occ[j].seq == seq && occ[j].pos == pos) return false;
-      const SlotView& v = view_[seq];
-      if (pos + 1 >= v.size || !accept(seq)) return false;
-      const int32_t m = match_back(ctx, v.tokens, pos, cfg_.max_match_len);
-      if (m < need) return false;  // hash collision, or shorter than min_match_len
+    const int32_t k = kKeyLens[ki];
+    const int32_t need = std::max(std::min(k, cfg_.max_match_len), cfg_.min_match_len);
+    // True when the record's match goes on past the key: the token before its n-gram equals the
+    // context's. Otherwise the match is exactly k tokens long, known without reading the record's
+    // sequence (the key's own tokens are trusted to the 64-bit hash).
+    auto longer = [&](int32_t before) { return before >= 0 && c >= k && ctx.tokens[c - k] == before; };
+    // Adds the occurrence of a record if it qualifies; true once the scope is full.
+    auto take = [&](const ChainEntry& e) {
+      const int32_t seq = e.seq, pos = e.pos;
+      if (!accept(seq)) return false;
+      int32_t m = std::min(k, cfg_.max_match_len);
+      int32_t cached = 1;
+      if (longer(e.before)) {
+        // Only a match longer than k can have been taken already through a longer key.
+        for (size_t j = first; j < occ.size(); ++j)
+          if (occ[j].seq == seq && occ[j].pos == pos) return false;
+        const SlotView& v = view_[seq];
+        m = match_back(ctx, v.tokens, pos, cfg_.max_match_len);
+        cached = std::min(kCachedNext, v.size - pos - 1);  // its line is loaded now anyway
+      }
+      if (m < need) return false;  // shorter than min_match_len
       Occurrence& o = occ.emplace_back();
       o.seq = seq;
       o.pos = pos;
       o.match_len = m;
       o.scope = scope;
-      o.cached = std::min(kCachedNext, v.size - pos - 1);
-      std::copy(v.tokens + pos + 1, v.tokens + pos + 1 + o.cached, o.next);
+      o.cached = cached;
+      o.next[0] = e.after;
+      for (int32_t d = 1; d < cached; ++d) o.next[d] = view_[seq].tokens[pos + 1 + d];
       return occ.size() - first >= cap;
     };
-    if (take(h->seq, h->pos)) return;
-    int32_t walked = 1;
-    // Older records come a block (one cache line) at a time: the next block and the tokens of
-    // this block's records are prefetched before any of them is read.
-    for (int32_t b = h->block; b >= 0 && walked < cfg_.chain_walk;) {
-      const ChainBlock& blk = index.block(ki, b);
-      b = blk.prev;
-      if (b >= 0) __builtin_prefetch(&index.block(ki, b));
-      const int32_t lo = std::max(0, blk.n - (cfg_.chain_walk - walked));
-      for (int32_t j = blk.n - 1; j >= lo; --j) __builtin_prefetch(view_[blk.seq[j]].tokens + blk.pos[j]);
-      for (int32_t j = blk.n - 1; j >= lo; --j)
-        if (take(blk.seq[j], blk.pos[j])) return;
-      walked += blk.n - lo;
+    if (take(h->newest)) return;
+    // The older records kept sit in one block, whose lines were prefetched with the heads.
+    const ChainIndex::Older older = index.older(*h);
+    const int32_t n = std::min(older.n, cfg_.chain_walk - 1);
+    for (int32_t t = 0; t < n; ++t) {
+      const ChainEntry& e = older.base[(older.last - t) % older.cap];
+      if (longer(e.before)) __builtin_prefetch(view_[e.seq].tokens + e.pos);
     }
+    for (int32_t t = 0; t < n; ++t)
+      if (take(older.base[(older.last - t) % older.cap])) return;
   }
 }
 
@@ -87,8 +96,11 @@ void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) 
       const ChainHead* h = index[sc] && keys[ki] ? index[sc]->head(ki, keys[ki]) : nullptr;
       heads[sc][ki] = h;
       if (!h) continue;
-      __builtin_prefetch(view_[h->seq].tokens + h->pos);
-      if (h->block >= 0) __builtin_prefetch(&index[sc]->block(ki, h->block));
+      // The head's tokens are read only if its match is longer than the key.
+      const ChainEntry& e = h->newest;
+      if (e.before >= 0 && ctx.size > kKeyLens[ki] && ctx.tokens[ctx.size - 1 - kKeyLens[ki]] == e.before)
+        __builtin_prefetch(view_[e.seq].tokens + e.pos);
+      ChainIndex::prefetch(index[sc]->older(*h));
     }
   if (index[0]) gather_scope(*index[0], 0, ctx, heads[0], [](int32_t) { return true; }, occ);
   if (index[1])

@@ -25,8 +25,9 @@ KEYS = (4, 2, 1)
 class RefDrafter:
     """Pure-Python model of DrafterCore (exact same outputs, none of its speed)."""
 
-    def __init__(self, cfg: SpecConfig, capacity: int, regather: tuple[int, int]):
-        self.cfg, self.capacity = cfg, capacity
+    def __init__(self, cfg: SpecConfig, capacity: int, regather: tuple[int, int],
+                 walk: int = drafter_mod.CHAIN_WALK):
+        self.cfg, self.capacity, self.walk = cfg, capacity, walk
         self.regather_below, self.regather_every = regather
         self.match: dict[int, dict] = {}  # per live request: occ, since (tokens), gathered
         self.weights = (cfg.request_weight, cfg.group_weight, cfg.global_weight)
@@ -109,7 +110,7 @@ class RefDrafter:
             self.reqs[rid] = slot
             self.own[rid] = [[] for _ in KEYS]
             self.match[rid] = dict(occ=[], since=0, gathered=False)
-            for pos in range(len(p)):
+            for pos in range(len(p) - 1):  # a position is indexed once its next token exists
                 self._index(slot, self.own[rid], pos)
         self._evict()
 
@@ -121,7 +122,7 @@ class RefDrafter:
             s["tokens"].extend(toks)
             s["step"] = self.step
             self.stored += len(toks)
-            for pos in range(first, len(s["tokens"])):
+            for pos in range(max(first - 1, 0), len(s["tokens"]) - 1):
                 self._index(slot, self.own[rid], pos)
             if self.match[rid]["gathered"]:
                 self._advance(rid, list(toks))
@@ -138,7 +139,7 @@ class RefDrafter:
         for g, toks in zip(groups, seqs):
             slot = self._slot(tokens=list(toks), group=g)
             self.stored += len(toks)
-            for pos in range(len(toks)):
+            for pos in range(len(toks) - 1):
                 self._index(slot, None, pos)
             if self.stored > self.capacity:
                 self._evict()
@@ -165,10 +166,10 @@ class RefDrafter:
                 toks = self.seqs[seq]["tokens"]
                 if toks[pos - k + 1:pos + 1] != key:
                     continue  # another chain
-                if walked >= drafter_mod.CHAIN_WALK:
+                if walked >= self.walk:
                     break
                 walked += 1
-                if pos + 1 >= len(toks) or not accept(seq) or any(o[0] == seq and o[1] == pos for o in occ[first:]):
+                if not accept(seq) or any(o[0] == seq and o[1] == pos for o in occ[first:]):
                     continue
                 m = 0
                 while m < cfg.max_match_len and m < len(ctx) and pos - m >= 0 and ctx[-1 - m] == toks[pos - m]:
@@ -255,15 +256,18 @@ class RefDrafter:
         return trees
 
 
-def make_pair(cfg: SpecConfig, capacity: int, regather: tuple[int, int]) -> tuple[NgramDrafter, RefDrafter]:
-    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens) and the
-    given match-state refresh rule (small values make reuse and refresh both happen often)."""
+def make_pair(cfg: SpecConfig, capacity: int, regather: tuple[int, int],
+              walk: int = drafter_mod.CHAIN_WALK) -> tuple[NgramDrafter, RefDrafter]:
+    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens), the
+    given match-state refresh rule (small values make reuse and refresh both happen often) and
+    chain walk (small values make the core's chains drop old records, and reuse their storage)."""
     d = NgramDrafter(cfg)
     core_cfg = _core_config(cfg)
     core_cfg.capacity_tokens = capacity
     core_cfg.regather_below, core_cfg.regather_every = regather
+    core_cfg.chain_walk = walk
     d._core = _core.DrafterCore(core_cfg)
-    return d, RefDrafter(cfg, capacity, regather)
+    return d, RefDrafter(cfg, capacity, regather, walk)
 
 
 def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
@@ -315,9 +319,10 @@ config_st = st.builds(
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, capacity=st.integers(20, 80), ops=st.lists(op_st, min_size=1, max_size=40),
-       regather=st.tuples(st.integers(1, 4), st.integers(1, 12)))
-def test_random_operations_match_reference(cfg, capacity, ops, regather):
-    d, ref = make_pair(cfg, capacity, regather)
+       regather=st.tuples(st.integers(1, 4), st.integers(1, 12)),
+       walk=st.sampled_from([1, 2, 3, 5, drafter_mod.CHAIN_WALK]))
+def test_random_operations_match_reference(cfg, capacity, ops, regather, walk):
+    d, ref = make_pair(cfg, capacity, regather, walk)
     live: list[int] = []
     next_id = 0
     for op in ops:
@@ -356,3 +361,23 @@ def test_random_operations_match_reference(cfg, capacity, ops, regather):
         assert d.stats()["index_tokens"] == ref.stored
     if live:
         assert as_lists(d.propose(live)) == ref.propose(live, [cfg.num_draft_tokens] * len(live))
+
+
+def test_chain_walk_reads_exactly_the_newest_records():
+    """A chain longer than the walk: only its newest `walk` records are read, also after the
+    core's fixed-size chain storage has wrapped around several times."""
+    cfg = SpecConfig(adaptive_budget=False, num_draft_tokens=8)
+    for walk in (1, 2, 3, 4, 5, 8):
+        d, ref = make_pair(cfg, 10**6, (1, 1), walk)
+        for n in (3, 10, 40):
+            seqs = [[1, 100 + len(ref.seqs) + i] for i in range(n)]  # token 1, then a new token
+            d.add_sequences([None] * n, seqs)
+            ref.add([-1] * n, seqs)
+            rid = len(ref.seqs) + 1000
+            d.start(rid, [1])
+            ref.start([rid], [-1], [[1]])
+            got = as_lists(d.propose([rid]))
+            assert got == ref.propose([rid], [8])
+            newest = [t for t, _, _ in got[0]]
+            assert newest == [s["tokens"][-1] for s in reversed(ref.seqs) if len(s["tokens"]) == 2][:min(walk, 8)]
+            d.check_integrity()

@@ -1,0 +1,95 @@
+// Storage for the older records of hash chains (all but the newest, which sits in the head).
+//
+// A search reads at most the newest `keep` records of a chain, so only those are kept: a chain's
+// older records live in one contiguous block whose capacity grows with the chain (size classes
+// of 1, 3, 7, 15, ... entries) up to the largest class, which is then used as a ring. A walk is
+// therefore one block read front to back (its lines can all be prefetched at once) instead of
+// a list of blocks followed pointer by pointer. Blocks outgrown are reused through free lists.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "chain_table.h"
+
+namespace rollout_spec {
+
+class ChainPool {
+ public:
+  // Keep up to `max_older` older records per chain (rounded up to a class capacity, 2^m - 1).
+  explicit ChainPool(int32_t max_older) : classes_(max_older > 0 ? class_for(max_older) + 1 : 0) {}
+
+  // Most older records a chain keeps.
+  int32_t max_older() const { return classes_ == 0 ? 0 : capacity(classes_ - 1); }
+
+  // Entries of a block of class c (c = class_for(older records kept)).
+  static int32_t capacity(int c) { return (int32_t(2) << c) - 1; }
+  // The smallest class holding n >= 1 records: capacity(c) = 2^(c+1) - 1 >= n.
+  static int class_for(int32_t n) { return 31 - __builtin_clz(static_cast<uint32_t>(n)); }
+
+  // Record `e` as the older record number `i` (0 = oldest ever) of the chain whose older
+  // records are in `block`; grows the block (or starts one) as needed.
+  void put(int32_t& block, int32_t i, const ChainEntry& e) {
+    const int32_t cmax = max_older();
+    if (cmax == 0) return;
+    if (i < cmax) {  // growing: entries sit at their own index
+      const int c = class_for(i + 1);
+      if (i == 0 || class_for(i) != c) block = regrow(block, i, c);
+      at(c, block)[i] = e;
+    } else {
+      at(classes_ - 1, block)[i % cmax] = e;
+    }
+  }
+
+  // The block holding a chain's `older` (>= 1) older records, its capacity as `cap`.
+  const ChainEntry* entries(int32_t block, int32_t older, int32_t& cap) const {
+    const int c = class_for(std::min(older, max_older()));
+    cap = capacity(c);
+    return const_cast<ChainPool*>(this)->at(c, block);
+  }
+
+  void clear() {
+    for (int c = 0; c < classes_; ++c) {
+      pool_[c] = {};
+      free_[c] = {};
+    }
+  }
+
+  size_t memory_bytes() const {
+    size_t n = 0;
+    for (int c = 0; c < classes_; ++c)
+      n += pool_[c].capacity() * sizeof(ChainEntry) + free_[c].capacity() * sizeof(int32_t);
+    return n;
+  }
+
+ private:
+  static constexpr int kMaxClasses = 13;  // capacities up to 8191 entries
+
+  ChainEntry* at(int c, int32_t block) { return pool_[c].data() + size_t(block) * capacity(c); }
+
+  // A block of class c holding the first `n` entries of `old` (a block of the class below).
+  int32_t regrow(int32_t old, int32_t n, int c) {
+    int32_t b;
+    if (!free_[c].empty()) {
+      b = free_[c].back();
+      free_[c].pop_back();
+    } else {
+      b = static_cast<int32_t>(pool_[c].size() / capacity(c));
+      pool_[c].resize(pool_[c].size() + capacity(c));
+    }
+    if (n > 0) {
+      const ChainEntry* src = at(c - 1, old);
+      std::copy(src, src + n, at(c, b));
+      free_[c - 1].push_back(old);
+    }
+    return b;
+  }
+
+  int classes_ = 0;                             // size classes in use
+  std::vector<ChainEntry> pool_[kMaxClasses];  // per class: blocks of capacity(c) entries
+  std::vector<int32_t> free_[kMaxClasses];     // per class: blocks outgrown, to reuse
+};
+
+}  // namespace rollout_spec
