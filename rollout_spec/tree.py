@@ -109,8 +109,9 @@ class DraftBatch:
 
 # ---------------------------------------------------------------------------------------------
 # What one padded tree forward needs (torch).  Index math is O(N) numpy on the host, where the
-# DraftBatch already lives; the result travels to the device in two copies, so building inputs
-# for a step costs a handful of kernel launches and never waits on the GPU.
+# DraftBatch already lives; the result travels to the device in one copy, so building inputs
+# for a step launches no kernel (two small ones for roots already on the device) and never
+# waits on the GPU.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -171,15 +172,7 @@ def _host_tree_arrays(batch: DraftBatch, width: int) -> dict[str, np.ndarray]:
     tokens, parent_col, row_index = index_arrays(batch, width)
     valid = parent_col >= 0
     valid[:, 0] = True
-    # Columns are in topological order, so a node's ancestor row is its parent's row plus
-    # itself: one vectorised step per column (padding and the root see only the root).
-    parent = np.maximum(parent_col, 0)
-    reach = np.zeros((num_req, width, width), bool)
-    reach[:, :, 0] = True
-    every = np.arange(num_req)
-    for j in range(1, width):
-        reach[:, j] = reach[every, parent[:, j]]
-        reach[:, j, j] = valid[:, j]
+    reach = _ancestor_mask(parent_col, valid)
     root_rows = row_index[:, 0]  # verify row of each root
     flat_index = np.empty(num_req + num_nodes, np.int64)
     flat_index[root_rows] = np.arange(num_req, dtype=np.int64) * width
@@ -188,44 +181,82 @@ def _host_tree_arrays(batch: DraftBatch, width: int) -> dict[str, np.ndarray]:
                 row_index=row_index, flat_index=flat_index, valid=valid, tree_mask=reach)
 
 
+def _ancestor_mask(parent_col: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """bool[B, W, W]: row j sees column i iff i is j, an ancestor of j or the root (padding
+    rows see the root only).
+
+    Columns are in topological order, so a node's row is its parent's row plus itself: one
+    vectorised step per column. (Pointer jumping needs fewer steps but its [B, W, W] gathers
+    measured twice as slow at W = 9.)
+    """
+    num_req, width = parent_col.shape
+    parent = np.maximum(parent_col, 0)
+    reach = np.zeros((num_req, width, width), bool)
+    reach[:, :, 0] = True
+    every = np.arange(num_req)
+    for j in range(1, width):
+        reach[:, j] = reach[every, parent[:, j]]
+        reach[:, j, j] = valid[:, j]
+    return reach
+
+
+def _host_vector(name: str, value: object, num_req: int) -> np.ndarray | None:
+    """int64[B] host copy of a root argument given as a numpy array or a CPU tensor; None for
+    a tensor on another device; ValueError naming the argument for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.shape != (num_req,) or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{name} must be integers of shape [B]=[{num_req}], got "
+                             f"{value.dtype} {tuple(value.shape)}")
+        return value.numpy().astype(np.int64) if value.device.type == "cpu" else None
+    if isinstance(value, np.ndarray) and value.shape == (num_req,) and value.dtype.kind in "iu":
+        return value.astype(np.int64)
+    got = (f"{value.dtype} {value.shape}" if isinstance(value, np.ndarray)
+           else type(value).__name__)
+    raise ValueError(f"{name} must be an integer numpy array or tensor of shape "
+                     f"[B]=[{num_req}], got {got}")
+
+
 def build_tree_inputs(
     batch: DraftBatch,
-    root_tokens: torch.Tensor,
-    root_positions: torch.Tensor,
+    root_tokens: torch.Tensor | np.ndarray,
+    root_positions: torch.Tensor | np.ndarray,
     device: torch.device | str | None = None,
     width: int | None = None,
 ) -> TreeInputs:
     """Everything one padded tree-verify forward needs, from a DraftBatch (see TreeInputs).
 
-    ``root_tokens``/``root_positions`` are int64[B] (any device); ``width`` pads every request to
-    a fixed W (e.g. a CUDA-graph bucket) and must be at least 1 + the largest tree. Host (CPU)
-    roots are cheapest: everything is then computed on the host and arrives in one copy with no
-    kernel launched; device roots cost two small kernels.
+    ``root_tokens``/``root_positions`` are integer [B] numpy arrays or tensors (any device);
+    ``device`` defaults to theirs (the CPU for numpy). ``width`` pads every request to a fixed
+    W (e.g. a CUDA-graph bucket) and must be at least 1 + the largest tree. Host roots (numpy
+    or CPU tensors) are cheapest: everything is computed on the host and arrives in one copy
+    with no kernel launched; device roots cost two small kernels.
     """
     import torch
 
     batch.validate()
     num_req = batch.num_requests
-    for name, t in (("root_tokens", root_tokens), ("root_positions", root_positions)):
-        if not isinstance(t, torch.Tensor) or t.shape != (num_req,):
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a tensor of shape [B]=[{num_req}], got {shape}")
+    roots_h = _host_vector("root_tokens", root_tokens, num_req)
+    pos_h = _host_vector("root_positions", root_positions, num_req)
     need = 1 + int(batch.sizes().max(initial=0))
     if width is None:
         width = need
     elif isinstance(width, bool) or not isinstance(width, int) or width < need:
         raise ValueError(f"width must be an int >= 1 + largest tree = {need}, got {width!r}")
-    device = torch.device(device) if device is not None else root_tokens.device
+    if device is None:
+        device = root_tokens.device if isinstance(root_tokens, torch.Tensor) else "cpu"
+    device = torch.device(device)
     host = _host_tree_arrays(batch, width)
-    host_roots = root_tokens.device.type == "cpu" and root_positions.device.type == "cpu"
+    host_roots = roots_h is not None and pos_h is not None
     if host_roots:
-        host["input_ids"][:, 0] = root_tokens.numpy()
-        host["positions"] = host["depth"] + root_positions.numpy().astype(np.int64)[:, None]
+        host["input_ids"][:, 0] = roots_h
+        host["positions"] = host["depth"] + pos_h[:, None]
     names = list(host)
     fields = dict(zip(names, to_device([host[n] for n in names], device)))
     if not host_roots:  # the upload is a fresh buffer: finishing it in place is safe
-        fields["input_ids"][:, 0] = root_tokens.to(device=device, dtype=torch.int64)
-        fields["positions"] = (root_positions.to(device=device, dtype=torch.int64)[:, None]
+        fields["input_ids"][:, 0] = torch.as_tensor(root_tokens, device=device).long()
+        fields["positions"] = (torch.as_tensor(root_positions, device=device).long()[:, None]
                                + fields["depth"])
     return TreeInputs(**fields, source=batch)
 

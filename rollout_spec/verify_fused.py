@@ -21,6 +21,7 @@ from rollout_spec.verify_triton import (
     launch_thresholds,
     launch_walk,
     philox_keys,
+    select_candidates,
 )
 
 
@@ -65,8 +66,9 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
 
 def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: list[torch.Tensor],
                           params: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor | None:
-    """float32[R] thresholds from each row's largest logits (torch.topk, then one kernel);
-    ``flags`` marks rows the candidates cannot decide. None when too many candidates are
+    """float32[R] thresholds from each row's largest logits (``select_candidates`` or, for
+    many candidates, torch.topk; then one kernel); ``flags`` marks rows the candidates cannot
+    decide. None when too many candidates are
     needed (a top-k beyond MAX_CANDIDATES)."""
     vocab = logits.shape[1]
     sampling = table.temperature > 0
@@ -77,7 +79,10 @@ def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: lis
     ncand = min(vocab, max(int(top_k[k_cut].max(initial=0)) + 1, TOP_P_CANDIDATES * need_p))
     if ncand > MAX_CANDIDATES:
         return None
-    candidates = torch.topk(logits, ncand, dim=-1).values  # sorted, largest first
+    candidates = select_candidates(logits, ncand, flags)  # sorted, largest first
+    if candidates is None:  # many candidates (top-p without top-k): torch ranks them
+        flags.zero_()
+        candidates = torch.topk(logits, ncand, dim=-1).values
     thr = torch.empty(flags.shape[0], dtype=torch.float32, device=logits.device)
     per_request = tuple(params) if params else (table.temperature[0], table.top_k[0],
                                                 table.top_p[0])

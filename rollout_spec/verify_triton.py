@@ -321,7 +321,46 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         keep_n = tl.maximum(tl.sum((inc & ((mass - probs) < p)).to(tl.int32), axis=0), 1)
         thr_p = tl.where(p < 1.0, _pick(y, i, keep_n - 1), -float("inf"))
         tl.store(thr_ptr + row, tl.maximum(thr_k, thr_p))
-        tl.store(flag_ptr + row, (~covered).to(tl.int32))
+        # OR: the candidate kernel may already have flagged the row (its list overflowed).
+        flagged = (~covered) | (tl.load(flag_ptr + row) != 0)
+        tl.store(flag_ptr + row, flagged.to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["ncand"])
+def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_ptr, vocab,
+                       Q: tl.constexpr, CAP: tl.constexpr):
+    """The ``ncand`` largest raw logits of row ``program_id``, sorted descending, as torch.topk's
+    values (ties included), at ``buf[row, CAP:CAP + ncand]``; ``buf[row, :CAP]`` is scratch.
+
+    Two passes instead of a sort of the row. Lane i keeps the largest of columns i, i + Q, ...;
+    those Q lane maxima are distinct elements, so the ncand-th largest of them, ``floor``, is
+    at most the row's ncand-th largest value. Every element strictly above ``floor`` is
+    gathered (usually barely more than ncand) and sorted; when fewer than ncand are, the rest
+    of the top ncand are ties equal to ``floor``. More than CAP elements above ``floor`` (a
+    pathological row) set the row's flag, and the caller falls back to an exact sort."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    lanes = tl.arange(0, Q)
+    lane_max = tl.full([Q], float("-inf"), tl.float32)
+    for start in range(0, vocab, Q):
+        cols = start + lanes
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        lane_max = tl.maximum(lane_max, x)
+    floor = _pick(tl.sort(lane_max, descending=True), lanes, ncand - 1)
+    scratch = buf_ptr + row * stride_buf
+    count = 0
+    for start in range(0, vocab, Q):
+        cols = start + lanes
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        above = (x > floor).to(tl.int32)
+        slot = count + tl.cumsum(above, axis=0) - 1
+        tl.store(scratch + slot, x, mask=(above != 0) & (slot < CAP))
+        count += tl.sum(above, axis=0)
+    tl.debug_barrier()  # the scratch was written by other threads of this program
+    i = tl.arange(0, CAP)
+    ordered = tl.sort(tl.load(scratch + i, mask=i < count, other=float("-inf")), descending=True)
+    tl.store(scratch + CAP + i, tl.where(i < count, ordered, floor), mask=i < ncand)
+    tl.store(flag_ptr + row, (count > CAP).to(tl.int32))
 
 
 def _quarter_block(vocab: int) -> int:
@@ -374,12 +413,33 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
     )
 
 
+SELECT_MAX = 256  # most candidates _candidates_kernel ranks (more: torch.topk)
+
+
+def select_candidates(logits: torch.Tensor, ncand: int, flags: torch.Tensor) -> torch.Tensor | None:
+    """float32[R, >= ncand] view (unit column stride) whose first ``ncand`` columns equal
+    ``torch.topk(logits, ncand).values`` (in float32), by ``_candidates_kernel``; sets
+    ``flags[r]`` to 1 for a row it could not rank (0 otherwise). None when ``ncand`` is beyond
+    what the kernel handles (the caller uses torch.topk)."""
+    q = _quarter_block(logits.shape[1])
+    if not 1 <= ncand <= min(SELECT_MAX, q):
+        return None
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    cap = max(64, 4 * triton.next_power_of_2(ncand))  # room for lane-max collisions
+    buf = torch.empty(logits.shape[0], 2 * cap, dtype=torch.float32, device=logits.device)
+    _candidates_kernel[(logits.shape[0],)](
+        logits, logits.stride(0), buf, buf.stride(0), ncand, flags, logits.shape[1], Q=q,
+        CAP=cap, num_warps=_warps(q))
+    return buf[:, cap:]
+
+
 def launch_thresholds(logits: torch.Tensor, candidates: torch.Tensor, ncand: int,
                       parent_col: torch.Tensor, row_index: torch.Tensor, params: tuple,
                       thr: torch.Tensor, flags: torch.Tensor) -> None:
-    """Fill ``thr`` float32[R] and ``flags`` int32[R] from ``candidates`` [R, >= ncand] (unit
-    column stride), whose first ``ncand`` columns are the ncand largest raw logits of every row,
-    sorted descending. ``params`` is (temperature, top_k, top_p), each a scalar for all requests
+    """Fill ``thr`` float32[R] and OR into ``flags`` int32[R] (so it must hold 0 or a
+    candidate kernel's flags) from ``candidates`` [R, >= ncand] (unit column stride), whose
+    first ``ncand`` columns are the ncand largest raw logits of every row, sorted descending. ``params`` is (temperature, top_k, top_p), each a scalar for all requests
     or a [B] tensor."""
     num_req, width = parent_col.shape
     per_req = isinstance(params[0], torch.Tensor)

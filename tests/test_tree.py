@@ -48,7 +48,7 @@ def reference_inputs(batch: DraftBatch, roots, root_pos, width):
     return ids, pos, mask, depth, np.array(flat)
 
 
-@pytest.mark.parametrize("roots_on", ["host", "device"])
+@pytest.mark.parametrize("roots_on", ["numpy", "host", "device"])
 @pytest.mark.parametrize("seed", range(5))
 def test_matches_reference(seed, roots_on):
     rng = np.random.default_rng(seed)
@@ -56,8 +56,12 @@ def test_matches_reference(seed, roots_on):
     roots = torch.from_numpy(rng.integers(0, 50, 7))
     root_pos = torch.from_numpy(rng.integers(0, 1000, 7))
     width = 1 + int(batch.sizes().max()) + seed % 2  # extra padding column on odd seeds
-    place = DEVICE if roots_on == "device" else torch.device("cpu")
-    ti = build_tree_inputs(batch, roots.to(place), root_pos.to(place), DEVICE, width=width)
+    if roots_on == "numpy":  # as the engine's runner holds them
+        args = (roots.numpy().astype(np.int32), root_pos.numpy())
+    else:
+        place = DEVICE if roots_on == "device" else torch.device("cpu")
+        args = (roots.to(place), root_pos.to(place))
+    ti = build_tree_inputs(batch, *args, DEVICE, width=width)
     ti = type(ti)(**{f: getattr(ti, f).cpu() for f in ti.__dataclass_fields__ if f != "source"},
                   source=ti.source)
     assert ti.source is batch
@@ -102,6 +106,10 @@ def test_empty_batch_is_roots_only():
         (dict(root_tokens=torch.zeros(3, dtype=torch.int64)), "root_tokens"),
         (dict(root_positions=torch.zeros(2, 1, dtype=torch.int64)), "root_positions"),
         (dict(width=2), "width"),
+        (dict(root_tokens=np.zeros(3, np.int64)), "root_tokens"),
+        (dict(root_positions=np.zeros(2, np.float64)), "root_positions"),
+        (dict(root_tokens=torch.zeros(2)), "root_tokens"),
+        (dict(root_positions=[0, 0]), "root_positions"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, message):
@@ -128,7 +136,23 @@ def test_byte_packing_round_trips():
     arrays = [np.arange(5, dtype=np.int64), np.array([1.5, -2.0, 3.25], np.float32),
               np.eye(3, dtype=bool), np.zeros(0, np.int64), np.array([7, 8, 9], np.int32)]
     buf, spans = pack_bytes(arrays)
-    assert all(start % 8 == 0 for start, _ in spans)
+    assert all(start % 16 == 0 for start, _ in spans)  # Triton specialises on 16-byte alignment
     for a, t in zip(arrays, unpack_bytes(torch.from_numpy(buf), arrays, spans)):
         np.testing.assert_array_equal(t.numpy(), a)
         assert t.shape == a.shape
+
+
+def test_byte_packing_keeps_views_aligned():
+    """Odd sizes, runs of one dtype, empties between: every view starts 16-byte aligned."""
+    from rollout_spec.tree import pack_bytes, unpack_bytes
+
+    arrays = [np.arange(3, dtype=np.int64).reshape(3, 1), np.zeros(0, np.int64),
+              np.arange(5, dtype=np.int64) - 9, np.ones((2, 3), bool), np.eye(3, dtype=bool),
+              np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.array([2.5], np.float32)]
+    buf, spans = pack_bytes(arrays)
+    base = torch.from_numpy(buf)
+    for a, t in zip(arrays, unpack_bytes(base, arrays, spans)):
+        np.testing.assert_array_equal(t.numpy(), a)
+        assert t.shape == a.shape and t.dtype == torch.from_numpy(a).dtype
+        if t.numel():
+            assert (t.data_ptr() - base.data_ptr()) % 16 == 0

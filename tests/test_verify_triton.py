@@ -117,6 +117,55 @@ def test_cuts_the_candidates_cannot_see(case, monkeypatch):
     assert bool(calls) == (case == "flat_top_p")
 
 
+def candidate_rows(vocab: int) -> torch.Tensor:
+    """Rows that stress the two-pass selection: random, heavy ties (at the floor and above it),
+    -inf everywhere but a few tokens, and large values crowded into one lane."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [3 * torch.randn(vocab, generator=gen) for _ in range(3)]
+    rows.append(torch.randint(0, 3, (vocab,), generator=gen).float())  # three values, all tied
+    rows.append(torch.zeros(vocab))
+    few = torch.full((vocab,), float("-inf"))
+    few[: min(vocab, 4)] = torch.arange(min(vocab, 4)).float()
+    rows.append(few)
+    crowded = torch.randn(vocab, generator=gen)
+    crowded[::16] += 10.0  # one lane per 16 holds every large value when Q == 16
+    rows.append(crowded)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(("vocab", "ncand"),
+                         [(7, 4), (7, 7), (300, 1), (300, 6), (300, 51), (3000, 51)])
+def test_candidate_kernel_equals_topk(vocab, ncand):
+    from rollout_spec.verify_triton import select_candidates
+
+    logits = candidate_rows(vocab).to(DEVICE)
+    flags = torch.full((logits.shape[0],), 7, dtype=torch.int32, device=DEVICE)
+    got = select_candidates(logits, ncand, flags)
+    ref = torch.topk(logits, ncand, dim=-1).values
+    ok = flags.cpu().numpy() == 0
+    assert set(flags.cpu().tolist()) <= {0, 1}
+    assert ok.sum() >= logits.shape[0] - 1  # only a crowded row may overflow the scratch
+    np.testing.assert_array_equal(got[:, :ncand].cpu().numpy()[ok], ref.cpu().numpy()[ok])
+    assert select_candidates(logits, 257, flags) is None  # beyond the kernel: torch.topk
+
+
+def test_overflowing_candidates_fall_back_to_the_exact_sort(monkeypatch):
+    """Rows whose large values crowd into few lanes overflow the candidate scratch: the rows
+    are flagged and the walk re-runs on the reference thresholds, deciding as the reference."""
+    calls = []
+    exact = fused._exact_thresholds
+    monkeypatch.setattr(fused, "_exact_thresholds", lambda *a: calls.append(1) or exact(*a))
+    batch = random_batch(np.random.default_rng(9), num_req=2, max_size=2, vocab=6)
+    rows, vocab = batch.num_requests + batch.num_nodes, 8192  # Q = 1024: 8 columns per lane
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9))
+    lanes = (torch.arange(vocab) % 1024) < 50
+    logits[:, lanes] += 10.0  # 400 values above the 51st lane maximum, CAP = 256
+    got, ref = both_paths(logits, batch, SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+                          9)
+    assert_same(got, ref)
+    assert calls
+
+
 def test_tree_inputs_of_the_batch_are_reused(monkeypatch):
     batch = random_batch(np.random.default_rng(6), num_req=9, max_size=6, vocab=6)
     logits = friendly_logits(batch, 40, 6)
