@@ -324,3 +324,27 @@ def test_guard_ignores_steps_without_tokens_and_caps_a_stall():
         guard.observe(True, 64, 10, float("nan"))
     with pytest.raises(ValueError, match="min_steps"):
         ThroughputGuard(min_steps=0)
+
+
+def test_guard_asks_for_a_plain_step_now_and_then_until_it_can_compare():
+    """A budget that always drafts would never give the guard plain steps to compare with: one
+    call in 16 returns 0 until the bucket has ``min_steps`` plain steps, then never again."""
+    guard = ThroughputGuard(min_steps=2)
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8], guard=guard)
+    k = budget.best(8)
+    picks = [budget(8) for _ in range(32)]
+    assert [i for i, p in enumerate(picks) if p == 0] == [15, 31] and set(picks) == {0, k}
+    for _ in range(2):
+        budget.record_step(8, 0, 0, 1, 4e-3, tokens=8)
+    assert not guard.wants_plain(8) and guard.wants_plain(64)
+    assert all(budget(8) == k for _ in range(40))
+
+
+def test_pick_is_reused_for_a_few_calls_and_redone_when_acceptance_moves():
+    """The argmax is recomputed when the batch size or the acceptance changes, else every
+    ``reuse`` calls; between, the host model's small moves do not change the decision."""
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8])
+    k = budget(8)
+    assert k > 0
+    budget.tracker.rate[:] = 0.0  # no acceptance: drafting cannot pay
+    assert budget(8) == 0

@@ -148,15 +148,18 @@ class AcceptanceTracker:
         if offered.shape != accepted.shape or np.any(accepted > offered) or np.any(accepted < 0):
             raise ValueError("accepted must have offered's shape with 0 <= accepted <= offered")
         top = min(int(offered.max(initial=0)), len(self.rate) - 1)
-        for d in range(1, top + 1):
-            tried = (offered >= d) & (accepted >= d - 1)
-            n = int(tried.sum())
-            if n == 0:
-                continue
-            hit = float((accepted[tried] >= d).mean())
-            weight = 1.0 - (1.0 - self.decay) ** n  # n observations move the mean like n updates
-            self.rate[d] += weight * (hit - self.rate[d])
-            self.seen[d] += n
+        if top == 0:
+            return
+        # All depths at once (one [top, B] pass): the engine calls this every drafting step.
+        depth = np.arange(1, top + 1)[:, None]
+        tried = (offered >= depth) & (accepted >= depth - 1)
+        n = tried.sum(axis=1)
+        hits = (tried & (accepted >= depth)).sum(axis=1)
+        seen = n > 0
+        weight = 1.0 - (1.0 - self.decay) ** n  # n observations move the mean like n updates
+        rate = self.rate[1 : top + 1]
+        rate += np.where(seen, weight * (hits / np.maximum(n, 1) - rate), 0.0)
+        self.seen[1 : top + 1] += n
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens per request from a step that offers ``k`` draft nodes (>= 1.0)."""
@@ -189,6 +192,9 @@ class DraftBudget:
         self.host, self.guard = host, guard
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
+        self._drafts = 0  # drafting picks since the last plain step the guard asked for
+        self.reuse = 8
+        self._last: tuple[tuple[int, bytes], int, int] = ((0, b""), 0, 0)  # (key, pick, calls left)
         self._gpu_cache: dict[int, np.ndarray] = {}
         self._grid_cache: dict[tuple[int, int], float] = {}
         self._gain: tuple[bytes, np.ndarray] = (b"", np.ones(0))  # (rates it came from, E(k))
@@ -251,11 +257,13 @@ class DraftBudget:
         if offered > 0:
             self.fill += 0.05 * (min(nodes / offered, 1.0) - self.fill)
         gpu = self._grid_time(batch, width)
+        excess = seconds - gpu
         # One-off stalls (a Triton kernel compiling for a new shape: hundreds of ms) must not
         # switch speculation off for good; a cost that really is this high still gets learned,
-        # because the cap grows with the prediction.
-        cap = max(3.0 * gpu, 2.0 * abs(self.host.residual(offered > 0, batch, nodes)))
-        self.host.observe(offered > 0, batch, nodes, min(seconds - gpu, cap))
+        # because the cap grows with the prediction (asked for only then: it costs a solve).
+        if excess > 3.0 * gpu:
+            excess = min(excess, max(3.0 * gpu, 2.0 * abs(self.host.residual(offered > 0, batch, nodes))))
+        self.host.observe(offered > 0, batch, nodes, excess)
 
     def best(self, batch: int) -> int:
         """The candidate draft size with the highest predicted tokens per second (smallest on ties)."""
@@ -266,12 +274,27 @@ class DraftBudget:
         rates = self._gain[1] / self.step_times(batch)
         return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
 
+    def _pick(self, batch: int) -> int:
+        """``best(batch)``, reused for up to ``reuse`` calls while the batch size and acceptance
+        stay put: the host model moves a little every step, the pick rarely."""
+        key = (batch, self.tracker.rate.tobytes())
+        if key != self._last[0] or self._last[2] <= 0:
+            self._last = (key, self.best(batch), self.reuse)
+        self._last = (self._last[0], self._last[1], self._last[2] - 1)
+        return self._last[1]
+
     def __call__(self, batch_size: int) -> int:
         """Draft nodes per request for the next step of ``batch_size`` running requests."""
         check_int("batch_size", batch_size, 1, 1 << 20)
-        k = self.best(batch_size)
+        k = self._pick(batch_size)
         if k > 0 and (self.guard is None or self.guard.allows_drafting(batch_size)):
             self._zeros = 0
+            self._drafts += 1
+            # The guard compares with plain steps of the same batch size: take one now and then
+            # until it has enough (a budget that always drafts would otherwise never get them).
+            if self.guard is not None and self.guard.wants_plain(batch_size) and self._drafts >= 16:
+                self._drafts = 0
+                return 0
             return k
         self._zeros += 1
         if self._zeros >= self.probe_every and len(self.candidates) > 1:

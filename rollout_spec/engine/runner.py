@@ -46,7 +46,12 @@ class ModelRunner:
         return self.model.hidden(inp["input_ids"], inp["positions"], ctx)
 
     def _long(self, values: list[int] | np.ndarray) -> Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        """int64 values on the device; from pinned memory without a host sync on CUDA (a
+        pageable copy would wait for the GPU to drain, e.g. for the KV moves after a verify)."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def prefill(self, groups: list[list[Sequence]]) -> Tensor:
@@ -75,10 +80,7 @@ class ModelRunner:
 
     def _upload_step(self, slots: np.ndarray, ctx_lens: np.ndarray, roots: np.ndarray) -> Tensor:
         """int64 ``[3, B]`` (slot, ctx_len, root) on the device in one copy."""
-        host = np.stack([slots, ctx_lens, roots]).astype(np.int64, copy=False)
-        if self.device.type == "cpu":
-            return torch.from_numpy(host)
-        return torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
+        return self._long(np.stack([slots, ctx_lens, roots]))
 
     @torch.inference_mode()
     def verify_forward(self, slots: np.ndarray, ctx_lens: np.ndarray, roots: np.ndarray,

@@ -31,19 +31,27 @@ class _ForgettingLeastSquares:
         self.xx = np.zeros((dims, dims))
         self.xy = np.zeros(dims)
         self.count = 0
-        self._theta = np.zeros(dims)
+        self._solved: np.ndarray | None = np.zeros(dims)
 
     def update(self, x: np.ndarray, y: float) -> None:
-        """Add one observation ``y ~ x . theta``."""
+        """Add one observation ``y ~ x . theta`` (the solve waits until theta is read)."""
         keep = 1.0 - self.decay
         self.xx = keep * self.xx + np.outer(x, x)
         self.xy = keep * self.xy + x * y
         self.count += 1
-        self._theta = np.linalg.solve(self.xx + self.ridge * np.eye(len(x)), self.xy)
+        self._solved = None
+
+    @property
+    def theta(self) -> np.ndarray:
+        """The fitted coefficients; solved once per batch of updates (plain steps update every
+        step but the budget reads rarely)."""
+        if self._solved is None:
+            self._solved = np.linalg.solve(self.xx + self.ridge * np.eye(len(self.xy)), self.xy)
+        return self._solved
 
     def predict(self, x: np.ndarray) -> float:
         """``x . theta`` (0 before the first observation)."""
-        return float(x @ self._theta)
+        return float(x @ self.theta)
 
 
 class OnlineStepCost:
@@ -108,10 +116,10 @@ class OnlineStepCost:
         nodes = np.asarray(nodes, np.float64)
         local = self._local_model(True, batch)
         if local is not None:
-            spec = local._theta @ np.stack([np.ones_like(nodes), self._fill(batch, nodes)])
+            spec = local.theta @ np.stack([np.ones_like(nodes), self._fill(batch, nodes)])
         else:
             b = batch / self.max_batch
-            spec = self.spec._theta @ np.stack([np.ones_like(nodes), np.full_like(nodes, b),
+            spec = self.spec.theta @ np.stack([np.ones_like(nodes), np.full_like(nodes, b),
                                                 nodes / self.max_nodes])
         return np.where(nodes > 0, spec, self.residual(False, batch, 0.0))
 

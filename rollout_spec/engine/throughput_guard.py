@@ -54,6 +54,10 @@ class ThroughputGuard:
         key = (drafted, self._bucket(batch))
         return self._avg[key] if self._count.get(key, 0) >= self.min_steps else None
 
+    def wants_plain(self, batch: int) -> bool:
+        """True while this bucket has had fewer than ``min_steps`` plain steps."""
+        return self._count.get((False, self._bucket(batch)), 0) < self.min_steps
+
     def allows_drafting(self, batch: int) -> bool:
         """False where both paths were measured and drafting emitted tokens more slowly."""
         plain, drafting = self.seconds_per_token(False, batch), self.seconds_per_token(True, batch)
