@@ -29,7 +29,8 @@ def run_case(device: str, eager: bool) -> None:
     ladder = GraphLadder(step, specs(), batch_sizes=[4, 1, 2], widths=[1, 4], device=device,
                          eager=eager)
     assert ladder.bucket(3, 2) == (4, 4) and ladder.bucket(1, 1) == (1, 1)
-    for batch, width in [(3, 2), (4, 4), (1, 1), (2, 3)]:
+    # full-width steps after wider batches refill only the rows an earlier step wrote
+    for batch, width in [(3, 2), (4, 4), (1, 1), (2, 3), (4, 4), (2, 4), (3, 4), (1, 4), (4, 4)]:
         ids = torch.arange(1, batch * width + 1, device=device).view(batch, width)
         mask = torch.ones(batch, width, width, dtype=torch.bool, device=device).tril()
         slots = torch.arange(batch, device=device)
@@ -60,6 +61,10 @@ def test_outside_ladder_and_missing_input_raise():
         ladder.bucket(1, 3)
     with pytest.raises(ValueError, match="slot_ids"):
         ladder.run({"input_ids": torch.zeros(1, 1, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="slot_ids.* 1 rows, the others 2"):
+        ladder.run({"input_ids": torch.zeros(2, 1, dtype=torch.int64),
+                    "slot_ids": torch.zeros(1, dtype=torch.int64),
+                    "tree_mask": torch.ones(2, 1, 1, dtype=torch.bool)})
     with pytest.raises(ValueError, match="batch_sizes"):
         GraphLadder(step, specs(), batch_sizes=[], widths=[1], device="cpu")
 

@@ -89,6 +89,9 @@ class GraphLadder:
         self.static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Leading rows of each bucket's inputs that may hold a step's data rather than pad values:
+        # only those beyond the next step's rows need refilling (none while B stays put).
+        self._dirty: dict[tuple[int, int], int] = {}
         with torch.inference_mode(False):  # normal tensors: callers may fill them in either mode
             for b in self.batch_sizes:
                 for w in self.widths:
@@ -139,16 +142,26 @@ class GraphLadder:
         torch.cuda.synchronize()
 
     def _fill(self, key: tuple[int, int], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        static = self.static[key]
+        """Copy the inputs into the bucket's static tensors; padding must hold pad values, not
+        an earlier step's data: rows past this step's that an earlier step wrote are refilled,
+        and a tensor narrower than the bucket in some other dim is refilled whole."""
+        static, rows = self.static[key], None
+        dirty = self._dirty.get(key, key[0])
         for spec in self.specs:
             if spec.name not in inputs:
                 raise ValueError(f"step input {spec.name!r} is missing")
             src, dst = inputs[spec.name], static[spec.name]
             if src.dim() != dst.dim():
                 raise ValueError(f"step input {spec.name!r} must have {dst.dim()} dims, got {src.dim()}")
-            if tuple(src.shape) != tuple(dst.shape):
-                dst.fill_(spec.pad_value)  # padding must hold the pad value, not the last step's data
+            rows = src.shape[0] if rows is None else rows
+            if src.shape[0] != rows:
+                raise ValueError(f"step input {spec.name!r} has {src.shape[0]} rows, the others {rows}")
+            if tuple(src.shape[1:]) != tuple(dst.shape[1:]):
+                dst.fill_(spec.pad_value)
+            elif dirty > rows:
+                dst[rows:dirty].fill_(spec.pad_value)
             dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+        self._dirty[key] = rows
         return static
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:

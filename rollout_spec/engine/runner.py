@@ -99,7 +99,7 @@ class ModelRunner:
         if batch.num_nodes == 0 and width == 1:  # plain decode: the tree is each root alone
             ti, ids, pos, mask = None, root_t[:, None], ctx_t[:, None], self._decode_mask(num)
         else:
-            ti = build_tree_inputs(batch, root_t, ctx_t, self.device, width=width)
+            ti = build_tree_inputs(batch, roots, ctx_lens, self.device, width=width)  # host-built
             ids, pos, mask = ti.input_ids, ti.positions, ti.tree_mask
         if graphs is not None:
             hidden = graphs.run({"input_ids": ids, "positions": pos, "slot_ids": slot_t,
