@@ -1,9 +1,9 @@
 """Cost of tree-input building plus verification per step, next to the verify forward it serves.
 
 For every batch size B and draft budget (nodes per request) it times, in one run:
-  build   build_tree_inputs with the roots on the device, as the engine passes them today (host
-          index math, one pinned upload, two small kernels); ``build_h``: roots on the host (no
-          kernel at all)
+  build   build_tree_inputs with the roots on the device, as the engine passed them until now
+          (host index math, one pinned upload, two small kernels); ``build_np``: roots and
+          positions as numpy arrays, as the engine's runner holds them (no kernel at all)
   verify  verify(logits, ..., tree=the forward's TreeInputs) for each sampling mode and backend:
           "torch" (the reference: torch row statistics, numpy walk, two round trips) and "auto"
           (on CUDA the fused Triton walk of verify_triton.py), fp32 logits [B + N, 49152] as the
@@ -13,7 +13,7 @@ For every batch size B and draft budget (nodes per request) it times, in one run
           cache per request: an approximation of the engine's verify forward (its own model and
           attention kernel may be faster, which would raise the ratio).
 Trees are random with exactly ``budget`` nodes (chains with random branching). Times are medians.
-``(b+v)/fwd`` is (build + verify) over that forward; ``/step`` is the same cost over
+``(b+v)/fwd`` is (build_np + verify) over that forward; ``/step`` is the same cost over
 ``--step-ms`` (default 4.5 ms: the engine's own CUDA-graphed verify step at B=64, W=9, as
 bench/engine_bench.py --mode steps measured it on an H100).
 
@@ -152,9 +152,9 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
     ti = build_tree_inputs(batch, roots, root_pos, device)
     build = median_ms(lambda: build_tree_inputs(batch, roots, root_pos, device), device, reps,
                       warmup)
-    roots_h, pos_h = roots.cpu(), root_pos.cpu()
-    build_h = median_ms(lambda: build_tree_inputs(batch, roots_h, pos_h, device), device, reps,
-                        warmup)
+    roots_np, pos_np = roots.cpu().numpy(), root_pos.cpu().numpy()
+    build_np = median_ms(lambda: build_tree_inputs(batch, roots_np, pos_np, device), device,
+                         reps, warmup)
     logits = 3 * torch.randn(num_req + batch.num_nodes, VOCAB, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     fwd = float("nan") if model is None else forward_ms(
@@ -165,7 +165,7 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
         ver = median_ms(lambda: verify(logits, batch, sp, gen, tree=ti, backend=backend).host,
                         device, reps, warmup)
         out.append(dict(B=num_req, budget=budget, W=ti.width, mode=mode, backend=backend,
-                        build=build, build_h=build_h, verify=ver, forward=fwd))
+                        build=build, build_np=build_np, verify=ver, forward=fwd))
     return out
 
 
@@ -174,17 +174,17 @@ def print_header(device: torch.device, step_ms: float) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     head = f"{'B':>4} {'budget':>6} {'W':>3} {'mode':>14} {'backend':>8} {'build ms':>9} " \
-           f"{'build_h':>8} {'verify ms':>10} {'forward ms':>11} {'(b+v)/fwd':>10} " \
+           f"{'build_np':>8} {'verify ms':>10} {'forward ms':>11} {'(b+v)/fwd':>10} " \
            f"{'/' + format(step_ms, 'g') + 'ms':>8}"
     print(head)
     print("-" * len(head), flush=True)
 
 
 def print_row(r: dict, step_ms: float) -> None:
-    """One (B, budget, mode, backend) line; ratios of build (device roots) + verify."""
-    cost = r["build"] + r["verify"]
+    """One (B, budget, mode, backend) line; ratios of build (numpy roots) + verify."""
+    cost = r["build_np"] + r["verify"]
     print(f"{r['B']:>4} {r['budget']:>6} {r['W']:>3} {r['mode']:>14} {r['backend']:>8} "
-          f"{r['build']:>9.3f} {r['build_h']:>8.3f} {r['verify']:>10.3f} "
+          f"{r['build']:>9.3f} {r['build_np']:>8.3f} {r['verify']:>10.3f} "
           f"{r['forward']:>11.2f} {cost / r['forward'] * 100:>9.1f}% "
           f"{cost / step_ms * 100:>7.1f}%", flush=True)
 
@@ -200,7 +200,9 @@ def profile(variants: list[tuple[str, str]], device: torch.device) -> None:
     ti = build_tree_inputs(batch, roots, pos, device)
     logits = 3 * torch.randn(64 + batch.num_nodes, VOCAB, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
-    jobs = [("build", lambda: build_tree_inputs(batch, roots, pos, device))] + [
+    roots_np, pos_np = roots.cpu().numpy(), pos.cpu().numpy()
+    jobs = [("build", lambda: build_tree_inputs(batch, roots, pos, device)),
+            ("build numpy roots", lambda: build_tree_inputs(batch, roots_np, pos_np, device))] + [
         (f"verify {m} {b}", lambda m=m, b=b: verify(logits, batch, MODES[m], gen, tree=ti,
                                                     backend=b).host) for m, b in variants]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -10,8 +10,10 @@ step, so speculative and plain decoding report identical log-probabilities.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -27,12 +29,17 @@ TOP_P_CANDIDATES = 1024
 class SamplingTable:
     """Per-request sampling parameters of one batch as host arrays, plus flags that let the
     verifier skip work no request needs (sorting for top-k/top-p, the greedy or the sampling law).
+
+    The arrays are read-only: tables of batches sharing one SamplingParams are cached and
+    reused step after step, together with the facts derived from them.
     """
 
     temperature: np.ndarray  # float32[B]; 0 means greedy
     top_k: np.ndarray  # int64[B]; -1 keeps all
     top_p: np.ndarray  # float32[B]; 1 keeps all
     uniform: bool  # every request has the same parameters (scalars suffice on the device)
+    # Derived facts per vocabulary size (truncates, candidates): computed once per table.
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_params(
@@ -40,8 +47,9 @@ class SamplingTable:
     ) -> "SamplingTable":
         """Accept one SamplingParams for all requests or a sequence of B of them."""
         if isinstance(sampling, SamplingParams):
-            params = [sampling]
-        elif isinstance(sampling, Sequence) and not isinstance(sampling, (str, bytes)):
+            return _uniform_table(sampling.temperature, sampling.top_k, sampling.top_p,
+                                  num_requests)
+        if isinstance(sampling, Sequence) and not isinstance(sampling, (str, bytes)):
             params = list(sampling)
             if len(params) != num_requests:
                 raise ValueError(
@@ -55,31 +63,62 @@ class SamplingTable:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling[{i}] must be SamplingParams, got {type(p).__name__}")
         keys = {(p.temperature, p.top_k, p.top_p) for p in params}
-        uniform = len(keys) <= 1
-        if uniform:
-            params = params[:1] * num_requests
-        return SamplingTable(
-            temperature=np.array([p.temperature for p in params], np.float32).reshape(-1),
-            top_k=np.array([p.top_k for p in params], np.int64).reshape(-1),
-            top_p=np.array([p.top_p for p in params], np.float32).reshape(-1),
-            uniform=uniform,
-        )
+        if len(keys) <= 1:
+            return _uniform_table(*(keys.pop() if keys else (1.0, -1, 1.0)), num_requests)
+        return _table(np.array([p.temperature for p in params], np.float32).reshape(-1),
+                      np.array([p.top_k for p in params], np.int64).reshape(-1),
+                      np.array([p.top_p for p in params], np.float32).reshape(-1), False)
 
-    @property
+    @cached_property
     def any_greedy(self) -> bool:
         """Some request decodes greedily."""
         return bool((self.temperature == 0).any())
 
-    @property
+    @cached_property
     def any_sampling(self) -> bool:
         """Some request samples (temperature > 0)."""
         return bool((self.temperature > 0).any())
 
     def truncates(self, vocab_size: int) -> bool:
         """Some sampling request keeps fewer than all tokens (needs the per-row sort)."""
-        sampling = self.temperature > 0
-        k_cuts = (self.top_k > 0) & (self.top_k < vocab_size)
-        return bool((sampling & (k_cuts | (self.top_p < 1))).any())
+        key = ("truncates", vocab_size)
+        if key not in self._memo:
+            sampling = self.temperature > 0
+            k_cuts = (self.top_k > 0) & (self.top_k < vocab_size)
+            self._memo[key] = bool((sampling & (k_cuts | (self.top_p < 1))).any())
+        return self._memo[key]
+
+    def cut_candidates(self, vocab_size: int) -> int:
+        """How many of each row's largest logits decide every truncation cut: one more than the
+        largest top-k (a tie of the k-th value continuing past the list then shows), at least
+        TOP_P_CANDIDATES when some request has top-p without top-k; at most V."""
+        key = ("cut_candidates", vocab_size)
+        if key not in self._memo:
+            sampling = self.temperature > 0
+            top_k = np.where(sampling & (self.top_k > 0), np.minimum(self.top_k, vocab_size),
+                             vocab_size)
+            k_cut = top_k < vocab_size
+            need_p = bool((~k_cut & sampling & (self.top_p < 1)).any())
+            self._memo[key] = min(vocab_size, max(int(top_k[k_cut].max(initial=0)) + 1,
+                                                  TOP_P_CANDIDATES * need_p))
+        return self._memo[key]
+
+
+def _table(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+           uniform: bool) -> SamplingTable:
+    """A SamplingTable over read-only copies of the arrays."""
+    for a in (temperature, top_k, top_p):
+        a.flags.writeable = False
+    return SamplingTable(temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_table(temperature: float, top_k: int, top_p: float,
+                   num_requests: int) -> SamplingTable:
+    """The (cached) table of B requests sharing one set of parameters."""
+    return _table(np.full(num_requests, temperature, np.float32),
+                  np.full(num_requests, top_k, np.int64),
+                  np.full(num_requests, top_p, np.float32), True)
 
 
 @dataclass(frozen=True)

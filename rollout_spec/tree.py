@@ -140,45 +140,40 @@ class TreeInputs:
         return int(self.input_ids.shape[1])
 
 
-def _node_cells(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Request, column and flattened [B*W] cell of every node of a validated batch."""
-    starts = batch.offsets[:-1].astype(np.int64)
-    req = np.repeat(np.arange(batch.num_requests, dtype=np.int64), batch.sizes())
-    col = np.arange(batch.num_nodes, dtype=np.int64) - starts[req] + 1
-    return req, col, req * width + col
+def _valid_cells(batch: DraftBatch, width: int) -> np.ndarray:
+    """bool[B, W]: the root and real-node cells of a validated batch. Read row by row they
+    are the verify rows in order (each root, then its nodes in slice order)."""
+    return np.arange(width) <= batch.sizes()[:, None]
 
 
-def index_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def index_arrays(batch: DraftBatch, width: int,
+                 valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """TreeInputs' tokens, parent_col and row_index (int64[B, W] each) of a validated batch, on
-    the host; the walk of verification needs nothing else (tokens: 0 in the root column)."""
-    num_req = batch.num_requests
-    req, col, cell = _node_cells(batch, width)
-    tokens = np.zeros(num_req * width, np.int64)
-    tokens[cell] = batch.tokens
-    parent_col = np.full(num_req * width, -1, np.int64)
-    parent_col[cell] = batch.parents.astype(np.int64) + 1
-    root_rows = batch.offsets[:-1].astype(np.int64) + np.arange(num_req, dtype=np.int64)
-    row_index = np.repeat(root_rows, width)
-    row_index[cell] += col
-    shape = (num_req, width)
-    return tokens.reshape(shape), parent_col.reshape(shape), row_index.reshape(shape)
+    the host; the walk of verification needs nothing else (tokens: 0 in the root column).
+    ``valid`` is ``_valid_cells``' result when the caller has it."""
+    if valid is None:
+        valid = _valid_cells(batch, width)
+    nodes = valid.copy()
+    nodes[:, 0] = False
+    cell = np.flatnonzero(nodes)  # node cells in slice order
+    tokens = np.zeros(valid.shape, np.int64)
+    tokens.reshape(-1)[cell] = batch.tokens
+    parent_col = np.full(valid.shape, -1, np.int64)
+    parent_col.reshape(-1)[cell] = batch.parents + 1
+    rows = np.cumsum(valid, axis=None).reshape(valid.shape) - 1  # verify row of valid cells
+    row_index = np.where(valid, rows, rows[:, :1])  # padding: its root's row
+    return tokens, parent_col, row_index
 
 
 def _host_tree_arrays(batch: DraftBatch, width: int) -> dict[str, np.ndarray]:
     """TreeInputs' fields of a validated batch as host arrays (input_ids with 0 at the roots,
     and ``depth`` in place of positions), computed with numpy; see TreeInputs."""
-    num_req, num_nodes = batch.num_requests, batch.num_nodes
-    req, col, cell = _node_cells(batch, width)
-    tokens, parent_col, row_index = index_arrays(batch, width)
-    valid = parent_col >= 0
-    valid[:, 0] = True
+    valid = _valid_cells(batch, width)
+    tokens, parent_col, row_index = index_arrays(batch, width, valid)
     reach = _ancestor_mask(parent_col, valid)
-    root_rows = row_index[:, 0]  # verify row of each root
-    flat_index = np.empty(num_req + num_nodes, np.int64)
-    flat_index[root_rows] = np.arange(num_req, dtype=np.int64) * width
-    flat_index[root_rows[req] + col] = cell
     return dict(input_ids=tokens, depth=reach.sum(axis=2) - 1, parent_col=parent_col,
-                row_index=row_index, flat_index=flat_index, valid=valid, tree_mask=reach)
+                row_index=row_index, flat_index=np.flatnonzero(valid), valid=valid,
+                tree_mask=reach)
 
 
 def _ancestor_mask(parent_col: np.ndarray, valid: np.ndarray) -> np.ndarray:

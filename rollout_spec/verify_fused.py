@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout_spec.sampling import TOP_P_CANDIDATES, SamplingTable, effective_temperature, row_stats
+from rollout_spec.sampling import SamplingTable, effective_temperature, row_stats
 from rollout_spec.tree import DraftBatch, TreeInputs, index_arrays, to_device
 from rollout_spec.verify import HostVerifyResult
 from rollout_spec.verify_triton import (
@@ -70,13 +70,7 @@ def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: lis
     many candidates, torch.topk; then one kernel); ``flags`` marks rows the candidates cannot
     decide. None when too many candidates are
     needed (a top-k beyond MAX_CANDIDATES)."""
-    vocab = logits.shape[1]
-    sampling = table.temperature > 0
-    top_k = np.where(sampling & (table.top_k > 0), np.minimum(table.top_k, vocab), vocab)
-    k_cut = top_k < vocab
-    need_p = bool((~k_cut & sampling & (table.top_p < 1)).any())
-    # One more than the largest k: a tie of the k-th value continuing past the list shows.
-    ncand = min(vocab, max(int(top_k[k_cut].max(initial=0)) + 1, TOP_P_CANDIDATES * need_p))
+    ncand = table.cut_candidates(logits.shape[1])
     if ncand > MAX_CANDIDATES:
         return None
     candidates = select_candidates(logits, ncand, flags)  # sorted, largest first

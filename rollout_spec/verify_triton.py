@@ -328,13 +328,14 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
 
 @triton.jit(do_not_specialize=["ncand"])
 def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_ptr, vocab,
-                       Q: tl.constexpr, CAP: tl.constexpr):
+                       Q: tl.constexpr, G: tl.constexpr, CAP: tl.constexpr):
     """The ``ncand`` largest raw logits of row ``program_id``, sorted descending, as torch.topk's
     values (ties included), at ``buf[row, CAP:CAP + ncand]``; ``buf[row, :CAP]`` is scratch.
 
     Two passes instead of a sort of the row. Lane i keeps the largest of columns i, i + Q, ...;
-    those Q lane maxima are distinct elements, so the ncand-th largest of them, ``floor``, is
-    at most the row's ncand-th largest value. Every element strictly above ``floor`` is
+    groups of Q / G lanes give G maxima of disjoint column sets, i.e. G distinct elements, so
+    the ncand-th largest of them (ncand <= G), ``floor``, is at most the row's ncand-th largest
+    value. Every element strictly above ``floor`` is
     gathered (usually barely more than ncand) and sorted; when fewer than ncand are, the rest
     of the top ncand are ties equal to ``floor``. More than CAP elements above ``floor`` (a
     pathological row) set the row's flag, and the caller falls back to an exact sort."""
@@ -346,7 +347,8 @@ def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_
         cols = start + lanes
         x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         lane_max = tl.maximum(lane_max, x)
-    floor = _pick(tl.sort(lane_max, descending=True), lanes, ncand - 1)
+    group_max = tl.max(tl.reshape(lane_max, [G, Q // G]), axis=1)  # G elements: a cheaper sort
+    floor = _pick(tl.sort(group_max, descending=True), tl.arange(0, G), ncand - 1)
     scratch = buf_ptr + row * stride_buf
     count = 0
     for start in range(0, vocab, Q):
@@ -426,11 +428,13 @@ def select_candidates(logits: torch.Tensor, ncand: int, flags: torch.Tensor) -> 
         return None
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    cap = max(64, 4 * triton.next_power_of_2(ncand))  # room for lane-max collisions
+    # Four times as many groups as candidates keeps collisions (two of the top values in one
+    # group) few, so the gathered set stays near ncand; CAP leaves room for them.
+    cap = max(64, 4 * triton.next_power_of_2(ncand))
     buf = torch.empty(logits.shape[0], 2 * cap, dtype=torch.float32, device=logits.device)
     _candidates_kernel[(logits.shape[0],)](
         logits, logits.stride(0), buf, buf.stride(0), ncand, flags, logits.shape[1], Q=q,
-        CAP=cap, num_warps=_warps(q))
+        G=min(q, cap), CAP=cap, num_warps=_warps(q))
     return buf[:, cap:]
 
 
