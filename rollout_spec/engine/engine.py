@@ -105,6 +105,7 @@ class RolloutEngine:
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
         self._ahead: Optional[tuple[np.ndarray, np.ndarray, Any]] = None  # next step's proposal
+        self._unaccounted: Optional[tuple] = None  # the last step's figures, for ``_account``
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
         self.phase_seconds: dict[str, float] = dict.fromkeys(
             ("propose", "forward_verify", "commit", "steps"), 0.0)
@@ -214,8 +215,10 @@ class RolloutEngine:
         else:  # no sample waits for a slot: the batch of the next step is known at this commit
             self._decode(sched.running, generator, ahead_ok=not sched.waiting)
         finished = sched.release_finished()
-        if sched.done and self._drafter is not None:  # the call is over: the drafter gets everything
-            self._settle_drafter()
+        if sched.done:  # the call is over: the budget and the drafter get everything
+            self._account_last()
+            if self._drafter is not None:
+                self._settle_drafter()
         return finished
 
     def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
@@ -244,15 +247,20 @@ class RolloutEngine:
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
         if self._queue.overlap and batch.num_nodes == 0 and self._feed.pending:
             self._feed.flush(self._drafter)  # the worker feeds it while verify waits for the GPU
+        self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run, ahead_ok and self._queue.overlap)
         t3 = self.clock()
-        self._account(run, budgets, batch, accepted, (t0, t1, t2, t3))
+        self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), self._flush_seconds)
 
-    def _account(self, run: RunningBatch, budgets: np.ndarray, batch: DraftBatch,
-                 accepted: np.ndarray, marks: tuple[float, float, float, float]) -> None:
-        """Feed the budget (acceptance, step wall time) and the per-phase clock."""
+    def _account_last(self) -> None:
+        """Feed the budget (acceptance, step wall time) and the per-phase clock with the last
+        decode step's figures. Deferred to the next step's GPU wait: the budget then decides
+        one step behind, and the host work leaves the critical path."""
+        if self._unaccounted is None:
+            return
+        (run, budgets, batch, accepted, marks, flush_seconds), self._unaccounted = self._unaccounted, None
         t0, t1, t2, t3 = marks
         for name, secs in zip(("propose", "forward_verify", "commit"), (t1 - t0, t2 - t1, t3 - t2)):
             self.phase_seconds[name] += secs
@@ -265,7 +273,7 @@ class RolloutEngine:
         record = getattr(self.draft_budget, "record_step", None)
         if record is not None:
             width = 1 + int(batch.sizes().max(initial=0))
-            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0 - self._flush_seconds,
+            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0 - flush_seconds,
                    tokens=len(run.slot) + int(accepted.sum()))
 
     def _budgets(self, run: RunningBatch) -> np.ndarray:
