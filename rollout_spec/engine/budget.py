@@ -290,9 +290,9 @@ class DraftBudget:
         if k > 0 and (self.guard is None or self.guard.allows_drafting(batch_size)):
             self._zeros = 0
             self._drafts += 1
-            # The guard compares with plain steps of the same batch size: take one now and then
+            # The guard compares with plain steps of the same batch size: take one in four
             # until it has enough (a budget that always drafts would otherwise never get them).
-            if self.guard is not None and self.guard.wants_plain(batch_size) and self._drafts >= 16:
+            if self.guard is not None and self.guard.wants_plain(batch_size) and self._drafts >= 4:
                 self._drafts = 0
                 return 0
             return k

@@ -23,7 +23,7 @@ class ThroughputGuard:
     plain path's by more than ``margin`` (a fraction).
     """
 
-    def __init__(self, decay: float = 0.1, min_steps: int = 8, margin: float = 0.0) -> None:
+    def __init__(self, decay: float = 0.1, min_steps: int = 4, margin: float = 0.0) -> None:
         self.decay = check_float("decay", decay, 1e-6, 1.0)
         self.min_steps = check_int("min_steps", min_steps, 1, 1 << 20)
         self.margin = check_float("margin", margin, 0.0, 10.0)
