@@ -11,8 +11,13 @@ For every batch size B and draft budget (nodes per request) it times, in one run
   forward one forward of a SmolLM2-135M-shaped Llama (random weights, transformers, SDPA, bf16 on
           CUDA / fp32 on CPU) over the B x W tree tokens with a 4-D tree mask and a 512-token KV
           cache per request: an approximation of the engine's verify forward (its own model and
-          attention kernel may be faster, which would raise the ratio).
-Trees are random with exactly ``budget`` nodes (chains with random branching). Times are medians.
+          attention kernel may be faster, which would raise the ratio). The eager forward is
+          launch-bound and noisy (20-47 ms across H100 runs), so it reports the FASTEST
+          repetition: the ratios are the least favourable ones.
+Trees are random with exactly ``budget`` nodes (chains with random branching). Logits are
+3 x N(0, 1), so drafts are almost always rejected and the fused walk reads one row per request;
+``--deep`` raises every drafted token's logit at its parent row by 25 so the walk follows each
+tree to a leaf (the most rows it can read). Times are medians (the forward: the fastest).
 ``(b+v)/fwd`` is (build_np + verify) over that forward; ``/step`` is the same cost over
 ``--step-ms`` (default 4.5 ms: the engine's own CUDA-graphed verify step at B=64, W=9, as
 bench/engine_bench.py --mode steps measured it on an H100).
@@ -57,8 +62,10 @@ def random_trees(num_req: int, budget: int, rng: np.random.Generator) -> DraftBa
     )
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> float:
-    """Median wall time of ``fn`` in milliseconds, the device drained before and after."""
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int,
+              stat: Callable[[list[float]], float] = statistics.median) -> float:
+    """Median (or ``stat``) wall time of ``fn`` in milliseconds, the device drained before and
+    after."""
     times = []
     for i in range(warmup + reps):
         if device.type == "cuda":
@@ -69,7 +76,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup:
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return stat(times)
 
 
 def make_model(device: torch.device) -> torch.nn.Module:
@@ -105,7 +112,7 @@ def forward_ms(model, ti, context: int, device, reps: int, warmup: int) -> float
                   attention_mask=mask, past_key_values=cache, use_cache=True)
         cache.crop(-width)  # drop the tree rows so every repetition sees `context` tokens
 
-    return median_ms(step, device, reps, warmup)
+    return median_ms(step, device, reps, warmup, stat=min)
 
 
 def main() -> None:
@@ -119,6 +126,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 CUDA, 3 CPU)")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
+    ap.add_argument("--deep", action="store_true",
+                    help="logits that accept the drafts: the walk reads whole paths")
     ap.add_argument("--step-ms", type=float, default=4.5, help="engine verify step to compare with")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler tables of build and verify at B=64, budget 8 instead")
@@ -139,11 +148,12 @@ def main() -> None:
     for num_req in map(int, sizes.split(",")):
         for budget in map(int, budgets.split(",")):
             for row in bench_point(num_req, budget, variants, model, args.context, device, reps,
-                                   warmup):
+                                   warmup, args.deep):
                 print_row(row, args.step_ms)
 
 
-def bench_point(num_req, budget, variants, model, context, device, reps, warmup) -> list[dict]:
+def bench_point(num_req, budget, variants, model, context, device, reps, warmup,
+                deep=False) -> list[dict]:
     """Time build, verify per (mode, backend) and the forward for one (B, budget)."""
     rng = np.random.default_rng(num_req * 100 + budget)
     batch = random_trees(num_req, budget, rng)
@@ -155,7 +165,7 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
     roots_np, pos_np = roots.cpu().numpy(), root_pos.cpu().numpy()
     build_np = median_ms(lambda: build_tree_inputs(batch, roots_np, pos_np, device), device,
                          reps, warmup)
-    logits = 3 * torch.randn(num_req + batch.num_nodes, VOCAB, device=device)
+    logits = step_logits(batch, device, deep)
     gen = torch.Generator(device=device).manual_seed(0)
     fwd = float("nan") if model is None else forward_ms(
         model, ti, context, device, reps // 2 if device.type == "cuda" else 1, warmup)
@@ -167,6 +177,18 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup)
         out.append(dict(B=num_req, budget=budget, W=ti.width, mode=mode, backend=backend,
                         build=build, build_np=build_np, verify=ver, forward=fwd))
     return out
+
+
+def step_logits(batch: DraftBatch, device: torch.device, deep: bool) -> torch.Tensor:
+    """fp32 [B + N, V] logits, 3 x N(0, 1); ``deep``: each drafted token 25 higher at its
+    parent's row, so verification accepts (nearly) every draft."""
+    logits = 3 * torch.randn(batch.num_requests + batch.num_nodes, VOCAB, device=device)
+    if deep:
+        sizes = batch.sizes()
+        root_row = np.repeat(batch.offsets[:-1] + np.arange(batch.num_requests), sizes)
+        parent_row = torch.from_numpy(root_row + 1 + batch.parents).to(device)
+        logits[parent_row, torch.from_numpy(batch.tokens).to(device).long()] += 25.0
+    return logits
 
 
 def print_header(device: torch.device, step_ms: float) -> None:

@@ -36,12 +36,15 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
     own_tree = tree is not None and tree.source is batch  # the forward's arrays: no upload
     width = tree.width if own_tree else 1 + int(batch.sizes().max(initial=0))
     truncating = table.truncates(vocab)
-    host = [] if own_tree else list(index_arrays(batch, width))
+    plain = not own_tree and batch.num_nodes == 0  # plain sampling: constant index arrays
+    host = [] if own_tree or plain else list(index_arrays(batch, width))
     if not table.uniform:  # per-request parameters travel with the index arrays
         host += [table.temperature] + ([table.top_k, table.top_p] if truncating else [])
     uploaded = to_device(host, dev) if host else []
     if own_tree:
         cells, params = [tree.input_ids, tree.parent_col, tree.row_index], uploaded
+    elif plain:
+        cells, params = _plain_cells(num_req, dev), uploaded
     else:
         cells, params = uploaded[:3], uploaded[3:]
     temp: float | torch.Tensor = params[0] if params else float(table.temperature[0])
@@ -62,6 +65,23 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
         launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
         got = out.cpu().numpy()
     return _unpack(got[:walk_size].reshape(num_req, -1), width)
+
+
+_PLAIN_CELLS: dict[torch.device, list[torch.Tensor]] = {}
+PLAIN_CELLS_MIN = 256  # requests the first upload of plain index arrays covers
+
+
+def _plain_cells(num_req: int, device: torch.device) -> list[torch.Tensor]:
+    """tokens, parent_col, row_index ([B, 1] each) of B roots without drafts, as device views
+    of arrays uploaded once per device (grown when a larger B comes): plain decoding steps
+    then upload nothing. The walk only reads them."""
+    have = _PLAIN_CELLS.get(device)
+    if have is None or have[0].shape[0] < num_req:
+        size = max(num_req, 2 * have[0].shape[0] if have is not None else PLAIN_CELLS_MIN)
+        host = [np.zeros((size, 1), np.int64), np.full((size, 1), -1, np.int64),
+                np.arange(size, dtype=np.int64)[:, None]]
+        have = _PLAIN_CELLS[device] = to_device(host, device)
+    return [a[:num_req] for a in have]
 
 
 def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: list[torch.Tensor],

@@ -177,6 +177,23 @@ def test_tree_inputs_of_the_batch_are_reused(monkeypatch):
     assert_same(reused, plain)
 
 
+@pytest.mark.parametrize("mode", ["greedy", "k5_p0.8", "mixed"])
+def test_plain_sampling_uploads_no_index_arrays(mode, monkeypatch):
+    """Batches without drafts reuse device index arrays kept per device (grown for a larger
+    B, sliced for a smaller one) and still decide as the reference."""
+    monkeypatch.setattr(fused, "index_arrays", lambda *a: pytest.fail("uploaded index arrays"))
+    monkeypatch.setattr(fused, "_PLAIN_CELLS", {})
+    monkeypatch.setattr(fused, "PLAIN_CELLS_MIN", 4)
+    for num_req in (3, 11, 5):
+        batch = DraftBatch.empty(num_req)
+        params = MODES[mode]
+        if isinstance(params, list):
+            params = [params[b % len(params)] for b in range(num_req)]
+        got, ref = both_paths(friendly_logits(batch, 9, num_req), batch, params, num_req)
+        assert_same(got, ref)
+    assert next(iter(fused._PLAIN_CELLS.values()))[0].shape[0] == 11  # grew 4 -> 11
+
+
 def test_bfloat16_logits_are_read_in_float32():
     batch = random_batch(np.random.default_rng(7), num_req=8, max_size=5, vocab=6)
     logits = friendly_logits(batch, 50, 7).to(torch.bfloat16)
