@@ -35,8 +35,16 @@ class DraftBatch:
         return int(self.offsets[-1]) if len(self.offsets) else 0
 
     def sizes(self) -> np.ndarray:
-        """Draft nodes per request, int64[B]."""
-        return np.diff(self.offsets.astype(np.int64))
+        """Draft nodes per request, int64[B] (read-only once the batch is validated: several
+        steps of a verify ask for it, and a validated batch does not change)."""
+        have = self.__dict__.get("_sizes")
+        if have is not None:
+            return have
+        sizes = np.diff(self.offsets.astype(np.int64))
+        if self.__dict__.get("_valid", False):
+            sizes.flags.writeable = False
+            object.__setattr__(self, "_sizes", sizes)
+        return sizes
 
     @staticmethod
     def empty(num_requests: int) -> "DraftBatch":
