@@ -4,12 +4,15 @@
 // older records live in one contiguous block whose capacity grows with the chain (size classes
 // of 1, 3, 7, 15, ... entries) up to the largest class, which is then used as a ring. A walk is
 // therefore one block read front to back (its lines can all be prefetched at once) instead of
-// a list of blocks followed pointer by pointer. Blocks outgrown are reused through free lists.
+// a list of blocks followed pointer by pointer. All blocks share one array (an index's
+// bookkeeping is a few cache lines, since a request's own index is cold at every call); blocks
+// outgrown are reused through free lists.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "chain_table.h"
@@ -19,7 +22,9 @@ namespace rollout_spec {
 class ChainPool {
  public:
   // Keep up to `max_older` older records per chain (rounded up to a class capacity, 2^m - 1).
-  explicit ChainPool(int32_t max_older) : classes_(max_older > 0 ? class_for(max_older) + 1 : 0) {}
+  explicit ChainPool(int32_t max_older) : classes_(max_older > 0 ? class_for(max_older) + 1 : 0) {
+    std::fill(std::begin(free_), std::end(free_), -1);
+  }
 
   // Most older records a chain keeps.
   int32_t max_older() const { return classes_ == 0 ? 0 : capacity(classes_ - 1); }
@@ -37,59 +42,50 @@ class ChainPool {
     if (i < cmax) {  // growing: entries sit at their own index
       const int c = class_for(i + 1);
       if (i == 0 || class_for(i) != c) block = regrow(block, i, c);
-      at(c, block)[i] = e;
+      arena_[size_t(block) + i] = e;
     } else {
-      at(classes_ - 1, block)[i % cmax] = e;
+      arena_[size_t(block) + i % cmax] = e;
     }
   }
 
   // The block holding a chain's `older` (>= 1) older records, its capacity as `cap`.
   const ChainEntry* entries(int32_t block, int32_t older, int32_t& cap) const {
-    const int c = class_for(std::min(older, max_older()));
-    cap = capacity(c);
-    return const_cast<ChainPool*>(this)->at(c, block);
+    cap = capacity(class_for(std::min(older, max_older())));
+    return arena_.data() + block;
   }
 
   void clear() {
-    for (int c = 0; c < classes_; ++c) {
-      pool_[c] = {};
-      free_[c] = {};
-    }
+    arena_ = {};
+    std::fill(std::begin(free_), std::end(free_), -1);
   }
 
-  size_t memory_bytes() const {
-    size_t n = 0;
-    for (int c = 0; c < classes_; ++c)
-      n += pool_[c].capacity() * sizeof(ChainEntry) + free_[c].capacity() * sizeof(int32_t);
-    return n;
-  }
+  size_t memory_bytes() const { return arena_.capacity() * sizeof(ChainEntry); }
 
  private:
   static constexpr int kMaxClasses = 13;  // capacities up to 8191 entries
 
-  ChainEntry* at(int c, int32_t block) { return pool_[c].data() + size_t(block) * capacity(c); }
-
-  // A block of class c holding the first `n` entries of `old` (a block of the class below).
+  // A block of class c holding the first `n` entries of `old` (a block of the class below,
+  // which goes to its free list). A free block keeps the next free one's offset in its first
+  // entry's `seq`, so the free lists cost no memory of their own.
   int32_t regrow(int32_t old, int32_t n, int c) {
-    int32_t b;
-    if (!free_[c].empty()) {
-      b = free_[c].back();
-      free_[c].pop_back();
+    int32_t b = free_[c];
+    if (b >= 0) {
+      free_[c] = arena_[b].seq;
     } else {
-      b = static_cast<int32_t>(pool_[c].size() / capacity(c));
-      pool_[c].resize(pool_[c].size() + capacity(c));
+      b = static_cast<int32_t>(arena_.size());
+      arena_.resize(arena_.size() + capacity(c));
     }
     if (n > 0) {
-      const ChainEntry* src = at(c - 1, old);
-      std::copy(src, src + n, at(c, b));
-      free_[c - 1].push_back(old);
+      std::copy(arena_.begin() + old, arena_.begin() + old + n, arena_.begin() + b);
+      arena_[old].seq = free_[c - 1];
+      free_[c - 1] = old;
     }
     return b;
   }
 
-  int classes_ = 0;                             // size classes in use
-  std::vector<ChainEntry> pool_[kMaxClasses];  // per class: blocks of capacity(c) entries
-  std::vector<int32_t> free_[kMaxClasses];     // per class: blocks outgrown, to reuse
+  int classes_ = 0;                 // size classes in use
+  int32_t free_[kMaxClasses];       // per class: offset of the first free block, -1 if none
+  std::vector<ChainEntry> arena_;  // every block, addressed by the offset of its first entry
 };
 
 }  // namespace rollout_spec

@@ -18,18 +18,39 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
   const TrieNode parent = nodes_[node];  // copy: nodes_ grows below
   if (parent.depth >= max_depth) return;
   const int32_t first_child = static_cast<int32_t>(nodes_.size());
-  // Pass 1: the child of every member (children appear in the order of their first member).
-  scratch_.assign(parent.count, -1);
+  // Pass 0: every member's next token. Tokens past an occurrence's cached ones are in another
+  // sequence's memory; reading them all in a loop of their own lets their misses overlap.
+  tok_.resize(parent.count);
+  for (int32_t j = 0; j < parent.count; ++j)
+    tok_[j] = next_token(occ[members_[parent.members + j]], view, parent.depth);
+  // Pass 1: the child of every member (children appear in the order of their first member). A
+  // node has few children, so a scan of their tokens without early exit (no unpredictable
+  // branch, vectorised) beats any lookup structure.
+  scratch_.resize(parent.count);
+  child_tok_.clear();
   for (int32_t j = 0; j < parent.count; ++j) {
-    const int32_t i = members_[parent.members + j];
-    const int32_t tok = next_token(occ[i], view, parent.depth);
-    if (tok < 0) continue;
-    int32_t c = first_child;
-    while (c < static_cast<int32_t>(nodes_.size()) && nodes_[c].token != tok) ++c;
-    if (c == static_cast<int32_t>(nodes_.size()))
-      nodes_.push_back(TrieNode{tok, node, parent.depth + 1, i, 0, 0, -1, 0.0, 0.0, 0.0});
-    nodes_[c].weight += weight_[i];
-    nodes_[c].count += 1;
+    const int32_t tok = tok_[j];
+    int32_t c = -1;
+    if (tok >= 0) {
+      const int32_t nc = static_cast<int32_t>(child_tok_.size());
+      const int32_t* ct = child_tok_.data();
+      for (int32_t k = 0; k < nc; ++k) c = ct[k] == tok ? k : c;
+      if (c < 0) {
+        c = nc;
+        child_tok_.push_back(tok);
+        // Filled field by field: a braced temporary is copied through the stack in pieces of
+        // other sizes than it was written in, which stalls store forwarding on every child.
+        TrieNode& n = nodes_.emplace_back();
+        n.token = tok;
+        n.parent = node;
+        n.depth = parent.depth + 1;
+        n.first_occ = members_[parent.members + j];
+      }
+      TrieNode& n = nodes_[first_child + c];
+      n.weight += weight_[members_[parent.members + j]];
+      n.count += 1;
+      c += first_child;
+    }
     scratch_[j] = c;
   }
   // Pass 2: lay out each child's members contiguously (a counting sort, keeping their order).
@@ -53,9 +74,25 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     n.prob = parent.prob * ratio;
     n.priority = parent.priority * ratio * (n.count / (n.count + beta));
     const int64_t tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth;
-    heap_.push_back(Entry{n.priority, tie, c});  // ties: the earlier occurrence, then shallower
+    Entry& e = heap_.emplace_back();  // ties: the earlier occurrence, then shallower
+    e.priority = n.priority;
+    e.tie = tie;
+    e.node = c;
     std::push_heap(heap_.begin(), heap_.end());
   }
+}
+
+void DraftBuilder::defer(int32_t node, int32_t max_depth, double beta) {
+  const TrieNode& n = nodes_[node];
+  if (n.depth >= max_depth) return;
+  // No child can rank above this entry: a child has at most all of the node's weight and all of
+  // its occurrences, and its tie value is at least this one (an occurrence of the child is one of
+  // the node's, one level deeper). The factor only makes the bound safe against rounding.
+  Entry& e = heap_.emplace_back();
+  e.priority = n.priority * (n.count / (n.count + beta)) * (1.0 + 1e-9);
+  e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth + 1;
+  e.node = ~node;
+  std::push_heap(heap_.begin(), heap_.end());
 }
 
 void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
@@ -76,7 +113,10 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       total += w;
     }
     nodes_.clear();
-    nodes_.push_back(TrieNode{-1, -1, 0, 0, 0, n_occ, -1, total, 1.0, 1.0});
+    TrieNode& root = nodes_.emplace_back();
+    root.count = n_occ;
+    root.weight = total;
+    root.prob = root.priority = 1.0;
     heap_.clear();
     const double floor = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
     expand(0, occ, view, max_depth, cfg.evidence_discount);
@@ -85,6 +125,10 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       const double priority = heap_.back().priority;
       const int32_t id = heap_.back().node;
       heap_.pop_back();
+      if (id < 0) {  // an emitted node's children are due: make them now
+        expand(~id, occ, view, max_depth, cfg.evidence_discount);
+        continue;
+      }
       TrieNode& n = nodes_[id];
       // Below the floor: skip it and, since probabilities only shrink downwards, its subtree.
       if (n.prob < floor || priority <= 0.0) continue;
@@ -94,7 +138,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       // A node enters the frontier only after its parent was emitted, so out_index is set.
       out.parents.push_back(n.parent == 0 ? -1 : nodes_[n.parent].out_index);
       if (!cfg.tree) heap_.clear();  // chain: only the chosen node's children stay candidates
-      expand(id, occ, view, max_depth, cfg.evidence_discount);
+      defer(id, max_depth, cfg.evidence_discount);
     }
   }
   out.offsets.push_back(out.offsets.back() + emitted);

@@ -30,15 +30,22 @@ class DraftBuilder {
   void expand(int32_t node, const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
               int32_t max_depth, double beta);
 
+  // Put an emitted node's children off: one heap entry whose priority bounds theirs stands for
+  // all of them, and they are made only if it is popped (a wide tree of 8 nodes expands few of
+  // its leaves). The order of emission is exactly that of expanding at once.
+  void defer(int32_t node, int32_t max_depth, double beta);
+
   std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
   std::vector<int32_t> members_;  // occurrence indices, grouped per node
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
   std::vector<int32_t> scratch_;  // per member of the node being expanded: its child's index
   std::vector<int32_t> fill_;     // per child of that node: members placed so far
+  std::vector<int32_t> tok_;        // per member of the node being expanded: its next token
+  std::vector<int32_t> child_tok_;  // per child of that node: its token
   struct Entry {
     double priority;
     int64_t tie;  // smaller wins among equal priorities
-    int32_t node;
+    int32_t node;  // ~node for a deferred node's children
     bool operator<(const Entry& o) const {
       return priority != o.priority ? priority < o.priority : tie > o.tie;
     }

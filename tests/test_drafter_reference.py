@@ -381,3 +381,27 @@ def test_chain_walk_reads_exactly_the_newest_records():
             newest = [t for t, _, _ in got[0]]
             assert newest == [s["tokens"][-1] for s in reversed(ref.seqs) if len(s["tokens"]) == 2][:min(walk, 8)]
             d.check_integrity()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=st.builds(SpecConfig, tree=st.booleans(), adaptive_budget=st.booleans(),
+                     min_token_prob=st.sampled_from([0.0, 0.05]), max_depth=st.integers(2, 12),
+                     max_match_len=st.integers(1, 8), num_draft_tokens=st.integers(1, 24)),
+       corpus=st.lists(st.tuples(st.sampled_from([None, 0, 1]),
+                                 st.lists(st.integers(0, 4), min_size=2, max_size=16)),
+                       min_size=1, max_size=30),
+       prompts=st.lists(st.tuples(st.sampled_from([None, 0, 1]),
+                                  st.lists(st.integers(0, 4), min_size=1, max_size=8)),
+                        min_size=1, max_size=3))
+def test_trees_over_random_corpora_match_reference(cfg, corpus, prompts):
+    """Larger trees than the operation test makes: many stored sequences, budgets up to 24, so
+    that deep paths compete with wide ones in the best-first order."""
+    d, ref = make_pair(cfg, 10**6, (drafter_mod.REGATHER_BELOW, drafter_mod.REGATHER_EVERY))
+    groups = [g for g, _ in corpus]
+    d.add_sequences(groups, [s for _, s in corpus])
+    ref.add([-1 if g is None else g for g in groups], [s for _, s in corpus])
+    ids = list(range(len(prompts)))
+    d.start_batch(ids, [p for _, p in prompts], [g for g, _ in prompts])
+    ref.start(ids, [-1 if g is None else g for g, _ in prompts], [p for _, p in prompts])
+    budgets = [cfg.num_draft_tokens] * len(ids)
+    assert as_lists(d.propose(ids, budgets)) == ref.propose(ids, budgets)
