@@ -2,8 +2,8 @@
 inputs and unpacks one small result.
 
 Per step: no upload when the engine passes the TreeInputs of this batch and all requests share
-their sampling parameters (one small upload otherwise), ``torch.topk`` plus one threshold kernel
-when top-k/top-p truncate, one walk kernel, one device-to-host copy. The law and the reported
+their sampling parameters (one small upload otherwise), one threshold kernel when top-k/top-p
+truncate (plus ``torch.topk`` for top-p without top-k), one walk kernel, one device-to-host copy. The law and the reported
 log-probabilities are those of the torch reference in verify.py (tests compare the two on the
 same uniforms); only the source of randomness differs (Philox inside the kernel).
 """
@@ -18,10 +18,10 @@ from rollout_spec.verify import HostVerifyResult
 from rollout_spec.verify_triton import (
     MAX_CANDIDATES,
     OUT_FIELDS,
+    can_select,
     launch_thresholds,
     launch_walk,
     philox_keys,
-    select_candidates,
 )
 
 
@@ -86,21 +86,20 @@ def _plain_cells(num_req: int, device: torch.device) -> list[torch.Tensor]:
 
 def _candidate_thresholds(logits: torch.Tensor, table: SamplingTable, cells: list[torch.Tensor],
                           params: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor | None:
-    """float32[R] thresholds from each row's largest logits (``select_candidates`` or, for
-    many candidates, torch.topk; then one kernel); ``flags`` marks rows the candidates cannot
+    """float32[R] thresholds from each row's largest logits (selected by the threshold kernel
+    itself or, for many candidates, by torch.topk); ``flags`` marks rows the candidates cannot
     decide. None when too many candidates are
     needed (a top-k beyond MAX_CANDIDATES)."""
-    ncand = table.cut_candidates(logits.shape[1])
+    vocab = logits.shape[1]
+    ncand = table.cut_candidates(vocab)
     if ncand > MAX_CANDIDATES:
         return None
-    candidates = select_candidates(logits, ncand, flags)  # sorted, largest first
-    if candidates is None:  # many candidates (top-p without top-k): torch ranks them
-        flags.zero_()
-        candidates = torch.topk(logits, ncand, dim=-1).values
+    # The threshold kernel selects a few candidates itself; many (top-p without top-k): topk.
+    candidates = None if can_select(vocab, ncand) else torch.topk(logits, ncand, dim=-1).values
     thr = torch.empty(flags.shape[0], dtype=torch.float32, device=logits.device)
     per_request = tuple(params) if params else (table.temperature[0], table.top_k[0],
                                                 table.top_p[0])
-    launch_thresholds(logits, candidates, ncand, cells[1], cells[2], per_request, thr, flags)
+    launch_thresholds(logits, ncand, cells[1], cells[2], per_request, thr, flags, candidates)
     return thr
 
 

@@ -15,8 +15,9 @@ Randomness: Philox-4x32-10 keyed by the torch generator's seed, with the generat
 the counter (advanced per call), so seeded runs reproduce. Tests inject the uniforms instead
 (``noise``) to compare the kernel with the torch reference decision for decision.
 
-Truncated rows (top-k/top-p) need their thresholds first: ``truncation_thresholds`` ranks a few
-candidates per row with ``torch.topk`` and finishes in ``_threshold_kernel``; a row whose cut
+Truncated rows (top-k/top-p) need their thresholds first: ``_threshold_kernel`` selects each
+row's few largest logits itself (``_top_values``: two passes, no sort of the row; torch.topk
+ranks them instead when top-p without top-k needs many) and computes the cut; a row whose cut
 cannot be decided from its candidates is flagged, and the caller falls back to a full sort.
 """
 from __future__ import annotations
@@ -268,13 +269,17 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
 def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_ptr, rowidx_ptr,
                       width,
                       temp_ptr, temp_scalar, k_ptr, k_scalar, p_ptr, p_scalar, thr_ptr, flag_ptr,
-                      vocab, Q: tl.constexpr, CPAD: tl.constexpr, PER_REQ: tl.constexpr,
-                      SCALE: tl.constexpr):
+                      vocab, Q: tl.constexpr, G: tl.constexpr, CPAD: tl.constexpr,
+                      PER_REQ: tl.constexpr, SCALE: tl.constexpr, SELECT: tl.constexpr):
     """Truncation threshold of one verify row (program (b, column)) from its ``ncand`` largest
     raw logits, sorted: top-k's k-th largest scaled logit, then top-p's cut over the top-k set
     renormalised (sampling.py's law). When ties of the k-th value may continue past the
     candidates, the normaliser is taken over the whole row. Flags the row when the candidates
-    cannot decide it: top-p without top-k whose mass among them does not reach top_p."""
+    cannot decide it: top-p without top-k whose mass among them does not reach top_p, or
+    (SELECT) a selection that overflowed.
+
+    SELECT: the candidates are selected here (``_top_values``, ``cand_ptr`` rows of CPAD
+    floats are its scratch); otherwise they are read from ``cand_ptr`` (torch.topk's values)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     cell = b.to(tl.int64) * width + c
@@ -295,7 +300,14 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         k_cut = k < vocab
         i = tl.arange(0, CPAD)
         inc = i < ncand
-        v = tl.load(cand_ptr + row * stride_c + i, mask=inc, other=float("-inf")).to(tl.float32)
+        row_ptr = logits_ptr + row * stride_row
+        if SELECT:
+            v, over = _top_values(row_ptr, cand_ptr + row * stride_c, ncand, vocab, Q, G, CPAD)
+            v = tl.where(inc, v, float("-inf"))
+        else:
+            v = tl.load(cand_ptr + row * stride_c + i, mask=inc, other=float("-inf"))
+            v = v.to(tl.float32)
+            over = False
         y = v
         if SCALE:
             y = tl.math.div_rn(v, temp)
@@ -304,7 +316,6 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         kept = inc & (y >= thr_k)
         ym = tl.max(tl.where(kept, y, -float("inf")), axis=0)
         lse = ym + tl.log(tl.sum(tl.where(kept, tl.exp(y - ym), 0.0), axis=0))
-        row_ptr = logits_ptr + row * stride_row
         if (k >= vocab) & (p < 1.0):  # the top-p mass is relative to the whole row
             lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, 0, row, vocab, temp, 0.0,
                                   pcol_ptr, pcol_ptr, width, 0, Q, SCALE, False, False, False,
@@ -321,16 +332,15 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         keep_n = tl.maximum(tl.sum((inc & ((mass - probs) < p)).to(tl.int32), axis=0), 1)
         thr_p = tl.where(p < 1.0, _pick(y, i, keep_n - 1), -float("inf"))
         tl.store(thr_ptr + row, tl.maximum(thr_k, thr_p))
-        # OR: the candidate kernel may already have flagged the row (its list overflowed).
-        flagged = (~covered) | (tl.load(flag_ptr + row) != 0)
-        tl.store(flag_ptr + row, flagged.to(tl.int32))
+        tl.store(flag_ptr + row, ((~covered) | over).to(tl.int32))
 
 
-@triton.jit(do_not_specialize=["ncand"])
-def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_ptr, vocab,
-                       Q: tl.constexpr, G: tl.constexpr, CAP: tl.constexpr):
-    """The ``ncand`` largest raw logits of row ``program_id``, sorted descending, as torch.topk's
-    values (ties included), at ``buf[row, CAP:CAP + ncand]``; ``buf[row, :CAP]`` is scratch.
+@triton.jit
+def _top_values(row_ptr, scratch, ncand, vocab, Q: tl.constexpr, G: tl.constexpr,
+                CAP: tl.constexpr):
+    """(float32[CAP] whose first ``ncand`` entries are the row's ncand largest raw logits,
+    sorted descending, as torch.topk's values, ties included; overflow flag). ``scratch``
+    holds CAP floats of this program.
 
     Two passes instead of a sort of the row. Lane i keeps the largest of columns i, i + Q, ...;
     groups of Q / G lanes give G maxima of disjoint column sets, i.e. G distinct elements, so
@@ -338,9 +348,8 @@ def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_
     value. Every element strictly above ``floor`` is
     gathered (usually barely more than ncand) and sorted; when fewer than ncand are, the rest
     of the top ncand are ties equal to ``floor``. More than CAP elements above ``floor`` (a
-    pathological row) set the row's flag, and the caller falls back to an exact sort."""
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+    pathological row) raise the overflow flag (the values are then wrong), and the caller
+    falls back to an exact sort."""
     lanes = tl.arange(0, Q)
     lane_max = tl.full([Q], float("-inf"), tl.float32)
     for start in range(0, vocab, Q):
@@ -349,7 +358,6 @@ def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_
         lane_max = tl.maximum(lane_max, x)
     group_max = tl.max(tl.reshape(lane_max, [G, Q // G]), axis=1)  # G elements: a cheaper sort
     floor = _pick(tl.sort(group_max, descending=True), tl.arange(0, G), ncand - 1)
-    scratch = buf_ptr + row * stride_buf
     count = 0
     for start in range(0, vocab, Q):
         cols = start + lanes
@@ -361,8 +369,19 @@ def _candidates_kernel(logits_ptr, stride_row, buf_ptr, stride_buf, ncand, flag_
     tl.debug_barrier()  # the scratch was written by other threads of this program
     i = tl.arange(0, CAP)
     ordered = tl.sort(tl.load(scratch + i, mask=i < count, other=float("-inf")), descending=True)
-    tl.store(scratch + CAP + i, tl.where(i < count, ordered, floor), mask=i < ncand)
-    tl.store(flag_ptr + row, (count > CAP).to(tl.int32))
+    return tl.where(i < count, ordered, floor), count > CAP
+
+
+@triton.jit(do_not_specialize=["ncand"])
+def _top_values_kernel(logits_ptr, stride_row, buf_ptr, ncand, flag_ptr, vocab,
+                       Q: tl.constexpr, G: tl.constexpr, CAP: tl.constexpr):
+    """``_top_values`` of row ``program_id`` into ``buf[row, CAP:2 CAP]`` (its first CAP
+    floats are scratch) and ``flag[row]``: lets tests hold the selection to torch.topk."""
+    row = tl.program_id(0).to(tl.int64)
+    vals, over = _top_values(logits_ptr + row * stride_row, buf_ptr + row * 2 * CAP, ncand, vocab,
+                             Q, G, CAP)
+    tl.store(buf_ptr + row * 2 * CAP + CAP + tl.arange(0, CAP), vals)
+    tl.store(flag_ptr + row, over.to(tl.int32))
 
 
 def _quarter_block(vocab: int) -> int:
@@ -415,48 +434,62 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
     )
 
 
-SELECT_MAX = 256  # most candidates _candidates_kernel ranks (more: torch.topk)
+SELECT_MAX = 256  # most candidates _top_values ranks in one program (more: torch.topk)
 
 
-def select_candidates(logits: torch.Tensor, ncand: int, flags: torch.Tensor) -> torch.Tensor | None:
-    """float32[R, >= ncand] view (unit column stride) whose first ``ncand`` columns equal
-    ``torch.topk(logits, ncand).values`` (in float32), by ``_candidates_kernel``; sets
-    ``flags[r]`` to 1 for a row it could not rank (0 otherwise). None when ``ncand`` is beyond
-    what the kernel handles (the caller uses torch.topk)."""
-    q = _quarter_block(logits.shape[1])
+def _select_shape(vocab: int, ncand: int) -> tuple[int, int, int] | None:
+    """(Q, G, CAP) of ``_top_values`` for ``ncand`` candidates, or None when it cannot rank
+    that many. Four times as many groups as candidates keeps collisions (two of the top values
+    in one group) few, so the gathered set stays near ncand; CAP leaves room for them."""
+    q = _quarter_block(vocab)
     if not 1 <= ncand <= min(SELECT_MAX, q):
         return None
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    # Four times as many groups as candidates keeps collisions (two of the top values in one
-    # group) few, so the gathered set stays near ncand; CAP leaves room for them.
     cap = max(64, 4 * triton.next_power_of_2(ncand))
+    return q, min(q, cap), cap
+
+
+def can_select(vocab: int, ncand: int) -> bool:
+    """Whether ``launch_thresholds`` can select ``ncand`` candidates itself (no torch.topk)."""
+    return _select_shape(vocab, ncand) is not None
+
+
+def top_values(logits: torch.Tensor, ncand: int, flags: torch.Tensor) -> torch.Tensor:
+    """float32[R, >= ncand] whose first ``ncand`` columns are ``_top_values``' selection of
+    every row, i.e. ``torch.topk(logits, ncand).values`` unless ``flags[r]`` is set (an
+    overflow). The threshold kernel selects the same way inside; this exposes it to tests."""
+    q, g, cap = _select_shape(logits.shape[1], ncand)
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
     buf = torch.empty(logits.shape[0], 2 * cap, dtype=torch.float32, device=logits.device)
-    _candidates_kernel[(logits.shape[0],)](
-        logits, logits.stride(0), buf, buf.stride(0), ncand, flags, logits.shape[1], Q=q,
-        G=min(q, cap), CAP=cap, num_warps=_warps(q))
+    _top_values_kernel[(logits.shape[0],)](logits, logits.stride(0), buf, ncand, flags,
+                                           logits.shape[1], Q=q, G=g, CAP=cap, num_warps=_warps(q))
     return buf[:, cap:]
 
 
-def launch_thresholds(logits: torch.Tensor, candidates: torch.Tensor, ncand: int,
-                      parent_col: torch.Tensor, row_index: torch.Tensor, params: tuple,
-                      thr: torch.Tensor, flags: torch.Tensor) -> None:
-    """Fill ``thr`` float32[R] and OR into ``flags`` int32[R] (so it must hold 0 or a
-    candidate kernel's flags) from ``candidates`` [R, >= ncand] (unit column stride), whose
-    first ``ncand`` columns are the ncand largest raw logits of every row, sorted descending. ``params`` is (temperature, top_k, top_p), each a scalar for all requests
-    or a [B] tensor."""
+def launch_thresholds(logits: torch.Tensor, ncand: int, parent_col: torch.Tensor,
+                      row_index: torch.Tensor, params: tuple, thr: torch.Tensor,
+                      flags: torch.Tensor, candidates: torch.Tensor | None = None) -> None:
+    """Fill ``thr`` float32[R] and ``flags`` int32[R] for every row of the batch from its
+    ``ncand`` largest raw logits: selected inside the kernel when ``candidates`` is None (then
+    ``can_select`` must hold), else read from ``candidates`` [R, >= ncand] (unit column stride,
+    sorted descending: torch.topk's values). ``params`` is (temperature, top_k, top_p), each a
+    scalar for all requests or a [B] tensor."""
     num_req, width = parent_col.shape
+    vocab = logits.shape[1]
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    if candidates is None:  # the kernel's scratch: CAP floats per row
+        q, g, cpad = _select_shape(vocab, ncand)
+        candidates = torch.empty(logits.shape[0], cpad, dtype=torch.float32,
+                                 device=logits.device)
+    else:
+        q, g, cpad = _quarter_block(vocab), 1, max(2, triton.next_power_of_2(ncand))
     per_req = isinstance(params[0], torch.Tensor)
     scalars = (0.0, 0, 1.0) if per_req else (float(params[0]), int(params[1]), float(params[2]))
     ptrs = params if per_req else (thr, thr, thr)
     _threshold_kernel[(num_req, width)](
         logits, logits.stride(0), candidates, candidates.stride(0), ncand, parent_col, row_index,
-        width,
-        ptrs[0], scalars[0], ptrs[1], scalars[1], ptrs[2], scalars[2], thr, flags,
-        logits.shape[1], Q=_quarter_block(logits.shape[1]),
-        CPAD=max(2, triton.next_power_of_2(ncand)), PER_REQ=per_req,
-        SCALE=per_req or scalars[0] not in (0.0, 1.0),
-        num_warps=_warps(_quarter_block(logits.shape[1])),
+        width, ptrs[0], scalars[0], ptrs[1], scalars[1], ptrs[2], scalars[2], thr, flags, vocab,
+        Q=q, G=g, CPAD=cpad, PER_REQ=per_req, SCALE=per_req or scalars[0] not in (0.0, 1.0),
+        SELECT=g > 1, num_warps=_warps(q),
     )
 
 

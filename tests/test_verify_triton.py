@@ -135,18 +135,18 @@ def candidate_rows(vocab: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("vocab", "ncand"),
                          [(7, 4), (7, 7), (300, 1), (300, 6), (300, 51), (3000, 51)])
-def test_candidate_kernel_equals_topk(vocab, ncand):
-    from rollout_spec.verify_triton import select_candidates
+def test_candidate_selection_equals_topk(vocab, ncand):
+    from rollout_spec.verify_triton import SELECT_MAX, can_select, top_values
 
     logits = candidate_rows(vocab).to(DEVICE)
     flags = torch.full((logits.shape[0],), 7, dtype=torch.int32, device=DEVICE)
-    got = select_candidates(logits, ncand, flags)
+    got = top_values(logits, ncand, flags)
     ref = torch.topk(logits, ncand, dim=-1).values
     ok = flags.cpu().numpy() == 0
     assert set(flags.cpu().tolist()) <= {0, 1}
     assert ok.sum() >= logits.shape[0] - 1  # only a crowded row may overflow the scratch
     np.testing.assert_array_equal(got[:, :ncand].cpu().numpy()[ok], ref.cpu().numpy()[ok])
-    assert select_candidates(logits, 257, flags) is None  # beyond the kernel: torch.topk
+    assert not can_select(50000, SELECT_MAX + 1)  # beyond the kernel: torch.topk
 
 
 def test_overflowing_candidates_fall_back_to_the_exact_sort(monkeypatch):
