@@ -345,11 +345,10 @@ def _top_values(row_ptr, scratch, ncand, vocab, Q: tl.constexpr, G: tl.constexpr
     Two passes instead of a sort of the row. Lane i keeps the largest of columns i, i + Q, ...;
     groups of Q / G lanes give G maxima of disjoint column sets, i.e. G distinct elements, so
     the ncand-th largest of them (ncand <= G), ``floor``, is at most the row's ncand-th largest
-    value. Every element strictly above ``floor`` is
-    gathered (usually barely more than ncand) and sorted; when fewer than ncand are, the rest
-    of the top ncand are ties equal to ``floor``. More than CAP elements above ``floor`` (a
-    pathological row) raise the overflow flag (the values are then wrong), and the caller
-    falls back to an exact sort."""
+    value. Every element strictly above ``floor`` is gathered (usually barely more than ncand)
+    and sorted; when fewer than ncand are, the rest of the top ncand are ties equal to
+    ``floor``. More than CAP elements above ``floor`` (a pathological row) raise the overflow
+    flag (the values are then wrong), and the caller falls back to an exact sort."""
     lanes = tl.arange(0, Q)
     lane_max = tl.full([Q], float("-inf"), tl.float32)
     for start in range(0, vocab, Q):
