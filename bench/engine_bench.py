@@ -234,7 +234,9 @@ def run_generate(engine: object, prompts: list[list[int]], groups: list[int], te
     steps = sum(o.num_verify_steps for o in outs)
     phases = {k: engine.phase_seconds[k] - before[k] for k in before}
     decodes = max(phases.pop("steps"), 1)
-    return {"secs": secs, "tokens": tokens, "tps": tokens / secs, "tpf": tokens / max(steps, 1),
+    prefill = phases.pop("prefill")
+    outside = secs - prefill - sum(phases.values())  # session set-up, drafter settle, host syncs
+    return {"prefill_ms": 1e3 * prefill, "outside_ms": 1e3 * outside, "secs": secs, "tokens": tokens, "tps": tokens / secs, "tpf": tokens / max(steps, 1),
             "width": 1 + sum(o.num_draft_tokens for o in outs) / max(steps, 1),
             "ms": {k: 1e3 * v / decodes for k, v in phases.items()}, "decodes": decodes,
             "wait_ms": 1e3 * (engine._queue.wait_seconds - wait0) / decodes}
@@ -340,17 +342,21 @@ def print_phase_table(rows: list) -> None:
     propose = budget + drafter proposal (including waiting for the drafter's queued bookkeeping,
     shown separately as wait); forward+verify = tree inputs, graphed forward, LM head and
     verification (it ends on the host sync); commit = KV moves, token appends, queueing the
-    drafter's extend. GPU(B,1) is the grid's decode step, for scale.
+    drafter's extend. GPU(B,1) is the grid's decode step, for scale. The last columns are whole
+    ``generate`` figures (ms in all, not per step): prefill steps, and everything outside the
+    steps (setting the call up, handing the drafter its last tokens, ...).
     """
     print("\n## Decode step by phase, ms per step (plain engine / speculative engine)")
     print("| T | B | GPU(B,1) | plain: fwd+verify | commit | total | spec: propose | wait | fwd+verify "
-          "| commit | total | steps plain/spec |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| commit | total | steps plain/spec | prefill ms plain/spec | outside ms plain/spec |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for temp, b, base, spec, gpu in rows:
         pm, sm = base["ms"], spec["ms"]
         print(f"| {temp} | {b} | {gpu * 1e3:.2f} | {pm['forward_verify']:.2f} | {pm['commit']:.2f} | "
               f"{sum(pm.values()):.2f} | {sm['propose']:.2f} | {spec['wait_ms']:.2f} | "
               f"{sm['forward_verify']:.2f} | {sm['commit']:.2f} | {sum(sm.values()):.2f} | "
-              f"{base['decodes']:.0f}/{spec['decodes']:.0f} |")
+              f"{base['decodes']:.0f}/{spec['decodes']:.0f} | {base['prefill_ms']:.0f}/{spec['prefill_ms']:.0f} | "
+              f"{base['outside_ms']:.0f}/{spec['outside_ms']:.0f} |")
 
 
 def print_budget_state(budget: object, batches: list[int]) -> None:

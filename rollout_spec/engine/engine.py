@@ -69,7 +69,8 @@ class RolloutEngine:
             "triton").
 
     ``phase_seconds`` accumulates the decode steps' wall time by phase (budget + propose,
-    tree inputs + forward + verification, commit) and their count, for profiling.
+    tree inputs + forward + verification, commit), their count, and the prefill steps' wall
+    time, for profiling.
     """
 
     def __init__(
@@ -108,7 +109,7 @@ class RolloutEngine:
         self._unaccounted: Optional[tuple] = None  # the last step's figures, for ``_account``
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
         self.phase_seconds: dict[str, float] = dict.fromkeys(
-            ("propose", "forward_verify", "commit", "steps"), 0.0)
+            ("propose", "forward_verify", "commit", "steps", "prefill"), 0.0)
         default = spec.num_draft_tokens if isinstance(spec, SpecConfig) else 8
         self.draft_budget: DraftBudget = draft_budget or (lambda _num_running: default)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
@@ -211,7 +212,9 @@ class RolloutEngine:
         """One engine iteration (prefill of admitted samples, else one decode); returns finished."""
         groups = sched.admit()
         if groups:
+            t0 = self.clock()
             self._prefill(groups, generator)
+            self.phase_seconds["prefill"] += self.clock() - t0
         else:  # no sample waits for a slot: the batch of the next step is known at this commit
             self._decode(sched.running, generator, ahead_ok=not sched.waiting)
         finished = sched.release_finished()
