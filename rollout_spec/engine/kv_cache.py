@@ -23,8 +23,9 @@ class KVCache:
         device: torch.device | str,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One tensor, k and v its two halves: a move or prefix copy is one indexing op for both.
+        self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.num_slots, self.max_len = num_slots, max_len
 
     def write(
@@ -52,12 +53,10 @@ class KVCache:
         """
         if slots.numel() == 0:
             return
-        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
-        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
+        self.kv[:, :, slots, :, dst] = self.kv[:, :, slots, :, src]
 
     def copy_prefix(self, src_slot: int, dst_slots: Tensor, length: int) -> None:
         """Copy the first ``length`` positions of one slot into others (n samples, one prefill)."""
         if dst_slots.numel() == 0 or length == 0:
             return
-        self.k[:, dst_slots, :, :length] = self.k[:, src_slot : src_slot + 1, :, :length]
-        self.v[:, dst_slots, :, :length] = self.v[:, src_slot : src_slot + 1, :, :length]
+        self.kv[:, :, dst_slots, :, :length] = self.kv[:, :, src_slot : src_slot + 1, :, :length]
