@@ -200,6 +200,8 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
                  out_ptr, vocab, Q: tl.constexpr, WPAD: tl.constexpr, PER_REQ_TEMP: tl.constexpr,
                  SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
                  EXT_NOISE: tl.constexpr):
+    """Program b walks request b's tree from its root row (module docstring): accepted
+    columns, emitted tokens and their logprobs go to ``out`` (see ``launch_walk``)."""
     b = tl.program_id(0)
     k0 = k0_arg.to(tl.uint32, bitcast=True)
     k1 = k1_arg.to(tl.uint32, bitcast=True)
@@ -301,13 +303,8 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         i = tl.arange(0, CPAD)
         inc = i < ncand
         row_ptr = logits_ptr + row * stride_row
-        if SELECT:
-            v, over = _top_values(row_ptr, cand_ptr + row * stride_c, ncand, vocab, Q, G, CPAD)
-            v = tl.where(inc, v, float("-inf"))
-        else:
-            v = tl.load(cand_ptr + row * stride_c + i, mask=inc, other=float("-inf"))
-            v = v.to(tl.float32)
-            over = False
+        v, over = _candidates(row_ptr, cand_ptr + row * stride_c, ncand, vocab, Q, G, CPAD,
+                              SELECT)
         y = v
         if SCALE:
             y = tl.math.div_rn(v, temp)
@@ -333,6 +330,22 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         thr_p = tl.where(p < 1.0, _pick(y, i, keep_n - 1), -float("inf"))
         tl.store(thr_ptr + row, tl.maximum(thr_k, thr_p))
         tl.store(flag_ptr + row, ((~covered) | over).to(tl.int32))
+
+
+@triton.jit
+def _candidates(row_ptr, cand_row, ncand, vocab, Q: tl.constexpr, G: tl.constexpr,
+                CPAD: tl.constexpr, SELECT: tl.constexpr):
+    """(float32[CPAD]: the row's ``ncand`` largest raw logits sorted descending, -inf after;
+    overflow flag): selected by ``_top_values`` (SELECT; ``cand_row`` is its scratch) or read
+    from ``cand_row`` (torch.topk's values)."""
+    i = tl.arange(0, CPAD)
+    if SELECT:
+        v, over = _top_values(row_ptr, cand_row, ncand, vocab, Q, G, CPAD)
+        v = tl.where(i < ncand, v, float("-inf"))
+    else:
+        v = tl.load(cand_row + i, mask=i < ncand, other=float("-inf")).to(tl.float32)
+        over = ncand < 0  # False, as a tensor: both branches return the same types
+    return v, over
 
 
 @triton.jit
