@@ -11,6 +11,8 @@
 // recency, and every later proposal, is unaffected by when it ran).
 #pragma once
 
+#include "prefetch.h"
+
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -59,7 +61,7 @@ class ChainIndex {
       if (older == 0) continue;
       int32_t cap;
       const ChainEntry* e = pool_.entries(h->block, older, cap);
-      __builtin_prefetch(e + older % cap);
+      prefetch_line(e + older % cap);
     }
   }
 
@@ -86,7 +88,7 @@ class ChainIndex {
   static void prefetch(const Older& o) {
     const char* p = reinterpret_cast<const char*>(o.base);
     for (int32_t off = 0; off < o.cap * static_cast<int32_t>(sizeof(ChainEntry)); off += 64)
-      __builtin_prefetch(p + off);
+      prefetch_line(p + off);
   }
 
   // The insertion log: every indexed position, oldest first.

@@ -8,6 +8,8 @@
 // sequence's memory; most records of a short key are decided that way.
 #pragma once
 
+#include "prefetch.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -56,7 +58,7 @@ class ChainTable {
 
   // Start loading the slot where a lookup of `key` begins (callers batch these ahead of use).
   void prefetch(uint64_t key) const {
-    if (!slots_.empty()) __builtin_prefetch(&slots_[home(key, slots_.size() - 1)]);
+    if (!slots_.empty()) prefetch_line(&slots_[home(key, slots_.size() - 1)]);
   }
 
   // Size the table for `n` keys up front (a rebuild knows its size; doubling would rehash).
@@ -90,7 +92,7 @@ class ChainTable {
     const size_t mask = cap - 1;
     for (size_t i = 0; i < old.size(); ++i) {
       if (i + kAhead < old.size() && old[i + kAhead].key != 0)
-        __builtin_prefetch(&slots_[home(old[i + kAhead].key, mask)], 1);
+        prefetch_line(&slots_[home(old[i + kAhead].key, mask)]);
       if (old[i].key != 0) upsert(old[i].key) = old[i];
     }
   }

@@ -14,7 +14,7 @@ inline int32_t next_token(const Occurrence& o, const std::vector<SlotView>& view
 }  // namespace
 
 void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
-                          const std::vector<SlotView>& view, int32_t max_depth, double beta) {
+                          const std::vector<SlotView>& view, int32_t max_depth) {
   const TrieNode parent = nodes_[node];  // copy: nodes_ grows below
   if (parent.depth >= max_depth) return;
   const int32_t first_child = static_cast<int32_t>(nodes_.size());
@@ -66,30 +66,37 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     const int32_t c = scratch_[j];
     if (c >= 0) members_[nodes_[c].members + fill_[c - first_child]++] = members_[parent.members + j];
   }
+  const size_t was = heap_.size();
   for (int32_t c = first_child; c < last; ++c) {
     TrieNode& n = nodes_[c];
     const double ratio = n.weight / parent.weight;
     // Count ratios overrate continuations seen once or twice; beta discounts thin evidence in
-    // the order of expansion, while the min_token_prob floor judges the plain ratio.
+    // the order of expansion (discount_[n] = n / (n + beta)), while the min_token_prob floor
+    // judges the plain ratio.
     n.prob = parent.prob * ratio;
-    n.priority = parent.priority * ratio * (n.count / (n.count + beta));
-    const int64_t tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth;
+    n.priority = parent.priority * ratio * discount_[n.count];
     Entry& e = heap_.emplace_back();  // ties: the earlier occurrence, then shallower
     e.priority = n.priority;
-    e.tie = tie;
+    e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth;
     e.node = c;
-    std::push_heap(heap_.begin(), heap_.end());
+  }
+  // Keys are distinct (no two nodes share an occurrence and a depth), so the pop order does not
+  // depend on how the heap was built: the root's many children are heapified at once.
+  if (was == 0) {
+    std::make_heap(heap_.begin(), heap_.end());
+  } else {
+    for (size_t k = was + 1; k <= heap_.size(); ++k) std::push_heap(heap_.begin(), heap_.begin() + k);
   }
 }
 
-void DraftBuilder::defer(int32_t node, int32_t max_depth, double beta) {
+void DraftBuilder::defer(int32_t node, int32_t max_depth) {
   const TrieNode& n = nodes_[node];
   if (n.depth >= max_depth) return;
   // No child can rank above this entry: a child has at most all of the node's weight and all of
   // its occurrences, and its tie value is at least this one (an occurrence of the child is one of
   // the node's, one level deeper). The factor only makes the bound safe against rounding.
   Entry& e = heap_.emplace_back();
-  e.priority = n.priority * (n.count / (n.count + beta)) * (1.0 + 1e-9);
+  e.priority = n.priority * discount_[n.count] * (1.0 + 1e-9);
   e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth + 1;
   e.node = ~node;
   std::push_heap(heap_.begin(), heap_.end());
@@ -101,6 +108,12 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
   if (budget > 0 && !occ.empty()) {
     const int32_t max_depth = std::min(budget, cfg.max_depth);
     const int32_t n_occ = static_cast<int32_t>(occ.size());
+    if (discount_beta_ != cfg.evidence_discount || static_cast<int32_t>(discount_.size()) <= n_occ) {
+      discount_beta_ = cfg.evidence_discount;
+      discount_.resize(std::max<size_t>(discount_.size(), n_occ + 1));
+      for (size_t c = 0; c < discount_.size(); ++c)
+        discount_[c] = static_cast<double>(c) / (static_cast<double>(c) + discount_beta_);
+    }
     weight_.resize(n_occ);
     members_.resize(n_occ);
     double total = 0.0;
@@ -119,14 +132,14 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
     root.prob = root.priority = 1.0;
     heap_.clear();
     const double floor = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
-    expand(0, occ, view, max_depth, cfg.evidence_discount);
+    expand(0, occ, view, max_depth);
     while (emitted < budget && !heap_.empty()) {
       std::pop_heap(heap_.begin(), heap_.end());
       const double priority = heap_.back().priority;
       const int32_t id = heap_.back().node;
       heap_.pop_back();
       if (id < 0) {  // an emitted node's children are due: make them now
-        expand(~id, occ, view, max_depth, cfg.evidence_discount);
+        expand(~id, occ, view, max_depth);
         continue;
       }
       TrieNode& n = nodes_[id];
@@ -138,7 +151,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       // A node enters the frontier only after its parent was emitted, so out_index is set.
       out.parents.push_back(n.parent == 0 ? -1 : nodes_[n.parent].out_index);
       if (!cfg.tree) heap_.clear();  // chain: only the chosen node's children stay candidates
-      defer(id, max_depth, cfg.evidence_discount);
+      defer(id, max_depth);
     }
   }
   out.offsets.push_back(out.offsets.back() + emitted);

@@ -28,18 +28,20 @@ class DraftBuilder {
  private:
   // Make `node`'s children from its member occurrences and push them on the heap.
   void expand(int32_t node, const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
-              int32_t max_depth, double beta);
+              int32_t max_depth);
 
   // Put an emitted node's children off: one heap entry whose priority bounds theirs stands for
   // all of them, and they are made only if it is popped (a wide tree of 8 nodes expands few of
   // its leaves). The order of emission is exactly that of expanding at once.
-  void defer(int32_t node, int32_t max_depth, double beta);
+  void defer(int32_t node, int32_t max_depth);
 
   std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
   std::vector<int32_t> members_;  // occurrence indices, grouped per node
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
   std::vector<int32_t> scratch_;  // per member of the node being expanded: its child's index
   std::vector<int32_t> fill_;     // per child of that node: members placed so far
+  std::vector<double> discount_;   // n / (n + beta) for n occurrences behind a node
+  double discount_beta_ = -1.0;     // the beta discount_ was made for
   std::vector<int32_t> tok_;        // per member of the node being expanded: its next token
   std::vector<int32_t> child_tok_;  // per child of that node: its token
   struct Entry {

@@ -1,4 +1,5 @@
 // Proposal path: reuse or rebuild each request's match state, then build its tree.
+#include "prefetch.h"
 #include <algorithm>
 
 #include "drafter_core.h"
@@ -63,7 +64,7 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
     const int32_t n = std::min(older.n, cfg_.chain_walk - 1);
     for (int32_t t = 0; t < n; ++t) {
       const ChainEntry& e = older.base[(older.last - t) % older.cap];
-      if (longer(e.before)) __builtin_prefetch(view_[e.seq].tokens + e.pos);
+      if (longer(e.before)) prefetch_line(view_[e.seq].tokens + e.pos);
     }
     for (int32_t t = 0; t < n; ++t)
       if (take(older.base[(older.last - t) % older.cap])) return;
@@ -99,7 +100,7 @@ void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) 
       // The head's tokens are read only if its match is longer than the key.
       const ChainEntry& e = h->newest;
       if (e.before >= 0 && ctx.size > kKeyLens[ki] && ctx.tokens[ctx.size - 1 - kKeyLens[ki]] == e.before)
-        __builtin_prefetch(view_[e.seq].tokens + e.pos);
+        prefetch_line(view_[e.seq].tokens + e.pos);
       ChainIndex::prefetch(index[sc]->older(*h));
     }
   if (index[0]) gather_scope(*index[0], 0, ctx, heads[0], [](int32_t) { return true; }, occ);
