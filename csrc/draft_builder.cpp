@@ -75,13 +75,22 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     // judges the plain ratio.
     n.prob = parent.prob * ratio;
     n.priority = parent.priority * ratio * discount_[n.count];
+    // A node below the floor would be popped and dropped with its subtree: never queue it.
+    if (n.prob < floor_ || n.priority <= 0.0) continue;
     Entry& e = heap_.emplace_back();  // ties: the earlier occurrence, then shallower
     e.priority = n.priority;
     e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth;
     e.node = c;
   }
+  // Every queued sibling above the room left is emitted before the rest of them can be, so only
+  // the best `room_` siblings can ever come out (a wide root keeps 8 of dozens).
+  if (heap_.size() - was > static_cast<size_t>(room_)) {
+    std::nth_element(heap_.begin() + was, heap_.begin() + was + room_, heap_.end(),
+                     [](const Entry& a, const Entry& b) { return b < a; });
+    heap_.resize(was + room_);
+  }
   // Keys are distinct (no two nodes share an occurrence and a depth), so the pop order does not
-  // depend on how the heap was built: the root's many children are heapified at once.
+  // depend on how the heap was built: a node's children are heapified at once when it is empty.
   if (was == 0) {
     std::make_heap(heap_.begin(), heap_.end());
   } else {
@@ -131,7 +140,8 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
     root.weight = total;
     root.prob = root.priority = 1.0;
     heap_.clear();
-    const double floor = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
+    floor_ = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
+    room_ = budget;
     expand(0, occ, view, max_depth);
     while (emitted < budget && !heap_.empty()) {
       std::pop_heap(heap_.begin(), heap_.end());
@@ -144,8 +154,9 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       }
       TrieNode& n = nodes_[id];
       // Below the floor: skip it and, since probabilities only shrink downwards, its subtree.
-      if (n.prob < floor || priority <= 0.0) continue;
+      if (n.prob < floor_ || priority <= 0.0) continue;
       n.out_index = emitted++;
+      room_ = budget - emitted;
       out.tokens.push_back(n.token);
       out.probs.push_back(static_cast<float>(priority));
       // A node enters the frontier only after its parent was emitted, so out_index is set.

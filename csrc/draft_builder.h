@@ -40,6 +40,8 @@ class DraftBuilder {
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
   std::vector<int32_t> scratch_;  // per member of the node being expanded: its child's index
   std::vector<int32_t> fill_;     // per child of that node: members placed so far
+  double floor_ = 0.0;              // path-probability floor of the current build
+  int32_t room_ = 0;                // nodes the current build may still emit
   std::vector<double> discount_;   // n / (n + beta) for n occurrences behind a node
   double discount_beta_ = -1.0;     // the beta discount_ was made for
   std::vector<int32_t> tok_;        // per member of the node being expanded: its next token
