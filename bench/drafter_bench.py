@@ -63,15 +63,17 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
     live = "all" if max_live is None else str(max_live)
     print(f"\n## {label}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, "
           f"{trace.num_tokens} tokens; budget {budget}; live requests: {live}")
-    print(f"| step | drafter | TPF | TPF / arctic | accept rate | us / request / iteration |")
-    print("|---|---|---|---|---|---|")
+    print(f"| step | drafter | TPF | TPF / arctic | accept rate | us / request / iteration | propose + extend |")
+    print("|---|---|---|---|---|---|---|")
     for s in range(len(trace.steps)):
         ref = results["arctic"][s].tpf if "arctic" in results else None
         for name in names:
             r = results[name][s]
             ratio = f"{r.tpf / ref:.2f}x" if ref else "n/a"
             rate = r.accepted / max(r.drafted, 1)
-            print(f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} |")
+            split = (f"{r.propose_us_per_request_iteration:.2f} + "
+                     f"{r.us_per_request_iteration - r.propose_us_per_request_iteration:.2f}")
+            print(f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} | {split} |")
     for note in notes:
         print(f"\n{note}")
 

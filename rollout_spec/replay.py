@@ -127,7 +127,8 @@ class StepResult:
     drafted: int = 0
     accepted: int = 0
     request_iterations: int = 0
-    drafter_seconds: float = 0.0
+    drafter_seconds: float = 0.0  # propose + extend
+    propose_seconds: float = 0.0  # the propose share of drafter_seconds
 
     @property
     def tpf(self) -> float:
@@ -138,6 +139,11 @@ class StepResult:
     def us_per_request_iteration(self) -> float:
         """CPU microseconds (thread time) of propose + extend per live request per iteration."""
         return 1e6 * self.drafter_seconds / max(self.request_iterations, 1)
+
+    @property
+    def propose_us_per_request_iteration(self) -> float:
+        """The propose part of ``us_per_request_iteration`` (the rest is extend)."""
+        return 1e6 * self.propose_seconds / max(self.request_iterations, 1)
 
 
 def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, first_id: int,
@@ -178,6 +184,7 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
         drafter.extend_batch(ids, emitted)
         t3 = time.thread_time()
         res.drafter_seconds += (t1 - t0) + (t3 - t2)
+        res.propose_seconds += t1 - t0
         res.request_iterations += len(ids)
         res.verify_steps += len(ids)
         res.tokens += sum(len(e) for e in emitted)
