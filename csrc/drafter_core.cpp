@@ -8,6 +8,12 @@ namespace rollout_spec {
 
 namespace {
 constexpr int kRequestScope = 0;
+// a[0..n) == b[0..n) for the few tokens of one commit (std::equal becomes a memcmp call).
+inline bool same_tokens(const int32_t* a, const int32_t* b, int32_t n) {
+  for (int32_t i = 0; i < n; ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
 constexpr int kGroupScope = 1;
 constexpr int kGlobalScope = 2;
 }  // namespace
@@ -200,11 +206,11 @@ void DrafterCore::advance(RequestState& req, int32_t first) const {
     // Compare with the cached continuation first: most occurrences diverge there, and reading
     // it costs no cache miss on the other sequence.
     const int32_t c = std::min(k, o.cached);
-    if (!std::equal(added, added + c, o.next)) continue;
+    if (!same_tokens(added, o.next, c)) continue;
     const SlotView& v = view_[o.seq];
     // Survives only if it still has a continuation after the k confirmed tokens.
     if (o.pos + k + 1 >= v.size) continue;
-    if (!std::equal(added + c, added + k, v.tokens + o.pos + 1 + c)) continue;
+    if (!same_tokens(added + c, v.tokens + o.pos + 1 + c, k - c)) continue;
     Occurrence moved = o;  // req.occ[kept] may be o itself
     moved.pos += k;
     moved.match_len = std::min(o.match_len + k, cfg_.max_match_len);
