@@ -249,3 +249,17 @@ def test_match_state_is_searched_again_when_too_few_survive():
     d.extend(0, [9])  # no occurrence of [1, 2] continued with 9: none survive
     assert [t for t, _ in tree(d.propose([0]))] == [9]
     assert d.stats()["gathers"] == 2
+
+
+def test_load_rejects_a_checkpoint_of_the_previous_format(tmp_path):
+    """Version 3 files (one log per key length, last positions indexed) are refused by name."""
+    d = NgramDrafter()
+    d.start(0, [1, 2, 3])
+    path = tmp_path / "drafter.bin"
+    d.save(path)
+    data = bytearray(path.read_bytes())
+    assert data[:8] == b"RSSPADR4"
+    data[7] = ord("3")
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"another format version \(3, this build reads 4\)"):
+        NgramDrafter.load(path)
