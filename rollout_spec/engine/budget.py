@@ -193,7 +193,7 @@ class DraftBudget:
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
         self._drafts = 0  # drafting picks since the last plain step the guard asked for
-        self.reuse = 8
+        self.reuse = 8  # calls a pick is reused for (see _pick)
         self._last: tuple[tuple[int, bytes], int, int] = ((0, b""), 0, 0)  # (key, pick, calls left)
         self._gpu_cache: dict[int, np.ndarray] = {}
         self._grid_cache: dict[tuple[int, int], float] = {}

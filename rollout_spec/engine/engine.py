@@ -106,7 +106,7 @@ class RolloutEngine:
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
         self._ahead: Optional[tuple[np.ndarray, np.ndarray, Any]] = None  # next step's proposal
-        self._unaccounted: Optional[tuple] = None  # the last step's figures, for ``_account``
+        self._unaccounted: Optional[tuple] = None  # the last decode step's figures, for _account_last
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
         self.phase_seconds: dict[str, float] = dict.fromkeys(
             ("propose", "forward_verify", "commit", "steps", "prefill"), 0.0)
