@@ -124,6 +124,8 @@ void bind_config(nb::module_& m) {
       .def_rw("regather_below", &CoreConfig::regather_below)
       .def_rw("regather_every", &CoreConfig::regather_every)
       .def_rw("evidence_discount", &CoreConfig::evidence_discount)
+      .def_rw("propose_threads", &CoreConfig::propose_threads)
+      .def_rw("parallel_min_requests", &CoreConfig::parallel_min_requests)
       .def("set_scope_weights", [](CoreConfig& c, double r, double g, double w) {
         c.scope_weight[0] = r;
         c.scope_weight[1] = g;

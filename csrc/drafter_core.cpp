@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <thread>
 #include <unordered_set>
 
 namespace rollout_spec {
@@ -22,7 +23,17 @@ DrafterCore::DrafterCore(const CoreConfig& cfg) : cfg_(cfg), global_(cfg.chain_w
   // Chains keep only the records a search may read (ChainPool's classes go up to 4095).
   if (cfg.chain_walk < 1 || cfg.chain_walk > 4096)
     throw std::invalid_argument("chain_walk must be in [1, 4096], got " + std::to_string(cfg.chain_walk));
+  if (cfg.propose_threads < 0 || cfg.propose_threads > 256)
+    throw std::invalid_argument("propose_threads must be in [0, 256], got " + std::to_string(cfg.propose_threads));
+  if (cfg.parallel_min_requests < 1)
+    throw std::invalid_argument("parallel_min_requests must be >= 1, got " + std::to_string(cfg.parallel_min_requests));
+  // Auto: half the hardware threads (the other half feeds the GPU), at most 8 (propose is
+  // memory bound; more threads mostly queue on the same misses).
+  const int hw = static_cast<int>(std::thread::hardware_concurrency());
+  threads_ = cfg.propose_threads > 0 ? cfg.propose_threads : std::max(1, std::min(8, hw / 2));
 }
+
+DrafterCore::~DrafterCore() = default;
 
 ChainIndex& DrafterCore::group_index(int32_t group) {
   return groups_.try_emplace(group, cfg_.chain_walk).first->second;

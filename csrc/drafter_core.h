@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -21,18 +22,22 @@
 #include "request_state.h"
 #include "sequence.h"
 #include "slot_view.h"
+#include "thread_pool.h"
 
 namespace rollout_spec {
 
 class DrafterCore {
  public:
   explicit DrafterCore(const CoreConfig& cfg);
+  ~DrafterCore();
 
   void start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
              const int64_t* offsets, size_t n);
   void extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
   void finish(const int64_t* ids, size_t n);
-  // budgets may be null (each request gets num_draft_tokens).
+  // budgets may be null (each request gets num_draft_tokens). Calls of at least
+  // parallel_min_requests requests are split over propose_threads threads; the result and the
+  // state left behind are the same for every thread count.
   void propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out);
   // Finished sequences produced elsewhere; pinned ones (external corpora) are never evicted.
   void add_sequences(const int32_t* groups, const int32_t* tokens, const int64_t* offsets,
@@ -59,6 +64,16 @@ class DrafterCore {
   // Index the positions extend just appended: all keys hashed and prefetched, then inserted.
   void index_appended(const int64_t* offsets, size_t n);
   void gather(const RequestState& req, std::vector<Occurrence>& occ) const;
+  // Whether req's match state is missing, too thin or stale for another proposal.
+  bool needs_gather(const RequestState& req) const;
+  // propose on the pool: every tree built with its own budget, then cut in request order.
+  void propose_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
+  // Gather (into fresh_[i]) if needed and build request i's tree into worker w's output.
+  void draft_one(size_t i, int32_t budget, int w);
+  // Append requests' trees to out in order under the batch cap; commit their fresh matches.
+  void commit_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
+  // The pool, made on first use (again in a forked child, which has no copy of its threads).
+  ThreadPool& pool();
   // Keep the occurrences whose continuation equals the tokens appended from `first` on.
   void advance(RequestState& req, int32_t first) const;
   // Forget every request's match state (slots were freed, or scopes changed).
@@ -90,6 +105,22 @@ class DrafterCore {
   mutable DraftBuilder builder_;                       // scratch trie and heap for propose
   std::vector<RequestState*> reqs_;                    // scratch: states of the current call's ids
   uint64_t call_ = 0;                                  // stamps reqs_ entries to catch repeated ids
+  // Parallel propose: per-thread scratch, padded so that threads never write one cache line.
+  struct alignas(64) Worker {
+    DraftBuilder builder;
+    DraftOutput out;  // the trees this worker built, one offsets entry per request it took
+  };
+  struct Part {       // where request i's tree of the current call is
+    int32_t worker;
+    int32_t entry;    // its offsets entry in that worker's output
+    bool fresh;       // built from a new gather held in fresh_[i], not yet committed
+  };
+  int threads_ = 1;                                    // resolved propose_threads
+  std::unique_ptr<ThreadPool> pool_;                   // null until a call is split
+  long pool_pid_ = 0;                                  // process that made pool_
+  std::vector<Worker> workers_;
+  std::vector<Part> parts_;                            // per request of the current call
+  std::vector<std::vector<Occurrence>> fresh_;         // per request: a gather not yet committed
 };
 
 }  // namespace rollout_spec

@@ -1,6 +1,9 @@
 // Proposal path: reuse or rebuild each request's match state, then build its tree.
 #include "prefetch.h"
 #include <algorithm>
+#include <atomic>
+
+#include <unistd.h>
 
 #include "drafter_core.h"
 
@@ -115,9 +118,16 @@ void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) 
                  occ);
 }
 
+bool DrafterCore::needs_gather(const RequestState& req) const {
+  return !req.gathered || req.since_gather >= cfg_.regather_every ||
+         static_cast<int32_t>(req.occ.size()) < cfg_.regather_below;
+}
+
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
   std::lock_guard<std::mutex> lock(mu_);
   resolve(ids, n);
+  if (threads_ > 1 && n >= static_cast<size_t>(cfg_.parallel_min_requests) && n > 1)
+    return propose_parallel(budgets, n, out);
   out = DraftOutput{};
   out.offsets.reserve(n + 1);
   int64_t left = cfg_.max_batch_draft_tokens;
@@ -130,8 +140,7 @@ void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, 
       continue;
     }
     ++proposals_;
-    if (!req.gathered || req.since_gather >= cfg_.regather_every ||
-        static_cast<int32_t>(req.occ.size()) < cfg_.regather_below) {
+    if (needs_gather(req)) {
       gather(req, req.occ);
       req.gathered = true;
       req.since_gather = 0;
@@ -140,6 +149,103 @@ void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, 
     builder_.build(req.occ, view_, cfg_, budget, out);
     left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
   }
+}
+
+// Why building every tree with its whole budget and cutting it later is exact: the builder emits
+// nodes in one fixed order (distinct heap keys), and a smaller budget only drops heap entries
+// that could not come out within it (siblings beyond the room left, children deeper than the
+// budget), so the tree built with budget m is the first m nodes of the one built with b > m.
+// Match state is committed in request order too: a request the cap leaves without a draft keeps
+// its old state, as on one thread.
+void DrafterCore::propose_parallel(const int32_t* budgets, size_t n, DraftOutput& out) {
+  ThreadPool& threads = pool();
+  if (workers_.size() < static_cast<size_t>(threads.size())) workers_.resize(threads.size());
+  for (Worker& w : workers_) {
+    w.out.offsets.assign(1, 0);
+    w.out.tokens.clear();
+    w.out.parents.clear();
+    w.out.probs.clear();
+  }
+  parts_.resize(n);
+  if (fresh_.size() < n) fresh_.resize(n);
+  const int64_t cap = cfg_.max_batch_draft_tokens;
+  // Small chunks taken in turn balance requests of very different cost (a gather vs. a reuse).
+  constexpr size_t kChunk = 4;
+  std::atomic<size_t> next{0};
+  threads.run([&](int w) {
+    for (size_t begin; (begin = next.fetch_add(kChunk, std::memory_order_relaxed)) < n;)
+      for (size_t i = begin; i < std::min(n, begin + kChunk); ++i) {
+        const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
+        draft_one(i, static_cast<int32_t>(std::min<int64_t>(want, cap)), w);
+      }
+  });
+  commit_parallel(budgets, n, out);
+}
+
+void DrafterCore::draft_one(size_t i, int32_t budget, int w) {
+  DraftOutput& mine = workers_[w].out;
+  Part& part = parts_[i];
+  part.worker = w;
+  part.entry = static_cast<int32_t>(mine.offsets.size()) - 1;
+  part.fresh = false;
+  if (budget <= 0) {
+    mine.offsets.push_back(mine.offsets.back());
+    return;
+  }
+  // Only read here: the request's state changes in commit_parallel, on the calling thread.
+  const RequestState& req = *reqs_[i];
+  const std::vector<Occurrence>* occ = &req.occ;
+  if (needs_gather(req)) {
+    gather(req, fresh_[i]);
+    occ = &fresh_[i];
+    part.fresh = true;
+  }
+  workers_[w].builder.build(*occ, view_, cfg_, budget, mine);
+}
+
+void DrafterCore::commit_parallel(const int32_t* budgets, size_t n, DraftOutput& out) {
+  out = DraftOutput{};
+  out.offsets.reserve(n + 1);
+  int64_t left = cfg_.max_batch_draft_tokens;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
+    const int64_t budget = std::min<int64_t>(want, left);
+    if (budget <= 0) {
+      out.offsets.push_back(out.offsets.back());
+      continue;
+    }
+    ++proposals_;
+    const Part& part = parts_[i];
+    if (part.fresh) {
+      RequestState& req = *reqs_[i];
+      req.occ.swap(fresh_[i]);
+      req.gathered = true;
+      req.since_gather = 0;
+      ++gathers_;
+    }
+    const DraftOutput& src = workers_[part.worker].out;
+    const int32_t begin = src.offsets[part.entry];
+    const int32_t size = static_cast<int32_t>(std::min<int64_t>(src.offsets[part.entry + 1] - begin, budget));
+    out.tokens.insert(out.tokens.end(), src.tokens.begin() + begin, src.tokens.begin() + begin + size);
+    out.parents.insert(out.parents.end(), src.parents.begin() + begin, src.parents.begin() + begin + size);
+    out.probs.insert(out.probs.end(), src.probs.begin() + begin, src.probs.begin() + begin + size);
+    out.offsets.push_back(out.offsets.back() + size);
+    left -= size;
+  }
+}
+
+ThreadPool& DrafterCore::pool() {
+  const long pid = static_cast<long>(getpid());
+  if (pool_ && pool_pid_ != pid) {
+    // A forked child: the parent's workers do not exist here and their pool cannot be joined or
+    // destroyed safely, so it is left behind and a new one made.
+    (void)pool_.release();
+  }
+  if (!pool_) {
+    pool_ = std::make_unique<ThreadPool>(threads_);
+    pool_pid_ = pid;
+  }
+  return *pool_;
 }
 
 }  // namespace rollout_spec

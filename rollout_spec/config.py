@@ -87,6 +87,10 @@ class SpecConfig:
     drafter publishes its finished samples at every RL step boundary and ingests the other
     replicas' in the background. None keeps the index local to the replica. The replica's rank
     and the replica count come from the framework hook (docs/scale_out.md)."""
+    propose_threads: int = 0
+    """Threads one ``propose`` call of 64 or more requests is split over (0 = auto: half the
+    hardware threads, at most 8; 1 = the calling thread only). Drafts are identical for every
+    count (docs/drafter.md)."""
 
     def __post_init__(self) -> None:
         check_int("num_draft_tokens", self.num_draft_tokens, 0, 1024)
@@ -102,6 +106,7 @@ class SpecConfig:
             check_float(name, getattr(self, name), 0.0, 1e6)
         check_int("history_steps", self.history_steps, 0, 1 << 20)
         check_int("capacity_tokens", self.capacity_tokens, 1024, 1 << 40)
+        check_int("propose_threads", self.propose_threads, 0, 256)
         if isinstance(self.external_corpora, str) or not all(
             isinstance(p, str) for p in self.external_corpora
         ):

@@ -99,7 +99,7 @@ def _core_config(config: SpecConfig) -> "_core.CoreConfig":
     c = _core.CoreConfig()
     for name in ("num_draft_tokens", "max_batch_draft_tokens", "max_depth", "max_match_len",
                  "min_match_len", "min_token_prob", "tree", "adaptive_budget", "history_steps",
-                 "capacity_tokens"):
+                 "capacity_tokens", "propose_threads"):
         setattr(c, name, getattr(config, name))
     c.set_scope_weights(config.request_weight, config.group_weight, config.global_weight)
     c.max_occurrences = MAX_OCCURRENCES

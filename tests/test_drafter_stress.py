@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
@@ -40,8 +41,10 @@ def test_memory_stays_bounded_while_10m_tokens_stream_in():
     assert d.propose([0, 1]).num_requests == 2
 
 
-def test_one_thread_extends_while_another_proposes():
-    d = NgramDrafter(SpecConfig(capacity_tokens=4096))
+@pytest.mark.parametrize("propose_threads", [1, 4])
+def test_one_thread_extends_while_another_proposes(propose_threads):
+    # 64 requests: with 4 threads every propose runs on the core's pool while extends queue.
+    d = NgramDrafter(SpecConfig(capacity_tokens=4096, propose_threads=propose_threads))
     ids = list(range(64))
     d.start_batch(ids, [[i % 7, 1, 2] for i in ids], [i % 8 for i in ids])
     errors: list[BaseException] = []

@@ -1,0 +1,148 @@
+"""Parallel propose: the same DraftBatches and the same state left behind for every thread count.
+
+One drafter proposes on the calling thread only, its twin splits calls over 4 threads; both see
+the same operations and every proposal must match byte for byte, including calls where
+``max_batch_draft_tokens`` cuts the drafts of later requests (their match state must then stay
+as it was) and calls smaller than the parallel threshold.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollout_spec import _core
+from rollout_spec.config import SpecConfig
+from rollout_spec.drafter import NgramDrafter, _core_config
+from rollout_spec.tree import DraftBatch
+from test_drafter_reference import as_lists, best_path, config_st, op_st  # noqa: E402  (tests/ is on sys.path)
+
+
+def make_twins(cfg: SpecConfig, min_requests: int, capacity: int = 1 << 20) -> tuple[NgramDrafter, NgramDrafter]:
+    """(one-thread drafter, 4-thread drafter splitting calls of >= min_requests requests)."""
+    twins = []
+    for threads in (1, 4):
+        d = NgramDrafter(cfg)
+        core_cfg = _core_config(cfg)
+        core_cfg.propose_threads = threads
+        core_cfg.parallel_min_requests = min_requests
+        core_cfg.capacity_tokens = capacity
+        core_cfg.regather_below, core_cfg.regather_every = 2, 5  # reuse and refresh both happen
+        d._core = _core.DrafterCore(core_cfg)
+        twins.append(d)
+    return twins[0], twins[1]
+
+
+def assert_same(a: DraftBatch, b: DraftBatch) -> None:
+    """Byte-identical batches."""
+    for name in ("offsets", "tokens", "parents", "probs"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+
+
+def propose_both(one: NgramDrafter, many: NgramDrafter, ids, budgets=None) -> DraftBatch:
+    """Propose on both twins, check they agree (drafts and counters), return the batch."""
+    a, b = one.propose(ids, budgets), many.propose(ids, budgets)
+    assert_same(a, b)
+    sa, sb = one.stats(), many.stats()
+    assert (sa["proposals"], sa["gathers"]) == (sb["proposals"], sb["gathers"])
+    return a
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=config_st, ops=st.lists(op_st, min_size=1, max_size=40), capacity=st.integers(20, 80))
+def test_random_operations_match_one_thread(cfg, ops, capacity):
+    """The reference test's operations (tiny batches, caps of 0-20 nodes), every call of two or
+    more requests split over the pool."""
+    one, many = make_twins(cfg, min_requests=2, capacity=capacity)
+    live: list[int] = []
+    next_id = 0
+    for op in ops:
+        if op[0] == "start":
+            for d in (one, many):
+                d.start(next_id, op[1], op[2])
+            live.append(next_id)
+            next_id += 1
+        elif op[0] == "extend" and live:
+            for d in (one, many):
+                d.extend(live[op[1] % len(live)], op[2])
+        elif op[0] == "finish" and live:
+            rid = live.pop(op[1] % len(live))
+            for d in (one, many):
+                d.finish(rid)
+        elif op[0] == "propose" and live:
+            ids = live[op[1] % len(live):]
+            propose_both(one, many, ids, [op[2]] * len(ids))
+        elif op[0] == "accept" and live:
+            # Propose for everyone (the cap binds often), then commit one request's best path.
+            batch = propose_both(one, many, live)
+            k = op[1] % len(live)
+            path = best_path(as_lists(batch)[k])[:op[2]] + ([op[3]] if op[3] >= 0 else [])
+            for d in (one, many):
+                d.extend(live[k], path)
+        elif op[0] == "add":
+            for d in (one, many):
+                d.add_sequences([op[1]], [op[2]])
+        elif op[0] == "end_step":
+            for d in (one, many):
+                d.end_step()
+    if live:
+        propose_both(one, many, live)
+    many.check_integrity()
+
+
+@pytest.mark.parametrize("tree,cap", [(True, 1 << 20), (True, 700), (False, 700)])
+def test_engine_like_steps_at_batch_256_match_one_thread(tree, cap):
+    """256 live requests in groups of 8 with the default threshold: full calls on the pool with
+    uneven budgets (cap 700 binds part-way through every full call), and calls below it."""
+    rng = np.random.default_rng(7)
+    cfg = SpecConfig(tree=tree, num_draft_tokens=8, max_batch_draft_tokens=cap)
+    one, many = make_twins(cfg, min_requests=64)
+    ids = list(range(256))
+    motifs = [rng.integers(0, 40, 30).tolist() for _ in range(32)]
+    prompts = [motifs[i // 8][: 10 + i % 8] for i in ids]
+    for d in (one, many):
+        d.start_batch(ids, prompts, [i // 8 for i in ids])
+    cut = 0
+    for step in range(40):
+        budgets = rng.integers(0, 13, len(ids)) if step % 3 else None
+        batch = propose_both(one, many, ids, budgets)
+        sizes = batch.sizes()
+        cut += int(sizes[-64:].sum() == 0)  # the cap left the last requests without drafts
+        propose_both(one, many, ids[step % 8::8])  # 32 requests: below the threshold
+        trees = as_lists(batch)
+        commits = []
+        for i in ids:
+            # Accept a random prefix of the best path, then a bonus that mostly follows the motif.
+            path = best_path(trees[i])[: rng.integers(0, 5)]
+            bonus = motifs[i // 8][(step + i) % 30] if rng.random() < 0.7 else rng.integers(0, 40)
+            commits.append(path + [int(bonus)])
+        for d in (one, many):
+            d.extend_batch(ids, commits)
+    assert one.stats()["proposals"] > 0
+    assert (cut > 0) == (cap < 1 << 20)
+    many.check_integrity()
+
+
+def test_propose_threads_is_validated():
+    """Out-of-range thread counts are refused by the config and by the core, naming the field."""
+    for bad in (-1, 257):
+        with pytest.raises(ValueError, match=r"propose_threads.*\[0, 256\]|propose_threads.*256"):
+            SpecConfig(propose_threads=bad)
+        core_cfg = _core.CoreConfig()
+        core_cfg.propose_threads = bad
+        with pytest.raises(ValueError, match="propose_threads"):
+            _core.DrafterCore(core_cfg)
+    assert SpecConfig(propose_threads=0).propose_threads == 0  # auto
+
+
+def test_many_pooled_drafters_come_and_go():
+    """Cores with pools are made and dropped repeatedly (threads are joined, none leak or hang)."""
+    for k in range(20):
+        one, many = make_twins(SpecConfig(), min_requests=2)
+        ids = list(range(8))
+        for d in (one, many):
+            d.start_batch(ids, [[i, k, 1, 2, i, k] for i in ids], [0] * 8)
+        propose_both(one, many, ids)
+        del one, many
