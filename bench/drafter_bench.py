@@ -7,9 +7,13 @@ and a vLLM-style prompt-lookup n-gram (n in [2, 5]).
 
     python bench/drafter_bench.py                       # the shared traces, or a synthetic one
     python bench/drafter_bench.py --trace T.json.gz --max-live 512 --drafters ours,arctic
+    python bench/drafter_bench.py --max-live 512 --drafters ours --propose-threads 1,4
 
-Cost is CPU microseconds of propose + extend per live request per iteration, one thread,
-measured around the drafter's calls only.
+Cost is microseconds of propose + extend per live request per iteration, measured around the
+drafter's calls only: the calling thread's CPU time, or wall time when --propose-threads names
+any count but 1 (the pool's work is on other threads). Ours splits propose calls of >= 64
+requests over --propose-threads threads (a list runs ours once per count, rows side by side; the
+drafts are identical, so TPF is too). The other drafters run on one thread.
 """
 from __future__ import annotations
 
@@ -33,12 +37,14 @@ SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json
 
 
 def make_drafter(name: str, budget: int):
-    """Fresh drafter by bench name."""
-    if name == "ours":
-        return NgramDrafter(SpecConfig(num_draft_tokens=budget, max_batch_draft_tokens=1 << 24))
-    if name == "ours-full":
+    """Fresh drafter by bench name (``ours@4``: ours with propose calls split over 4 threads)."""
+    base, _, threads = name.partition("@")
+    extra = {"propose_threads": int(threads)} if threads else {}
+    if base == "ours":
+        return NgramDrafter(SpecConfig(num_draft_tokens=budget, max_batch_draft_tokens=1 << 24, **extra))
+    if base == "ours-full":
         return NgramDrafter(SpecConfig(num_draft_tokens=budget, max_batch_draft_tokens=1 << 24,
-                                       adaptive_budget=False))
+                                       adaptive_budget=False, **extra))
     if name == "arctic":
         return ArcticDrafter(max_depth=24, min_token_prob=0.1)
     if name == "prompt-lookup":
@@ -46,14 +52,15 @@ def make_drafter(name: str, budget: int):
     raise ValueError(f"unknown drafter {name!r}; choose from ours, ours-full, arctic, prompt-lookup")
 
 
-def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None) -> None:
+def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None,
+              clock=time.thread_time) -> None:
     """Replay ``trace`` with every drafter and print one table row per (step, drafter)."""
     results: dict[str, list[StepResult]] = {}
     notes = []
     for name in names:
         t0 = time.perf_counter()
         drafter = make_drafter(name, budget)
-        results[name] = replay(drafter, trace, budget=budget, max_live=max_live)
+        results[name] = replay(drafter, trace, budget=budget, max_live=max_live, clock=clock)
         print(f"  [{label}] {name}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         if isinstance(drafter, NgramDrafter):
             st = drafter.stats()
@@ -86,8 +93,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--max-live", type=int, default=None, help="cap on concurrent requests")
     ap.add_argument("--drafters", default="ours,ours-full,arctic,prompt-lookup")
+    ap.add_argument("--propose-threads", default="1",
+                    help="comma-separated thread counts for ours/ours-full (0 = auto); default 1")
     args = ap.parse_args()
-    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    counts = [int(c) for c in args.propose_threads.split(",") if c.strip()]
+    names = []
+    for n in (n.strip() for n in args.drafters.split(",") if n.strip()):
+        ours = n in ("ours", "ours-full")
+        # One thread keeps the plain name (and the tables of earlier runs comparable).
+        names += [n if c == 1 else f"{n}@{c}" for c in counts] if ours else [n]
     if "arctic" in names and not arctic_available():
         print("NOTE: arctic-inference is not installed (import arctic_inference.suffix_decoding "
               "failed); its column is skipped.", file=sys.stderr)
@@ -95,12 +109,15 @@ def main() -> None:
     for n in names:
         make_drafter(n, args.budget)  # fail fast on a bad name
     paths = args.trace or sorted(glob.glob(SHARED))
+    # Thread time misses the pool's work: with more than one thread every row is timed by the wall.
+    clock = time.thread_time if counts == [1] else time.perf_counter
     print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs), one thread, {time.strftime('%Y-%m-%d %H:%M')}")
+          f"{os.cpu_count()} CPUs), propose threads {args.propose_threads}, "
+          f"{'thread' if clock is time.thread_time else 'wall'} time, {time.strftime('%Y-%m-%d %H:%M')}")
     for path in paths:
-        run_trace(Path(path).name, load_trace(path), names, args.budget, args.max_live)
+        run_trace(Path(path).name, load_trace(path), names, args.budget, args.max_live, clock)
     if args.synthetic or not paths:
-        run_trace("synthetic (seed 0)", make_synthetic_trace(), names, args.budget, args.max_live)
+        run_trace("synthetic (seed 0)", make_synthetic_trace(), names, args.budget, args.max_live, clock)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -147,11 +147,13 @@ class StepResult:
 
 
 def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, first_id: int,
-                max_live: Optional[int] = None) -> StepResult:
+                max_live: Optional[int] = None, clock: Callable[[], float] = time.thread_time) -> StepResult:
     """Replay one step lock-step; requests get ids ``first_id, first_id + 1, ...``.
 
     ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
-    engine's batch limit would; None runs all of the step's requests at once.
+    engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
+    drafter's calls: the calling thread's CPU time, or ``time.perf_counter`` for a drafter that
+    works on other threads too.
     """
     rows = trace.steps[step]
     res = StepResult(step=step)
@@ -166,9 +168,9 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
             drafter.start_batch(ids, [trace.prompts[rows[j][0]] for j in admit], [rows[j][0] for j in admit])
             live.update((i, 0) for i in ids)
         ids = list(live)
-        t0 = time.thread_time()
+        t0 = clock()
         result = drafter.propose(ids, [budget] * len(ids))
-        t1 = time.thread_time()
+        t1 = clock()
         emitted, done = [], []
         for rid, tree in zip(ids, as_trees(result, len(ids))):
             resp, pos = rows[rid - first_id][1], live[rid]
@@ -180,9 +182,9 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
             live[rid] = pos + n
             if pos + n >= len(resp):
                 done.append(rid)
-        t2 = time.thread_time()
+        t2 = clock()
         drafter.extend_batch(ids, emitted)
-        t3 = time.thread_time()
+        t3 = clock()
         res.drafter_seconds += (t1 - t0) + (t3 - t2)
         res.propose_seconds += t1 - t0
         res.request_iterations += len(ids)
@@ -196,11 +198,13 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
 
 
 def replay(drafter: ReplayDrafter, trace: Trace, budget: int = 8,
-           max_live: Optional[int] = None, steps: Optional[Sequence[int]] = None) -> list[StepResult]:
-    """Replay the trace's steps in order (index kept across them); one StepResult per step."""
+           max_live: Optional[int] = None, steps: Optional[Sequence[int]] = None,
+           clock: Callable[[], float] = time.thread_time) -> list[StepResult]:
+    """Replay the trace's steps in order (index kept across them); one StepResult per step.
+    ``clock``: as in ``replay_step``."""
     results, next_id = [], 0
     for s in (range(len(trace.steps)) if steps is None else steps):
-        results.append(replay_step(drafter, trace, s, budget, next_id, max_live))
+        results.append(replay_step(drafter, trace, s, budget, next_id, max_live, clock))
         next_id += len(trace.steps[s])
         drafter.end_step()
     return results
