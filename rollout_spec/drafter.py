@@ -116,7 +116,9 @@ class NgramDrafter:
     """Model-free drafter: proposes draft trees from the request, group and global n-gram scopes.
 
     Thread safety: one thread may ``extend`` while another ``propose``s (the core serialises
-    calls with a mutex and releases the GIL); ``start``/``finish`` belong to one thread.
+    calls with a mutex and releases the GIL); ``start``/``finish`` belong to one thread. A
+    ``propose`` of 64 or more requests is itself split over ``config.propose_threads`` threads
+    of a pool the core keeps (the drafts do not depend on the count).
     """
 
     def __init__(self, config: Optional[SpecConfig] = None, *, _load_from: Optional[str] = None):
