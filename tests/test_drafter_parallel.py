@@ -7,6 +7,10 @@ as it was) and calls smaller than the parallel threshold.
 """
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -146,3 +150,32 @@ def test_many_pooled_drafters_come_and_go():
             d.start_batch(ids, [[i, k, 1, 2, i, k] for i in ids], [0] * 8)
         propose_both(one, many, ids)
         del one, many
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_proposes_on_a_fresh_pool():
+    """A child forked after the pool started (as multiprocessing and Ray workers do) has none of
+    its threads; its large proposals must still complete, and match the parent's."""
+    one, many = make_twins(SpecConfig(), min_requests=2)
+    ids = list(range(16))
+    for d in (one, many):
+        d.start_batch(ids, [[i % 3, 1, 2, i % 3, 1] for i in ids], [0] * 16)
+    propose_both(one, many, ids)  # the pool exists now
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report the draft's bytes, never return into pytest
+        try:
+            os.write(write_end, many.propose(ids).tokens.tobytes())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's propose hung")
+        time.sleep(0.01)
+    with os.fdopen(read_end, "rb") as f:
+        got = f.read()
+    assert got and got == one.propose(ids).tokens.tobytes()
