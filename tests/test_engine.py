@@ -519,7 +519,7 @@ class RecordingDrafter(ScriptedDrafter):
 @pytest.mark.parametrize("drafts", [0, 2, "alternate"])
 def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, drafts, overlap) -> None:
     """Without drafts the engine hands tokens over lazily (inline: once, when generate ends; with
-    the worker: during each next forward); with drafts every step. Either way each request gets
+    the worker: during a forward every flush_every steps); with drafts every step. Either way each request gets
     exactly its output, then one finish."""
     _, model = pair
     prompts = mixed_prompts(3, seed=11)
@@ -533,6 +533,12 @@ def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, draft
     if drafts == 0 and not overlap:
         assert drafter.extend_calls == 1
     elif drafts == 0:
-        assert drafter.extend_calls == max(o.num_verify_steps for o in outs)  # one per forward + the end
+        # one hand-off during a forward once flush_every steps (the prefill's commit included)
+        # are pending, and one when generate ends
+        from rollout_spec.engine.drafter_queue import DrafterFeed
+
+        steps = max(o.num_verify_steps for o in outs)
+        assert steps > DrafterFeed.flush_every
+        assert drafter.extend_calls == 1 + (steps - 1) // DrafterFeed.flush_every
     elif drafts == 2:
         assert drafter.extend_calls >= max(o.num_verify_steps for o in outs) - 1  # about one per step

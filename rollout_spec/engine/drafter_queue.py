@@ -100,8 +100,11 @@ class DrafterFeed:
     the same tokens in the same order either way, so proposals do not change.
     """
 
+    flush_every = 8  # plain steps between hand-offs on the worker (see ``due``)
+
     def __init__(self, queue: DrafterQueue) -> None:
         self.queue = queue
+        self._plain_steps = 0  # plain steps recorded since the last flush
         self._unfed: dict[int, Sequence] = {}
         self._finished: list[Sequence] = []
         self._last: list[Sequence] | None = None  # the running list last recorded whole
@@ -112,10 +115,18 @@ class DrafterFeed:
         """True while some committed tokens or finishes have not been handed to the drafter."""
         return bool(self._unfed or self._finished)
 
+    def due(self) -> bool:
+        """Whether a plain step should hand the deferred tokens to the worker now: every
+        ``flush_every`` plain steps. Each hand-off costs Python work per running request (and
+        the GIL, while verification waits for the GPU); batching steps divides that work, and
+        a proposal after a run of plain steps still finds at most that many steps to catch up."""
+        return self.pending and self._plain_steps >= self.flush_every
+
     def committed(self, drafter: Any, seqs: list[Sequence], kept: list[list[int]],
                   finished: list[Sequence], now: bool) -> None:
         """Record a step's kept tokens (not yet appended to ``seqs``) and the sequences it ended."""
         if not now:
+            self._plain_steps += 1
             # A plain step of the same running list as the last one adds nobody new (every
             # sample enters through its prefill's commit): O(1) instead of O(B) per plain step.
             if seqs is not self._last or len(seqs) != self._last_len:
@@ -145,6 +156,7 @@ class DrafterFeed:
         if self._finished:
             self.queue.submit(drafter.finish_batch, [s.req_id for s in self._finished])
         self._unfed, self._finished, self._last = {}, [], None
+        self._plain_steps = 0
 
     def ready(self, drafter: Any) -> None:
         """Before a proposal: everything committed has reached the drafter."""

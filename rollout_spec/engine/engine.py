@@ -55,13 +55,12 @@ class RolloutEngine:
         cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
             with a drafter and no ``draft_budget``, time them into a batch-aware
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
-        overlap_drafter: run the drafter's calls on a worker thread (``drafter_queue``). A plain
-            step hands the previous steps' tokens to it right after launching its forward, so
-            the C++ extend (GIL released) runs while verification waits for the GPU; a drafting
-            step queues its extend and, when no sample waits for a slot, the next step's
-            proposal as soon as it commits. Outputs are identical either way. None (default):
-            on where the model is on CUDA (measured on an H100: plain steps of the speculative
-            engine then cost what the plain engine's do), off on CPU, where the forward is not
+        overlap_drafter: run the drafter's calls on a worker thread (``drafter_queue``). Every
+            8th plain step hands the previous steps' tokens to it right after launching its
+            forward, so the C++ extend (GIL released) runs while verification waits for the GPU;
+            a drafting step queues its extend and, when no sample waits for a slot, the next
+            step's proposal as soon as it commits. Outputs are identical either way. None
+            (default): on where the model is on CUDA (measured on an H100), off on CPU, where the forward is not
             asynchronous and the hand-offs only add work (docs/gpu.md). Without it, plain steps
             feed the drafter nothing; their tokens go over in one batch before the next
             proposal or when ``generate`` ends (``DrafterFeed``).
@@ -248,7 +247,7 @@ class RolloutEngine:
             batch = self._propose(run, budgets)
         t1 = self.clock()
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
-        if self._queue.overlap and batch.num_nodes == 0 and self._feed.pending:
+        if self._queue.overlap and batch.num_nodes == 0 and self._feed.due():
             self._feed.flush(self._drafter)  # the worker feeds it while verify waits for the GPU
         self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
