@@ -66,6 +66,8 @@ class DrafterCore {
   void gather(const RequestState& req, std::vector<Occurrence>& occ) const;
   // Whether req's match state is missing, too thin or stale for another proposal.
   bool needs_gather(const RequestState& req) const;
+  // Record that req.occ was just searched afresh (state flags and the gathers counter).
+  void mark_gathered(RequestState& req);
   // propose on the pool: every tree built with its own budget, then cut in request order.
   void propose_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
   // Gather (into fresh_[i]) if needed and build request i's tree into worker w's output.

@@ -123,6 +123,12 @@ bool DrafterCore::needs_gather(const RequestState& req) const {
          static_cast<int32_t>(req.occ.size()) < cfg_.regather_below;
 }
 
+void DrafterCore::mark_gathered(RequestState& req) {
+  req.gathered = true;
+  req.since_gather = 0;
+  ++gathers_;
+}
+
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
   std::lock_guard<std::mutex> lock(mu_);
   resolve(ids, n);
@@ -142,9 +148,7 @@ void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, 
     ++proposals_;
     if (needs_gather(req)) {
       gather(req, req.occ);
-      req.gathered = true;
-      req.since_gather = 0;
-      ++gathers_;
+      mark_gathered(req);
     }
     builder_.build(req.occ, view_, cfg_, budget, out);
     left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
@@ -219,9 +223,7 @@ void DrafterCore::commit_parallel(const int32_t* budgets, size_t n, DraftOutput&
     if (part.fresh) {
       RequestState& req = *reqs_[i];
       req.occ.swap(fresh_[i]);
-      req.gathered = true;
-      req.since_gather = 0;
-      ++gathers_;
+      mark_gathered(req);
     }
     const DraftOutput& src = workers_[part.worker].out;
     const int32_t begin = src.offsets[part.entry];
