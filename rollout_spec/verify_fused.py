@@ -3,9 +3,10 @@ inputs and unpacks one small result.
 
 Per step: no upload when the engine passes the TreeInputs of this batch and all requests share
 their sampling parameters (one small upload otherwise), one threshold kernel when top-k/top-p
-truncate (plus ``torch.topk`` for top-p without top-k), one walk kernel, one device-to-host copy. The law and the reported
-log-probabilities are those of the torch reference in verify.py (tests compare the two on the
-same uniforms); only the source of randomness differs (Philox inside the kernel).
+truncate (plus ``torch.topk`` for top-p without top-k), one walk kernel, one device-to-host
+copy. The law and the reported log-probabilities are those of the torch reference in verify.py
+(tests compare the two on the same uniforms); only the source of randomness differs (Philox
+inside the kernel).
 """
 from __future__ import annotations
 
