@@ -91,13 +91,15 @@ class RolloutSession:
         self.stop_ids = frozenset(stops)
 
     def run(
-        self, prompts: Seq[Seq[int]] | Seq[str], group_ids: Optional[Seq[Optional[int]]] = None
+        self, prompts: Seq[Seq[int]] | Seq[str], group_ids: Optional[Seq[Optional[int]]] = None,
+        max_running: Optional[int] = None,
     ) -> list[RolloutOutput]:
-        """Generate ``params.n`` samples for every prompt; outputs ordered by (prompt, sample)."""
+        """Generate ``params.n`` samples for every prompt, at most ``max_running`` at once
+        (default: all of the engine's slots); outputs ordered by (prompt, sample)."""
         token_prompts = self._tokenize(prompts)
         if group_ids is not None and len(group_ids) != len(token_prompts):
             raise ValueError(f"group_ids has {len(group_ids)} entries, prompts has {len(token_prompts)}")
-        sched = Scheduler(self.engine.num_slots, self.engine.max_prefill_tokens)
+        sched = Scheduler(max_running or self.engine.num_slots, self.engine.max_prefill_tokens)
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):
             gid = group_ids[p] if group_ids is not None else prompt_group_id(prompt)

@@ -224,6 +224,24 @@ def test_n_samples_share_one_prefill(pair) -> None:
     assert small.prefill_tokens > sum(len(p) for p in prompts)
 
 
+def test_max_running_caps_the_batch_and_keeps_outputs(pair) -> None:
+    """max_running=1 decodes one sample at a time (one request per step), same greedy tokens."""
+    _, model = pair
+    prompts = mixed_prompts(3, seed=5)
+    params = SamplingParams(n=3, temperature=0.0, max_new_tokens=5)
+    eng = engine(model, num_slots=8)
+    wide = eng.generate(prompts, params)
+    widths: list[int] = []
+    decode = eng._decode
+    eng._decode = lambda seqs, *a, **k: (widths.append(len(seqs)), decode(seqs, *a, **k))[1]
+    narrow = eng.generate(prompts, params, max_running=1)
+    assert [o.token_ids for o in narrow] == [o.token_ids for o in wide]
+    assert set(widths) == {1} and len(widths) == 9 * 4  # 9 samples x 4 decode steps each
+    for bad in (0, 9, 1.5):
+        with pytest.raises((ValueError, TypeError), match="max_running"):
+            eng.generate(prompts, params, max_running=bad)
+
+
 def test_stop_tokens_and_max_new_tokens(pair) -> None:
     _, model = pair
     prompts = mixed_prompts(6, seed=6)

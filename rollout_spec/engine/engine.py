@@ -196,11 +196,18 @@ class RolloutEngine:
         params: SamplingParams = SamplingParams(),
         group_ids: Optional[Seq[Optional[int]]] = None,
         progress: bool = False,
+        max_running: Optional[int] = None,
     ) -> list[Any]:
-        """n samples per prompt; returns ``RolloutOutput``s ordered by (prompt, sample)."""
+        """n samples per prompt; returns ``RolloutOutput``s ordered by (prompt, sample).
+
+        ``max_running`` caps the samples decoded at once (default and most: ``num_slots``); the
+        others wait for a slot, so e.g. GRPO's n samples of a prompt can run one after another.
+        """
         from rollout_spec.rollout import RolloutSession
 
-        return RolloutSession(self, params, progress=progress).run(prompts, group_ids)
+        running = self.num_slots if max_running is None else check_int(
+            "max_running", max_running, 1, self.num_slots)
+        return RolloutSession(self, params, progress=progress).run(prompts, group_ids, running)
 
     def end_step(self) -> None:
         """RL step boundary: forwards to the drafter (ages and evicts its history)."""
