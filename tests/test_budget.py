@@ -340,11 +340,15 @@ def test_guard_asks_for_a_plain_step_now_and_then_until_it_can_compare():
     assert all(budget(8) == k for _ in range(40))
 
 
-def test_pick_is_reused_for_a_few_calls_and_redone_when_acceptance_moves():
-    """The argmax is recomputed when the batch size or the acceptance changes, else every
-    ``reuse`` calls; between, the host model's small moves do not change the decision."""
+def test_pick_is_reused_for_a_few_calls_and_redone_when_the_batch_or_turn_changes():
+    """The argmax is recomputed when the batch size changes, else every ``reuse`` calls; in
+    between, moves of acceptance or of the host model do not change the decision."""
     budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8])
     k = budget(8)
     assert k > 0
     budget.tracker.rate[:] = 0.0  # no acceptance: drafting cannot pay
-    assert budget(8) == 0
+    picks = [budget(8) for _ in range(budget.reuse)]
+    assert picks == [k] * (budget.reuse - 1) + [0]  # the stale pick lasts out its turn
+    assert budget(16) == 0 and budget(8) == 0
+    budget.tracker.rate[:] = 0.9
+    assert budget(16) == k  # a new batch size decides afresh
