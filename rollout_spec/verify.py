@@ -73,7 +73,9 @@ class VerifyResult:
 
     ``host`` holds the same data as numpy arrays (free); the tensor attributes are uploaded in
     one copy on first access, so a caller that needs the results on the host should read
-    ``host`` rather than copy the tensors back.
+    ``host`` rather than copy the tensors back. ``walk`` is the fused kernel's own result rows
+    on the device (int32 ``[B, 1 + 3W]``: accepted count, accepted tree columns, emitted tokens,
+    logprob bits), None on the torch path; device-side consumers read it without a copy.
     """
 
     accepted_offsets: torch.Tensor
@@ -84,9 +86,9 @@ class VerifyResult:
     emitted_logprobs: torch.Tensor
     num_accepted: torch.Tensor
 
-    def __init__(self, host: HostVerifyResult, device: torch.device) -> None:
-        self.host = host
-        self.device = device
+    def __init__(self, host: HostVerifyResult, walk: torch.Tensor | None = None, *,
+                 device: torch.device) -> None:
+        self.host, self.walk, self.device = host, walk, device
 
     @cached_property
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -161,8 +163,8 @@ def verify(
     if use_triton(backend, logits.device):
         from rollout_spec.verify_fused import verify_fused
 
-        return VerifyResult(verify_fused(logits, batch, table, generator, tree), logits.device)
-    return VerifyResult(verify_torch(logits, batch, table, generator), logits.device)
+        return VerifyResult(*verify_fused(logits, batch, table, generator, tree), device=logits.device)
+    return VerifyResult(verify_torch(logits, batch, table, generator), device=logits.device)
 
 
 def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,

@@ -28,8 +28,11 @@ from rollout_spec.verify_triton import (
 
 def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
                  generator: torch.Generator | None, tree: TreeInputs | None,
-                 noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> HostVerifyResult:
-    """Verify validated inputs with the walk kernel; results on the host.
+                 noise: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[HostVerifyResult, torch.Tensor]:
+    """Verify validated inputs with the walk kernel; results on the host, and the walk's rows
+    on the device (int32 ``[B, 1 + 3W]``, see ``launch_walk``) for device-side consumers such
+    as the engine's KV compaction.
 
     ``noise`` (tests only) replaces the kernel's Philox draws, see ``launch_walk``.
     """
@@ -65,7 +68,7 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
         thr = _exact_thresholds(logits, table, batch)
         launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
         got = out.cpu().numpy()
-    return _unpack(got[:walk_size].reshape(num_req, -1), width)
+    return _unpack(got[:walk_size].reshape(num_req, -1), width), out[:walk_size].view(num_req, -1)
 
 
 _PLAIN_CELLS: dict[torch.device, list[torch.Tensor]] = {}

@@ -361,8 +361,9 @@ class RolloutEngine:
         with ``ahead``, queue the next step's proposal behind the extend (it runs on the worker
         while this thread appends). Returns the accepted draft nodes kept per request."""
         h = res.host
-        if batch is not None:
-            self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes)
+        if batch is not None and batch.num_nodes:
+            self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes,
+                                         walk=res.walk)
         em_off = h.emitted_offsets
         req_of = np.repeat(np.arange(len(seqs)), np.diff(em_off))
         left = self.max_model_len - run.prompt_len - run.out_len

@@ -34,6 +34,7 @@ class ModelRunner:
         self.prefill_tokens = 0  # prompt tokens run through prefill (padding excluded), for stats/tests
         self.graphs: Optional[GraphLadder] = None  # captured verify/decode steps (CUDA only)
         self._ones: Optional[Tensor] = None
+        self._step_rows: Optional[tuple[Tensor, Tensor]] = None  # last verify's (slot, ctx_len) on the device
 
     def capture_graphs(self, batch_sizes: list[int], widths: list[int]) -> None:
         """Capture the decode/verify forward for every (B, W) bucket; steps outside run eagerly."""
@@ -96,6 +97,7 @@ class ModelRunner:
         if graphs is not None:  # build at the bucket's width so the replay needs no column padding
             width = graphs.bucket(num, width)[1]
         slot_t, ctx_t, root_t = self._upload_step(slots, ctx_lens, roots).unbind(0)
+        self._step_rows = (slot_t, ctx_t)
         if batch.num_nodes == 0 and width == 1:  # plain decode: the tree is each root alone
             ti, ids, pos, mask = None, root_t[:, None], ctx_t[:, None], self._decode_mask(num)
         else:
@@ -118,12 +120,20 @@ class ModelRunner:
         return self._ones[:num]
 
     def keep_accepted_kv(self, slots: np.ndarray, ctx_lens: np.ndarray, accepted_offsets: np.ndarray,
-                         accepted_nodes: np.ndarray) -> None:
+                         accepted_nodes: np.ndarray, walk: Optional[Tensor] = None) -> None:
         """Move accepted nodes' KV from their tree columns onto their path positions.
 
         Node j was written at ``ctx_len + 1 + j``; the d-th accepted node (1-based) belongs at
         ``ctx_len + d``. ``ctx_lens`` are the lengths before this step's tokens are committed.
+        With ``walk`` (the fused verification's device rows of the last ``verify_forward``),
+        one kernel reads the moves on the device (``kv_compact``) and the host arrays are unused.
         """
+        if walk is not None:
+            from rollout_spec.engine.kv_compact import compact_accepted_kv
+
+            assert self._step_rows is not None, "walk given before any verify_forward"
+            compact_accepted_kv(self.cache.kv, walk, *self._step_rows)
+            return
         counts = np.diff(accepted_offsets)
         if counts.sum() == 0:
             return

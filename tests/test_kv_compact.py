@@ -1,0 +1,72 @@
+"""The device KV compaction kernel against the host path's moves (KVCache.move).
+
+Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
+(TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch wheels ship it)")
+
+from rollout_spec.engine.kv_cache import KVCache  # noqa: E402
+from rollout_spec.engine.kv_compact import compact_accepted_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_paths(rng: np.random.Generator, num_req: int, width: int) -> list[list[int]]:
+    """Per request an accepted path of tree columns: strictly increasing, within [1, width)."""
+    paths = []
+    for _ in range(num_req):
+        depth = int(rng.integers(0, width))
+        paths.append(sorted(rng.choice(np.arange(1, width), depth, replace=False).tolist()))
+    return paths
+
+
+def walk_rows(paths: list[list[int]], width: int) -> torch.Tensor:
+    """int32 [B, 1 + 3W] as the fused walk writes them (count, columns, then unused fields)."""
+    rows = np.full((len(paths), 1 + 3 * width), -7, np.int32)
+    for b, cols in enumerate(paths):
+        rows[b, 0] = len(cols)
+        rows[b, 1 : 1 + len(cols)] = cols
+    return torch.from_numpy(rows).to(DEVICE)
+
+
+@pytest.mark.parametrize("heads,dim", [(3, 64), (2, 24)])
+def test_kernel_moves_what_the_host_path_moves(heads: int, dim: int) -> None:
+    """Random paths (chains from the first node, skips, none) in random slots: same cache."""
+    rng = np.random.default_rng(heads * dim)
+    layers, slots, max_len, width, num_req = 2, 6, 40, 9, 5
+    ours = KVCache(layers, slots, heads, max_len, dim, torch.float32, DEVICE)
+    ours.kv.copy_(torch.randn(ours.kv.shape, generator=torch.Generator().manual_seed(1)))
+    theirs = KVCache(layers, slots, heads, max_len, dim, torch.float32, DEVICE)
+    theirs.kv.copy_(ours.kv)
+    before = ours.kv.clone()
+    slot = rng.permutation(slots)[:num_req].astype(np.int64)
+    ctx = rng.integers(0, max_len - width, num_req).astype(np.int64)
+    paths = random_paths(rng, num_req, width)
+    paths[0] = list(range(1, 5))  # accepted from the first node on: nothing moves
+    paths[1] = [2, 3, 5]  # depth 1 takes column 2, which depth 2 reads first: order matters
+    compact_accepted_kv(ours.kv, walk_rows(paths, width), torch.from_numpy(slot).to(DEVICE),
+                        torch.from_numpy(ctx).to(DEVICE))
+    moves = [(s, c + col, c + d) for s, c, cols in zip(slot, ctx, paths)
+             for d, col in enumerate(cols, 1) if col != d]
+    s, src, dst = (torch.tensor(m, device=DEVICE) for m in zip(*moves))
+    theirs.move(s, src, dst)
+    torch.testing.assert_close(ours.kv, theirs.kv, rtol=0, atol=0)
+    assert not torch.equal(ours.kv, before)  # the moves were real
+
+
+def test_bad_layout_is_refused() -> None:
+    cache = KVCache(1, 2, 1, 8, 4, torch.float32, DEVICE)
+    walk = torch.zeros(2, 7, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        compact_accepted_kv(cache.kv.transpose(4, 5), walk, walk[:, 0], walk[:, 0])
