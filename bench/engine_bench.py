@@ -8,14 +8,21 @@ Two modes, both printing tables whose ratios are measured in the same run:
   alone, a graph-replayed no-spec sampling loop against transformers' ``generate`` at the largest
   B, and the speedup bound TPF / tax for the TPF figures of the recorded traces.
 * ``--mode engine`` runs ``RolloutEngine`` on the GRPO-style workload (reasoning-gym gsm_symbolic
-  prompts through the chat template, n=8, temperature 0.6 and 1.0) with and without the drafter
-  and prints tokens/s, TPF, speedup, verify tax and the bound TPF / tax next to the speedup.
+  prompts through the chat template, temperature 0.6 and 1.0) with and without the drafter and
+  prints tokens/s, TPF, speedup, verify tax and the bound TPF / tax next to the speedup. GRPO's
+  n=8 holds at every B: a call is max(1, B // 8) prompts of 8 samples with at most B decoded at
+  once (``max_running=B``), so at B=1 a prompt's samples run one after another. ``--history``
+  says what the drafter has seen of a timed prompt: ``cold`` (default) nothing, ``warm`` one
+  earlier RL step on it. Each row is ``--repeats`` rounds of (plain call, spec call) on the
+  same new prompts, interleaved so that drift hits both; its figures are over all rounds and
+  it shows the spread of the per-round speedups and the seconds it took.
 
 Examples::
 
     python bench/engine_bench.py --mode steps --device cuda
-    python bench/engine_bench.py --mode engine --device cuda --batch-sizes 1,8,32,64,128,256
-    python bench/engine_bench.py --mode engine --device cpu --quick
+    python bench/engine_bench.py --mode engine --device cuda --reference
+    python bench/engine_bench.py --mode engine --device cuda --history warm --repeats 5
+    python bench/engine_bench.py --mode engine --device cpu --quick --random-weights
 """
 
 from __future__ import annotations
@@ -216,57 +223,122 @@ def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: tor
     return batch * new_tokens / (time.perf_counter() - t0)
 
 
-def run_generate(engine: object, prompts: list[list[int]], groups: list[int], temperature: float,
-                 n: int, max_new: int, stop: tuple[int, ...] | None) -> dict:
-    """One timed ``generate``; tokens, forwards, drafted nodes and per-phase step times (ms)."""
+N_SAMPLES = 8  # GRPO's n: samples per prompt whatever the batch size
+WARM_GROUP_BASE = 1 << 30  # group ids of the warm-up prompts, far from every timed prompt's
+HISTORY = {"cold": "every timed prompt is new to the spec engine",
+           "warm": "an untimed spec call + end_step on the same prompts before each timed one"}
+Prompts = list[list[int]]
+
+
+def generate_call(engine: object, prompts: Prompts, groups: list[int], temperature: float,
+                  max_new: int, stop: tuple[int, ...] | None, max_running: int) -> list:
+    """``engine.generate`` on the bench's workload: n=8 samples per prompt, ``max_running`` at once.
+
+    GRPO's n is 8 at every batch size, so at B=1 a prompt's 8 samples run one after another.
+    """
     from rollout_spec.config import SamplingParams
 
-    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new, seed=0,
+    params = SamplingParams(n=N_SAMPLES, temperature=temperature, max_new_tokens=max_new, seed=0,
                             stop_token_ids=stop)
+    return engine.generate(prompts, params, group_ids=groups, max_running=max_running)
+
+
+def run_generate(engine: object, prompts: Prompts, groups: list[int], temperature: float,
+                 max_new: int, stop: tuple[int, ...] | None, max_running: int) -> dict:
+    """One timed ``generate_call``: seconds, samples, tokens, forwards, drafted nodes, phase seconds."""
     before = dict(engine.phase_seconds)
     wait0 = engine._queue.wait_seconds
     sync(engine.device)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, group_ids=groups)
+    outs = generate_call(engine, prompts, groups, temperature, max_new, stop, max_running)
     sync(engine.device)
     secs = time.perf_counter() - t0
-    phases = {k: engine.phase_seconds[k] - before[k] for k in before}
-    return summarise([{"secs": secs, "tokens": sum(len(o.token_ids) for o in outs),
-                       "steps": sum(o.num_verify_steps for o in outs),
-                       "drafts": sum(o.num_draft_tokens for o in outs), "phases": phases,
-                       "wait": engine._queue.wait_seconds - wait0}])
+    return {"secs": secs, "samples": len(outs), "tokens": sum(len(o.token_ids) for o in outs),
+            "steps": sum(o.num_verify_steps for o in outs),
+            "drafts": sum(o.num_draft_tokens for o in outs),
+            "phases": {k: engine.phase_seconds[k] - before[k] for k in before},
+            "wait": engine._queue.wait_seconds - wait0}
 
 
 def summarise(runs: list[dict]) -> dict:
     """Figures of one or more timed ``generate`` calls taken together (sums, then ratios)."""
-    total = {k: sum(r[k] for r in runs) for k in ("secs", "tokens", "steps", "drafts", "wait")}
+    total = {k: sum(r[k] for r in runs) for k in ("secs", "samples", "tokens", "steps", "drafts", "wait")}
     phases = {k: sum(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
     decodes = max(phases.pop("steps"), 1)
     prefill = phases.pop("prefill")
     outside = total["secs"] - prefill - sum(phases.values())  # set-up, drafter settle, syncs
     steps = max(total["steps"], 1)
     return {"runs": runs, "prefill_ms": 1e3 * prefill, "outside_ms": 1e3 * outside,
-            "secs": total["secs"], "tokens": total["tokens"], "tps": total["tokens"] / total["secs"],
-            "tpf": total["tokens"] / steps, "width": 1 + total["drafts"] / steps,
+            "secs": total["secs"], "samples": total["samples"], "tokens": total["tokens"],
+            "tps": total["tokens"] / total["secs"], "tpf": total["tokens"] / steps,
+            "width": 1 + total["drafts"] / steps,
             "ms": {k: 1e3 * v / decodes for k, v in phases.items()}, "decodes": decodes,
             "wait_ms": 1e3 * total["wait"] / decodes}
 
 
-Prompts = list[list[int]]
+def row_shape(batch: int, min_samples: int) -> tuple[int, int]:
+    """(prompts per call, calls per round) of the row at ``batch`` samples decoded at once.
+
+    A call holds max(1, B // 8) prompts of 8 samples; a round makes as many calls (each on other
+    prompts) as it takes to reach ``min_samples`` samples, so at small B one prompt's length and
+    luck do not decide the round.
+    """
+    per_call = max(1, batch // N_SAMPLES)
+    return per_call, max(1, -(-min_samples // (N_SAMPLES * per_call)))
 
 
-def make_engines(args: argparse.Namespace) -> tuple[object, object, Prompts, Prompts, tuple | None]:
-    """Speculative and plain engines sharing one model, two prompt pools (timed, warm-up), stops.
+def prompts_needed(args: argparse.Namespace) -> int:
+    """Timed prompts of the whole run: every call of every round and row, and each profiled call,
+    gets new ones."""
+    per_temp = 0
+    for b in args.batch_sizes:
+        per_call, calls = row_shape(b, args.min_samples)
+        per_temp += args.repeats * calls * per_call
+    return len(args.temperatures) * per_temp + sum(row_shape(b, 1)[0] for b in args.profile)
+
+
+class PromptPool:
+    """The timed prompts, each handed out once, with its pool index as its group id.
+
+    Handing each out once is what ``--history cold`` rests on: no timed prompt reached the
+    speculative engine before its own call (the warm-up prompts are a separate list).
+    """
+
+    def __init__(self, prompts: Prompts) -> None:
+        self.prompts, self.used = prompts, 0
+
+    def take(self, count: int) -> tuple[Prompts, list[int]]:
+        """The next ``count`` unused prompts and their group ids."""
+        if self.used + count > len(self.prompts):
+            raise RuntimeError(f"prompt pool exhausted: {count} wanted, {len(self.prompts) - self.used} left")
+        ids = list(range(self.used, self.used + count))
+        self.used += count
+        return [self.prompts[i] for i in ids], ids
+
+
+def gsm_prompts(tokenizer: object, count: int) -> Prompts:
+    """``count`` distinct gsm_symbolic chat prompts (reasoning-gym, seed 0)."""
+    from rollout_spec.workloads import Workload
+
+    drawn = Workload("gsm_symbolic", tokenizer, num_prompts=count + count // 8 + 8, seed=0).prompts
+    unique = list(dict.fromkeys(tuple(p.prompt_ids) for p in drawn))  # a repeat would be seen twice
+    if len(unique) < count:
+        raise RuntimeError(f"gsm_symbolic gave {len(unique)} distinct prompts, {count} needed")
+    return [list(p) for p in unique[:count]]
+
+
+def make_engines(args: argparse.Namespace) -> tuple[object, object, PromptPool, Prompts, tuple | None]:
+    """Speculative and plain engines sharing one model, the timed pool, warm-up prompts, stops.
 
     ``--random-weights``: SmolLM2-135M shapes, random prompts of 128 ids, no stop tokens (every
     sample runs to max_new_tokens); otherwise the named model on gsm_symbolic chat prompts. The
-    warm-up pool holds other prompts, so warming up never shows the drafter a timed response.
+    warm-up prompts are not in the timed pool, so warming up never shows the drafter a timed one.
     """
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine.engine import RolloutEngine
 
     max_b, dev = max(args.batch_sizes), torch.device(args.device)
-    count = max(8, max_b // 8)  # >= 8: small-B rows repeat on other prompts
+    timed, warm = prompts_needed(args), max(1, max_b // N_SAMPLES)
     kw = dict(num_slots=max_b, max_model_len=args.max_model_len, max_draft_tokens=8,
               verify_backend=args.verify_backend, overlap_drafter=args.overlap_drafter)
     if args.random_weights:
@@ -274,39 +346,81 @@ def make_engines(args: argparse.Namespace) -> tuple[object, object, Prompts, Pro
         spec_eng = RolloutEngine(model, None, SpecConfig(), **kw)
         gen = torch.Generator().manual_seed(0)
         hi = min(20000, model.config.vocab_size)
-        pools = [torch.randint(3, hi, (count, 128), generator=gen).tolist() for _ in range(2)]
+        prompts = torch.randint(3, hi, (timed + warm, 128), generator=gen).tolist()
         stop: tuple | None = ()
     else:
-        from rollout_spec.workloads import Workload
-
         spec_eng = RolloutEngine.from_pretrained(args.model, device=dev, spec=SpecConfig(), **kw)
-        pools = [[list(p.prompt_ids) for p in Workload("gsm_symbolic", spec_eng.tokenizer,
-                                                        num_prompts=count, seed=seed).prompts]
-                 for seed in (0, 1)]
+        prompts = gsm_prompts(spec_eng.tokenizer, timed + warm)
         stop = None
     base_eng = RolloutEngine(spec_eng.model, spec_eng.tokenizer, None,
                              eos_token_ids=spec_eng.eos_token_ids, **kw)
-    return spec_eng, base_eng, pools[0], pools[1], stop
+    return spec_eng, base_eng, PromptPool(prompts[:timed]), prompts[timed:], stop
 
 
-def warm_up(engines: tuple, prompts: list[list[int]], batch: int, temperature: float,
+def warm_up(engines: tuple, prompts: Prompts, batch: int, temperature: float, max_new: int,
             stop: tuple | None) -> None:
-    """A short untimed generate per engine at this batch size and temperature.
+    """A short untimed call per engine at this batch size and temperature.
 
     Triton kernels compile on the first call with new shape classes (seconds each); without
     this, whichever engine meets a shape first pays for the compile inside its timed run.
     Group ids far from the timed ones keep the warm-up out of the timed prompts' group scope.
     """
-    n = min(8, batch)
-    group = prompts[: max(1, batch // n)]
+    group = prompts[: max(1, batch // N_SAMPLES)]
+    ids = [WARM_GROUP_BASE + i for i in range(len(group))]
     for eng in engines:
-        run_generate(eng, group, [10_000 + i for i in range(len(group))], temperature, n, 16, stop)
+        generate_call(eng, group, ids, temperature, min(16, max_new), stop, batch)
+
+
+def measure_round(args: argparse.Namespace, engines: tuple, pool: PromptPool, stop: tuple | None,
+                  temperature: float, batch: int) -> tuple[list[dict], list[dict]]:
+    """One round of a row: per call, the plain engine then the speculative one on new prompts.
+
+    Every timed spec call is an RL step (``end_step`` after it). ``--history warm`` puts an
+    untimed spec call on the same prompts and group ids, and its ``end_step``, before it, so the
+    timed call is those prompts' second RL step; ``cold`` leaves it their first.
+    """
+    spec_eng, base_eng = engines
+    per_call, calls = row_shape(batch, args.min_samples)
+    bases, specs = [], []
+    for _ in range(calls):
+        group, ids = pool.take(per_call)
+        call = (group, ids, temperature, args.max_new_tokens, stop, batch)
+        bases.append(run_generate(base_eng, *call))
+        if args.history == "warm":
+            generate_call(spec_eng, *call)
+            spec_eng.end_step()
+        specs.append(run_generate(spec_eng, *call))
+        spec_eng.end_step()
+    return bases, specs
+
+
+def measure_row(args: argparse.Namespace, engines: tuple, pool: PromptPool, warm: Prompts,
+                stop: tuple | None, temperature: float, batch: int) -> dict:
+    """A row: warm-up, then ``--repeats`` rounds; figures over all rounds, speedup per round."""
+    t0 = time.perf_counter()
+    warm_up(engines, warm, batch, temperature, args.max_new_tokens, stop)
+    rounds = [measure_round(args, engines, pool, stop, temperature, batch) for _ in range(args.repeats)]
+    per_round = [summarise(s)["tps"] / summarise(b)["tps"] for b, s in rounds]
+    return {"base": summarise([r for b, _ in rounds for r in b]),
+            "spec": summarise([r for _, s in rounds for r in s]),
+            "speedups": per_round, "secs": time.perf_counter() - t0}
+
+
+def print_engine_header(args: argparse.Namespace) -> None:
+    """The engine table's title (workload, history mode, rounds) and column names."""
+    src = "random weights, random prompts" if args.random_weights else "gsm_symbolic chat prompts"
+    print(f"\n## Engine tokens/s, speculation on vs off ({src}; n={N_SAMPLES} samples per prompt at "
+          f"every B, max(1, B/8) prompts per call, max_running=B; history={args.history}: "
+          f"{HISTORY[args.history]}; {args.repeats} rounds of (plain call, spec call) per row, "
+          f">= {args.min_samples} samples per round; same prompts and seeds)")
+    print("| T | B | no-spec tok/s | spec tok/s | TPF | mean W | tax | bound TPF/tax | speedup "
+          "| speedup/bound | round speedups min-max | samples | row s |\n" + "|---" * 13 + "|")
 
 
 def engine_rows(args: argparse.Namespace) -> None:
     """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
     t0 = time.perf_counter()
-    spec_eng, base_eng, prompts, warm_prompts, stop = make_engines(args)
+    spec_eng, base_eng, pool, warm, stop = make_engines(args)
     print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)")
     budget = spec_eng.draft_budget
     if hasattr(budget, "cost"):  # the engine's own batch-aware budget: show what it measured
@@ -316,38 +430,29 @@ def engine_rows(args: argparse.Namespace) -> None:
     grid = step_grid(bench, args.batch_sizes, [1, 2, 3, 5, 9], iters=10)
     cost = grid[list(grid)[-1]]
     del bench
-    src = "random weights, random prompts" if args.random_weights else "gsm_symbolic"
-    print(f"\n## Engine tokens/s, speculation on vs off ({src}; same prompts and seeds)")
-    print("| T | B | no-spec tok/s | spec tok/s | TPF | mean W | tax | bound TPF/tax | speedup "
-          "| speedup/bound |\n|---|---|---|---|---|---|---|---|---|---|")
+    print_engine_header(args)
     phase_rows = []
     for temp in args.temperatures:
         for b in args.batch_sizes:
-            n, g = min(8, b), max(1, b // 8)
-            warm_up((base_eng, spec_eng), warm_prompts, b, temp, stop)
-            bases, specs = [], []
-            # Small batches repeat on other prompts (up to min_samples samples, 8 calls): one
-            # sample's length and luck would otherwise decide the row.
-            for r in range(min(8, max(1, -(-args.min_samples // b)), len(prompts) // g)):
-                group, ids = prompts[r * g : (r + 1) * g], list(range(r * g, (r + 1) * g))
-                bases += run_generate(base_eng, group, ids, temp, n, args.max_new_tokens, stop)["runs"]
-                specs += run_generate(spec_eng, group, ids, temp, n, args.max_new_tokens, stop)["runs"]
-            base, spec = summarise(bases), summarise(specs)
-            spec_eng.end_step()
+            row = measure_row(args, (spec_eng, base_eng), pool, warm, stop, temp, b)
+            base, spec = row["base"], row["spec"]
             tax = interp_tax(cost, b, spec["width"])
             bound, speedup = spec["tpf"] / tax, spec["tps"] / base["tps"]
             print(f"| {temp} | {b} | {base['tps']:.0f} | {spec['tps']:.0f} | {spec['tpf']:.2f} | "
-                  f"{spec['width']:.2f} | {tax:.2f} | {bound:.2f} | {speedup:.2f} | {speedup / bound:.2f} |")
+                  f"{spec['width']:.2f} | {tax:.2f} | {bound:.2f} | {speedup:.2f} | {speedup / bound:.2f} | "
+                  f"{min(row['speedups']):.2f}-{max(row['speedups']):.2f} | {base['samples']} | "
+                  f"{row['secs']:.1f} |", flush=True)
             phase_rows.append((temp, b, base, spec, cost[(b, 1)]))
     print_phase_table(phase_rows)
     print_budget_state(spec_eng.draft_budget, args.batch_sizes)
     for b in args.profile:
-        profile_generate(args, spec_eng, prompts, stop, b)
+        profile_generate(args, spec_eng, pool, stop, b)
     if args.reference:
         b, dev = max(args.batch_sizes), torch.device(args.device)
         theirs = hf_generate_tokens_per_s(spec_eng.model.config.hf_config, dev, spec_eng.runner.dtype,
                                           b, 128, args.max_new_tokens)
         print(f"\ntransformers generate, B={b}, prompt 128, {args.max_new_tokens} new: {theirs:.0f} tok/s")
+    print(f"\nwhole engine run: {time.perf_counter() - t0:.0f}s")
 
 
 def print_phase_table(rows: list) -> None:
@@ -387,17 +492,17 @@ def print_budget_state(budget: object, batches: list[int]) -> None:
               f"{host.residual(True, b, budget.fill * b * 4) * 1e3:.2f} | {budget.best(b)} |")
 
 
-def profile_generate(args: argparse.Namespace, engine: object, prompts: list[list[int]],
+def profile_generate(args: argparse.Namespace, engine: object, pool: PromptPool,
                      stop: tuple | None, batch: int) -> None:
-    """cProfile one speculative ``generate`` at ``batch`` requests: the host's hot functions."""
+    """cProfile one speculative call at ``batch`` samples at once (new prompts): the host's hot
+    functions."""
     import cProfile
     import pstats
 
-    n = min(8, batch)
-    group = prompts[: max(1, batch // n)]
+    group, ids = pool.take(row_shape(batch, 1)[0])
     prof = cProfile.Profile()
     prof.enable()
-    run_generate(engine, group, list(range(len(group))), args.temperatures[0], n, args.max_new_tokens, stop)
+    run_generate(engine, group, ids, args.temperatures[0], args.max_new_tokens, stop, batch)
     prof.disable()
     print(f"\n## cProfile of one speculative generate, B={batch}, T={args.temperatures[0]} (tottime)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
@@ -430,19 +535,65 @@ def steps_mode(args: argparse.Namespace) -> None:
           f"| {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options; ``--quick`` shrinks everything to a CPU smoke run."""
+def _ints(lo: int, hi: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers in [lo, hi] (argparse names the flag on error)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+        bad = [v for v in values if not lo <= v <= hi]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be in [{lo}, {hi}], got {bad[0]}")
+        return values
+    return parse
+
+
+def _int(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: one integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+    return parse
+
+
+def _floats(lo: float, hi: float) -> Callable[[str], list[float]]:
+    """An argparse type: comma-separated numbers in [lo, hi]."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
+        bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be in [{lo}, {hi}], got {bad[0]}")
+        return values
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option; numbers are range-checked as they are parsed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batch-sizes", default="1,8,32,64,128,256")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--ctx", type=int, default=384, help="cached context of the timed steps")
-    ap.add_argument("--temperatures", default="0.6,1.0")
-    ap.add_argument("--min-samples", type=int, default=32,
-                    help="engine mode: small-B rows repeat on other prompts up to this many samples")
+    ap.add_argument("--batch-sizes", type=_ints(1, 4096), default="1,8,32,64,128,256",
+                    help="samples decoded at once (engine mode: max_running; n=8 samples per prompt)")
+    ap.add_argument("--max-new-tokens", type=_int(1, 1 << 16), default=256)
+    ap.add_argument("--max-model-len", type=_int(2, 1 << 20), default=1024)
+    ap.add_argument("--ctx", type=_int(1, 1 << 20), default=384, help="cached context of the timed steps")
+    ap.add_argument("--temperatures", type=_floats(0.0, 100.0), default="0.6,1.0")
+    ap.add_argument("--history", choices=tuple(HISTORY), default="cold",
+                    help="engine mode: " + "; ".join(f"{k} = {v}" for k, v in HISTORY.items()))
+    ap.add_argument("--repeats", type=_int(1, 1000), default=3,
+                    help="engine mode: rounds of (plain call, spec call) per row, interleaved")
+    ap.add_argument("--min-samples", type=_int(1, 1 << 20), default=16,
+                    help="engine mode: a round makes calls on other prompts until it has this many samples")
     ap.add_argument("--random-weights", action="store_true",
                     help="engine mode without a checkpoint: SmolLM2-135M shapes, random prompts")
     ap.add_argument("--reference", action="store_true",
@@ -450,15 +601,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--overlap-drafter", choices=("auto", "on", "off"), default="auto",
                     help="engine mode: the drafter on a worker thread (auto: on for CUDA)")
-    ap.add_argument("--profile", default="", help="engine mode: cProfile one spec generate at these B")
-    ap.add_argument("--quick", action="store_true", help="B in {1, 8}, 16 new tokens, ctx 64")
+    ap.add_argument("--profile", type=_ints(1, 4096), default=[],
+                    help="engine mode: cProfile one spec generate at these B")
+    ap.add_argument("--quick", action="store_true",
+                    help="defaults for a CPU smoke run: B in {1, 8}, 8 new tokens, ctx 64, 2 rounds, "
+                         ">= 8 samples per round (flags given explicitly still win)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; a bad number exits with a message naming its flag and range."""
+    ap = build_parser()
+    if ap.parse_known_args(argv)[0].quick:
+        ap.set_defaults(batch_sizes="1,8", max_new_tokens=8, ctx=64, repeats=2, min_samples=8)
     args = ap.parse_args(argv)
-    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    args.temperatures = [float(x) for x in args.temperatures.split(",")]
-    args.profile = [int(x) for x in args.profile.split(",") if x]
     args.overlap_drafter = {"auto": None, "on": True, "off": False}[args.overlap_drafter]
-    if args.quick:
-        args.batch_sizes, args.max_new_tokens, args.ctx = [1, 8], 16, 64
     return args
 
 

@@ -1,0 +1,121 @@
+"""``bench/engine_bench.py --mode engine``: a CPU smoke run of the table, the prompt history the
+drafter has seen before each timed call (cold / warm), and flag errors."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import engine_bench as eb  # noqa: E402
+from rollout_spec.engine.engine import RolloutEngine  # noqa: E402
+
+# 2 layers instead of 30 keep a CPU run to seconds; 3 new tokens, context 16 for the step grid.
+TINY = ["--mode", "engine", "--random-weights", "--device", "cpu", "--max-new-tokens", "3",
+        "--temperatures", "0.6", "--repeats", "2", "--min-samples", "8", "--ctx", "16",
+        "--max-model-len", "256"]
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Every generate / end_step of the two engines in order, and a 'timed' mark before each
+    timed call: (engine, event, prompts, group ids, max_running)."""
+    monkeypatch.setitem(eb.SMOLLM2_135M, "num_hidden_layers", 2)
+    log: list[tuple] = []
+    engines: dict[str, object] = {}
+    make, generate, end_step, timed = eb.make_engines, RolloutEngine.generate, RolloutEngine.end_step, eb.run_generate
+
+    def who(engine: object) -> str:
+        return "spec" if engine is engines["spec"] else "base"
+
+    def spy_make(args):
+        out = make(args)
+        engines["spec"], engines["base"] = out[0], out[1]
+        return out
+
+    def spy_generate(self, prompts, params, group_ids=None, **kw):
+        log.append((who(self), "generate", [tuple(p) for p in prompts], tuple(group_ids), kw.get("max_running")))
+        return generate(self, prompts, params, group_ids=group_ids, **kw)
+
+    def spy_end_step(self):
+        log.append((who(self), "end_step", [], (), None))
+        return end_step(self)
+
+    def spy_timed(engine, prompts, groups, *rest):
+        log.append((who(engine), "timed", [tuple(p) for p in prompts], tuple(groups), rest[-1]))
+        return timed(engine, prompts, groups, *rest)
+
+    monkeypatch.setattr(eb, "make_engines", spy_make)
+    monkeypatch.setattr(RolloutEngine, "generate", spy_generate)
+    monkeypatch.setattr(RolloutEngine, "end_step", spy_end_step)
+    monkeypatch.setattr(eb, "run_generate", spy_timed)
+    return log
+
+
+def engine_table(out: str) -> list[list[str]]:
+    """The cells of the engine table's rows (the section under its '## Engine tokens/s' title)."""
+    lines = out[out.index("## Engine tokens/s"):].split("\n\n")[0].splitlines()
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    eb.main(argv)
+    return capsys.readouterr().out
+
+
+def test_cold_table_and_prompts_new_to_the_spec_engine(calls: list[tuple], capsys) -> None:
+    out = run(TINY + ["--batch-sizes", "1,2"], capsys)
+    assert "n=8 samples per prompt at every B" in out and "history=cold" in out
+    rows = engine_table(out)
+    assert [(r[0], r[1]) for r in rows] == [("0.6", "1"), ("0.6", "2")]
+    for r in rows:
+        lo, hi = (float(x) for x in r[10].split("-"))
+        numbers = [float(x) for x in r[2:10] + r[11:]] + [lo, hi]
+        assert all(math.isfinite(x) and x > 0 for x in numbers), r
+        assert lo <= hi and r[11] == "16"  # 2 rounds x 1 call x 1 prompt x 8 samples
+    seen: set[tuple] = set()
+    timed_spec = []
+    for i, (eng, event, prompts, groups, running) in enumerate(calls):
+        if eng == "spec" and event == "timed":
+            timed_spec.append(prompts)
+            assert not seen & set(prompts), f"timed call {i} has prompts the spec engine saw before"
+            assert calls[i + 1] == ("spec", "generate", prompts, groups, running)
+        if eng == "spec" and event == "generate":
+            seen |= set(prompts)
+    assert [len(p) for p in timed_spec] == [1] * 4  # B=1 and B=2: one prompt a call, 2 rounds each
+    timed_base = [c for c in calls if c[:2] == ("base", "timed")]
+    assert [c[2] for c in timed_base] == timed_spec  # the plain engine runs the same prompts
+    assert [c[4] for c in timed_base] == [1, 1, 2, 2]  # max_running = B
+
+
+def test_warm_history_runs_an_untimed_step_first(calls: list[tuple], capsys) -> None:
+    out = run(TINY + ["--batch-sizes", "2", "--history", "warm"], capsys)
+    assert "history=warm" in out and len(engine_table(out)) == 1
+    spec = [c for c in calls if c[0] == "spec"]
+    timed = [i for i, c in enumerate(spec) if c[1] == "timed"]
+    assert len(timed) == 2
+    for i in timed:
+        _, _, prompts, groups, running = spec[i]
+        assert spec[i - 2] == ("spec", "generate", prompts, groups, running)  # the untimed step
+        assert spec[i - 1][1] == "end_step"
+        earlier = [c for c in spec[: i - 2] if c[1] == "generate" and set(c[2]) & set(prompts)]
+        assert not earlier, "a warm timed call's prompts were seen before its untimed step"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-sizes", "1,0", "argument --batch-sizes: every value must be in [1, 4096], got 0"),
+    ("--batch-sizes", "eight", "argument --batch-sizes: must be comma-separated integers"),
+    ("--repeats", "0", "argument --repeats: must be in [1, 1000], got 0"),
+    ("--min-samples", "-3", "argument --min-samples: must be in [1, 1048576], got -3"),
+    ("--repeats", "2.5", "argument --repeats: must be an integer, got '2.5'"),
+    ("--temperatures", "0.6,nan", "argument --temperatures: every value must be in [0.0, 100.0]"),
+    ("--history", "hot", "argument --history: invalid choice: 'hot'"),
+])
+def test_bad_flags_exit_naming_the_flag(flag: str, value: str, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        eb.main([flag, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
