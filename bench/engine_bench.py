@@ -535,14 +535,17 @@ def steps_mode(args: argparse.Namespace) -> None:
           f"| {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |")
 
 
-def _ints(lo: int, hi: int) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated integers in [lo, hi] (argparse names the flag on error)."""
-    def parse(text: str) -> list[int]:
+def _numbers(kind: type, lo: float, hi: float) -> Callable[[str], list]:
+    """An argparse type: comma-separated ``kind`` values in [lo, hi] (argparse names the flag on
+    error)."""
+    noun = "integers" if kind is int else "numbers"
+
+    def parse(text: str) -> list:
         try:
-            values = [int(x) for x in text.split(",")]
+            values = [kind(x) for x in text.split(",")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
-        bad = [v for v in values if not lo <= v <= hi]
+            raise argparse.ArgumentTypeError(f"must be comma-separated {noun}, got {text!r}") from None
+        bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
         if bad:
             raise argparse.ArgumentTypeError(f"every value must be in [{lo}, {hi}], got {bad[0]}")
         return values
@@ -562,32 +565,18 @@ def _int(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def _floats(lo: float, hi: float) -> Callable[[str], list[float]]:
-    """An argparse type: comma-separated numbers in [lo, hi]."""
-    def parse(text: str) -> list[float]:
-        try:
-            values = [float(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
-        bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
-        if bad:
-            raise argparse.ArgumentTypeError(f"every value must be in [{lo}, {hi}], got {bad[0]}")
-        return values
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Every option; numbers are range-checked as they are parsed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batch-sizes", type=_ints(1, 4096), default="1,8,32,64,128,256",
+    ap.add_argument("--batch-sizes", type=_numbers(int, 1, 4096), default="1,8,32,64,128,256",
                     help="samples decoded at once (engine mode: max_running; n=8 samples per prompt)")
     ap.add_argument("--max-new-tokens", type=_int(1, 1 << 16), default=256)
     ap.add_argument("--max-model-len", type=_int(2, 1 << 20), default=1024)
     ap.add_argument("--ctx", type=_int(1, 1 << 20), default=384, help="cached context of the timed steps")
-    ap.add_argument("--temperatures", type=_floats(0.0, 100.0), default="0.6,1.0")
+    ap.add_argument("--temperatures", type=_numbers(float, 0.0, 100.0), default="0.6,1.0")
     ap.add_argument("--history", choices=tuple(HISTORY), default="cold",
                     help="engine mode: " + "; ".join(f"{k} = {v}" for k, v in HISTORY.items()))
     ap.add_argument("--repeats", type=_int(1, 1000), default=3,
@@ -601,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--overlap-drafter", choices=("auto", "on", "off"), default="auto",
                     help="engine mode: the drafter on a worker thread (auto: on for CUDA)")
-    ap.add_argument("--profile", type=_ints(1, 4096), default=[],
+    ap.add_argument("--profile", type=_numbers(int, 1, 4096), default=[],
                     help="engine mode: cProfile one spec generate at these B")
     ap.add_argument("--quick", action="store_true",
                     help="defaults for a CPU smoke run: B in {1, 8}, 8 new tokens, ctx 64, 2 rounds, "
