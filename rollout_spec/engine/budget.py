@@ -325,4 +325,9 @@ def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key:
     key = f"{key}_b{max_batch}_k{max_draft}"
     cost = measure() if cache_dir is None else cached_cost_model(cache_dir, key, measure)
     host = OnlineStepCost(max_batch, max_batch * max(cands))
-    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands, host=host, guard=ThroughputGuard())
+    # Acceptance climbs within a rollout (a group's first samples have no siblings to draft
+    # from): a veto taken early must be able to lift within a few probes, so probes come every
+    # 32 plain steps (at most ~1% of the steps where drafting never pays) and move the guard's
+    # averages by a quarter each.
+    return DraftBudget(cost, AcceptanceTracker(max(cands)), cands, probe_every=32, host=host,
+                       guard=ThroughputGuard(decay=0.25))
