@@ -276,14 +276,16 @@ def summarise(runs: list[dict]) -> dict:
             "wait_ms": 1e3 * total["wait"] / decodes}
 
 
-def row_shape(batch: int, min_samples: int) -> tuple[int, int]:
+def row_shape(batch: int, min_samples: int, queue: int = 1) -> tuple[int, int]:
     """(prompts per call, calls per round) of the row at ``batch`` samples decoded at once.
 
-    A call holds max(1, B // 8) prompts of 8 samples; a round makes as many calls (each on other
-    prompts) as it takes to reach ``min_samples`` samples, so at small B one prompt's length and
-    luck do not decide the round.
+    A call holds max(1, queue * B // 8) prompts of 8 samples, i.e. about ``queue`` times as many
+    samples as run at once: the others wait for a slot, as in an RL step's rollout, so the
+    batch stays full until the tail instead of draining from the first finished sample on. A
+    round makes as many calls (each on other prompts) as it takes to reach ``min_samples``
+    samples, so at small B one prompt's length and luck do not decide the round.
     """
-    per_call = max(1, batch // N_SAMPLES)
+    per_call = max(1, queue * batch // N_SAMPLES)
     return per_call, max(1, -(-min_samples // (N_SAMPLES * per_call)))
 
 
@@ -292,7 +294,7 @@ def prompts_needed(args: argparse.Namespace) -> int:
     gets new ones."""
     per_temp = 0
     for b in args.batch_sizes:
-        per_call, calls = row_shape(b, args.min_samples)
+        per_call, calls = row_shape(b, args.min_samples, args.queue)
         per_temp += args.repeats * calls * per_call
     return len(args.temperatures) * per_temp + sum(row_shape(b, 1)[0] for b in args.profile)
 
@@ -380,7 +382,7 @@ def measure_round(args: argparse.Namespace, engines: tuple, pool: PromptPool, st
     timed call is those prompts' second RL step; ``cold`` leaves it their first.
     """
     spec_eng, base_eng = engines
-    per_call, calls = row_shape(batch, args.min_samples)
+    per_call, calls = row_shape(batch, args.min_samples, args.queue)
     bases, specs = [], []
     for _ in range(calls):
         group, ids = pool.take(per_call)
@@ -410,7 +412,7 @@ def print_engine_header(args: argparse.Namespace) -> None:
     """The engine table's title (workload, history mode, rounds) and column names."""
     src = "random weights, random prompts" if args.random_weights else "gsm_symbolic chat prompts"
     print(f"\n## Engine tokens/s, speculation on vs off ({src}; n={N_SAMPLES} samples per prompt at "
-          f"every B, max(1, B/8) prompts per call, max_running=B; history={args.history}: "
+          f"every B, max(1, {args.queue}B/8) prompts per call, max_running=B; history={args.history}: "
           f"{HISTORY[args.history]}; {args.repeats} rounds of (plain call, spec call) per row, "
           f">= {args.min_samples} samples per round; same prompts and seeds)")
     print("| T | B | no-spec tok/s | spec tok/s | TPF | mean W | tax | bound TPF/tax | speedup "
@@ -581,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine mode: " + "; ".join(f"{k} = {v}" for k, v in HISTORY.items()))
     ap.add_argument("--repeats", type=_int(1, 1000), default=3,
                     help="engine mode: rounds of (plain call, spec call) per row, interleaved")
+    ap.add_argument("--queue", type=_int(1, 64), default=4,
+                    help="engine mode: samples per call as a multiple of B (the rest wait for a slot)")
     ap.add_argument("--min-samples", type=_int(1, 1 << 20), default=16,
                     help="engine mode: a round makes calls on other prompts until it has this many samples")
     ap.add_argument("--random-weights", action="store_true",
@@ -602,7 +606,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; a bad number exits with a message naming its flag and range."""
     ap = build_parser()
     if ap.parse_known_args(argv)[0].quick:
-        ap.set_defaults(batch_sizes="1,8", max_new_tokens=8, ctx=64, repeats=2, min_samples=8)
+        ap.set_defaults(batch_sizes="1,8", max_new_tokens=8, ctx=64, repeats=2, min_samples=8, queue=1)
     args = ap.parse_args(argv)
     args.overlap_drafter = {"auto": None, "on": True, "off": False}[args.overlap_drafter]
     return args

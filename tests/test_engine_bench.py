@@ -105,7 +105,15 @@ def test_warm_history_runs_an_untimed_step_first(calls: list[tuple], capsys) -> 
         assert not earlier, "a warm timed call's prompts were seen before its untimed step"
 
 
+def test_queue_holds_more_samples_than_run_at_once(calls: list[tuple], capsys) -> None:
+    """--queue 2 at B=8: each call has 2 prompts (16 samples) of which 8 run at once."""
+    run(TINY + ["--batch-sizes", "8", "--queue", "2", "--repeats", "1"], capsys)
+    timed = [c for c in calls if c[1] == "timed"]
+    assert [(c[0], len(c[2]), c[4]) for c in timed] == [("base", 2, 8), ("spec", 2, 8)]
+
+
 @pytest.mark.parametrize("flag, value, message", [
+    ("--queue", "0", "argument --queue: must be in [1, 64], got 0"),
     ("--batch-sizes", "1,0", "argument --batch-sizes: every value must be in [1, 4096], got 0"),
     ("--batch-sizes", "eight", "argument --batch-sizes: must be comma-separated integers"),
     ("--repeats", "0", "argument --repeats: must be in [1, 1000], got 0"),
