@@ -250,11 +250,9 @@ def build_tree_inputs(
     if device is None:
         device = root_tokens.device if isinstance(root_tokens, torch.Tensor) else "cpu"
     device = torch.device(device)
-    host = _host_tree_arrays(batch, width)
     host_roots = roots_h is not None and pos_h is not None
-    if host_roots:
-        host["input_ids"][:, 0] = roots_h
-        host["positions"] = host["depth"] + pos_h[:, None]
+    host = (host_tree_inputs(batch, roots_h, pos_h, width) if host_roots
+            else _host_tree_arrays(batch, width))
     names = list(host)
     fields = dict(zip(names, to_device([host[n] for n in names], device)))
     if not host_roots:  # the upload is a fresh buffer: finishing it in place is safe
@@ -262,6 +260,17 @@ def build_tree_inputs(
         fields["positions"] = (torch.as_tensor(root_positions, device=device).long()[:, None]
                                + fields["depth"])
     return TreeInputs(**fields, source=batch)
+
+
+def host_tree_inputs(batch: DraftBatch, root_tokens: np.ndarray, root_positions: np.ndarray,
+                     width: int) -> dict[str, np.ndarray]:
+    """TreeInputs' fields as host arrays, for a validated batch, int64[B] host roots and a
+    width of at least 1 + its largest tree (what ``build_tree_inputs`` uploads; callers that
+    place the arrays themselves, like the engine's CUDA-graph buffers, start here)."""
+    host = _host_tree_arrays(batch, width)
+    host["input_ids"][:, 0] = root_tokens
+    host["positions"] = host["depth"] + root_positions[:, None]
+    return host
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -278,7 +287,7 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
     if device.type == "cpu":
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     raws = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-    spans, total = _byte_spans(raws)
+    spans, total = byte_spans([len(r) for r in raws])
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     buf = staging.numpy()
     for raw, (start, size) in zip(raws, spans):
@@ -286,24 +295,25 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
     return unpack_bytes(staging.to(device, non_blocking=True), arrays, spans)
 
 
-def _byte_spans(raws: list[np.ndarray]) -> tuple[list[tuple[int, int]], int]:
-    """(start, size) of each byte array packed with 16-byte aligned starts, and the total size.
+def byte_spans(sizes: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """(start, size) of byte arrays of these sizes packed with 16-byte aligned starts, and the
+    total size.
 
     16, not 8: Triton specialises a kernel on whether each pointer argument is 16-byte aligned,
     so views at 8-byte offsets that vary with the step's sizes compiled new kernel variants in
     the middle of a run (1.5-2 s stalls, measured on an H100).
     """
     spans, pos = [], 0
-    for raw in raws:
-        spans.append((pos, len(raw)))
-        pos += len(raw) + (-len(raw) % 16)
+    for size in sizes:
+        spans.append((pos, size))
+        pos += size + (-size % 16)
     return spans, pos
 
 
 def pack_bytes(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """Concatenate the arrays' bytes, each start 16-byte aligned; return the buffer and spans."""
     raws = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-    spans, total = _byte_spans(raws)
+    spans, total = byte_spans([len(r) for r in raws])
     buf = np.zeros(total, np.uint8)
     for raw, (start, size) in zip(raws, spans):
         buf[start : start + size] = raw

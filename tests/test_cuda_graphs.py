@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +43,38 @@ def run_case(device: str, eager: bool) -> None:
         # padded rows carry the scratch slot and no tokens, whatever an earlier step left there
         assert torch.all(out[batch:, :, 2] == SCRATCH_SLOT)
         assert torch.all(out[batch:, :, 0] == 0) and torch.all(out[:, width:, 0] == 0)
+
+
+def load_case(device: str, eager: bool) -> None:
+    """``load`` (host arrays, one copy, pads written by the host) + ``replay`` gives what
+    ``run`` gives, whatever larger step used the bucket before."""
+    ladder = GraphLadder(step, specs(), batch_sizes=[4, 1, 2], widths=[1, 4], device=device,
+                         eager=eager)
+    for batch, width in [(3, 2), (4, 4), (2, 3), (1, 1), (3, 4)]:
+        ids = np.arange(1, batch * width + 1, dtype=np.int64).reshape(batch, width)
+        mask = np.tril(np.ones((batch, width, width), bool))
+        slots = np.arange(batch, dtype=np.int64)
+        key = ladder.bucket(batch, width)
+        ladder.load(key, {"input_ids": ids, "slot_ids": slots, "tree_mask": mask})
+        out = ladder.replay(key)
+        want = step({"input_ids": torch.from_numpy(ids), "slot_ids": torch.from_numpy(slots),
+                     "tree_mask": torch.from_numpy(mask)})
+        torch.testing.assert_close(out[:batch, :width].cpu(), want)
+        assert torch.all(out[batch:, :, 2] == SCRATCH_SLOT)
+        assert torch.all(out[batch:, :, 0] == 0) and torch.all(out[:, width:, 0] == 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        ladder.load((2, 4), {"input_ids": np.zeros((3, 1), np.int64)})
+    with pytest.raises(ValueError, match="slot_ids"):
+        ladder.load((2, 4), {"input_ids": np.zeros((1, 1), np.int64)})
+
+
+def test_eager_ladder_loads_host_arrays_in_one_copy():
+    load_case("cpu", eager=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_ladder_loads_host_arrays():
+    load_case("cuda", eager=False)
 
 
 def test_eager_ladder_pads_to_smallest_bucket():
@@ -135,10 +168,10 @@ def test_engine_with_ladder_matches_engine_without():
         if ladder:
             eng.runner.capture_graphs(*ladder)
             assert eng.runner.graphs.eager
-            run = eng.runner.graphs.run
-            eng.runner.graphs.run = lambda inputs: replays.append(1) or run(inputs)
+            replay = eng.runner.graphs.replay
+            eng.runner.graphs.replay = lambda key: replays.append(key) or replay(key)
         outs.append(eng.generate(prompts, params))
-    assert replays
+    assert {(8, 5), (8, 1)} <= set(replays)  # drafting and plain steps, padded in both dims
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids and a.num_verify_steps == b.num_verify_steps
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))

@@ -15,7 +15,7 @@ from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import StepContext, Transformer
 from rollout_spec.engine.sequence import Sequence
-from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs
+from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs, host_tree_inputs, to_device
 
 
 class ModelRunner:
@@ -94,24 +94,44 @@ class ModelRunner:
         verification does not rebuild them (None for a step without drafts: one row each).
         """
         num, width = len(slots), 1 + int(batch.sizes().max(initial=0))
-        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num, width) else None
-        if graphs is not None:  # build at the bucket's width so the replay needs no column padding
-            width = graphs.bucket(num, width)[1]
+        if self.graphs is not None and self.graphs.fits(num, width):
+            return self._graph_forward(self.graphs.bucket(num, width), slots, ctx_lens, roots, batch)
         slot_t, ctx_t, root_t = self._upload_step(slots, ctx_lens, roots).unbind(0)
         self._step_rows = (slot_t, ctx_t)
-        if batch.num_nodes == 0 and width == 1:  # plain decode: the tree is each root alone
+        if batch.num_nodes == 0:  # plain decode: the tree is each root alone
             ti, ids, pos, mask = None, root_t[:, None], ctx_t[:, None], self._decode_mask(num)
         else:
-            ti = build_tree_inputs(batch, roots, ctx_lens, self.device, width=width)  # host-built
-            ids, pos, mask = ti.input_ids, ti.positions, ti.tree_mask
-        if graphs is not None:
-            hidden = graphs.run({"input_ids": ids, "positions": pos, "slot_ids": slot_t,
-                                 "ctx_lens": ctx_t, "tree_mask": mask})[:num]
-        else:
-            ctx = StepContext(self.cache, slot_t, ctx_t, mask, kv_limit=int(ctx_lens.max()) + width)
-            hidden = self.model.hidden(ids, pos, ctx)
+            ti = build_tree_inputs(batch, roots, ctx_lens, self.device)  # host-built
+            ids, pos, mask, width = ti.input_ids, ti.positions, ti.tree_mask, ti.width
+        ctx = StepContext(self.cache, slot_t, ctx_t, mask, kv_limit=int(ctx_lens.max()) + width)
+        hidden = self.model.hidden(ids, pos, ctx)
         rows = hidden[:, 0] if ti is None else hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]
         return self._logits(rows), ti
+
+    def _graph_forward(self, key: tuple[int, int], slots: np.ndarray, ctx_lens: np.ndarray,
+                       roots: np.ndarray, batch: DraftBatch) -> tuple[Tensor, Optional[TreeInputs]]:
+        """``verify_forward`` on the captured bucket ``key``: the step's inputs, built on the
+        host at the bucket's width, reach the graph's buffers in one copy; the tree fields
+        verification needs besides (parents, rows) travel in a second."""
+        num, graphs = len(slots), self.graphs
+        assert graphs is not None
+        tree = None
+        if key[1] == 1:  # plain decode: each root alone
+            host = {"input_ids": roots[:, None], "positions": ctx_lens[:, None],
+                    "tree_mask": np.ones((num, 1, 1), bool)}
+        else:
+            tree = host_tree_inputs(batch, roots, ctx_lens, key[1])
+            host = {name: tree.pop(name) for name in ("input_ids", "positions", "tree_mask")}
+        static = graphs.load(key, {**host, "slot_ids": slots, "ctx_lens": ctx_lens})
+        hidden = graphs.replay(key)[:num]
+        self._step_rows = (static["slot_ids"][:num], static["ctx_lens"][:num])
+        if tree is None:
+            return self._logits(hidden[:, 0]), None
+        names = list(tree)
+        fields = dict(zip(names, to_device([tree[n] for n in names], self.device)))
+        ti = TreeInputs(input_ids=static["input_ids"][:num], positions=static["positions"][:num],
+                        tree_mask=static["tree_mask"][:num], **fields, source=batch)
+        return self._logits(hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]), ti
 
     def _logits(self, rows: Tensor) -> Tensor:
         """``model.logits(rows)`` (fp32) written into buffers kept across steps.
