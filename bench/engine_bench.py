@@ -187,10 +187,8 @@ def graph_decode_tokens_per_s(bench: StepBench, batch: int, prompt_len: int, new
         sync(dev)
         t0 = time.perf_counter()
         ids = torch.randint(0, 1000, (batch, prompt_len), device=dev)
-        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
         ctx = StepContext(bench.cache, torch.arange(batch, device=dev),
-                          torch.zeros(batch, dtype=torch.long, device=dev),
-                          causal.expand(batch, -1, -1), prompt_len)
+                          torch.zeros(batch, dtype=torch.long, device=dev), None, prompt_len)
         pos = torch.arange(prompt_len, device=dev).expand(batch, -1)
         last = model.logits(model.hidden(ids, pos, ctx)[:, -1:])
         ctx_lens = torch.full((batch,), prompt_len, device=dev)

@@ -52,23 +52,25 @@ def reference_and_ours(kind: str, seed: int = 0) -> tuple[torch.nn.Module, Trans
     return ref, build_model(cfg, state, torch.device("cpu"), torch.float32)
 
 
-def causal_forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of a full causal forward through our static cache (one slot per row)."""
+def causal_forward(model: Transformer, ids: torch.Tensor, tree_mask: bool = True) -> torch.Tensor:
+    """Logits of a full causal forward through our static cache (one slot per row): a tree step
+    with a causal mask, or (``tree_mask=False``) the engine's prefill path."""
     B, T = ids.shape
     c = model.config
     cache = KVCache(c.num_layers, B, c.num_kv_heads, T, c.head_dim, torch.float32, "cpu")
-    mask = torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T) if tree_mask else None
     ctx = StepContext(cache, torch.arange(B), torch.zeros(B, dtype=torch.long), mask)
     return model(ids, torch.arange(T).expand(B, T), ctx)
 
 
+@pytest.mark.parametrize("tree_mask", [True, False], ids=["tree-mask", "prefill"])
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "linear-rope", "yarn", "qwen2", "qwen3"])
-def test_logits_match_transformers(kind: str) -> None:
+def test_logits_match_transformers(kind: str, tree_mask: bool) -> None:
     ref, ours = reference_and_ours(kind)
     ids = torch.randint(0, TINY["vocab_size"], (3, 150))
     with torch.no_grad():
         expected = ref(ids).logits
-        got = causal_forward(ours, ids)
+        got = causal_forward(ours, ids, tree_mask)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -78,10 +80,9 @@ def test_tree_step_matches_full_forward() -> None:
     c = ours.config
     prompt = torch.randint(0, TINY["vocab_size"], (1, 20))
     cache = KVCache(c.num_layers, 2, c.num_kv_heads, 64, c.head_dim, torch.float32, "cpu")
-    mask = torch.tril(torch.ones(20, 20, dtype=torch.bool))[None]
     slot = torch.tensor([1])
-    with torch.no_grad():
-        ours(prompt, torch.arange(20)[None], StepContext(cache, slot, torch.tensor([0]), mask))
+    with torch.no_grad():  # the engine's prefill (no tree mask) must leave the cache a tree step reads
+        ours(prompt, torch.arange(20)[None], StepContext(cache, slot, torch.tensor([0]), None))
         # Tree: root r, children a (col 1) and b (col 2), a's child c (col 3).
         toks = torch.tensor([[5, 7, 9, 11]])
         depth = torch.tensor([[0, 1, 1, 2]])

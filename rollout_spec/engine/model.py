@@ -3,7 +3,8 @@
 Module names follow Hugging Face's checkpoints (minus the ``model.`` prefix) so weights load with
 a plain ``load_state_dict``. Every forward is a tree forward over a static KV cache: W new tokens
 per request, written at the request's slot, attending to its cached prefix plus its tree
-ancestors. Prefill is the same forward with a causal ``tree_mask`` and ``ctx_len = 0``.
+ancestors. Prefill is the same forward with ``ctx_len = 0`` and no ``tree_mask``: causal
+attention over the prompt's own keys and values.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from rollout_spec.engine.attention import tree_attention
+from rollout_spec.engine.attention import prefill_attention, tree_attention
 from rollout_spec.engine.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -82,7 +83,9 @@ class StepContext:
     cache: KVCache
     slot_ids: Tensor  # [B] int64: KV slot of each row
     ctx_lens: Tensor  # [B] int64: tokens already cached; new K/V go to ctx_len .. ctx_len+W-1
-    tree_mask: Tensor  # [B, W, W] bool: ancestor-or-self among the W new tokens
+    # [B, W, W] bool: ancestor-or-self among the W new tokens. None: a prefill from position 0
+    # (every ctx_len is 0, the mask is causal), which attends over the step's own K/V.
+    tree_mask: Optional[Tensor]
     kv_limit: Optional[int] = None  # host-known bound on ctx_len + W, lets attention read less
 
 
@@ -161,10 +164,13 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         k_cache, v_cache = ctx.cache.write(self.layer_idx, ctx.slot_ids, ctx.ctx_lens, k, v)
-        out = tree_attention(
-            q, k_cache, v_cache, ctx.slot_ids, ctx.ctx_lens, ctx.tree_mask, self.scale,
-            kv_limit=ctx.kv_limit,
-        )
+        if ctx.tree_mask is None:
+            out = prefill_attention(q, k, v, self.scale)
+        else:
+            out = tree_attention(
+                q, k_cache, v_cache, ctx.slot_ids, ctx.ctx_lens, ctx.tree_mask, self.scale,
+                kv_limit=ctx.kv_limit,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, W, -1))
 
 

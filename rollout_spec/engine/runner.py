@@ -1,6 +1,6 @@
 """Model runner: turns scheduled sequences into padded tensors, runs the forward, keeps the KV.
 
-Two kinds of forward share one attention path: prefill (causal mask over the padded prompts,
+Two kinds of forward share one model: prefill (causal attention over the padded prompts,
 ``ctx_len = 0``) and verify (each request's root plus its draft nodes under the tree mask).
 """
 from __future__ import annotations
@@ -66,12 +66,9 @@ class ModelRunner:
         ids = np.zeros((G, T), np.int64)
         for i, g in enumerate(groups):
             ids[i, : lens[i]] = g[0].prompt
-        # Padding rows stay causal: they attend only to earlier columns, never fully masked.
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(G, T, T)
-        ctx = StepContext(
-            self.cache, self._long([g[0].slot for g in groups]),
-            torch.zeros(G, dtype=torch.long, device=self.device), causal, kv_limit=T,
-        )
+        # No tree mask: causal attention over the prompts' own K/V (padding rows sit at the end).
+        ctx = StepContext(self.cache, self._long([g[0].slot for g in groups]),
+                          torch.zeros(G, dtype=torch.long, device=self.device), None, kv_limit=T)
         positions = torch.arange(T, device=self.device).expand(G, T)
         hidden = self.model.hidden(self._long(ids), positions, ctx)
         last = hidden[torch.arange(G, device=self.device), self._long(lens) - 1]
