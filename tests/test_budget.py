@@ -340,6 +340,46 @@ def test_guard_asks_for_a_plain_step_now_and_then_until_it_can_compare():
     assert all(budget(8) == k for _ in range(40))
 
 
+def test_guard_refreshes_its_plain_figure_while_drafting_runs():
+    """After ``refresh_every`` drafting steps of a bucket without a plain one, the budget returns
+    one plain step (the bucket's plain figure is then current); other buckets are unaffected."""
+    guard = ThroughputGuard(min_steps=1, refresh_every=5)
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8], guard=guard)
+    k = budget.best(8)
+    guard.observe(False, 8, 8, 8e-6)
+    guard.observe(False, 64, 64, 64e-6)
+    for _ in range(4):
+        guard.observe(True, 8, 16, 8e-6)
+    assert not guard.wants_plain(8) and budget(8) == k
+    guard.observe(True, 8, 16, 8e-6)
+    assert guard.wants_plain(8) and not guard.wants_plain(64)
+    assert [budget(8) for _ in range(3)] == [k, k, 0]  # at most one plain call in four
+    guard.observe(False, 8, 8, 8e-6)
+    assert not guard.wants_plain(8) and all(budget(8) == k for _ in range(10))
+    with pytest.raises(ValueError, match="refresh_every"):
+        ThroughputGuard(refresh_every=0)
+
+
+def test_guard_and_budget_ask_drafting_for_a_minimum_gain():
+    """Drafting measured 1% faster than plain is vetoed under ``min_gain=0.02`` and allowed at 3%;
+    the budget's own pick needs a predicted gain of ``min_gain`` over k = 0."""
+    guard = ThroughputGuard(decay=1.0, min_steps=1, min_gain=0.02)
+    guard.observe(False, 64, 100, 1.0)
+    guard.observe(True, 64, 101, 1.0)
+    assert not guard.allows_drafting(64)
+    guard.observe(True, 64, 103, 1.0)
+    assert guard.allows_drafting(64)
+    eager = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8])
+    k = eager.best(8)
+    gain = eager.throughput(8, k) / eager.throughput(8, 0) - 1.0
+    assert gain > 0 and k > 0
+    below = DraftBudget(eager.cost, eager.tracker, [1, 2, 4, 8], min_gain=0.99 * gain)
+    above = DraftBudget(eager.cost, eager.tracker, [1, 2, 4, 8], min_gain=1.01 * gain)
+    assert below.best(8) > 0 and above.best(8) == 0
+    with pytest.raises(ValueError, match="min_gain"):
+        ThroughputGuard(min_gain=-0.1)
+
+
 def test_pick_is_reused_for_a_few_calls_and_redone_when_the_batch_or_turn_changes():
     """The argmax is recomputed when the batch size changes, else every ``reuse`` calls; in
     between, moves of acceptance or of the host model do not change the decision."""

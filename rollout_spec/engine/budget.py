@@ -177,12 +177,15 @@ class DraftBudget:
     batch size actually achieved (``throughput_guard``): where drafting emitted tokens more slowly
     than plain decoding, the step does not draft. Every ``probe_every`` calls that ended at 0 it
     offers drafts once (the model's pick, or else the smallest positive size), so the acceptance,
-    cost and guard keep tracking the workload after speculation was switched off.
+    cost and guard keep tracking the workload after speculation was switched off. ``min_gain``
+    is the predicted gain in tokens per second a draft size needs over plain decoding: a
+    prediction of a few percent is within the cost model's error, and drafting there is a coin
+    toss with a larger downside.
     """
 
     def __init__(self, cost: CostModel, tracker: AcceptanceTracker, candidates: Sequence[int],
                  probe_every: int = 64, host: OnlineStepCost | None = None,
-                 guard: ThroughputGuard | None = None) -> None:
+                 guard: ThroughputGuard | None = None, min_gain: float = 0.0) -> None:
         cands = sorted(set(int(c) for c in candidates) | {0})
         if cands[0] < 0:
             raise ValueError(f"candidates must be >= 0, got {list(candidates)}")
@@ -190,6 +193,7 @@ class DraftBudget:
         self.cost, self.tracker, self.candidates = cost, tracker, tuple(cands)
         self.probe_every = probe_every
         self.host, self.guard = host, guard
+        self.min_gain = check_float("min_gain", min_gain, 0.0, 10.0)
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
         self._zeros = 0
         self._drafts = 0  # drafting picks since the last plain step the guard asked for
@@ -272,6 +276,7 @@ class DraftBudget:
             gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.tracker.rate[1:]))])
             self._gain = (key, gain[np.minimum(np.asarray(self.candidates), len(gain) - 1)])
         rates = self._gain[1] / self.step_times(batch)
+        rates[0] *= 1.0 + self.min_gain  # candidates[0] is k = 0
         return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
 
     def _pick(self, batch: int) -> int:
@@ -328,6 +333,8 @@ def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key:
     # Acceptance climbs within a rollout (a group's first samples have no siblings to draft
     # from): a veto taken early must be able to lift within a few probes, so probes come every
     # 32 plain steps (at most ~1% of the steps where drafting never pays) and move the guard's
-    # averages by a quarter each.
+    # averages by a quarter each. Drafting must promise, and then show, a few percent: at
+    # T=1.0 on the H100 the predicted gains were that small and the measured ones negative.
+    guard = ThroughputGuard(decay=0.25, min_gain=0.02, refresh_every=32)
     return DraftBudget(cost, AcceptanceTracker(max(cands)), cands, probe_every=32, host=host,
-                       guard=ThroughputGuard(decay=0.25))
+                       guard=guard, min_gain=0.03)
