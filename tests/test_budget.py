@@ -7,6 +7,7 @@ import pytest
 
 from rollout_spec.engine.budget import (AcceptanceTracker, CostModel, DraftBudget,
                                         cached_cost_model, measure_cost_model)
+from rollout_spec.engine.step_cost import OnlineStepCost
 from rollout_spec.engine.throughput_guard import ThroughputGuard
 
 BATCHES = (1, 8, 32, 64, 128, 256)
@@ -52,10 +53,17 @@ def test_choice_maximises_predicted_throughput():
         assert all(budget.throughput(b, k) >= budget.throughput(b, c) for c in (0, 1, 2, 4, 8))
 
 
-def test_probe_after_many_zero_steps():
+def test_probes_back_off_while_nothing_drafts_and_reset_once_drafting_passes():
+    """Probes come after 3, 6, 12, then every 24 plain calls (8 x probe_every); a drafting pick
+    that passes brings the gap back to ``probe_every``."""
     cost = synthetic_cost(launch=2e-4, per_token=2e-5)
     budget = DraftBudget(cost, tracker_with_rate(0.0), [2, 4], probe_every=3)
-    assert [budget(8) for _ in range(6)] == [0, 0, 2, 0, 0, 2]
+    picks = [budget(8) for _ in range(69)]
+    assert [i for i, p in enumerate(picks) if p] == [2, 8, 20, 44, 68] and set(picks) == {0, 2}
+    budget.tracker.rate[:] = 0.9
+    assert budget(16) > 0
+    budget.tracker.rate[:] = 0.0
+    assert [budget(8) for _ in range(3)] == [0, 0, 2]
 
 
 def test_tracker_learns_depth_rates_and_expected_tokens():
@@ -153,7 +161,6 @@ def test_observe_feeds_the_tracker():
 def test_online_step_cost_recovers_a_linear_residual():
     """Residual = 0.2 ms + 4 us/request (+ 1 us/node when drafting), seen at varying B and N: the
     global models recover the law; the per-bucket ones predict within their bucket's spread."""
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     rng = np.random.default_rng(0)
     host = OnlineStepCost(max_batch=256, max_nodes=2048, decay=0.01)
@@ -172,7 +179,6 @@ def test_online_step_cost_recovers_a_linear_residual():
 def test_local_models_fix_what_a_global_line_cannot():
     """Host cost flat above B=64 (e.g. the drafter's per-call floor): after steps at B=256 the
     prediction there is the measured one, not the line through the small batches."""
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     host = OnlineStepCost(max_batch=256, max_nodes=2048)
     cost = lambda b: 1e-3 + 4e-5 * min(b, 64)  # noqa: E731
@@ -187,7 +193,6 @@ def test_local_models_fix_what_a_global_line_cannot():
 
 
 def test_online_step_cost_starts_optimistic_and_rejects_bad_input():
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     host = OnlineStepCost(max_batch=8, max_nodes=64)
     assert host.residual(True, 8, 64) == 0.0 and host.residual(False, 8, 0) == 0.0
@@ -230,7 +235,6 @@ def test_budget_turns_speculation_off_when_host_cost_eats_the_gain():
     """GPU alone says draft (E(4) = 2.3 for a 1.1x tax); 40 us/request of drafting host time at
     B=256 (10 ms on a 6 ms step) makes every draft size lose, so the budget settles on 0 and only
     probes now and then."""
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     gpu = gpu_grid()
     naive = DraftBudget(gpu, AcceptanceTracker(8, prior=0.6), [1, 2, 4, 8])
@@ -245,7 +249,6 @@ def test_budget_turns_speculation_off_when_host_cost_eats_the_gain():
 
 
 def test_budget_keeps_drafting_when_host_cost_is_small():
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     gpu = gpu_grid()
     budget = DraftBudget(gpu, AcceptanceTracker(8, prior=0.6), [1, 2, 4, 8], host=OnlineStepCost(256, 2048))
@@ -256,7 +259,6 @@ def test_budget_keeps_drafting_when_host_cost_is_small():
 
 
 def test_record_step_tracks_the_drafter_fill_and_validates():
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     budget = DraftBudget(gpu_grid(), AcceptanceTracker(8), [8], host=OnlineStepCost(256, 2048))
     for _ in range(200):
@@ -272,7 +274,6 @@ def test_record_step_tracks_the_drafter_fill_and_validates():
 def test_one_off_stalls_are_capped_but_a_real_high_cost_is_learned():
     """A 300 ms compile stall on one drafting step barely moves the spec residual; a residual
     that really is 10x the GPU step is reached within about a hundred steps despite the cap."""
-    from rollout_spec.engine.step_cost import OnlineStepCost
 
     gpu = gpu_grid()
     t = gpu.step_time(64, 5)
@@ -299,11 +300,28 @@ def test_guard_vetoes_drafting_that_was_measured_slower_and_probes_keep_it_fresh
         budget.record_step(8, 0, 0, 1, 8e-6, tokens=8)  # plain: 1 us per token
         budget.record_step(8, 8 * k, 8 * k, k + 1, 3 * 16e-6, tokens=16)  # drafting: 3 us
     assert not guard.allows_drafting(8) and guard.allows_drafting(128)
-    assert [budget(8) for _ in range(6)] == [0, 0, k, 0, 0, k]
+    assert [budget(8) for _ in range(9)] == [0, 0, k] + [0] * 5 + [k]  # probes back off
     assert budget(128) == budget.best(128)
     for _ in range(4):  # the probes drafted well: 0.5 us per token
         budget.record_step(8, 8 * k, 8 * k, k + 1, 0.5 * 16e-6, tokens=16)
     assert guard.allows_drafting(8) and budget(8) == k
+
+
+def test_catch_up_counts_for_the_guard_and_not_for_the_cost_model():
+    """A drafting step that first handed the drafter 1 ms of deferred tokens: the guard judges
+    its whole wall time, the residual model learns the same as from a step 1 ms shorter."""
+    def budget() -> DraftBudget:
+        return DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [4],
+                           host=OnlineStepCost(64, 512), guard=ThroughputGuard(decay=1.0, min_steps=1))
+    with_catch_up, without = budget(), budget()
+    gpu = with_catch_up.cost.step_time(8, 5)
+    with_catch_up.record_step(8, 32, 32, 5, gpu + 2e-3, tokens=16, catch_up=1e-3)
+    without.record_step(8, 32, 32, 5, gpu + 1e-3, tokens=16)
+    assert with_catch_up.guard.seconds_per_token(True, 8) == pytest.approx((gpu + 2e-3) / 16)
+    assert with_catch_up.host.residual(True, 8, 32) == pytest.approx(without.host.residual(True, 8, 32))
+    assert with_catch_up.host.residual(True, 8, 32) > 0
+    with pytest.raises(ValueError, match="catch_up"):
+        with_catch_up.record_step(8, 32, 32, 5, 1e-3, tokens=16, catch_up=2e-3)
 
 
 def test_guard_ignores_steps_without_tokens_and_caps_a_stall():

@@ -416,9 +416,9 @@ def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) 
             return 3 if self.calls % 3 else 0  # two drafting steps, then a plain one
 
         def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float,
-                        tokens: int) -> None:
+                        tokens: int, catch_up: float) -> None:
             assert batch <= tokens <= batch + nodes  # every request emits 1 + its accepted nodes
-            self.steps.append((batch, offered, nodes, width, seconds))
+            self.steps.append((batch, offered, nodes, width, seconds, catch_up))
 
     ticks = iter(range(10_000))
     budget = Budget()
@@ -429,13 +429,13 @@ def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) 
     drafting = [s for s in budget.steps if s[1] > 0]
     assert plain and drafting and budget.calls == len(budget.steps)  # one decision per step
     # Four clock reads per step, one more when a step proposes for itself, and one more again
-    # around handing over tokens deferred by a plain step (that catch-up is left out of the
-    # step's time). With the overlap a drafting step after a drafting one was proposed ahead.
-    assert all(s[4] == 3.0 for s in plain)
-    assert all(s[4] == 4.0 for s in drafting[::2])  # the first of each pair follows a plain step
-    assert all(s[4] == (3.0 if overlap else 4.0) for s in drafting[1::2])
-    assert all(n == 0 and w == 1 for _, _, n, w, _ in plain)
-    assert all(b == 4 and 0 < n <= o <= 3 * b and 2 <= w <= 4 for b, o, n, w, _ in drafting[:2])
+    # around handing over tokens deferred by a plain step (that catch-up is also reported on
+    # its own). With the overlap a drafting step after a drafting one was proposed ahead.
+    assert all(s[4] == 3.0 and s[5] == 0.0 for s in plain)
+    assert all(s[4] == 5.0 and s[5] == 1.0 for s in drafting[::2])  # each pair follows a plain step
+    assert all(s[4] == (3.0 if overlap else 4.0) and s[5] == 0.0 for s in drafting[1::2])
+    assert all(n == 0 and w == 1 for _, _, n, w, _, _ in plain)
+    assert all(b == 4 and 0 < n <= o <= 3 * b and 2 <= w <= 4 for b, o, n, w, _, _ in drafting[:2])
     assert eng.phase_seconds["steps"] == len(budget.steps)
 
 

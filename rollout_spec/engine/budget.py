@@ -177,7 +177,10 @@ class DraftBudget:
     batch size actually achieved (``throughput_guard``): where drafting emitted tokens more slowly
     than plain decoding, the step does not draft. Every ``probe_every`` calls that ended at 0 it
     offers drafts once (the model's pick, or else the smallest positive size), so the acceptance,
-    cost and guard keep tracking the workload after speculation was switched off. ``min_gain``
+    cost and guard keep tracking the workload after speculation was switched off; each probe
+    doubles the gap to the next (up to 8 x ``probe_every``) until a drafting step passes again,
+    because a probe after plain steps also pays the drafter's catch-up (7 ms at B=256 on the
+    H100, against a 5 ms step) and at T=1.0 probes were most of the drafting. ``min_gain``
     is the predicted gain in tokens per second a draft size needs over plain decoding: a
     prediction of a few percent is within the cost model's error, and drafting there is a coin
     toss with a larger downside.
@@ -192,6 +195,7 @@ class DraftBudget:
         check_int("probe_every", probe_every, 1, 1_000_000)
         self.cost, self.tracker, self.candidates = cost, tracker, tuple(cands)
         self.probe_every = probe_every
+        self._probe_gap = probe_every  # plain calls before the next probe (grows, see above)
         self.host, self.guard = host, guard
         self.min_gain = check_float("min_gain", min_gain, 0.0, 10.0)
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
@@ -245,13 +249,18 @@ class DraftBudget:
         self.tracker.update(offered, accepted)
 
     def record_step(self, batch: int, offered: int, nodes: int, width: int, seconds: float,
-                    tokens: int | None = None) -> None:
+                    tokens: int | None = None, catch_up: float = 0.0) -> None:
         """Feed one decode step's wall time (engine clock) to the residual model and the guard.
 
         ``offered`` is the step's total node budget (0 on the plain path), ``nodes`` what the
         drafter proposed, ``width`` the forward's columns (1 + largest tree), ``tokens`` what
-        the step emitted (the guard learns only from steps that report it).
+        the step emitted (the guard learns only from steps that report it), ``catch_up`` the
+        part of ``seconds`` spent handing the drafter tokens that earlier plain steps deferred.
+        The guard counts it (drafting now and then pays it every time); the residual model,
+        which prices a run of drafting steps, leaves it out.
         """
+        if not (0.0 <= catch_up <= seconds):
+            raise ValueError(f"catch_up must be in [0, seconds={seconds}], got {catch_up}")
         if self.guard is not None and tokens is not None:
             self.guard.observe(offered > 0, batch, tokens, seconds)
         if self.host is None:
@@ -261,7 +270,7 @@ class DraftBudget:
         if offered > 0:
             self.fill += 0.05 * (min(nodes / offered, 1.0) - self.fill)
         gpu = self._grid_time(batch, width)
-        excess = seconds - gpu
+        excess = seconds - catch_up - gpu
         # One-off stalls (a Triton kernel compiling for a new shape: hundreds of ms) must not
         # switch speculation off for good; a cost that really is this high still gets learned,
         # because the cap grows with the prediction (asked for only then: it costs a solve).
@@ -295,7 +304,7 @@ class DraftBudget:
         check_int("batch_size", batch_size, 1, 1 << 20)
         k = self._pick(batch_size)
         if k > 0 and (self.guard is None or self.guard.allows_drafting(batch_size)):
-            self._zeros = 0
+            self._zeros, self._probe_gap = 0, self.probe_every
             self._drafts += 1
             # The guard compares with plain steps of the same batch size: take one in four
             # until it has enough (a budget that always drafts would otherwise never get them).
@@ -304,8 +313,9 @@ class DraftBudget:
                 return 0
             return k
         self._zeros += 1
-        if self._zeros >= self.probe_every and len(self.candidates) > 1:
+        if self._zeros >= self._probe_gap and len(self.candidates) > 1:
             self._zeros = 0
+            self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
             return k or self.candidates[1]
         return 0
 

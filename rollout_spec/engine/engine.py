@@ -282,8 +282,8 @@ class RolloutEngine:
         record = getattr(self.draft_budget, "record_step", None)
         if record is not None:
             width = 1 + int(batch.sizes().max(initial=0))
-            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0 - flush_seconds,
-                   tokens=len(run.slot) + int(accepted.sum()))
+            record(len(run.slot), offered, batch.num_nodes, width, t3 - t0,
+                   tokens=len(run.slot) + int(accepted.sum()), catch_up=flush_seconds)
 
     def _budgets(self, run: RunningBatch) -> np.ndarray:
         """Per-request node budgets: the pluggable budget, capped by what each request can keep."""
@@ -302,8 +302,8 @@ class RolloutEngine:
             return DraftBatch.empty(len(budgets))
         t0, deferred = self.clock(), self._feed.pending
         self._feed.ready(self._drafter)  # the drafter must have seen every committed token
-        # Catching up after steps without drafts is not this step's cost: a drafting run feeds
-        # the drafter every step, overlapped; keep it out of the budget's per-step figure.
+        # Catching up after steps without drafts: a run of drafting steps feeds the drafter
+        # every step, overlapped, so the budget's cost model leaves this out (its guard does not).
         self._flush_seconds = self.clock() - t0 if deferred else 0.0
         return self._checked(self._drafter.propose(run.req_id.tolist(), budgets), budgets)
 
