@@ -399,7 +399,7 @@ def test_guard_and_budget_ask_drafting_for_a_minimum_gain():
 
 
 def test_pick_is_reused_for_a_few_calls_and_redone_when_the_batch_or_turn_changes():
-    """The argmax is recomputed when the batch size changes, else every ``reuse`` calls; in
+    """The argmax is recomputed when the batch leaves its half-octave, else every ``reuse`` calls; in
     between, moves of acceptance or of the host model do not change the decision."""
     budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8])
     k = budget(8)
@@ -409,4 +409,5 @@ def test_pick_is_reused_for_a_few_calls_and_redone_when_the_batch_or_turn_change
     assert picks == [k] * (budget.reuse - 1) + [0]  # the stale pick lasts out its turn
     assert budget(16) == 0 and budget(8) == 0
     budget.tracker.rate[:] = 0.9
-    assert budget(16) == k  # a new batch size decides afresh
+    assert budget(7) == 0  # 7 and 8 share a half-octave: the turn goes on
+    assert budget(16) == k  # a new half-octave decides afresh

@@ -23,6 +23,12 @@ import numpy as np
 from rollout_spec.config import check_float, check_int
 
 
+def batch_bucket(batch: int) -> int:
+    """The half-octave of a batch size (B = 45..53 -> 11, 54..76 -> 12, ...): steps of one bucket
+    cost about the same, so per-bucket models and decisions share their observations."""
+    return int(round(2 * math.log2(batch)))
+
+
 class _ForgettingLeastSquares:
     """Weighted least squares whose old observations decay by ``1 - decay`` per update."""
 
@@ -87,7 +93,7 @@ class OnlineStepCost:
         return nodes * self.max_batch / (batch * self.max_nodes)
 
     def _local_model(self, drafted: bool, batch: int, create: bool = False) -> _ForgettingLeastSquares | None:
-        key = (drafted, int(round(2 * math.log2(batch))))
+        key = (drafted, batch_bucket(batch))
         model = self._local.get(key)
         if model is None and create:
             model = self._local[key] = _ForgettingLeastSquares(2 if drafted else 1, self.decay, self.ridge)

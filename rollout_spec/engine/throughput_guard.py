@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from rollout_spec.config import check_float, check_int
+from rollout_spec.engine.step_cost import batch_bucket
 
 
 class ThroughputGuard:
@@ -38,17 +39,13 @@ class ThroughputGuard:
         self._count: dict[tuple[bool, int], int] = {}
         self._since_plain: dict[int, int] = {}  # drafting steps per bucket since its last plain one
 
-    @staticmethod
-    def _bucket(batch: int) -> int:
-        return int(round(2 * math.log2(batch)))
-
     def observe(self, drafted: bool, batch: int, tokens: int, seconds: float) -> None:
         """Record one decode step: its path, batch size, tokens emitted and wall seconds."""
         check_int("batch", batch, 1, 1 << 20)
         check_int("tokens", tokens, 1, 1 << 40)
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
-        bucket = self._bucket(batch)
+        bucket = batch_bucket(batch)
         self._since_plain[bucket] = self._since_plain.get(bucket, 0) + 1 if drafted else 0
         key = (drafted, bucket)
         per_token = seconds / tokens
@@ -61,13 +58,13 @@ class ThroughputGuard:
 
     def seconds_per_token(self, drafted: bool, batch: int) -> float | None:
         """The bucket's average, or None before ``min_steps`` steps of that path."""
-        key = (drafted, self._bucket(batch))
+        key = (drafted, batch_bucket(batch))
         return self._avg[key] if self._count.get(key, 0) >= self.min_steps else None
 
     def wants_plain(self, batch: int) -> bool:
         """True while this bucket has had fewer than ``min_steps`` plain steps, or
         ``refresh_every`` drafting steps since its last plain one."""
-        bucket = self._bucket(batch)
+        bucket = batch_bucket(batch)
         return (self._count.get((False, bucket), 0) < self.min_steps
                 or self._since_plain.get(bucket, 0) >= self.refresh_every)
 
