@@ -11,8 +11,9 @@ deferred to the next proposal after a plain one.
 
 The worker only helps while the main thread waits (a GPU sync) or runs C code without the GIL;
 between a commit and the next proposal the engine runs Python bookkeeping, so the worker mostly
-waits for the GIL. Measured on a loaded 2-core host, the hand-offs cost more than they hid,
-hence the engine's default ``overlap_drafter=False``.
+waits for the GIL. The engine turns the overlap on where the model runs on CUDA (its forward is
+asynchronous, so verification waits for the GPU while the worker extends) and off on CPU, where
+the hand-offs cost more than they hid (measured on a loaded 2-core host).
 """
 from __future__ import annotations
 
