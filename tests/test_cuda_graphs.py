@@ -45,11 +45,12 @@ def run_case(device: str, eager: bool) -> None:
         assert torch.all(out[batch:, :, 0] == 0) and torch.all(out[:, width:, 0] == 0)
 
 
-def load_case(device: str, eager: bool) -> None:
+def load_case(device: str, eager: bool, lazy: bool = False) -> None:
     """``load`` (host arrays, one copy, pads written by the host) + ``replay`` gives what
     ``run`` gives, whatever larger step used the bucket before."""
     ladder = GraphLadder(step, specs(), batch_sizes=[4, 1, 2], widths=[1, 4], device=device,
-                         eager=eager)
+                         eager=eager, lazy=lazy)
+    assert len(ladder.graphs) == (0 if eager or lazy else 6)
     for batch, width in [(3, 2), (4, 4), (2, 3), (1, 1), (3, 4)]:
         ids = np.arange(1, batch * width + 1, dtype=np.int64).reshape(batch, width)
         mask = np.tril(np.ones((batch, width, width), bool))
@@ -62,6 +63,8 @@ def load_case(device: str, eager: bool) -> None:
         torch.testing.assert_close(out[:batch, :width].cpu(), want)
         assert torch.all(out[batch:, :, 2] == SCRATCH_SLOT)
         assert torch.all(out[batch:, :, 0] == 0) and torch.all(out[:, width:, 0] == 0)
+    if lazy and not eager:  # captured on first use: exactly the buckets the steps met
+        assert set(ladder.graphs) == {(4, 4), (2, 4), (1, 1)}
     with pytest.raises(ValueError, match="does not fit"):
         ladder.load((2, 4), {"input_ids": np.zeros((3, 1), np.int64)})
     with pytest.raises(ValueError, match="slot_ids"):
@@ -75,6 +78,11 @@ def test_eager_ladder_loads_host_arrays_in_one_copy():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_ladder_loads_host_arrays():
     load_case("cuda", eager=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_lazy_ladder_captures_buckets_on_first_use():
+    load_case("cuda", eager=False, lazy=True)
 
 
 def test_eager_ladder_pads_to_smallest_bucket():
@@ -168,10 +176,15 @@ def test_engine_with_ladder_matches_engine_without():
         if ladder:
             eng.runner.capture_graphs(*ladder)
             assert eng.runner.graphs.eager
-            replay = eng.runner.graphs.replay
-            eng.runner.graphs.replay = lambda key: replays.append(key) or replay(key)
+            for graphs, tag in ((eng.runner.graphs, "step"), (eng.runner.prefill_graphs, "prefill")):
+                def spy(key, _replay=graphs.replay, _tag=tag):
+                    replays.append((_tag, key))
+                    return _replay(key)
+                graphs.replay = spy
         outs.append(eng.generate(prompts, params))
-    assert {(8, 5), (8, 1)} <= set(replays)  # drafting and plain steps, padded in both dims
+    # drafting and plain steps, padded in both dims; the 6 prompts of up to 30 tokens in one
+    # prefill padded to 8 prompts of 64 tokens
+    assert {("step", (8, 5)), ("step", (8, 1)), ("prefill", (8, 64))} <= set(replays)
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids and a.num_verify_steps == b.num_verify_steps
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
