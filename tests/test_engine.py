@@ -372,11 +372,26 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
         RolloutEngine.from_pretrained("smollm2-135m", device="cpu", spec=None)
 
 
-def test_overlapped_drafter_changes_nothing(pair) -> None:
-    """Drafter bookkeeping on the worker thread (default) or inline: identical outputs and counters."""
+def test_overlapped_drafter_changes_nothing(pair, monkeypatch) -> None:
+    """Drafter bookkeeping on the worker thread (default) or inline: identical outputs and counters.
+
+    With the overlap, steps are proposed ahead also while samples wait for a slot (12 samples,
+    5 slots), as long as none is admitted before the next step."""
+    from rollout_spec.engine.scheduler import Scheduler
+
     _, model = pair
     prompts = mixed_prompts(6, seed=10)
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=14, seed=3)
+    queued = []  # per ahead-proposed step: did samples wait for a slot when it was proposed?
+    admits_after = Scheduler.admits_after
+
+    def spy(self, finishing):
+        admits = admits_after(self, finishing)
+        if not admits:
+            queued.append(bool(self.waiting))
+        return admits
+
+    monkeypatch.setattr(Scheduler, "admits_after", spy)
     runs = []
     for overlap in (True, False):
         eng = engine(model, ScriptedDrafter("random", seed=4), overlap_drafter=overlap, num_slots=5)
@@ -384,6 +399,7 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
         runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
         assert not eng._queue.busy  # generate returns with the drafter caught up
     assert runs[0] == runs[1]
+    assert True in queued and False in queued
 
 
 def test_drafter_error_on_the_worker_is_raised(pair) -> None:

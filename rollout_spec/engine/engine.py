@@ -221,8 +221,8 @@ class RolloutEngine:
             t0 = self.clock()
             self._prefill(groups, generator)
             self.phase_seconds["prefill"] += self.clock() - t0
-        else:  # no sample waits for a slot: the batch of the next step is known at this commit
-            self._decode(sched.running, generator, ahead_ok=not sched.waiting)
+        else:  # unless samples are admitted next, the next step's batch is known at this commit
+            self._decode(sched.running, generator, sched.admits_after)
         finished = sched.release_finished()
         if sched.done:  # the call is over: the budget and the drafter get everything
             self._account_last()
@@ -245,7 +245,11 @@ class RolloutEngine:
                            np.array([s.params.max_new_tokens for s in seqs], np.int64))
         self._commit(seqs, res, None, run)
 
-    def _decode(self, seqs: list[Sequence], generator: torch.Generator, ahead_ok: bool = False) -> None:
+    def _decode(self, seqs: list[Sequence], generator: torch.Generator,
+                admits_after: Optional[Callable[[int], bool]] = None) -> None:
+        """One propose -> forward -> verify -> commit step. ``admits_after(finishing)`` says
+        whether samples will be admitted before the next decode; when they will not, a drafting
+        step queues the next step's proposal at its commit (see ``_propose_ahead``)."""
         t0 = self.clock()
         run = RunningBatch.of(seqs)
         budgets, batch = self._take_ahead(run)
@@ -259,7 +263,7 @@ class RolloutEngine:
         self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
-        accepted = self._commit(seqs, res, batch, run, ahead_ok and self._queue.overlap)
+        accepted = self._commit(seqs, res, batch, run, admits_after if self._queue.overlap else None)
         t3 = self.clock()
         self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), self._flush_seconds)
 
@@ -325,7 +329,7 @@ class RolloutEngine:
     def _propose_ahead(self, run: RunningBatch, keep: np.ndarray, reason: np.ndarray) -> None:
         """Decide the next step's budgets now and queue its proposal on the drafter's worker.
 
-        Called only when no sample can be admitted before the next step, so the next batch is
+        Called only when no sample will be admitted before the next step, so the next batch is
         this one minus the requests finishing here, in the same order. The budget decides one
         step early (before this step's outcome is observed).
         """
@@ -356,10 +360,11 @@ class RolloutEngine:
         return budgets, self._checked(future.result(), budgets)
 
     def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch],
-                run: RunningBatch, ahead: bool = False) -> np.ndarray:
+                run: RunningBatch, admits_after: Optional[Callable[[int], bool]] = None) -> np.ndarray:
         """Keep accepted KV, append emitted tokens (cut at stops/limits), feed the drafter and,
-        with ``ahead``, queue the next step's proposal behind the extend (it runs on the worker
-        while this thread appends). Returns the accepted draft nodes kept per request."""
+        given ``admits_after`` and no admission next, queue the next step's proposal behind the
+        extend (it runs on the worker while this thread appends). Returns the accepted draft
+        nodes kept per request."""
         h = res.host
         if batch is not None and batch.num_nodes:
             self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes,
@@ -377,7 +382,7 @@ class RolloutEngine:
             drafted = batch is not None and batch.num_nodes > 0
             finished = [seqs[i] for i in np.flatnonzero(reason)] if reason.any() else []
             self._feed.committed(self._drafter, seqs, kept, finished, now=drafted)
-            if drafted and ahead:
+            if drafted and admits_after is not None and not admits_after(len(finished)):
                 self._propose_ahead(run, keep, reason)
         _apply(seqs, kept, starts, reason, h.emitted_logprobs.astype(np.float64).tolist(),
                batch.sizes().tolist() if batch is not None else None, accepted.tolist())
