@@ -53,13 +53,21 @@ def test_choice_maximises_predicted_throughput():
         assert all(budget.throughput(b, k) >= budget.throughput(b, c) for c in (0, 1, 2, 4, 8))
 
 
-def test_probes_back_off_while_nothing_drafts_and_reset_once_drafting_passes():
-    """Probes come after 3, 6, 12, then every 24 plain calls (8 x probe_every); a drafting pick
-    that passes brings the gap back to ``probe_every``."""
+@pytest.mark.parametrize("catch_up", [3e-3, 1e-4])
+def test_probes_back_off_while_catch_up_is_costly_and_reset_once_drafting_passes(catch_up):
+    """Probes whose catch-up costs more than a quarter of their step (3 ms on a 1 ms step) come
+    after 3, 6, 12, then every 24 plain calls (8 x probe_every); cheap ones (0.1 ms) every 3. A
+    drafting pick that passes brings the gap back to ``probe_every``."""
     cost = synthetic_cost(launch=2e-4, per_token=2e-5)
     budget = DraftBudget(cost, tracker_with_rate(0.0), [2, 4], probe_every=3)
-    picks = [budget(8) for _ in range(69)]
-    assert [i for i, p in enumerate(picks) if p] == [2, 8, 20, 44, 68] and set(picks) == {0, 2}
+    picks = []
+    for _ in range(69):
+        picks.append(budget(8))
+        if picks[-1]:  # the engine records each step; a probe hands over the deferred tokens
+            budget.record_step(8, 16, 16, 3, 1e-3 + catch_up, tokens=8, catch_up=catch_up)
+    probes = [i for i, p in enumerate(picks) if p]
+    assert probes == ([2, 5, 11, 23, 47] if catch_up > 1e-3 else list(range(2, 69, 3)))
+    assert set(picks) == {0, 2}
     budget.tracker.rate[:] = 0.9
     assert budget(16) > 0
     budget.tracker.rate[:] = 0.0
@@ -300,7 +308,7 @@ def test_guard_vetoes_drafting_that_was_measured_slower_and_probes_keep_it_fresh
         budget.record_step(8, 0, 0, 1, 8e-6, tokens=8)  # plain: 1 us per token
         budget.record_step(8, 8 * k, 8 * k, k + 1, 3 * 16e-6, tokens=16)  # drafting: 3 us
     assert not guard.allows_drafting(8) and guard.allows_drafting(128)
-    assert [budget(8) for _ in range(9)] == [0, 0, k] + [0] * 5 + [k]  # probes back off
+    assert [budget(8) for _ in range(9)] == [0, 0, k] * 3  # probes (no catch-up measured)
     assert budget(128) == budget.best(128)
     for _ in range(4):  # the probes drafted well: 0.5 us per token
         budget.record_step(8, 8 * k, 8 * k, k + 1, 0.5 * 16e-6, tokens=16)

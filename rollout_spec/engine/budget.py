@@ -177,10 +177,12 @@ class DraftBudget:
     batch size actually achieved (``throughput_guard``): where drafting emitted tokens more slowly
     than plain decoding, the step does not draft. Every ``probe_every`` calls that ended at 0 it
     offers drafts once (the model's pick, or else the smallest positive size), so the acceptance,
-    cost and guard keep tracking the workload after speculation was switched off; each probe
-    doubles the gap to the next (up to 8 x ``probe_every``) until a drafting step passes again,
-    because a probe after plain steps also pays the drafter's catch-up (7 ms at B=256 on the
-    H100, against a 5 ms step) and at T=1.0 probes were most of the drafting. ``min_gain``
+    cost and guard keep tracking the workload after speculation was switched off. Where the last
+    probe's catch-up (the drafter taking the tokens of the plain steps before it) cost more than
+    a quarter of its step, each probe doubles the gap to the next (up to 8 x ``probe_every``)
+    until a drafting step passes again: at B=256 on the H100 a probe paid 7 ms of catch-up
+    against a 5 ms step, and at T=1.0 probes were most of the drafting. At B=1 the catch-up is
+    a few tokens, and a gap grown to 256 steps kept drafting off for whole samples. ``min_gain``
     is the predicted gain in tokens per second a draft size needs over plain decoding: a
     prediction of a few percent is within the cost model's error, and drafting there is a coin
     toss with a larger downside.
@@ -196,6 +198,7 @@ class DraftBudget:
         self.cost, self.tracker, self.candidates = cost, tracker, tuple(cands)
         self.probe_every = probe_every
         self._probe_gap = probe_every  # plain calls before the next probe (grows, see above)
+        self._costly_probe = False  # the last probe's catch-up was over a quarter of its step
         self.host, self.guard = host, guard
         self.min_gain = check_float("min_gain", min_gain, 0.0, 10.0)
         self.fill = 1.0  # EMA of drafted nodes / offered budget: drafters often propose less
@@ -261,6 +264,8 @@ class DraftBudget:
         """
         if not (0.0 <= catch_up <= seconds):
             raise ValueError(f"catch_up must be in [0, seconds={seconds}], got {catch_up}")
+        if offered > 0 and catch_up > 0.0:  # a drafting step right after plain ones, e.g. a probe
+            self._costly_probe = catch_up > 0.25 * (seconds - catch_up)
         if self.guard is not None and tokens is not None:
             self.guard.observe(offered > 0, batch, tokens, seconds)
         if self.host is None:
@@ -318,7 +323,8 @@ class DraftBudget:
         self._zeros += 1
         if self._zeros >= self._probe_gap and len(self.candidates) > 1:
             self._zeros = 0
-            self._probe_gap = min(2 * self._probe_gap, 8 * self.probe_every)
+            grown = min(2 * self._probe_gap, 8 * self.probe_every)
+            self._probe_gap = grown if self._costly_probe else self.probe_every
             return k or self.candidates[1]
         return 0
 
