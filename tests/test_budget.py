@@ -352,6 +352,18 @@ def test_guard_ignores_steps_without_tokens_and_caps_a_stall():
         ThroughputGuard(min_steps=0)
 
 
+def test_guard_rates_uneven_drafting_steps_by_total_tokens_over_total_time():
+    """B=1: drafting steps of 1 s emit 1 or 3 tokens in turn (0.5 s per token overall), plain
+    steps 1 token in 0.6 s. Drafting is faster and stays allowed; an average of each step's own
+    seconds per token (0.67) would veto it."""
+    guard = ThroughputGuard(decay=0.1, min_steps=4, min_gain=0.02)
+    for i in range(200):
+        guard.observe(True, 1, 1 if i % 2 else 3, 1.0)
+        guard.observe(False, 1, 1, 0.6)
+    assert guard.seconds_per_token(True, 1) == pytest.approx(0.5, rel=0.06)
+    assert guard.allows_drafting(1)
+
+
 def test_guard_asks_for_a_plain_step_now_and_then_until_it_can_compare():
     """A budget that always drafts would never give the guard plain steps to compare with: one
     call in 4 returns 0 until the bucket has ``min_steps`` plain steps, then never again."""

@@ -4,7 +4,10 @@ The budget predicts a drafting step's throughput from a GPU grid, an acceptance 
 learned host residual. When any of them is off (acceptance that dropped with the temperature, a
 drafter whose cost the residual model spreads over the wrong feature), it keeps drafting at a
 loss. ``ThroughputGuard`` keeps what actually happened: for each half-octave of the batch size,
-an exponential average of wall seconds per emitted token on plain steps and on drafting steps.
+exponential averages of wall seconds and of emitted tokens per step, on plain steps and on
+drafting steps, whose ratio is the path's seconds per token. (An average of each step's own
+seconds per token overrates a path whose steps emit unevenly many tokens: at B=1 a drafting
+step emits 1 to 9, and steps of 1 and 3 tokens read as 0.67 s per token where 0.5 is true.)
 Where both are known and drafting's is not better by ``min_gain``, it vetoes drafting; the
 budget's periodic probes keep the drafting figure fresh, so the veto lifts when drafting starts
 to pay again. While drafting is allowed, the guard asks for a plain step every
@@ -35,7 +38,7 @@ class ThroughputGuard:
         self.min_steps = check_int("min_steps", min_steps, 1, 1 << 20)
         self.min_gain = check_float("min_gain", min_gain, 0.0, 10.0)
         self.refresh_every = check_int("refresh_every", refresh_every, 1, 1 << 20)
-        self._avg: dict[tuple[bool, int], float] = {}
+        self._avg: dict[tuple[bool, int], tuple[float, float]] = {}  # (seconds, tokens) per step
         self._count: dict[tuple[bool, int], int] = {}
         self._since_plain: dict[int, int] = {}  # drafting steps per bucket since its last plain one
 
@@ -48,18 +51,22 @@ class ThroughputGuard:
         bucket = batch_bucket(batch)
         self._since_plain[bucket] = self._since_plain.get(bucket, 0) + 1 if drafted else 0
         key = (drafted, bucket)
-        per_token = seconds / tokens
         old = self._avg.get(key)
         if old is None:
-            self._avg[key] = per_token
+            self._avg[key] = (seconds, float(tokens))
         else:  # capped: a one-off stall (a kernel compiling) must not veto drafting for long
-            self._avg[key] = old + self.decay * (min(per_token, 3.0 * old) - old)
+            secs, toks = old
+            self._avg[key] = (secs + self.decay * (min(seconds, 3.0 * secs) - secs),
+                              toks + self.decay * (tokens - toks))
         self._count[key] = self._count.get(key, 0) + 1
 
     def seconds_per_token(self, drafted: bool, batch: int) -> float | None:
         """The bucket's average, or None before ``min_steps`` steps of that path."""
         key = (drafted, batch_bucket(batch))
-        return self._avg[key] if self._count.get(key, 0) >= self.min_steps else None
+        if self._count.get(key, 0) < self.min_steps:
+            return None
+        secs, toks = self._avg[key]
+        return secs / toks
 
     def wants_plain(self, batch: int) -> bool:
         """True while this bucket has had fewer than ``min_steps`` plain steps, or
