@@ -528,6 +528,32 @@ def test_drafter_queue_keeps_order_bounds_itself_and_reports_errors() -> None:
     assert seen[-1] == "now" and isinstance(inline.call(lambda: 1 / 0).exception(), ZeroDivisionError)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_generate_shortens_the_gil_switch_interval_only_with_the_worker(pair, overlap) -> None:
+    """With the worker, the drafter's calls run under a 0.2 ms switch interval (so the worker
+    need not wait 5 ms for the GIL); the caller's interval is restored after generate, also when
+    it raises."""
+    import sys
+
+    _, model = pair
+    seen: list[float] = []
+
+    class Probe(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            seen.append(sys.getswitchinterval())
+            return super().propose(req_ids, budgets)
+
+    before = sys.getswitchinterval()
+    eng = engine(model, Probe("random", seed=2), overlap_drafter=overlap)
+    eng.generate([[1, 2, 3]], SamplingParams(n=2, temperature=0.0, max_new_tokens=6))
+    want = eng._queue.switch_interval if overlap else before  # the interpreter keeps microseconds
+    assert seen and all(v == pytest.approx(want, abs=1e-6) for v in seen)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(ValueError):
+        eng.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=6), group_ids=[1, 2])
+    assert sys.getswitchinterval() == before
+
+
 class RecordingDrafter(ScriptedDrafter):
     """Random drafter that also records every token it is fed and every finish, per request."""
 

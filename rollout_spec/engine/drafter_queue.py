@@ -9,15 +9,22 @@ the queue to empty, which keeps every proposal -- and so every output -- identic
 synchronous engine's. ``DrafterFeed`` decides when the tokens go: at once after a drafting step,
 deferred to the next proposal after a plain one.
 
-The worker only helps while the main thread waits (a GPU sync) or runs C code without the GIL;
-between a commit and the next proposal the engine runs Python bookkeeping, so the worker mostly
-waits for the GIL. The engine turns the overlap on where the model runs on CUDA (its forward is
+The worker only helps while the main thread waits (a GPU sync) or runs C code without the GIL.
+Each queued call needs the GIL to start and to convert its arguments, and a thread asking for
+the GIL gets it only when the holder blocks or after the interpreter's switch interval (5 ms by
+default): a proposal queued at a commit would wait for the main thread's token appends and the
+next step's set-up, i.e. start when the main thread blocks on it. ``responsive()`` shortens the
+interval while the engine generates, so the worker takes over within a fraction of a
+millisecond. The engine turns the overlap on where the model runs on CUDA (its forward is
 asynchronous, so verification waits for the GPU while the worker extends) and off on CPU, where
 the hand-offs cost more than they hid (measured on a loaded 2-core host).
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from rollout_spec.engine.sequence import Sequence
@@ -31,6 +38,7 @@ class DrafterQueue:
     """
 
     max_pending = 16  # queued calls before ``submit`` waits (a few steps of extend + finish)
+    switch_interval = 2e-4  # seconds; the interpreter's GIL switch interval inside ``responsive``
 
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
@@ -60,6 +68,18 @@ class DrafterQueue:
             return fut
         self.submit(fn, *args)
         return self._pending[-1]
+
+    @contextmanager
+    def responsive(self) -> Iterator[None]:
+        """With the overlap on, lower the interpreter's GIL switch interval to
+        ``switch_interval`` (never raise it) for the duration, then restore it."""
+        old = sys.getswitchinterval()
+        if self.overlap and self.switch_interval < old:
+            sys.setswitchinterval(self.switch_interval)
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(old)
 
     @property
     def busy(self) -> bool:

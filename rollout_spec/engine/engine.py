@@ -207,7 +207,8 @@ class RolloutEngine:
 
         running = self.num_slots if max_running is None else check_int(
             "max_running", max_running, 1, self.num_slots)
-        return RolloutSession(self, params, progress=progress).run(prompts, group_ids, running)
+        with self._queue.responsive():  # the drafter's worker gets the GIL without a 5 ms wait
+            return RolloutSession(self, params, progress=progress).run(prompts, group_ids, running)
 
     def end_step(self) -> None:
         """RL step boundary: forwards to the drafter (ages and evicts its history)."""
