@@ -486,10 +486,14 @@ def print_budget_state(budget: object, batches: list[int]) -> None:
     rates = ", ".join(f"{r:.2f}" for r in budget.tracker.rate[1:])
     print(f"\n## Budget state after the runs: acceptance by depth [{rates}], drafter fill "
           f"{budget.fill:.2f}, steps observed plain/spec {host.counts()}")
-    print("| B | GPU k=0 ms | residual plain ms | residual spec ms (k=4) | pick now |\n|---|---|---|---|---|")
+    print("| B | GPU k=0 ms | residual plain ms | residual spec ms (k=4) | pick now | guard us/token "
+          "plain / drafting |\n|---|---|---|---|---|---|")
+    guard = getattr(budget, "guard", None)
     for b in batches:
+        measured = [guard.seconds_per_token(d, b) if guard is not None else None for d in (False, True)]
+        shown = " / ".join("-" if m is None else f"{m * 1e6:.1f}" for m in measured)
         print(f"| {b} | {budget.cost.step_time(b, 1) * 1e3:.2f} | {host.residual(False, b, 0) * 1e3:.2f} | "
-              f"{host.residual(True, b, budget.fill * b * 4) * 1e3:.2f} | {budget.best(b)} |")
+              f"{host.residual(True, b, budget.fill * b * 4) * 1e3:.2f} | {budget.best(b)} | {shown} |")
 
 
 def profile_generate(args: argparse.Namespace, engine: object, pool: PromptPool,
