@@ -183,8 +183,8 @@ def test_engine_with_ladder_matches_engine_without():
                 graphs.replay = spy
         outs.append(eng.generate(prompts, params))
     # drafting and plain steps, padded in both dims; the 6 prompts of up to 30 tokens in one
-    # prefill padded to 8 prompts of 64 tokens
-    assert {("step", (8, 5)), ("step", (8, 1)), ("prefill", (8, 64))} <= set(replays)
+    # prefill padded to 8 prompts of 128 tokens
+    assert {("step", (8, 5)), ("step", (8, 1)), ("prefill", (8, 128))} <= set(replays)
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids and a.num_verify_steps == b.num_verify_steps
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
