@@ -399,14 +399,21 @@ def test_guard_refreshes_its_plain_figure_while_drafting_runs():
 
 
 def test_guard_and_budget_ask_drafting_for_a_minimum_gain():
-    """Drafting measured 1% faster than plain is vetoed under ``min_gain=0.02`` and allowed at 3%;
-    the budget's own pick needs a predicted gain of ``min_gain`` over k = 0."""
+    """Drafting measured 1% faster than plain is vetoed under ``min_gain=0.02``; the veto lifts at
+    4% faster (twice min_gain), not at 3%, which a bucket never vetoed allows. The budget's own
+    pick needs a predicted gain of ``min_gain`` over k = 0."""
     guard = ThroughputGuard(decay=1.0, min_steps=1, min_gain=0.02)
-    guard.observe(False, 64, 100, 1.0)
+    for batch in (64, 8):
+        guard.observe(False, batch, 100, 1.0)
     guard.observe(True, 64, 101, 1.0)
     assert not guard.allows_drafting(64)
     guard.observe(True, 64, 103, 1.0)
+    guard.observe(True, 8, 103, 1.0)
+    assert not guard.allows_drafting(64) and guard.allows_drafting(8)
+    guard.observe(True, 64, 105, 1.0)
     assert guard.allows_drafting(64)
+    guard.observe(True, 64, 103, 1.0)
+    assert guard.allows_drafting(64)  # lifted: back to the plain threshold
     eager = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8])
     k = eager.best(8)
     gain = eager.throughput(8, k) / eager.throughput(8, 0) - 1.0

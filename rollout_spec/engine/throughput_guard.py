@@ -9,8 +9,9 @@ drafting steps, whose ratio is the path's seconds per token. (An average of each
 seconds per token overrates a path whose steps emit unevenly many tokens: at B=1 a drafting
 step emits 1 to 9, and steps of 1 and 3 tokens read as 0.67 s per token where 0.5 is true.)
 Where both are known and drafting's is not better by ``min_gain``, it vetoes drafting; the
-budget's periodic probes keep the drafting figure fresh, so the veto lifts when drafting starts
-to pay again. While drafting is allowed, the guard asks for a plain step every
+budget's periodic probes keep the drafting figure fresh, so the veto lifts when drafting is
+better by twice ``min_gain`` (hysteresis: at T=1.0 one lucky probe lifted a veto that was right,
+and the drafting steps after it lost until the average caught up). While drafting is allowed, the guard asks for a plain step every
 ``refresh_every`` drafting steps of a bucket: steps slow down as contexts grow, so a plain
 figure from the start of a rollout would flatter or condemn drafting later on (measured on the
 H100: with the plain figure taken once, B=64 at T=1.0 drafted 96% of its steps at an 8% loss).
@@ -41,6 +42,7 @@ class ThroughputGuard:
         self._avg: dict[tuple[bool, int], tuple[float, float]] = {}  # (seconds, tokens) per step
         self._count: dict[tuple[bool, int], int] = {}
         self._since_plain: dict[int, int] = {}  # drafting steps per bucket since its last plain one
+        self._vetoed: set[int] = set()  # buckets where drafting is vetoed until it clearly pays
 
     def observe(self, drafted: bool, batch: int, tokens: int, seconds: float) -> None:
         """Record one decode step: its path, batch size, tokens emitted and wall seconds."""
@@ -77,6 +79,15 @@ class ThroughputGuard:
 
     def allows_drafting(self, batch: int) -> bool:
         """False where both paths were measured and drafting did not emit tokens at least
-        ``min_gain`` faster."""
+        ``min_gain`` faster; once vetoed, until it emits them ``2 * min_gain`` faster."""
         plain, drafting = self.seconds_per_token(False, batch), self.seconds_per_token(True, batch)
-        return plain is None or drafting is None or drafting * (1.0 + self.min_gain) <= plain
+        if plain is None or drafting is None:
+            return True
+        bucket = batch_bucket(batch)
+        gain = 2.0 * self.min_gain if bucket in self._vetoed else self.min_gain
+        allowed = drafting * (1.0 + gain) <= plain
+        if allowed:
+            self._vetoed.discard(bucket)
+        else:
+            self._vetoed.add(bucket)
+        return allowed
