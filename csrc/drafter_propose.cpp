@@ -59,6 +59,10 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
       o.cached = cached;
       o.next[0] = e.after;
       for (int32_t d = 1; d < cached; ++d) o.next[d] = view_[seq].tokens[pos + 1 + d];
+      // The tree reads the continuation past the cached tokens from the sequence itself, right
+      // after this search: start loading that line now so that the misses overlap the search.
+      const SlotView& v = view_[seq];
+      if (pos + 1 + cached < v.size) prefetch_line(v.tokens + pos + 1 + cached);
       return occ.size() - first >= cap;
     };
     if (take(h->newest)) return;
