@@ -45,12 +45,12 @@ def run_case(device: str, eager: bool) -> None:
         assert torch.all(out[batch:, :, 0] == 0) and torch.all(out[:, width:, 0] == 0)
 
 
-def load_case(device: str, eager: bool, lazy: bool = False) -> None:
+def load_case(device: str, eager: bool) -> None:
     """``load`` (host arrays, one copy, pads written by the host) + ``replay`` gives what
     ``run`` gives, whatever larger step used the bucket before."""
     ladder = GraphLadder(step, specs(), batch_sizes=[4, 1, 2], widths=[1, 4], device=device,
-                         eager=eager, lazy=lazy)
-    assert len(ladder.graphs) == (0 if eager or lazy else 6)
+                         eager=eager)
+    assert len(ladder.graphs) == (0 if eager else 6)
     for batch, width in [(3, 2), (4, 4), (2, 3), (1, 1), (3, 4)]:
         ids = np.arange(1, batch * width + 1, dtype=np.int64).reshape(batch, width)
         mask = np.tril(np.ones((batch, width, width), bool))
@@ -63,8 +63,6 @@ def load_case(device: str, eager: bool, lazy: bool = False) -> None:
         torch.testing.assert_close(out[:batch, :width].cpu(), want)
         assert torch.all(out[batch:, :, 2] == SCRATCH_SLOT)
         assert torch.all(out[batch:, :, 0] == 0) and torch.all(out[:, width:, 0] == 0)
-    if lazy and not eager:  # captured on first use: exactly the buckets the steps met
-        assert set(ladder.graphs) == {(4, 4), (2, 4), (1, 1)}
     with pytest.raises(ValueError, match="does not fit"):
         ladder.load((2, 4), {"input_ids": np.zeros((3, 1), np.int64)})
     with pytest.raises(ValueError, match="slot_ids"):
@@ -78,11 +76,6 @@ def test_eager_ladder_loads_host_arrays_in_one_copy():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_ladder_loads_host_arrays():
     load_case("cuda", eager=False)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_lazy_ladder_captures_buckets_on_first_use():
-    load_case("cuda", eager=False, lazy=True)
 
 
 def test_eager_ladder_pads_to_smallest_bucket():

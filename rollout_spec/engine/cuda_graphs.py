@@ -9,7 +9,7 @@ static buffers and the padding is filled with each input's pad value. A bucket's
 are views of one device buffer, so ``load`` can write a step's host arrays, padding included,
 with a single host-to-device copy (the per-input copies and fills of ``run`` cost the engine
 0.1-0.2 ms of host time per step on the H100). The prefill has a ladder of its own over (prompts,
-padded prompt length), captured lazily: only the buckets a workload meets are captured.
+padded prompt length).
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def prefill_ladder(max_groups: int, max_len: int) -> tuple[list[int], list[int]]
     the engine's slots). Longer or larger prefills run eagerly:
     they are rare, and their GPU time dwarfs the launch overhead a graph saves.
 
-    Lengths are coarse because each bucket is captured on first use (~0.1 s of host time, on the
-    H100, against ~40 ms for an eager prefill) and a prefill of a few prompts is launch-bound:
-    padding 4 prompts from 257 to 512 tokens costs far less GPU time than another capture."""
+    Lengths are coarse because every bucket is captured at engine start (~0.1 s each on the H100)
+    and a prefill of a few prompts is launch-bound: padding 4 prompts from 257 to 512 tokens
+    costs little GPU time. (Captured lazily instead, on first use, the captures landed inside
+    timed rollouts and were most of the prefill time of short ones.)"""
     groups = [g for g in (1, 2, 4, 8, 16, 32) if g <= max_groups] or [1]
     lengths = [t for t in (128, 256) if t < max_len] + [min(max_len, 512)]
     return groups, lengths
@@ -106,14 +107,11 @@ class GraphLadder:
     ``step_fn(inputs)`` must be shape-static given its inputs' shapes, allocate nothing that
     outlives the call except its output, and not sync the host. With ``eager=True`` (or on a
     non-CUDA device) nothing is captured: ``run`` pads to the same bucket and calls step_fn,
-    which keeps the padding logic identical on CPU and in tests. With ``lazy=True`` a bucket is
-    captured the first time it is replayed (its warm-up then runs on that step's real inputs,
-    so ``step_fn`` must be safe to run twice on them, as a forward that writes the KV cache is).
+    which keeps the padding logic identical on CPU and in tests.
     """
 
     def __init__(self, step_fn: StepFn, specs: Sequence[InputSpec], batch_sizes: Sequence[int],
-                 widths: Sequence[int], device: torch.device | str, eager: bool = False,
-                 lazy: bool = False) -> None:
+                 widths: Sequence[int], device: torch.device | str, eager: bool = False) -> None:
         self.step_fn = step_fn
         self.specs = tuple(specs)
         self.batch_sizes = _ladder(batch_sizes, "batch_sizes")
@@ -132,9 +130,8 @@ class GraphLadder:
             for b in self.batch_sizes:
                 for w in self.widths:
                     self._arena[(b, w)], self.static[(b, w)] = self._allocate(b, w, self.device)
-        self._pool = None if self.eager else torch.cuda.graph_pool_handle()
-        if not self.eager and not lazy:
-            self._capture(sorted(self.static, reverse=True))  # largest first: it sizes the pool
+        if not self.eager:
+            self._capture_all()
 
     def _allocate(self, batch: int, width: int, device: torch.device | str,
                   pin: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -164,32 +161,33 @@ class GraphLadder:
         """Whether some bucket holds a step of this size."""
         return 1 <= batch <= self.batch_sizes[-1] and 1 <= width <= self.widths[-1]
 
-    def _capture(self, keys: Sequence[tuple[int, int]]) -> None:
-        """Capture these buckets into the ladder's shared memory pool.
-
-        A garbage collection inside a capture may free an older ladder, whose CUDAGraph
-        destructor calls cudaGraphExecDestroy: illegal while capturing, it invalidates the
-        capture. So collect now and keep the collector off until every bucket is captured.
-        """
+    def _capture_all(self) -> None:
+        # A garbage collection inside a capture may free an older ladder, whose CUDAGraph
+        # destructor calls cudaGraphExecDestroy: illegal while capturing, it invalidates the
+        # capture. So collect now and keep the collector off until every bucket is captured.
         gc.collect()
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            for key in keys:
-                inputs = self.static[key]
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up (lazy inits, autotune) outside the capture
-                    self.step_fn(inputs)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self.outputs[key] = self.step_fn(inputs)
-                self.graphs[key] = graph
-            torch.cuda.synchronize()
+            self._capture_buckets()
         finally:
             if was_enabled:
                 gc.enable()
+
+    def _capture_buckets(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for key in sorted(self.static, reverse=True):  # largest first: it sizes the shared pool
+            inputs = self.static[key]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up (lazy inits, autotune) outside the capture
+                self.step_fn(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[key] = self.step_fn(inputs)
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
 
     def _fill(self, key: tuple[int, int], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy the inputs into the bucket's static tensors; padding must hold pad values, not
@@ -256,8 +254,6 @@ class GraphLadder:
         """Run bucket ``key`` on what its static inputs hold; its padded output (see ``run``)."""
         if self.eager:
             return self.step_fn(self.static[key])
-        if key not in self.graphs:  # lazy ladder: first use of this bucket
-            self._capture([key])
         self.graphs[key].replay()
         return self.outputs[key]
 

@@ -34,7 +34,7 @@ class ModelRunner:
         )
         self.prefill_tokens = 0  # prompt tokens run through prefill (padding excluded), for stats/tests
         self.graphs: Optional[GraphLadder] = None  # captured verify/decode steps (CUDA only)
-        self.prefill_graphs: Optional[GraphLadder] = None  # prefill buckets, captured on first use
+        self.prefill_graphs: Optional[GraphLadder] = None  # captured prefill buckets (CUDA only)
         self._ones: Optional[Tensor] = None
         self._step_rows: Optional[tuple[Tensor, Tensor]] = None  # last verify's (slot, ctx_len) on the device
         self._logit_bufs: tuple[Tensor, ...] = ()  # (model dtype[, fp32]) [rows, V], grown on demand
@@ -43,16 +43,16 @@ class ModelRunner:
                        prefill: Optional[tuple[list[int], list[int]]] = None) -> None:
         """Capture the decode/verify forward for every (B, W) bucket; steps outside run eagerly.
 
-        ``prefill`` (prompts per prefill, padded lengths) sets the prefill's ladder, whose
-        buckets are captured on first use (default: ``prefill_ladder`` for this cache). An eager
-        prefill of 16 prompts cost ~40 ms of host time on the H100 for ~7 ms of GPU work.
+        ``prefill`` (prompts per prefill, padded lengths) sets the prefill's ladder (default:
+        ``prefill_ladder`` for this cache), captured too. An eager prefill of 16 prompts cost
+        ~40 ms of host time on the H100 for ~7 ms of GPU work.
         """
         groups, lengths = prefill or prefill_ladder(self.scratch_slot, self.cache.max_len)
         with torch.inference_mode():
             self.graphs = GraphLadder(self._graph_step, verify_input_specs(self.scratch_slot),
                                       batch_sizes, widths, self.device)
             self.prefill_graphs = GraphLadder(self._prefill_step, prefill_input_specs(self.scratch_slot),
-                                              groups, lengths, self.device, lazy=True)
+                                              groups, lengths, self.device)
 
     def _graph_step(self, inp: dict[str, Tensor]) -> Tensor:
         ctx = StepContext(self.cache, inp["slot_ids"], inp["ctx_lens"], inp["tree_mask"])
