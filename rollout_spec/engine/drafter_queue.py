@@ -115,9 +115,9 @@ class DrafterFeed:
 
     After a step that drafted, the next one most likely drafts too, so its tokens go to the worker
     at once (the extend overlaps the rest of the step). After a step without drafts, feeding is
-    pure overhead unless speculation switches back on, so the tokens stay in the sequences
-    (``Sequence.drafter_fed`` counts what the drafter has) and ``ready`` hands them over in one
-    batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees
+    pure overhead unless speculation switches back on, so the tokens stay in the sequences (the
+    feed notes how long each output was when its feeding stopped) and ``ready`` hands them over
+    in one batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees
     the same tokens in the same order either way, so proposals do not change.
     """
 
@@ -126,7 +126,9 @@ class DrafterFeed:
     def __init__(self, queue: DrafterQueue) -> None:
         self.queue = queue
         self._plain_steps = 0  # plain steps recorded since the last flush
-        self._unfed: dict[int, Sequence] = {}
+        # req_id -> (sequence, output tokens the drafter has): every token of an output reaches
+        # the drafter before the output grows past it, except those of deferred plain steps.
+        self._unfed: dict[int, tuple[Sequence, int]] = {}
         self._finished: list[Sequence] = []
         self._last: list[Sequence] | None = None  # the running list last recorded whole
         self._last_len = 0
@@ -151,14 +153,14 @@ class DrafterFeed:
             # A plain step of the same running list as the last one adds nobody new (every
             # sample enters through its prefill's commit): O(1) instead of O(B) per plain step.
             if seqs is not self._last or len(seqs) != self._last_len:
-                self._unfed.update((s.req_id, s) for s in seqs)
+                for s in seqs:
+                    if s.req_id not in self._unfed:
+                        self._unfed[s.req_id] = (s, len(s.output))
                 self._last, self._last_len = seqs, len(seqs)
             self._finished += finished
             return
         self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
         self.queue.submit(drafter.extend_batch, [s.req_id for s in seqs], kept)
-        for s, toks in zip(seqs, kept):
-            s.drafter_fed += len(toks)
         if finished:
             self.queue.submit(drafter.finish_batch, [s.req_id for s in finished])
 
@@ -167,11 +169,10 @@ class DrafterFeed:
         if not self.pending:
             return
         ids, toks = [], []
-        for s in self._unfed.values():
-            if len(s.output) > s.drafter_fed:
+        for s, fed in self._unfed.values():
+            if len(s.output) > fed:
                 ids.append(s.req_id)
-                toks.append(s.output[s.drafter_fed:])
-                s.drafter_fed = len(s.output)
+                toks.append(s.output[fed:])
         if ids:
             self.queue.submit(drafter.extend_batch, ids, toks)
         if self._finished:

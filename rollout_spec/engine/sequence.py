@@ -31,7 +31,6 @@ class Sequence:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    drafter_fed: int = 0  # output tokens already handed to the drafter (feeding may be deferred)
 
     @property
     def ctx_len(self) -> int:
