@@ -444,7 +444,7 @@ def engine_rows(args: argparse.Namespace) -> None:
                   f"{row['secs']:.1f} |", flush=True)
             phase_rows.append((temp, b, base, spec, cost[(b, 1)]))
     print_phase_table(phase_rows)
-    print_budget_state(spec_eng.draft_budget, args.batch_sizes)
+    print_budget_state(spec_eng.draft_budget, args.batch_sizes, spec_eng.shadow_rounds)
     for b in args.profile:
         profile_generate(args, spec_eng, pool, stop, b)
     if args.reference:
@@ -478,14 +478,16 @@ def print_phase_table(rows: list) -> None:
               f"{base['outside_ms']:.0f}/{spec['outside_ms']:.0f} |")
 
 
-def print_budget_state(budget: object, batches: list[int]) -> None:
-    """What the engine's budget learned: acceptance per depth, residual step time per path, picks."""
+def print_budget_state(budget: object, batches: list[int], shadow_rounds: int) -> None:
+    """What the engine's budget learned: tokens per request per step by draft size, residual step
+    time per path, picks."""
     host = getattr(budget, "host", None)
     if host is None:
         return
-    rates = ", ".join(f"{r:.2f}" for r in budget.tracker.rate[1:])
-    print(f"\n## Budget state after the runs: acceptance by depth [{rates}], drafter fill "
-          f"{budget.fill:.2f}, steps observed plain/spec {host.counts()}")
+    gains = ", ".join(f"{k}: {budget.tracker.expected_tokens(k):.2f}" for k in budget.candidates[1:])
+    print(f"\n## Budget state after the runs: E(k) by draft size [{gains}], drafter fill "
+          f"{budget.fill:.2f}, steps observed plain/spec {host.counts()}, shadow rounds on plain "
+          f"steps {shadow_rounds}\ndecisions: {dict(budget.decisions.most_common())}")
     print("| B | GPU k=0 ms | residual plain ms | residual spec ms (k=4) | pick now | guard us/token "
           "plain / drafting |\n|---|---|---|---|---|---|")
     guard = getattr(budget, "guard", None)

@@ -102,19 +102,27 @@ def as_trees(result: Any, count: int) -> list[Tree]:
     return list(result)
 
 
-def accepted_length(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> int:
-    """Draft tokens accepted when the true continuation is ``target``: walk the tree along it.
+def accepted_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> list[int]:
+    """The nodes accepted when the true continuation is ``target``: walk the tree along it,
+    taking at each node its first child holding the next token.
 
     Nodes are topological, so one forward pass suffices: a child of the current node always
-    comes after it.
+    comes after it (and the path's indices increase).
     """
-    cur, acc = -1, 0
+    path: list[int] = []
+    cur = -1
     for i in range(len(tokens)):
-        if acc == len(target):
+        if len(path) == len(target):
             break
-        if parents[i] == cur and tokens[i] == target[acc]:
-            cur, acc = i, acc + 1
-    return acc
+        if parents[i] == cur and tokens[i] == target[len(path)]:
+            cur = i
+            path.append(i)
+    return path
+
+
+def accepted_length(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> int:
+    """Draft tokens accepted when the true continuation is ``target`` (``accepted_path``'s length)."""
+    return len(accepted_path(tokens, parents, target))
 
 
 @dataclass

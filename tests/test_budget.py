@@ -68,31 +68,37 @@ def test_probes_back_off_while_catch_up_is_costly_and_reset_once_drafting_passes
     probes = [i for i, p in enumerate(picks) if p]
     assert probes == ([2, 5, 11, 23, 47] if catch_up > 1e-3 else list(range(2, 69, 3)))
     assert set(picks) == {0, 2}
-    budget.tracker.rate[:] = 0.9
+    budget.tracker.reset(0.9)
     assert budget(16) > 0
-    budget.tracker.rate[:] = 0.0
+    budget.tracker.reset(0.0)
     assert [budget(8) for _ in range(3)] == [0, 0, 2]
 
 
-def test_tracker_learns_depth_rates_and_expected_tokens():
-    """Requests accept each depth with probability 0.7: estimates converge; E(k) follows."""
+def test_tracker_learns_expected_tokens_per_size():
+    """Requests accept each depth with probability 0.7: every offered size's mean converges to
+    its own sum of 0.7 ** d; sizes never offered keep the prior's."""
     rng = np.random.default_rng(0)
-    t = AcceptanceTracker(4, prior=0.1, decay=0.002)
-    for _ in range(300):
-        offered = np.full(64, 4)
+    t = AcceptanceTracker(8, prior=0.1, decay=0.0005)
+    for i in range(300):
+        offered = np.full(64, 4 if i % 2 else 2)
         accepted = np.minimum((rng.random((64, 4)) < 0.7).cumprod(axis=1).sum(axis=1), offered)
         t.update(offered, accepted)
-    assert np.allclose(t.rate[1:], 0.7, atol=0.05)
-    want = 1 + sum(0.7 ** d for d in range(1, 5))
-    assert t.expected_tokens(4) == pytest.approx(want, rel=0.05)
-    assert t.expected_tokens(0) == 1.0
-    assert t.expected_tokens(2) < t.expected_tokens(4)
+    for k in (2, 4):
+        assert t.expected_tokens(k) == pytest.approx(1 + sum(0.7 ** d for d in range(1, k + 1)), rel=0.03)
+    assert t.expected_tokens(8) == pytest.approx(1 + sum(0.1 ** d for d in range(1, 9)))
+    assert t.expected_tokens(0) == 1.0 and t.expected_tokens(100) == t.expected_tokens(8)
 
 
-def test_tracker_only_updates_reached_depths():
+def test_tracker_takes_every_size_from_one_tree_and_resets():
     t = AcceptanceTracker(3, prior=0.5, decay=1.0)
-    t.update(np.array([3, 3]), np.array([0, 0]))  # depth 1 rejected twice; deeper never reached
-    assert t.rate[1] == 0.0 and t.rate[2] == 0.5 and t.rate[3] == 0.5
+    t.update(np.array([2, 2, 3]), np.array([0, 2, 1]))  # sizes 2 and 3 measured, 1 not
+    assert t.accepted.tolist() == [0.0, 0.5, 1.0, 1.0]
+    t.update_sizes(np.array([[0, 1, 1, 2], [0, 0, 1, 1]]))  # two requests, walked at every size
+    assert t.accepted.tolist() == [0.0, 0.5, 1.0, 1.5]
+    t.update_sizes(np.array([[0, 1]]))  # a narrower measurement moves only its sizes
+    assert t.accepted.tolist() == [0.0, 1.0, 1.0, 1.5]
+    t.reset(0.5)
+    assert t.accepted.tolist() == [0.0, 0.5, 0.75, 0.875] and not t.seen.any()
 
 
 def test_tracker_rejects_inconsistent_counts():
@@ -101,6 +107,10 @@ def test_tracker_rejects_inconsistent_counts():
         t.update(np.array([1, 2]), np.array([2, 0]))
     with pytest.raises(ValueError, match="prior"):
         AcceptanceTracker(3, prior=1.5)
+    with pytest.raises(ValueError, match=r"\[0, k\]"):
+        t.update_sizes(np.array([[0, 2]]))
+    with pytest.raises(ValueError, match="shape"):
+        t.update_sizes(np.array([1, 2]))
 
 
 def test_cost_model_interpolates_and_round_trips(tmp_path):
@@ -163,7 +173,7 @@ def test_auto_budget_measures_grid_and_caches(tmp_path):
 def test_observe_feeds_the_tracker():
     budget = DraftBudget(synthetic_cost(2e-4, 2e-5), AcceptanceTracker(4, prior=0.5, decay=1.0), [4])
     budget.observe(np.array([4, 4]), np.array([0, 0]))
-    assert budget.tracker.rate[1] == 0.0 and budget.best(1) == 0
+    assert budget.tracker.expected_tokens(4) == 1.0 and budget.best(1) == 0
 
 
 def test_online_step_cost_recovers_a_linear_residual():
@@ -237,6 +247,23 @@ def gpu_grid() -> CostModel:
     """A GPU on which verification is cheap: W=9 costs 1.2x a decode at every B."""
     grid = tuple(tuple(3e-3 * (1 + 0.025 * (w - 1)) * (1 + b / 256) for w in WIDTHS) for b in BATCHES)
     return CostModel(BATCHES, WIDTHS, grid)
+
+
+def test_acceptance_measured_on_plain_steps_replaces_probes_while_the_model_says_plain():
+    """With ``observe_plain`` reporting low acceptance every 3 calls, a pick of 0 is never
+    probed; once it stops reporting, probes resume; high acceptance from it turns drafting on."""
+    cost = synthetic_cost(launch=2e-4, per_token=2e-5)
+    budget = DraftBudget(cost, tracker_with_rate(0.0), [2, 4], probe_every=3)
+    picks = []
+    for i in range(40):
+        if i % 3 == 0:
+            budget.observe_plain(np.zeros((16, 5)))  # 16 requests, nothing kept at any size
+        picks.append(budget(8))
+    assert picks == [0] * 40  # without observe_plain: probes at 2, 5, 8, ... (test above)
+    assert [budget(8) for _ in range(5)] == [0, 0, 2, 0, 0]  # no fresh figures: probes again
+    for _ in range(40):
+        budget.observe_plain(np.tile(np.arange(5), (16, 1)))  # everything kept
+    assert budget.best(8) == 4 and budget.tracker.expected_tokens(4) > 4.9
 
 
 def test_budget_turns_speculation_off_when_host_cost_eats_the_gain():
@@ -431,10 +458,24 @@ def test_pick_is_reused_for_a_few_calls_and_redone_when_the_batch_or_turn_change
     budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8])
     k = budget(8)
     assert k > 0
-    budget.tracker.rate[:] = 0.0  # no acceptance: drafting cannot pay
+    budget.tracker.reset(0.0)  # no acceptance: drafting cannot pay
     picks = [budget(8) for _ in range(budget.reuse)]
     assert picks == [k] * (budget.reuse - 1) + [0]  # the stale pick lasts out its turn
     assert budget(16) == 0 and budget(8) == 0
-    budget.tracker.rate[:] = 0.9
+    budget.tracker.reset(0.9)
     assert budget(7) == 0  # 7 and 8 share a half-octave: the turn goes on
     assert budget(16) == k  # a new half-octave decides afresh
+
+
+def test_decisions_count_each_step_by_its_reason():
+    """Every call lands in exactly one reason: drafting, the model's 0, the guard's veto, a probe."""
+    guard = ThroughputGuard(min_steps=1)
+    budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [4], probe_every=3, guard=guard)
+    budget.record_step(8, 0, 0, 1, 1e-6, tokens=8)
+    budget.record_step(8, 32, 32, 5, 1e-3, tokens=8)  # drafting measured far slower: vetoed
+    picks = [budget(8) for _ in range(6)]
+    assert picks == [0, 0, 4, 0, 0, 4]
+    assert budget.decisions == {"vetoed": 4, "probe": 2}
+    budget.tracker.reset(0.0)
+    budget(16)  # another half-octave: decided afresh
+    assert budget.decisions["model"] == 1 and sum(budget.decisions.values()) == 7

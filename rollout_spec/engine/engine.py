@@ -20,13 +20,17 @@ from rollout_spec.engine.model import Transformer
 from rollout_spec.engine.runner import ModelRunner
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
+from rollout_spec.engine.shadow_acceptance import ShadowAcceptance
 from rollout_spec.tree import DraftBatch
 from rollout_spec.verify import VerifyResult, verify
 
 DraftBudget = Callable[[int], Union[int, Seq[int], np.ndarray]]
 """Asked once per decode step with the number of running requests; returns the most draft nodes
 per request (one int for all, or one per request in running order). If the object also has
-``observe(offered, accepted)``, it is called after every decode step with per-request arrays."""
+``observe(offered, accepted)``, it is called after every decode step with per-request arrays;
+if it has ``observe_plain(accepted)``, plain steps measure acceptance for it with shadow
+proposals (``shadow_acceptance``) and pass it ``accepted[r, k]``, the nodes request r would have
+kept at every draft size k."""
 
 
 def pick_device(device: str | torch.device) -> torch.device:
@@ -111,6 +115,9 @@ class RolloutEngine:
             ("propose", "forward_verify", "commit", "steps", "prefill"), 0.0)
         default = spec.num_draft_tokens if isinstance(spec, SpecConfig) else 8
         self.draft_budget: DraftBudget = draft_budget or (lambda _num_running: default)
+        shadow_budget = min(default, self.max_draft_tokens)
+        self._shadow = (ShadowAcceptance(shadow_budget)
+                        if self._drafter is not None and shadow_budget else None)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         # Slack past max_model_len: a padded tree of the widest request is written past the root.
         self.runner = ModelRunner(model, num_slots, self.max_model_len + self.max_draft_tokens + 1)
@@ -181,6 +188,11 @@ class RolloutEngine:
         return self.runner.device
 
     @property
+    def shadow_rounds(self) -> int:
+        """Shadow proposals queued on plain steps so far (``shadow_acceptance``)."""
+        return self._shadow.rounds if self._shadow is not None else 0
+
+    @property
     def prefill_tokens(self) -> int:
         """Prompt tokens run through prefill so far (each shared prefill counts once)."""
         return self.runner.prefill_tokens
@@ -229,6 +241,9 @@ class RolloutEngine:
             self._account_last()
             if self._drafter is not None:
                 self._settle_drafter()
+                observe = getattr(self.draft_budget, "observe_plain", None)
+                if observe is not None and self._shadow is not None:
+                    self._shadow.harvest(observe)  # every round's requests have finished
         return finished
 
     def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
@@ -259,14 +274,26 @@ class RolloutEngine:
             batch = self._propose(run, budgets)
         t1 = self.clock()
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
-        if self._queue.overlap and batch.num_nodes == 0 and self._feed.due():
-            self._feed.flush(self._drafter)  # the worker feeds it while verify waits for the GPU
+        if batch.num_nodes == 0 and self._feed.due():
+            self._plain_hand_off(seqs, run)
         self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run, admits_after if self._queue.overlap else None)
         t3 = self.clock()
         self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), self._flush_seconds)
+
+    def _plain_hand_off(self, seqs: list[Sequence], run: RunningBatch) -> None:
+        """A plain step, every ``DrafterFeed.flush_every``: with the worker, hand it the deferred
+        tokens while verification waits for the GPU; with a budget that takes acceptance from
+        plain steps, queue a shadow round behind them and pass on the rounds that are ready."""
+        observe = getattr(self.draft_budget, "observe_plain", None) if self._shadow else None
+        if not self._queue.overlap and observe is None:
+            return
+        self._feed.flush(self._drafter)
+        if observe is not None:
+            self._shadow.harvest(observe)
+            self._shadow.propose(self._queue, self._drafter, seqs, run, self.max_model_len)
 
     def _account_last(self) -> None:
         """Feed the budget (acceptance, step wall time) and the per-phase clock with the last

@@ -1,0 +1,117 @@
+"""Shadow acceptance: a draft tree walked along what plain steps emitted measures what verifying
+it would have accepted -- in law (against ``verify``) and inside the engine."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_spec import SamplingParams
+from rollout_spec.replay import accepted_path
+from test_engine import ScriptedDrafter, engine, mixed_prompts, tiny_pair
+from test_verify import reference_logprobs
+from test_verify_law import ALPHA, DEVICE, SETTINGS, SHAPES, chi_square_pvalue, sample_emitted, toy_tree
+
+
+def test_walk_follows_the_first_sibling_holding_each_token() -> None:
+    tokens, parents = [5, 7, 5, 9, 3], [-1, -1, -1, 0, 3]  # node 2 repeats node 0's token
+    assert accepted_path(tokens, parents, [5, 9, 3, 1]) == [0, 3, 4]
+    assert accepted_path(tokens, parents, [7, 9]) == [1]
+    assert accepted_path(tokens, parents, [4, 5]) == []
+    assert accepted_path(tokens, parents, [5, 9]) == [0, 3]  # the output ended: so does the walk
+    assert accepted_path([], [], [5]) == []
+
+
+def walk_law(nodes: list[tuple[int, int]], logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """P(walked depth = d), d = 0..len(nodes), for a path drawn token by token from the rows:
+    a node is reached when its parent was and the parent's draw is its token (first sibling)."""
+    probs = [reference_logprobs(row, params).exp().numpy() for row in logits]
+    reach = {-1: 1.0}
+    depth = {-1: 0}
+    law = np.zeros(len(nodes) + 1)
+    for j, (tok, parent) in enumerate(nodes):
+        if any(t == tok and p == parent for t, p in nodes[:j]):
+            continue  # a repeated sibling is never walked into
+        reach[j] = reach[parent] * probs[parent + 1][tok]
+        depth[j] = depth[parent] + 1
+    for j, r in reach.items():
+        law[depth[j]] += r
+    law[:-1] -= law[1:].copy()  # P(depth >= d) -> P(depth = d)
+    return law
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "empty"])
+@pytest.mark.parametrize("setting", ["t1.0", "t0.7_p0.8", "t1.0_k3"])
+def test_verify_accepts_as_deep_as_a_plain_path_walks(shape: str, setting: str) -> None:
+    """The accepted depth of verify's samples fits the law of the walk along plain draws."""
+    seed = 100 + sorted(SHAPES).index(shape) * 10 + sorted(SETTINGS).index(setting)
+    nodes, logits = toy_tree(shape, seed)
+    params = SETTINGS[setting]
+    emitted = sample_emitted(nodes, logits, params, 100_000, seed)
+    accepted = (emitted >= 0).sum(axis=1) - 1
+    law = walk_law(nodes, logits, params)
+    counts = np.bincount(accepted, minlength=len(law))
+    assert counts[law == 0].sum() == 0
+    assert chi_square_pvalue(counts[law > 0], law[law > 0]) > ALPHA
+
+
+def test_the_law_check_detects_a_different_tree() -> None:
+    """Power: verify's depths on one tree do not fit the walk law of the same tree at T=0.7."""
+    nodes, logits = toy_tree("deep_branches", 5)
+    emitted = sample_emitted(nodes, logits, SETTINGS["t1.0"], 100_000, 5)
+    counts = np.bincount((emitted >= 0).sum(axis=1) - 1, minlength=len(nodes) + 1)
+    law = walk_law(nodes, logits, SETTINGS["t0.7"])
+    assert chi_square_pvalue(counts[law > 0], law[law > 0]) < ALPHA
+
+
+class PlainBudget:
+    """Never drafts; records what shadow proposals measured on the plain steps."""
+
+    def __init__(self) -> None:
+        self.seen: list[np.ndarray] = []
+
+    def __call__(self, batch_size: int) -> int:
+        return 0
+
+    def observe_plain(self, accepted: np.ndarray) -> None:
+        self.seen.append(accepted.copy())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_pair("llama", seed=3)[1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plain_steps_measure_acceptance_without_changing_outputs(model, overlap: bool) -> None:
+    """Greedy, 6 requests, 40 tokens: an oracle drafter's first budget // 2 = 4 nodes are the
+    true continuation, so a tree's first k nodes keep min(k, 4); a random drafter's almost
+    nothing. Rounds take requests with room for 8 more tokens. Outputs stay the plain ones."""
+    prompts = mixed_prompts(6, seed=12)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain = engine(model).generate(prompts, params)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    measured = {}
+    for mode in ("oracle", "random"):
+        budget = PlainBudget()
+        eng = engine(model, ScriptedDrafter(mode, truth, seed=2), draft_budget=budget, overlap_drafter=overlap)
+        outs = eng.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        assert all(o.num_draft_tokens == 0 for o in outs)
+        measured[mode] = np.concatenate(budget.seen)
+        assert measured[mode].shape == (6 * 3, 9)  # rounds at 8, 16, 24 tokens (32: too little room)
+    assert (measured["oracle"][:, :5] == np.minimum(np.arange(5), 4)).all()
+    assert (measured["oracle"][:, 5:] >= 4).all()
+    assert measured["random"][:, 8].mean() < 0.2
+
+
+def test_shadow_rounds_are_the_same_with_and_without_the_worker(model) -> None:
+    prompts = mixed_prompts(5, seed=13)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=4)
+    runs = []
+    for overlap in (False, True):
+        budget = PlainBudget()
+        engine(model, ScriptedDrafter("random", seed=6), draft_budget=budget,
+               overlap_drafter=overlap).generate(prompts, params)
+        runs.append([a.tolist() for a in budget.seen])
+    assert runs[0] == runs[1] and runs[0]
