@@ -8,6 +8,7 @@
 // sequence's memory; most records of a short key are decided that way.
 #pragma once
 
+#include "huge_pages.h"
 #include "prefetch.h"
 
 #include <cstddef>
@@ -74,7 +75,7 @@ class ChainTable {
     size_ = 0;
   }
 
-  const std::vector<ChainHead>& slots() const { return slots_; }
+  const std::vector<ChainHead, HugePageAllocator<ChainHead>>& slots() const { return slots_; }
   size_t size() const { return size_; }
   size_t memory_bytes() const { return slots_.capacity() * sizeof(ChainHead); }
 
@@ -84,7 +85,7 @@ class ChainTable {
   static size_t home(uint64_t key, size_t mask) { return (key >> 1) & mask; }
 
   void rehash(size_t cap) {
-    std::vector<ChainHead> old = std::move(slots_);
+    std::vector<ChainHead, HugePageAllocator<ChainHead>> old = std::move(slots_);
     slots_.assign(cap, ChainHead{});
     size_ = 0;
     // Moving a large table is a stream of random writes: prefetch a few slots ahead of them.
@@ -97,7 +98,7 @@ class ChainTable {
     }
   }
 
-  std::vector<ChainHead> slots_;  // linear probing; capacity a power of two
+  std::vector<ChainHead, HugePageAllocator<ChainHead>> slots_;  // linear probing; capacity a power of two
   size_t size_ = 0;               // occupied slots; kept <= half the capacity
 };
 
