@@ -55,6 +55,16 @@ class DraftBuilder {
     }
   };
   std::vector<Entry> heap_;  // frontier, a max-heap by (priority, -tie)
+  // Token -> child of the node being expanded (linear probing), kept at most half full: a node
+  // has at most as many children as the proposal has occurrences, and build sizes it for those.
+  struct Slot {
+    uint32_t stamp = 0;  // the expansion that filled it; any other stamp means empty
+    int32_t token = 0;   // the child's token
+    int32_t child = 0;   // child number, in the order of first member
+  };
+  int slot_bits_ = 0;        // the table has 2^slot_bits_ slots
+  std::vector<Slot> slots_;
+  uint32_t stamp_ = 0;       // the current expansion's stamp
 };
 
 }  // namespace rollout_spec
