@@ -103,13 +103,35 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
                      [](const Entry& a, const Entry& b) { return b < a; });
     heap_.resize(was + room_);
   }
+  queued(was);
+}
+
+void DraftBuilder::queued(size_t was) {
   // Keys are distinct (no two nodes share an occurrence and a depth), so the pop order does not
-  // depend on how the heap was built: a node's children are heapified at once when it is empty.
+  // depend on how the frontier is kept: a node's children are heapified at once when it is empty.
+  if (scan_) return;
   if (was == 0) {
     std::make_heap(heap_.begin(), heap_.end());
   } else {
     for (size_t k = was + 1; k <= heap_.size(); ++k) std::push_heap(heap_.begin(), heap_.begin() + k);
   }
+}
+
+DraftBuilder::Entry DraftBuilder::pop_best() {
+  if (!scan_) {
+    std::pop_heap(heap_.begin(), heap_.end());
+    const Entry e = heap_.back();
+    heap_.pop_back();
+    return e;
+  }
+  // The frontier of a small budget holds a few dozen entries at most: one pass picking the best
+  // (a select, no data-dependent branch) beats a heap's sift, which mispredicts at every level.
+  size_t best = 0;
+  for (size_t k = 1; k < heap_.size(); ++k) best = heap_[best] < heap_[k] ? k : best;
+  const Entry e = heap_[best];
+  heap_[best] = heap_.back();
+  heap_.pop_back();
+  return e;
 }
 
 void DraftBuilder::defer(int32_t node, int32_t max_depth) {
@@ -122,7 +144,7 @@ void DraftBuilder::defer(int32_t node, int32_t max_depth) {
   e.priority = n.priority * discount_[n.count] * (1.0 + 1e-9);
   e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth + 1;
   e.node = ~node;
-  std::push_heap(heap_.begin(), heap_.end());
+  queued(heap_.size() - 1);
 }
 
 void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
@@ -160,14 +182,14 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
     root.weight = total;
     root.prob = root.priority = 1.0;
     heap_.clear();
+    scan_ = budget <= kScanBudget;
     floor_ = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
     room_ = budget;
     expand(0, occ, view, max_depth);
     while (emitted < budget && !heap_.empty()) {
-      std::pop_heap(heap_.begin(), heap_.end());
-      const double priority = heap_.back().priority;
-      const int32_t id = heap_.back().node;
-      heap_.pop_back();
+      const Entry top = pop_best();
+      const double priority = top.priority;
+      const int32_t id = top.node;
       if (id < 0) {  // an emitted node's children are due: make them now
         expand(~id, occ, view, max_depth);
         continue;
