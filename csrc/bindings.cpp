@@ -45,14 +45,57 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
   return nb::ndarray<nb::numpy, T, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
 }
 
+// A Python list of Python ints, each in [lo, hi], into `out`; false (out unspecified) for
+// anything else: other types (numpy arrays, bools, floats) and out-of-range values take the
+// facade's validating path, which raises the precise error.
+template <class T>
+bool int_list(PyObject* obj, int64_t lo, int64_t hi, std::vector<T>& out) {
+  if (!PyList_CheckExact(obj)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(obj);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = PyList_GET_ITEM(obj, i);
+    if (!PyLong_CheckExact(v)) return false;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || x < lo || x > hi) return false;
+    out[static_cast<size_t>(i)] = static_cast<T>(x);
+  }
+  return true;
+}
+
+nb::tuple propose_output(DraftOutput&& out) {
+  return nb::make_tuple(to_numpy(std::move(out.offsets)), to_numpy(std::move(out.tokens)),
+                        to_numpy(std::move(out.parents)), to_numpy(std::move(out.probs)));
+}
+
+// propose's fast path for the decode loop's input: ids (and budgets, or None) as lists of
+// Python ints, converted here instead of through numpy (about 40 us per call of 512 requests).
+// Returns None, with nothing changed, when they are anything else; repeated and unknown ids
+// are the core's errors either way.
+nb::object propose_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budgets_obj) {
+  thread_local std::vector<int64_t> ids;
+  thread_local std::vector<int32_t> budgets;
+  if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return nb::none();
+  const bool have_budgets = !budgets_obj.is_none();
+  if (have_budgets && (!int_list(budgets_obj.ptr(), 0, int64_t(1) << 20, budgets) ||
+                       budgets.size() != ids.size()))
+    return nb::none();
+  DraftOutput out;
+  {
+    nb::gil_scoped_release release;
+    core.propose(ids.data(), have_budgets ? budgets.data() : nullptr, ids.size(), out);
+  }
+  return propose_output(std::move(out));
+}
+
 // extend's fast path for the usual input, a Python list of Python lists of ints: flattened here
 // without building numpy arrays. Returns false, with nothing changed, for anything else (other
 // types, bools, out-of-range values, a length mismatch); the facade then takes its validating path,
 // which raises the precise error.
-bool extend_lists(DrafterCore& core, Vec<int64_t> ids, nb::handle lists) {
+bool extend_flat(DrafterCore& core, const int64_t* ids, size_t n, nb::handle lists) {
   PyObject* outer = lists.ptr();
-  if (!PyList_CheckExact(outer) || static_cast<size_t>(PyList_GET_SIZE(outer)) != ids.shape(0)) return false;
-  const size_t n = ids.shape(0);
+  if (!PyList_CheckExact(outer) || static_cast<size_t>(PyList_GET_SIZE(outer)) != n) return false;
   std::vector<int64_t> offsets(n + 1, 0);
   std::vector<int32_t> tokens;
   for (size_t i = 0; i < n; ++i) {
@@ -70,8 +113,20 @@ bool extend_lists(DrafterCore& core, Vec<int64_t> ids, nb::handle lists) {
     offsets[i + 1] = static_cast<int64_t>(tokens.size());
   }
   nb::gil_scoped_release release;
-  core.extend(ids.data(), tokens.data(), offsets.data(), n);
+  core.extend(ids, tokens.data(), offsets.data(), n);
   return true;
+}
+
+bool extend_lists(DrafterCore& core, Vec<int64_t> ids, nb::handle lists) {
+  return extend_flat(core, ids.data(), ids.shape(0), lists);
+}
+
+// The same with the ids as a list of Python ints too (the decode loop's form): false, with
+// nothing changed, when they are anything else.
+bool extend_pylists(DrafterCore& core, nb::handle ids_obj, nb::handle lists) {
+  thread_local std::vector<int64_t> ids;
+  if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return false;
+  return extend_flat(core, ids.data(), ids.size(), lists);
 }
 
 nb::dict stats_dict(const DrafterCore& core) {
@@ -100,8 +155,7 @@ nb::tuple propose(DrafterCore& core, Vec<int64_t> ids, std::optional<Vec<int32_t
     nb::gil_scoped_release release;
     core.propose(ids.data(), budgets ? budgets->data() : nullptr, n, out);
   }
-  return nb::make_tuple(to_numpy(std::move(out.offsets)), to_numpy(std::move(out.tokens)),
-                        to_numpy(std::move(out.parents)), to_numpy(std::move(out.probs)));
+  return propose_output(std::move(out));
 }
 
 void bind_config(nb::module_& m) {
@@ -154,11 +208,13 @@ NB_MODULE(_core, m) {
         c.extend(ids.data(), toks.data(), offs.data(), ids.shape(0));
       })
       .def("extend_lists", &extend_lists, "ids"_a, "lists"_a)
+      .def("extend_pylists", &extend_pylists, "ids"_a, "lists"_a)
       .def("finish", [](DrafterCore& c, Vec<int64_t> ids) {
         nb::gil_scoped_release release;
         c.finish(ids.data(), ids.shape(0));
       })
       .def("propose", &propose, "ids"_a, "budgets"_a = nb::none())
+      .def("propose_lists", &propose_lists, "ids"_a, "budgets"_a = nb::none())
       .def("add_sequences", [](DrafterCore& c, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs, bool pinned) {
         check_csr(groups.shape(0), toks, offs);
         nb::gil_scoped_release release;

@@ -102,6 +102,11 @@ class ChainIndex {
   void restore(const std::vector<ChainRecord>& log,
                const std::function<const int32_t*(int32_t)>& tokens_of);
 
+  // Size every key length's table for `n` keys up front (they grow past it as needed).
+  void reserve_keys(size_t n) {
+    for (int ki = 0; ki < kNumKeys; ++ki) heads_[ki].reserve(n);
+  }
+
   // Records over all key lengths (a position counts once per key length that fits).
   size_t num_records() const { return records_; }
   size_t memory_bytes() const;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "chain_table.h"
+#include "huge_pages.h"
 
 namespace rollout_spec {
 
@@ -73,7 +74,11 @@ class ChainPool {
       free_[c] = arena_[b].seq;
     } else {
       b = static_cast<int32_t>(arena_.size());
-      arena_.resize(arena_.size() + capacity(c));
+      const size_t need = arena_.size() + capacity(c);
+      // Grow in powers of two: the allocator's size classes are powers of two, so any other
+      // capacity would leave part of its block unused.
+      if (need > arena_.capacity()) arena_.reserve(std::max<size_t>(64, size_t(1) << (64 - __builtin_clzll(need - 1))));
+      arena_.resize(need);
     }
     if (n > 0) {
       std::copy(arena_.begin() + old, arena_.begin() + old + n, arena_.begin() + b);
@@ -85,7 +90,7 @@ class ChainPool {
 
   int classes_ = 0;                 // size classes in use
   int32_t free_[kMaxClasses];       // per class: offset of the first free block, -1 if none
-  std::vector<ChainEntry> arena_;  // every block, addressed by the offset of its first entry
+  std::vector<ChainEntry, HugePageAllocator<ChainEntry>> arena_;  // every block, addressed by the offset of its first entry
 };
 
 }  // namespace rollout_spec

@@ -8,6 +8,7 @@
 // occurrence, would have created them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -54,7 +55,27 @@ class DraftBuilder {
       return priority != o.priority ? priority < o.priority : tie > o.tie;
     }
   };
-  std::vector<Entry> heap_;  // frontier, a max-heap by (priority, -tie)
+  // Frontier by (priority, -tie). With a budget of at most kScanBudget nodes it stays small (at
+  // most budget + 1 expansions queue at most budget children each, plus one deferred entry per
+  // emitted node), so it is kept unordered and searched in one pass per pop; larger budgets keep
+  // it a max-heap.
+  std::vector<Entry> heap_;
+  static constexpr int32_t kScanBudget = 16;
+  bool scan_ = true;  // the current build keeps heap_ unordered
+  // Entries heap_[was..] were just appended: restore the heap order if one is kept.
+  void queued(size_t was);
+  // Remove and return the frontier's best entry.
+  Entry pop_best();
+  // Token -> child of the node being expanded (linear probing), kept at most half full: a node
+  // has at most as many children as the proposal has occurrences, and build sizes it for those.
+  struct Slot {
+    uint32_t stamp = 0;  // the expansion that filled it; any other stamp means empty
+    int32_t token = 0;   // the child's token
+    int32_t child = 0;   // child number, in the order of first member
+  };
+  int slot_bits_ = 0;        // the table has 2^slot_bits_ slots
+  std::vector<Slot> slots_;
+  uint32_t stamp_ = 0;       // the current expansion's stamp
 };
 
 }  // namespace rollout_spec

@@ -133,6 +133,10 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     RequestState& req = requests_[ids[i]];
     req.slot = slot;
     req.own = ChainIndex(cfg_.chain_walk);
+    // Its own tables sized for the prompt and a response as long as recent ones: grown from
+    // 16 slots, each was rehashed again every time the response doubled the keys, inside the
+    // decode loop (extend 6-11% cheaper on the shared traces). Sizes change no lookup result.
+    req.own.reserve_keys(static_cast<size_t>(s.prompt_len) + static_cast<size_t>(mean_response_));
     // A position is indexed once its next token exists: the prompt's last one at the first extend.
     for (int32_t p = 0; p + 1 < s.prompt_len; ++p) index_position(slot, &req, p);
   }
@@ -255,6 +259,9 @@ void DrafterCore::finish(const int64_t* ids, size_t n) {
     auto it = requests_.find(ids[i]);
     const int32_t slot = it->second.slot;
     Sequence& s = seqs_[slot];
+    // Mean over the finished responses, the last 1024 or so weighing most once there are more.
+    const double len = static_cast<double>(s.tokens.size()) - s.prompt_len;
+    mean_response_ += (len - mean_response_) / static_cast<double>(std::min<int64_t>(++finished_, 1024));
     s.live = false;
     s.req_id = -1;
     s.step = step_;

@@ -104,6 +104,8 @@ class DrafterCore {
   int64_t evictions_ = 0;                              // sequences evicted so far
   int64_t proposals_ = 0;                              // request proposals with budget > 0
   int64_t gathers_ = 0;                                // proposals that searched the chains
+  double mean_response_ = 0.0;                         // recent finished responses' mean length
+  int64_t finished_ = 0;                               // responses finished (caps mean's window)
   mutable DraftBuilder builder_;                       // scratch trie and heap for propose
   std::vector<RequestState*> reqs_;                    // scratch: states of the current call's ids
   uint64_t call_ = 0;                                  // stamps reqs_ entries to catch repeated ids

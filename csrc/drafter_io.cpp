@@ -25,8 +25,8 @@ T get(std::istream& is) {
   return v;
 }
 
-template <class T>
-void put_vec(std::ostream& os, const std::vector<T>& v) {
+template <class T, class A>
+void put_vec(std::ostream& os, const std::vector<T, A>& v) {
   put<uint64_t>(os, v.size());
   os.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
 }
@@ -106,7 +106,8 @@ std::string DrafterCore::load(std::istream& is) {
   seqs_.assign(get<uint64_t>(is), Sequence{});
   stored_tokens_ = 0;
   for (Sequence& s : seqs_) {
-    s.tokens = get_vec<int32_t>(is);
+    const std::vector<int32_t> tokens = get_vec<int32_t>(is);
+    s.tokens.assign(tokens.begin(), tokens.end());
     s.req_id = get<int64_t>(is);
     s.group = get<int32_t>(is);
     s.prompt_len = get<int32_t>(is);

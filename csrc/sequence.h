@@ -4,10 +4,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "huge_pages.h"
+
 namespace rollout_spec {
 
 struct Sequence {
-  std::vector<int32_t> tokens;  // prompt (if any) followed by the response tokens
+  std::vector<int32_t, HugePageAllocator<int32_t>> tokens;  // prompt (if any) followed by the response tokens
   int64_t req_id = -1;          // the live request writing it, -1 once finished or when ingested
   int32_t group = -1;           // group_id shared by a prompt's samples; -1 means none
   int32_t prompt_len = 0;       // leading tokens indexed only in the request scope

@@ -169,6 +169,10 @@ class NgramDrafter:
 
     def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[TokenIds]) -> None:
         """Batch form of ``extend``; raises ValueError for unknown or repeated ids or bad tokens."""
+        # Ids and token lists as lists of Python ints (the decode loop's form) are converted
+        # natively; anything else, including every invalid input, takes the validating path.
+        if self._core.extend_pylists(req_ids, token_lists):
+            return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         # Lists of Python ints (the decode loop's form) are converted natively; anything else,
         # including every invalid input, goes through the validating path below.
@@ -199,6 +203,11 @@ class NgramDrafter:
         Returns:
             A DraftBatch; siblings are ordered best first, ``probs`` are path probabilities.
         """
+        # Lists of Python ints (the decode loop's form) are converted natively; anything else,
+        # including every invalid input, takes the validating path below.
+        fast = self._core.propose_lists(req_ids, budgets)
+        if fast is not None:
+            return DraftBatch(offsets=fast[0], tokens=fast[1], parents=fast[2], probs=fast[3])
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         native_budgets = None
         if budgets is not None:

@@ -1,0 +1,98 @@
+#include "huge_pages.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+
+#include <pthread.h>
+#include <sys/mman.h>
+
+namespace rollout_spec {
+
+namespace {
+constexpr size_t kChunk = size_t(1) << 21;  // 2 MB: the huge page size of x86-64 and arm64
+constexpr int kMinShift = 6;                // smallest block: one cache line
+constexpr int kMaxShift = 20;               // largest block carved from a chunk: 1 MB
+
+// 2 MB-aligned memory advised to be backed by huge pages (advice only: never fails for it).
+void* huge_pages(size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kChunk, bytes) != 0) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+// Size class of a block: blocks of class c hold 2^c bytes.
+int class_of(size_t bytes) {
+  int c = kMinShift;
+  while ((size_t(1) << c) < bytes) ++c;
+  return c;
+}
+
+struct Arena {
+  std::mutex mu;                       // drafters of several threads share the arena
+  void* free[kMaxShift + 1] = {};      // per class: freed blocks, linked through their first word
+  char* cur = nullptr;                 // unused rest of the newest chunk
+  size_t left = 0;                     // its bytes
+};
+
+// Never destroyed: arrays may be freed during static destruction, after a local static would be.
+// A fork while another thread holds the lock would leave the child's copy locked forever, so
+// the lock is taken around fork (as glibc does for malloc's own locks).
+Arena& arena() {
+  static Arena* a = [] {
+    Arena* made = new Arena;
+    pthread_atfork([] { arena().mu.lock(); }, [] { arena().mu.unlock(); },
+                   [] { arena().mu.unlock(); });
+    return made;
+  }();
+  return *a;
+}
+}  // namespace
+
+void* huge_alloc(size_t bytes) {
+  if (bytes > (size_t(1) << kMaxShift)) return huge_pages((bytes + kChunk - 1) & ~(kChunk - 1));
+  const int c = class_of(bytes);
+  const size_t size = size_t(1) << c;
+  Arena& a = arena();
+  std::lock_guard<std::mutex> lock(a.mu);
+  if (void* p = a.free[c]) {
+    a.free[c] = *static_cast<void**>(p);
+    return p;
+  }
+  if (a.left < size) {
+    // The chunk's rest is too small for this block: hand it out as smaller blocks later.
+    while (a.left >= (size_t(1) << kMinShift)) {
+      int r = kMinShift;
+      while ((size_t(2) << r) <= a.left) ++r;
+      *reinterpret_cast<void**>(a.cur) = a.free[r];
+      a.free[r] = a.cur;
+      a.cur += size_t(1) << r;
+      a.left -= size_t(1) << r;
+    }
+    a.cur = static_cast<char*>(huge_pages(kChunk));
+    a.left = kChunk;
+  }
+  void* p = a.cur;
+  a.cur += size;
+  a.left -= size;
+  return p;
+}
+
+void huge_free(void* p, size_t bytes) noexcept {
+  if (!p) return;
+  if (bytes > (size_t(1) << kMaxShift)) {
+    std::free(p);
+    return;
+  }
+  const int c = class_of(bytes);
+  Arena& a = arena();
+  std::lock_guard<std::mutex> lock(a.mu);
+  *static_cast<void**>(p) = a.free[c];
+  a.free[c] = p;
+}
+
+}  // namespace rollout_spec
