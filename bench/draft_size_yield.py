@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     paths = args.trace or sorted(glob.glob(SHARED))
     if not paths:
         ap.error(f"no trace given and none found at {SHARED}")
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        ap.error(f"--trace: no such file: {', '.join(missing)}")
     print("| trace | E(k) | " + " | ".join(f"k={k}" for k in SIZES) + " |\n|---|---|" + "---|" * len(SIZES))
     for path in paths:
         trace = load_trace(path)

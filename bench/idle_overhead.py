@@ -1,0 +1,91 @@
+"""What a speculative engine costs while it never drafts: ms per decode step, same run.
+
+Three engines on one SmolLM2-135M-shaped model with random weights (no checkpoint needed): the
+plain engine (no drafter), the speculative engine with a budget of 0 (its drafter is fed, nothing
+is proposed), and the same with a budget that also takes acceptance from plain steps (shadow
+proposals every 8 plain steps, ``engine/shadow_acceptance.py``). Each row is several interleaved
+rounds of ``generate`` (the first is a warm-up); it prints the median ms per decode step with
+the range, and the median ``generate`` seconds.
+
+    python bench/idle_overhead.py --device cuda
+    python bench/idle_overhead.py --device cpu --slots 8 --batch-sizes 1 --new-tokens 24
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_bench import random_model  # noqa: E402
+from rollout_spec import SamplingParams, SpecConfig  # noqa: E402
+from rollout_spec.engine import RolloutEngine  # noqa: E402
+
+
+class ShadowOnlyBudget:
+    """Never drafts, but has ``observe_plain``, so the engine runs its shadow proposals."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def __call__(self, batch_size: int) -> int:
+        return 0
+
+    def observe_plain(self, accepted: np.ndarray) -> None:
+        self.rows += len(accepted)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the three engines and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--slots", type=int, default=256, help="KV slots per engine (default 256)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens per sample (default 256)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per row, the first a warm-up")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (use --device cpu)")
+    if min(args.batch_sizes) < 1 or max(args.batch_sizes) > args.slots:
+        ap.error(f"--batch-sizes must be in [1, --slots={args.slots}]")
+    if args.new_tokens < 1 or args.rounds < 2:
+        ap.error("--new-tokens must be >= 1 and --rounds >= 2")
+    dev = torch.device(args.device)
+    model, _ = random_model(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    kw = dict(num_slots=args.slots, max_model_len=128 + args.new_tokens + 16)
+    spec = SpecConfig(num_draft_tokens=8)
+    engines = {
+        "plain": RolloutEngine(model, None, None, **kw),
+        "spec, budget 0": RolloutEngine(model, None, spec, draft_budget=lambda b: 0, **kw),
+        "spec, budget 0 + shadow": RolloutEngine(model, None, spec, draft_budget=ShadowOnlyBudget(), **kw),
+    }
+    rng = np.random.default_rng(0)
+    print("| B | engine | ms per decode step, median (range) | generate s, median |\n|---|---|---|---|")
+    for b in args.batch_sizes:
+        n = 2 if b == 1 else 8  # GRPO's n; at B=1 two samples run one after the other
+        prompts = [rng.integers(0, 49152, 128).tolist() for _ in range(max(1, b // n))]
+        params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.new_tokens, seed=1)
+        got: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in engines}
+        for r in range(args.rounds):
+            for name, eng in engines.items():
+                before = dict(eng.phase_seconds)
+                t0 = time.perf_counter()
+                eng.generate(prompts, params, max_running=b)
+                wall = time.perf_counter() - t0
+                d = {k: eng.phase_seconds[k] - before[k] for k in before}
+                if r:
+                    got[name][0].append(1e3 * (d["propose"] + d["forward_verify"] + d["commit"]) / d["steps"])
+                    got[name][1].append(wall)
+        for name, (ms, wall) in got.items():
+            print(f"| {b} | {name} | {np.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f}) | "
+                  f"{np.median(wall):.3f} |", flush=True)
+    print(f"shadow measurements taken: {engines['spec, budget 0 + shadow'].draft_budget.rows} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""CPU smoke runs of the budget's two bench scripts: ``draft_size_yield.py`` (E(k) three ways on a
+trace) and ``idle_overhead.py`` (a speculative engine that never drafts), and their flag errors."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import draft_size_yield  # noqa: E402
+import engine_bench  # noqa: E402
+import idle_overhead  # noqa: E402
+from rollout_spec.replay import save_trace  # noqa: E402
+from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The data rows of the printed markdown table, cells stripped."""
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in r] for r in rows if not r[0].strip().startswith(("B", "trace"))]
+
+
+def test_draft_size_yield_prints_three_estimates_per_size(tmp_path, capsys) -> None:
+    path = tmp_path / "t.json.gz"
+    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=3)), path)
+    draft_size_yield.main(["--trace", str(path), "--steps", "2", "--max-live", "8"])
+    rows = {r[1]: [float(x) for x in r[2:]] for r in table_rows(capsys.readouterr().out)}
+    assert set(rows) == {"proposed at k", "prefix of 8-node trees", "per-depth model"}
+    prefix = rows["prefix of 8-node trees"]
+    assert prefix == sorted(prefix) and prefix[0] > 1.0  # a tree's first k nodes keep more as k grows
+    assert rows["proposed at k"][-1] == prefix[-1]  # k = 8: the same replay either way
+
+
+def test_idle_overhead_runs_three_engines_and_takes_shadow_measurements(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(engine_bench.SMOLLM2_135M, "num_hidden_layers", 2)
+    idle_overhead.main(["--device", "cpu", "--slots", "4", "--batch-sizes", "1", "--new-tokens", "20",
+                        "--rounds", "2"])
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert [r[1] for r in rows] == ["plain", "spec, budget 0", "spec, budget 0 + shadow"]
+    assert all(float(r[2].split()[0]) > 0 for r in rows)
+    assert int(out.split("shadow measurements taken: ")[1].split()[0]) > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps"),
+    (["--trace", "/nonexistent/t.json.gz"], "/nonexistent/t.json.gz"),
+])
+def test_draft_size_yield_bad_flags(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        draft_size_yield.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_idle_overhead_bad_flags(capsys) -> None:
+    with pytest.raises(SystemExit):
+        idle_overhead.main(["--device", "cpu", "--slots", "4", "--batch-sizes", "8"])
+    assert "--batch-sizes" in capsys.readouterr().err
