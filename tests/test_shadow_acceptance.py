@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollout_spec import SamplingParams
+from rollout_spec.tree import DraftBatch
 from rollout_spec.replay import accepted_path
 from test_engine import ScriptedDrafter, engine, mixed_prompts, tiny_pair
 from test_verify import reference_logprobs
@@ -115,3 +116,13 @@ def test_shadow_rounds_are_the_same_with_and_without_the_worker(model) -> None:
                overlap_drafter=overlap).generate(prompts, params)
         runs.append([a.tolist() for a in budget.seen])
     assert runs[0] == runs[1] and runs[0]
+
+
+def test_a_drafter_breaking_the_contract_in_a_shadow_round_is_named(model) -> None:
+    class TooMany(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            return DraftBatch.from_lists([[(1, -1)]] * (len(req_ids) + 1))
+
+    with pytest.raises(ValueError, match=r"drafter returned 3 trees .* for 2 requests"):
+        engine(model, TooMany("random"), draft_budget=PlainBudget(), overlap_drafter=False).generate(
+            [[1, 2, 3]], SamplingParams(n=2, temperature=0.0, max_new_tokens=30))

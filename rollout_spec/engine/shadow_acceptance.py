@@ -76,6 +76,10 @@ class ShadowAcceptance:
                 waiting.append(entry)
                 continue
             batch: DraftBatch = future.result()
+            batch.validate()
+            if batch.num_requests != len(seqs) or (batch.sizes() > self.budget).any():
+                raise ValueError(f"drafter returned {batch.num_requests} trees of sizes "
+                                 f"{batch.sizes().tolist()} for {len(seqs)} requests with budget {self.budget}")
             off = batch.offsets.tolist()
             toks, pars = batch.tokens.tolist(), batch.parents.tolist()
             accepted = np.zeros((len(seqs), self.budget + 1), np.int64)
