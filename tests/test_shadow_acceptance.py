@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from rollout_spec import SamplingParams
-from rollout_spec.tree import DraftBatch
 from rollout_spec.replay import accepted_path
+from rollout_spec.tree import DraftBatch
 from test_engine import ScriptedDrafter, engine, mixed_prompts, tiny_pair
 from test_verify import reference_logprobs
-from test_verify_law import ALPHA, DEVICE, SETTINGS, SHAPES, chi_square_pvalue, sample_emitted, toy_tree
+from test_verify_law import ALPHA, SETTINGS, SHAPES, chi_square_pvalue, sample_emitted, toy_tree
 
 
 def test_walk_follows_the_first_sibling_holding_each_token() -> None:
