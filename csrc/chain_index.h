@@ -84,11 +84,16 @@ class ChainIndex {
     o.last = older - 1;
     return o;
   }
-  // Start loading every line of those records.
-  static void prefetch(const Older& o) {
-    const char* p = reinterpret_cast<const char*>(o.base);
-    for (int32_t off = 0; off < o.cap * static_cast<int32_t>(sizeof(ChainEntry)); off += 64)
-      prefetch_line(p + off);
+  // Start loading the lines of the newest `n` of those records (every line of the block when
+  // they fill it).
+  static void prefetch(const Older& o, int32_t n) {
+    if (n >= o.cap) {
+      const char* p = reinterpret_cast<const char*>(o.base);
+      for (int32_t off = 0; off < o.cap * static_cast<int32_t>(sizeof(ChainEntry)); off += 64)
+        prefetch_line(p + off);
+      return;
+    }
+    for (int32_t t = 0; t < std::min(n, o.n); ++t) prefetch_line(o.base + (o.last - t) % o.cap);
   }
 
   // The insertion log: every indexed position, oldest first.

@@ -17,8 +17,10 @@ struct CoreConfig {
   double scope_weight[3] = {1.0, 1.0, 0.5};// priors of the request, group and global scopes
   int64_t history_steps = 4;               // earlier RL steps kept in a group's scope
   int64_t capacity_tokens = 16000000;      // stored-token bound of finished sequences
-  int32_t max_occurrences = 16;            // occurrences gathered per scope per propose
-  int32_t chain_walk = 64;                 // chain records inspected per key length per scope
+  int32_t max_occurrences = 16;            // occurrences gathered per propose: request, group scope
+  int32_t global_max_occurrences = 16;     // ... and global scope
+  int32_t chain_walk = 64;                 // chain records inspected per key length per scope ...
+  int32_t global_unigram_walk = 64;        // ... except the global scope's 1-gram chains
   int32_t enough_occurrences = 16;         // shorter key lengths are tried only below this count
   double evidence_discount = 1.0;          // beta: a node backed by n occurrences keeps n/(n+beta)
   int32_t match_power = 1;                 // occurrence weight grows as match_len ** match_power

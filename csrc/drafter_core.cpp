@@ -21,10 +21,14 @@ constexpr int kGroupScope = 1;
 constexpr int kGlobalScope = 2;
 }  // namespace
 
-DrafterCore::DrafterCore(const CoreConfig& cfg) : cfg_(cfg), global_(cfg.chain_walk) {
+DrafterCore::DrafterCore(const CoreConfig& cfg)
+    : cfg_(cfg), global_(std::max(cfg.chain_walk, cfg.global_unigram_walk)) {
   // Chains keep only the records a search may read (ChainPool's classes go up to 4095).
   if (cfg.chain_walk < 1 || cfg.chain_walk > 4096)
     throw std::invalid_argument("chain_walk must be in [1, 4096], got " + std::to_string(cfg.chain_walk));
+  if (cfg.global_unigram_walk < 1 || cfg.global_unigram_walk > 4096)
+    throw std::invalid_argument("global_unigram_walk must be in [1, 4096], got " +
+                                std::to_string(cfg.global_unigram_walk));
   if (cfg.propose_threads < 0 || cfg.propose_threads > 256)
     throw std::invalid_argument("propose_threads must be in [0, 256], got " + std::to_string(cfg.propose_threads));
   if (cfg.parallel_min_requests < 1)

@@ -80,6 +80,11 @@ class DrafterCore {
   void advance(RequestState& req, int32_t first) const;
   // Forget every request's match state (slots were freed, or scopes changed).
   void drop_matches();
+  // Chain records a search reads per key length: chain_walk, but global_unigram_walk for the
+  // global scope's 1-gram chains (at T=1.0 most evidence is a one-token match on other rollouts).
+  int32_t walk(int scope, int ki) const {
+    return scope == 2 && kKeyLens[ki] == 1 ? cfg_.global_unigram_walk : cfg_.chain_walk;
+  }
   template <class Accept>
   void gather_scope(const ChainIndex& index, int scope, const SlotView& ctx,
                     const ChainHead* const* heads, Accept accept, std::vector<Occurrence>& occ) const;

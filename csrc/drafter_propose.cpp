@@ -24,7 +24,7 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
                                const ChainHead* const* heads, Accept accept,
                                std::vector<Occurrence>& occ) const {
   const size_t first = occ.size();
-  const size_t cap = static_cast<size_t>(cfg_.max_occurrences);
+  const size_t cap = static_cast<size_t>(scope == 2 ? cfg_.global_max_occurrences : cfg_.max_occurrences);
   const int32_t c = ctx.size - 1;
   for (int ki = 0; ki < kNumKeys; ++ki) {
     if (occ.size() - first >= static_cast<size_t>(cfg_.enough_occurrences)) break;
@@ -68,7 +68,7 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
     if (take(h->newest)) return;
     // The older records kept sit in one block, whose lines were prefetched with the heads.
     const ChainIndex::Older older = index.older(*h);
-    const int32_t n = std::min(older.n, cfg_.chain_walk - 1);
+    const int32_t n = std::min(older.n, walk(scope, ki) - 1);
     for (int32_t t = 0; t < n; ++t) {
       const ChainEntry& e = older.base[(older.last - t) % older.cap];
       if (longer(e.before)) prefetch_line(view_[e.seq].tokens + e.pos);
@@ -108,7 +108,7 @@ void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) 
       const ChainEntry& e = h->newest;
       if (e.before >= 0 && ctx.size > kKeyLens[ki] && ctx.tokens[ctx.size - 1 - kKeyLens[ki]] == e.before)
         prefetch_line(view_[e.seq].tokens + e.pos);
-      ChainIndex::prefetch(index[sc]->older(*h));
+      ChainIndex::prefetch(index[sc]->older(*h), walk(sc, ki) - 1);
     }
   if (index[0]) gather_scope(*index[0], 0, ctx, heads[0], [](int32_t) { return true; }, occ);
   if (index[1])

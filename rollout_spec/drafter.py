@@ -33,13 +33,17 @@ _MAX_TOKEN = 2**31 - 1
 _MAX_REQ_ID = 2**63 - 1
 
 #: Search constants (tuned on the shared GRPO traces, see docs/drafter.md): occurrences gathered
-#: per scope per proposal, the count below which shorter key lengths are tried (a few long
-#: matches are enough evidence; short ones need many), chain records inspected per key length
-#: and scope, the exponent of match_len in an occurrence's weight, and beta of the evidence
-#: discount n / (n + beta) applied to a node backed by n occurrences.
-MAX_OCCURRENCES = 32
+#: per proposal in the request and in the group scope, and in the global scope; the count below
+#: which shorter key lengths are tried (a few long matches are enough evidence; short ones need
+#: many); chain records inspected per key length and scope, except the global scope's 1-gram
+#: chains (at T=1.0 most evidence is one token matched in other rollouts); the exponent of
+#: match_len in an occurrence's weight, and beta of the evidence discount n / (n + beta) applied
+#: to a node backed by n occurrences.
+MAX_OCCURRENCES = 16
+GLOBAL_MAX_OCCURRENCES = 32
 ENOUGH_OCCURRENCES = 8
-CHAIN_WALK = 32
+CHAIN_WALK = 16
+GLOBAL_UNIGRAM_WALK = 32
 MATCH_POWER = 2
 EVIDENCE_DISCOUNT = 1.0
 #: Match state: a request's occurrences are advanced by the tokens it commits and reused by the
@@ -103,8 +107,10 @@ def _core_config(config: SpecConfig) -> "_core.CoreConfig":
         setattr(c, name, getattr(config, name))
     c.set_scope_weights(config.request_weight, config.group_weight, config.global_weight)
     c.max_occurrences = MAX_OCCURRENCES
+    c.global_max_occurrences = GLOBAL_MAX_OCCURRENCES
     c.enough_occurrences = ENOUGH_OCCURRENCES
     c.chain_walk = CHAIN_WALK
+    c.global_unigram_walk = GLOBAL_UNIGRAM_WALK
     c.match_power = MATCH_POWER
     c.evidence_discount = EVIDENCE_DISCOUNT
     c.regather_below = REGATHER_BELOW

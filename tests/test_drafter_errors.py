@@ -81,12 +81,13 @@ def test_finished_request_id_can_be_reused(drafter):
     assert drafter.propose([0]).num_nodes > 0
 
 
+@pytest.mark.parametrize("field", ["chain_walk", "global_unigram_walk"])
 @pytest.mark.parametrize("walk", [0, 4097])
-def test_core_rejects_a_chain_walk_it_cannot_store(walk):
+def test_core_rejects_a_chain_walk_it_cannot_store(field, walk):
     """Chains keep only the records a search reads, in blocks of at most 4095 older ones."""
     from rollout_spec import _core
     from rollout_spec.drafter import _core_config
     cfg = _core_config(SpecConfig())
-    cfg.chain_walk = walk
-    with pytest.raises(ValueError, match=r"chain_walk must be in \[1, 4096\]"):
+    setattr(cfg, field, walk)
+    with pytest.raises(ValueError, match=rf"^{field} must be in \[1, 4096\]"):
         _core.DrafterCore(cfg)

@@ -26,8 +26,8 @@ class RefDrafter:
     """Pure-Python model of DrafterCore (exact same outputs, none of its speed)."""
 
     def __init__(self, cfg: SpecConfig, capacity: int, regather: tuple[int, int],
-                 walk: int = drafter_mod.CHAIN_WALK):
-        self.cfg, self.capacity, self.walk = cfg, capacity, walk
+                 walk: int = drafter_mod.CHAIN_WALK, global_unigram_walk: int = drafter_mod.GLOBAL_UNIGRAM_WALK):
+        self.cfg, self.capacity, self.walk, self.global_unigram_walk = cfg, capacity, walk, global_unigram_walk
         self.regather_below, self.regather_every = regather
         self.match: dict[int, dict] = {}  # per live request: occ, since (tokens), gathered
         self.weights = (cfg.request_weight, cfg.group_weight, cfg.global_weight)
@@ -155,7 +155,9 @@ class RefDrafter:
     # -- proposals
     def _scope(self, index, scope, ctx, accept, occ):
         cfg, first = self.cfg, len(occ)
+        cap = drafter_mod.GLOBAL_MAX_OCCURRENCES if scope == 2 else drafter_mod.MAX_OCCURRENCES
         for ki, k in enumerate(KEYS):
+            limit = self.global_unigram_walk if scope == 2 and k == 1 else self.walk
             if len(occ) - first >= drafter_mod.ENOUGH_OCCURRENCES:
                 break  # shorter keys only while too few were found
             if k > len(ctx):
@@ -166,7 +168,7 @@ class RefDrafter:
                 toks = self.seqs[seq]["tokens"]
                 if toks[pos - k + 1:pos + 1] != key:
                     continue  # another chain
-                if walked >= self.walk:
+                if walked >= limit:
                     break
                 walked += 1
                 if not accept(seq) or any(o[0] == seq and o[1] == pos for o in occ[first:]):
@@ -177,7 +179,7 @@ class RefDrafter:
                 if m < need:
                     continue
                 occ.append((seq, pos, m, scope))
-                if len(occ) - first >= drafter_mod.MAX_OCCURRENCES:
+                if len(occ) - first >= cap:
                     break
 
     def _gather(self, rid):
@@ -257,17 +259,20 @@ class RefDrafter:
 
 
 def make_pair(cfg: SpecConfig, capacity: int, regather: tuple[int, int],
-              walk: int = drafter_mod.CHAIN_WALK) -> tuple[NgramDrafter, RefDrafter]:
+              walk: int = drafter_mod.CHAIN_WALK,
+              global_unigram_walk: int = drafter_mod.GLOBAL_UNIGRAM_WALK) -> tuple[NgramDrafter, RefDrafter]:
     """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens), the
     given match-state refresh rule (small values make reuse and refresh both happen often) and
-    chain walk (small values make the core's chains drop old records, and reuse their storage)."""
+    chain walks (small values make the core's chains drop old records, and reuse their storage;
+    the global index keeps the longer of the two)."""
     d = NgramDrafter(cfg)
     core_cfg = _core_config(cfg)
     core_cfg.capacity_tokens = capacity
     core_cfg.regather_below, core_cfg.regather_every = regather
     core_cfg.chain_walk = walk
+    core_cfg.global_unigram_walk = global_unigram_walk
     d._core = _core.DrafterCore(core_cfg)
-    return d, RefDrafter(cfg, capacity, regather, walk)
+    return d, RefDrafter(cfg, capacity, regather, walk, global_unigram_walk)
 
 
 def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
@@ -320,9 +325,10 @@ config_st = st.builds(
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, capacity=st.integers(20, 80), ops=st.lists(op_st, min_size=1, max_size=40),
        regather=st.tuples(st.integers(1, 4), st.integers(1, 12)),
-       walk=st.sampled_from([1, 2, 3, 5, drafter_mod.CHAIN_WALK]))
-def test_random_operations_match_reference(cfg, capacity, ops, regather, walk):
-    d, ref = make_pair(cfg, capacity, regather, walk)
+       walk=st.sampled_from([1, 2, 3, 5, drafter_mod.CHAIN_WALK]),
+       global_unigram_walk=st.sampled_from([1, 2, 4, drafter_mod.GLOBAL_UNIGRAM_WALK]))
+def test_random_operations_match_reference(cfg, capacity, ops, regather, walk, global_unigram_walk):
+    d, ref = make_pair(cfg, capacity, regather, walk, global_unigram_walk)
     live: list[int] = []
     next_id = 0
     for op in ops:
@@ -365,10 +371,11 @@ def test_random_operations_match_reference(cfg, capacity, ops, regather, walk):
 
 def test_chain_walk_reads_exactly_the_newest_records():
     """A chain longer than the walk: only its newest `walk` records are read, also after the
-    core's fixed-size chain storage has wrapped around several times."""
+    core's fixed-size chain storage has wrapped around several times. These are global 1-gram
+    chains, so global_unigram_walk is the walk; chain_walk (the other chains') varies around it."""
     cfg = SpecConfig(adaptive_budget=False, num_draft_tokens=8)
-    for walk in (1, 2, 3, 4, 5, 8):
-        d, ref = make_pair(cfg, 10**6, (1, 1), walk)
+    for other, walk in ((1, 1), (2, 2), (5, 3), (1, 4), (5, 5), (3, 8), (16, 8)):
+        d, ref = make_pair(cfg, 10**6, (1, 1), other, walk)
         for n in (3, 10, 40):
             seqs = [[1, 100 + len(ref.seqs) + i] for i in range(n)]  # token 1, then a new token
             d.add_sequences([None] * n, seqs)
