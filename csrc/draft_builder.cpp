@@ -80,7 +80,7 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     const int32_t c = scratch_[j];
     if (c >= 0) members_[nodes_[c].members + fill_[c - first_child]++] = members_[parent.members + j];
   }
-  const size_t was = heap_.size();
+  const size_t was = frontier_.size();
   for (int32_t c = first_child; c < last; ++c) {
     TrieNode& n = nodes_[c];
     const double ratio = n.weight / parent.weight;
@@ -91,17 +91,17 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     n.priority = parent.priority * ratio * discount_[n.count];
     // A node below the floor would be popped and dropped with its subtree: never queue it.
     if (n.prob < floor_ || n.priority <= 0.0) continue;
-    Entry& e = heap_.emplace_back();  // ties: the earlier occurrence, then shallower
+    Entry& e = frontier_.emplace_back();  // ties: the earlier occurrence, then shallower
     e.priority = n.priority;
     e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth;
     e.node = c;
   }
   // Every queued sibling above the room left is emitted before the rest of them can be, so only
   // the best `room_` siblings can ever come out (a wide root keeps 8 of dozens).
-  if (heap_.size() - was > static_cast<size_t>(room_)) {
-    std::nth_element(heap_.begin() + was, heap_.begin() + was + room_, heap_.end(),
+  if (frontier_.size() - was > static_cast<size_t>(room_)) {
+    std::nth_element(frontier_.begin() + was, frontier_.begin() + was + room_, frontier_.end(),
                      [](const Entry& a, const Entry& b) { return b < a; });
-    heap_.resize(was + room_);
+    frontier_.resize(was + room_);
   }
   queued(was);
 }
@@ -111,26 +111,26 @@ void DraftBuilder::queued(size_t was) {
   // depend on how the frontier is kept: a node's children are heapified at once when it is empty.
   if (scan_) return;
   if (was == 0) {
-    std::make_heap(heap_.begin(), heap_.end());
+    std::make_heap(frontier_.begin(), frontier_.end());
   } else {
-    for (size_t k = was + 1; k <= heap_.size(); ++k) std::push_heap(heap_.begin(), heap_.begin() + k);
+    for (size_t k = was + 1; k <= frontier_.size(); ++k) std::push_heap(frontier_.begin(), frontier_.begin() + k);
   }
 }
 
 DraftBuilder::Entry DraftBuilder::pop_best() {
   if (!scan_) {
-    std::pop_heap(heap_.begin(), heap_.end());
-    const Entry e = heap_.back();
-    heap_.pop_back();
+    std::pop_heap(frontier_.begin(), frontier_.end());
+    const Entry e = frontier_.back();
+    frontier_.pop_back();
     return e;
   }
   // The frontier of a small budget holds a few dozen entries at most: one pass picking the best
   // (a select, no data-dependent branch) beats a heap's sift, which mispredicts at every level.
   size_t best = 0;
-  for (size_t k = 1; k < heap_.size(); ++k) best = heap_[best] < heap_[k] ? k : best;
-  const Entry e = heap_[best];
-  heap_[best] = heap_.back();
-  heap_.pop_back();
+  for (size_t k = 1; k < frontier_.size(); ++k) best = frontier_[best] < frontier_[k] ? k : best;
+  const Entry e = frontier_[best];
+  frontier_[best] = frontier_.back();
+  frontier_.pop_back();
   return e;
 }
 
@@ -140,11 +140,11 @@ void DraftBuilder::defer(int32_t node, int32_t max_depth) {
   // No child can rank above this entry: a child has at most all of the node's weight and all of
   // its occurrences, and its tie value is at least this one (an occurrence of the child is one of
   // the node's, one level deeper). The factor only makes the bound safe against rounding.
-  Entry& e = heap_.emplace_back();
+  Entry& e = frontier_.emplace_back();
   e.priority = n.priority * discount_[n.count] * (1.0 + 1e-9);
   e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth + 1;
   e.node = ~node;
-  queued(heap_.size() - 1);
+  queued(frontier_.size() - 1);
 }
 
 void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
@@ -181,12 +181,12 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
     root.count = n_occ;
     root.weight = total;
     root.prob = root.priority = 1.0;
-    heap_.clear();
+    frontier_.clear();
     scan_ = budget <= kScanBudget;
     floor_ = cfg.adaptive_budget ? cfg.min_token_prob : 0.0;
     room_ = budget;
     expand(0, occ, view, max_depth);
-    while (emitted < budget && !heap_.empty()) {
+    while (emitted < budget && !frontier_.empty()) {
       const Entry top = pop_best();
       const double priority = top.priority;
       const int32_t id = top.node;
@@ -203,7 +203,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       out.probs.push_back(static_cast<float>(priority));
       // A node enters the frontier only after its parent was emitted, so out_index is set.
       out.parents.push_back(n.parent == 0 ? -1 : nodes_[n.parent].out_index);
-      if (!cfg.tree) heap_.clear();  // chain: only the chosen node's children stay candidates
+      if (!cfg.tree) frontier_.clear();  // chain: only the chosen node's children stay candidates
       defer(id, max_depth);
     }
   }

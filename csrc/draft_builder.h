@@ -27,11 +27,11 @@ class DraftBuilder {
              const CoreConfig& cfg, int32_t budget, DraftOutput& out);
 
  private:
-  // Make `node`'s children from its member occurrences and push them on the heap.
+  // Make `node`'s children from its member occurrences and queue them on the frontier.
   void expand(int32_t node, const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
               int32_t max_depth);
 
-  // Put an emitted node's children off: one heap entry whose priority bounds theirs stands for
+  // Put an emitted node's children off: one frontier entry whose priority bounds theirs stands for
   // all of them, and they are made only if it is popped (a wide tree of 8 nodes expands few of
   // its leaves). The order of emission is exactly that of expanding at once.
   void defer(int32_t node, int32_t max_depth);
@@ -59,10 +59,10 @@ class DraftBuilder {
   // most budget + 1 expansions queue at most budget children each, plus one deferred entry per
   // emitted node), so it is kept unordered and searched in one pass per pop; larger budgets keep
   // it a max-heap.
-  std::vector<Entry> heap_;
+  std::vector<Entry> frontier_;
   static constexpr int32_t kScanBudget = 16;
-  bool scan_ = true;  // the current build keeps heap_ unordered
-  // Entries heap_[was..] were just appended: restore the heap order if one is kept.
+  bool scan_ = true;  // the current build keeps frontier_ unordered (else a heap)
+  // Entries frontier_[was..] were just appended: restore the heap order if one is kept.
   void queued(size_t was);
   // Remove and return the frontier's best entry.
   Entry pop_best();
