@@ -180,8 +180,8 @@ class NgramDrafter:
         if self._core.extend_pylists(req_ids, token_lists):
             return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
-        # Lists of Python ints (the decode loop's form) are converted natively; anything else,
-        # including every invalid input, goes through the validating path below.
+        # Other id forms (numpy arrays) with token lists of Python ints: the lists are still
+        # converted natively; anything else goes through the validating path below.
         if self._core.extend_lists(ids, token_lists):
             return
         tokens, offsets = _flatten("token_ids", token_lists, len(ids))
@@ -209,9 +209,11 @@ class NgramDrafter:
         Returns:
             A DraftBatch; siblings are ordered best first, ``probs`` are path probabilities.
         """
-        # Lists of Python ints (the decode loop's form) are converted natively; anything else,
-        # including every invalid input, takes the validating path below.
-        fast = self._core.propose_lists(req_ids, budgets)
+        # Lists of Python ints are converted natively (a 1-D numpy budget array goes as a list:
+        # the engine's form); anything else, including every invalid input, takes the
+        # validating path below with the arguments as given.
+        listed = budgets.tolist() if isinstance(budgets, np.ndarray) and budgets.ndim == 1 else budgets
+        fast = self._core.propose_lists(req_ids, listed)
         if fast is not None:
             return DraftBatch(offsets=fast[0], tokens=fast[1], parents=fast[2], probs=fast[3])
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
