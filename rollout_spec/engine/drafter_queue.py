@@ -139,8 +139,8 @@ class DrafterFeed:
         return bool(self._unfed or self._finished)
 
     def due(self) -> bool:
-        """Whether a plain step should hand the deferred tokens to the worker now: every
-        ``flush_every`` plain steps. Each hand-off costs Python work per running request (and
+        """Whether a plain step should hand the deferred tokens over now (to the worker, or for
+        a shadow round): every ``flush_every`` plain steps. Each hand-off costs Python work per running request (and
         the GIL, while verification waits for the GPU); batching steps divides that work, and
         a proposal after a run of plain steps still finds at most that many steps to catch up."""
         return self.pending and self._plain_steps >= self.flush_every

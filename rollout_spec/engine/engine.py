@@ -66,7 +66,8 @@ class RolloutEngine:
             step's proposal as soon as it commits. Outputs are identical either way. None
             (default): on where the model is on CUDA (measured on an H100), off on CPU, where the forward is not
             asynchronous and the hand-offs only add work (docs/gpu.md). Without it, plain steps
-            feed the drafter nothing; their tokens go over in one batch before the next
+            feed the drafter nothing (unless the budget has ``observe_plain``: its shadow rounds
+            take them every 8th plain step); their tokens go over in one batch before the next
             proposal or when ``generate`` ends (``DrafterFeed``).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
             "triton").
@@ -241,8 +242,8 @@ class RolloutEngine:
             self._account_last()
             if self._drafter is not None:
                 self._settle_drafter()
-                observe = getattr(self.draft_budget, "observe_plain", None)
-                if observe is not None and self._shadow is not None:
+                observe = self._shadow_observer()
+                if observe is not None:
                     self._shadow.harvest(observe)  # every round's requests have finished
         return finished
 
@@ -283,11 +284,17 @@ class RolloutEngine:
         t3 = self.clock()
         self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), self._flush_seconds)
 
+    def _shadow_observer(self) -> Optional[Callable[[np.ndarray], None]]:
+        """The budget's ``observe_plain`` when shadow rounds run for it, else None."""
+        if self._shadow is None:
+            return None
+        return getattr(self.draft_budget, "observe_plain", None)
+
     def _plain_hand_off(self, seqs: list[Sequence], run: RunningBatch) -> None:
         """A plain step, every ``DrafterFeed.flush_every``: with the worker, hand it the deferred
         tokens while verification waits for the GPU; with a budget that takes acceptance from
         plain steps, queue a shadow round behind them and pass on the rounds that are ready."""
-        observe = getattr(self.draft_budget, "observe_plain", None) if self._shadow else None
+        observe = self._shadow_observer()
         if not self._queue.overlap and observe is None:
             return
         self._feed.flush(self._drafter)
