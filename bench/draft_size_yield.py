@@ -22,7 +22,7 @@ import numpy as np
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
-from rollout_spec.replay import Trace, accepted_path, as_trees, load_trace
+from rollout_spec.replay import Trace, accepted_path, load_trace, replay
 
 SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
 SIZES = (1, 2, 4, 8)
@@ -31,42 +31,18 @@ SIZES = (1, 2, 4, 8)
 def replay_sizes(trace: Trace, budget: int, steps: int, max_live: int) -> tuple[np.ndarray, np.ndarray]:
     """Replay with ``budget``-node trees; per proposal, the nodes kept from its first k nodes
     for k = 0..budget ([proposals, budget + 1]), and per depth d the (reached, accepted) counts."""
-    drafter = NgramDrafter(SpecConfig(num_draft_tokens=budget))
     kept, depth = [], np.zeros((budget + 1, 2), np.int64)
-    sizes, first_id = np.arange(budget + 1), 0
-    for step in range(min(steps, len(trace.steps))):
-        rows = trace.steps[step]
-        waiting, live = list(range(len(rows)))[::-1], {}
-        while waiting or live:
-            admit = []
-            while waiting and len(live) + len(admit) < max_live:
-                admit.append(waiting.pop())
-            if admit:
-                drafter.start_batch([first_id + j for j in admit], [trace.prompts[rows[j][0]] for j in admit],
-                                    [rows[j][0] for j in admit])
-                live.update((first_id + j, 0) for j in admit)
-            ids = list(live)
-            emitted, done = [], []
-            for rid, (tok, par) in zip(ids, as_trees(drafter.propose(ids, [budget] * len(ids)), len(ids))):
-                resp, pos = rows[rid - first_id][1], live[rid]
-                path = accepted_path(tok, par, resp[pos:])
-                kept.append(np.searchsorted(path, sizes))
-                if tok:
-                    reached = np.arange(1, min(len(path) + 1, budget) + 1)
-                    depth[reached, 0] += 1
-                    depth[1 : len(path) + 1, 1] += 1
-                n = min(len(path) + 1, len(resp) - pos)
-                emitted.append(resp[pos : pos + n])
-                live[rid] = pos + n
-                if pos + n >= len(resp):
-                    done.append(rid)
-            drafter.extend_batch(ids, emitted)
-            if done:
-                drafter.finish_batch(done)
-                for rid in done:
-                    del live[rid]
-        first_id += len(rows)
-        drafter.end_step()
+    sizes = np.arange(budget + 1)
+
+    def record(tree: tuple[list[int], list[int]], continuation: list[int]) -> None:
+        path = accepted_path(tree[0], tree[1], continuation)
+        kept.append(np.searchsorted(path, sizes))
+        if tree[0]:
+            depth[1 : min(len(path) + 1, budget) + 1, 0] += 1
+            depth[1 : len(path) + 1, 1] += 1
+
+    replay(NgramDrafter(SpecConfig(num_draft_tokens=budget)), trace, budget, max_live,
+           range(min(steps, len(trace.steps))), on_tree=record)
     return np.array(kept), depth
 
 

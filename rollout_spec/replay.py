@@ -155,13 +155,15 @@ class StepResult:
 
 
 def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, first_id: int,
-                max_live: Optional[int] = None, clock: Callable[[], float] = time.thread_time) -> StepResult:
+                max_live: Optional[int] = None, clock: Callable[[], float] = time.thread_time,
+                on_tree: Optional[Callable[[Tree, Sequence[int]], None]] = None) -> StepResult:
     """Replay one step lock-step; requests get ids ``first_id, first_id + 1, ...``.
 
     ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
     engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
     drafter's calls: the calling thread's CPU time, or ``time.perf_counter`` for a drafter that
-    works on other threads too.
+    works on other threads too. ``on_tree(tree, continuation)``, if given, sees every proposed
+    tree with the response tokens still to come (outside the timed calls).
     """
     rows = trace.steps[step]
     res = StepResult(step=step)
@@ -182,6 +184,8 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
         emitted, done = [], []
         for rid, tree in zip(ids, as_trees(result, len(ids))):
             resp, pos = rows[rid - first_id][1], live[rid]
+            if on_tree is not None:
+                on_tree(tree, resp[pos:])
             acc = accepted_length(tree[0], tree[1], resp[pos:])
             n = min(acc + 1, len(resp) - pos)
             emitted.append(resp[pos:pos + n])
@@ -207,12 +211,13 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
 
 def replay(drafter: ReplayDrafter, trace: Trace, budget: int = 8,
            max_live: Optional[int] = None, steps: Optional[Sequence[int]] = None,
-           clock: Callable[[], float] = time.thread_time) -> list[StepResult]:
+           clock: Callable[[], float] = time.thread_time,
+           on_tree: Optional[Callable[[Tree, Sequence[int]], None]] = None) -> list[StepResult]:
     """Replay the trace's steps in order (index kept across them); one StepResult per step.
-    ``clock``: as in ``replay_step``."""
+    ``clock``, ``on_tree``: as in ``replay_step``."""
     results, next_id = [], 0
     for s in (range(len(trace.steps)) if steps is None else steps):
-        results.append(replay_step(drafter, trace, s, budget, next_id, max_live, clock))
+        results.append(replay_step(drafter, trace, s, budget, next_id, max_live, clock, on_tree))
         next_id += len(trace.steps[s])
         drafter.end_step()
     return results
