@@ -57,6 +57,7 @@ else:
 CERTAIN = tl.constexpr(1.0 - 1e-6)  # as verify._CERTAIN: a child holding all remaining mass wins
 NODE_STREAM = tl.constexpr(0x7FFFFFFF)  # counter word 0 of node uniforms; race words stay < V/4
 OUT_FIELDS = tl.constexpr(3)  # per request, W slots each: accepted column, emitted token, logprob
+WALK_MIN_PAD = 64  # the walk's smallest padded width (see walk_pad)
 MAX_CANDIDATES = 4096  # largest candidate list that _threshold_kernel ranks in one program
 
 
@@ -408,11 +409,12 @@ def _warps(q: int) -> int:
 
 
 def walk_pad(width: int) -> int:
-    """The walk's padded tree width: 16 for every tree the engine drafts (budget <= 15), so one
+    """The walk's padded tree width: 64 for every tree the engine drafts up to budget 63, so one
     compiled variant per sampling mode serves every step. A width-dependent pad compiled a new
     variant (~1.3 s on an H100) the first time a step drafted at a new width class, inside the
-    timed decode loop; the prefill's verify now compiles the variant its decode steps use."""
-    return max(16, triton.next_power_of_2(width))
+    timed decode loop; the prefill's verify compiles the variant its decode steps use. Small
+    batches draft up to 32 nodes (their verify tax stays flat), so the pad covers that width."""
+    return max(WALK_MIN_PAD, triton.next_power_of_2(width))
 
 
 def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Tensor,

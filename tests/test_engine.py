@@ -138,8 +138,10 @@ def pair(request):
     return tiny_pair(request.param)
 
 
-def test_greedy_speculation_is_token_identical(pair) -> None:
-    """>= 20 mixed-length prompts, 8 slots (slots reused): every drafter gives plain's output."""
+@pytest.mark.parametrize("budget", [10, 40])
+def test_greedy_speculation_is_token_identical(pair, budget: int) -> None:
+    """>= 20 mixed-length prompts, 8 slots (slots reused): every drafter gives plain's output,
+    with trees narrower and wider than 32 nodes (the walk's pad and the wide graph widths)."""
     ref, model = pair
     prompts = mixed_prompts(22)
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
@@ -148,7 +150,7 @@ def test_greedy_speculation_is_token_identical(pair) -> None:
         assert toks == hf_greedy(ref, p, 16)
     truth = {tuple(p): t for p, t in zip(prompts, plain)}
     for mode in ("oracle", "corrupt", "random"):
-        outs = engine(model, ScriptedDrafter(mode, truth), draft_budget=lambda b: 10).generate(prompts, params)
+        outs = engine(model, ScriptedDrafter(mode, truth), draft_budget=lambda b: budget).generate(prompts, params)
         assert [o.token_ids for o in outs] == plain, mode
         assert all(o.finish_reason == "length" and o.num_draft_tokens > 0 for o in outs)
         accepted = sum(o.num_accepted_tokens for o in outs)
