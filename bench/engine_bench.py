@@ -339,17 +339,18 @@ def make_engines(args: argparse.Namespace) -> tuple[object, object, PromptPool, 
 
     max_b, dev = max(args.batch_sizes), torch.device(args.device)
     timed, warm = prompts_needed(args), max(1, max_b // N_SAMPLES)
-    kw = dict(num_slots=max_b, max_model_len=args.max_model_len, max_draft_tokens=8,
+    kw = dict(num_slots=max_b, max_model_len=args.max_model_len, max_draft_tokens=args.draft_tokens,
               verify_backend=args.verify_backend, overlap_drafter=args.overlap_drafter)
+    spec = SpecConfig(num_draft_tokens=args.draft_tokens)
     if args.random_weights:
         model, _ = random_model(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        spec_eng = RolloutEngine(model, None, SpecConfig(), **kw)
+        spec_eng = RolloutEngine(model, None, spec, **kw)
         gen = torch.Generator().manual_seed(0)
         hi = min(20000, model.config.vocab_size)
         prompts = torch.randint(3, hi, (timed + warm, 128), generator=gen).tolist()
         stop: tuple | None = ()
     else:
-        spec_eng = RolloutEngine.from_pretrained(args.model, device=dev, spec=SpecConfig(), **kw)
+        spec_eng = RolloutEngine.from_pretrained(args.model, device=dev, spec=spec, **kw)
         prompts = gsm_prompts(spec_eng.tokenizer, timed + warm)
         stop = None
     base_eng = RolloutEngine(spec_eng.model, spec_eng.tokenizer, None,
@@ -424,10 +425,12 @@ def engine_rows(args: argparse.Namespace) -> None:
     print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)")
     budget = spec_eng.draft_budget
     if hasattr(budget, "cost"):  # the engine's own batch-aware budget: show what it measured
-        print("budget: B -> (tax at W=9, draft nodes picked at the prior acceptance) " + ", ".join(
-            f"{b}: ({budget.cost.verify_tax(b, 9):.2f}, {budget.best(b)})" for b in args.batch_sizes))
-    bench = StepBench(spec_eng.model, max(args.batch_sizes), args.ctx, args.ctx + 16)
-    grid = step_grid(bench, args.batch_sizes, [1, 2, 3, 5, 9], iters=10)
+        top = args.draft_tokens + 1
+        print(f"budget: B -> (tax at W=9, at W={top}, draft nodes picked at the prior acceptance) "
+              + ", ".join(f"{b}: ({budget.cost.verify_tax(b, 9):.2f}, {budget.cost.verify_tax(b, top):.2f}, "
+                          f"{budget.best(b)})" for b in args.batch_sizes))
+    bench = StepBench(spec_eng.model, max(args.batch_sizes), args.ctx, args.ctx + args.draft_tokens + 16)
+    grid = step_grid(bench, args.batch_sizes, tax_widths(args.draft_tokens), iters=10)
     cost = grid[list(grid)[-1]]
     del bench
     print_engine_header(args)
@@ -514,6 +517,13 @@ def profile_generate(args: argparse.Namespace, engine: object, pool: PromptPool,
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
+def tax_widths(max_draft: int) -> list[int]:
+    """Step widths timed for the verify tax: decode, then 1 + every power-of-two draft size up
+    to ``max_draft`` and ``max_draft`` itself (the budget's candidates)."""
+    sizes = {1 << i for i in range(11) if (1 << i) <= max_draft} | {max_draft}
+    return [1] + sorted(k + 1 for k in sizes if k > 0)
+
+
 def interp_tax(cost: dict[tuple[int, int], float], batch: int, width: float) -> float:
     """Verify tax at a (possibly fractional) mean width, interpolated on the measured grid."""
     widths = sorted({w for (b, w) in cost if b == batch})
@@ -595,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine mode without a checkpoint: SmolLM2-135M shapes, random prompts")
     ap.add_argument("--reference", action="store_true",
                     help="engine mode: also time transformers' generate at the largest B")
+    ap.add_argument("--draft-tokens", type=_int(1, 256), default=32,
+                    help="engine mode: most draft nodes per request (SpecConfig.num_draft_tokens); "
+                         "the batch-aware budget picks a power of two up to it at each step")
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--overlap-drafter", choices=("auto", "on", "off"), default="auto",
                     help="engine mode: the drafter on a worker thread (auto: on for CUDA)")
