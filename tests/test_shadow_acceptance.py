@@ -126,3 +126,34 @@ def test_a_drafter_breaking_the_contract_in_a_shadow_round_is_named(model) -> No
     with pytest.raises(ValueError, match=r"drafter returned 3 trees .* for 2 requests"):
         engine(model, TooMany("random"), draft_budget=PlainBudget(), overlap_drafter=False).generate(
             [[1, 2, 3]], SamplingParams(n=2, temperature=0.0, max_new_tokens=30))
+
+
+class DraftingBudget(PlainBudget):
+    """Always offers ``k`` nodes; records what shadow rounds measured."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def __call__(self, batch_size: int) -> int:
+        return self.k
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_drafting_steps_measure_sizes_beyond_the_one_offered(model, overlap: bool) -> None:
+    """A budget that drafts 1 node every step still learns every size up to the shadow budget
+    (8): rounds run after drafting steps' commits. The oracle's first 4 nodes are the true
+    continuation, so a tree's first k nodes keep min(k, 4); greedy outputs stay the plain ones."""
+    prompts = mixed_prompts(6, seed=12)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain = engine(model).generate(prompts, params)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    budget = DraftingBudget(1)
+    eng = engine(model, ScriptedDrafter("oracle", truth, seed=2), draft_budget=budget, overlap_drafter=overlap)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.num_draft_tokens > 0 for o in outs)
+    measured = np.concatenate(budget.seen)
+    assert measured.shape[1] == 9 and len(measured) >= 6
+    assert (measured[:, :5] == np.minimum(np.arange(5), 4)).all()
+    assert (measured[:, 5:] >= 4).all()

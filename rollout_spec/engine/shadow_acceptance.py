@@ -16,6 +16,10 @@ request that stops before the tree's depth ends the walk where a verify step wou
 One tree measures every draft size at once: the drafter emits nodes best first, so its first k
 nodes are what it would propose at budget k, and their walk is the walk's first nodes with an
 index below k (the path's indices increase).
+
+Rounds run on drafting steps too (``drafting_step``): a drafting step measures only the size it
+offered, so without them a budget that drafts 8 nodes every step would never learn whether 32
+pay more -- it stays at whatever size the prior picked first.
 """
 from __future__ import annotations
 
@@ -42,13 +46,23 @@ class ShadowAcceptance:
     room than ``budget`` more tokens are left out (their trees would be cut short).
     """
 
-    def __init__(self, budget: int, requests: int = 16) -> None:
+    def __init__(self, budget: int, requests: int = 16, every: int = 8) -> None:
         self.budget = check_int("budget", budget, 1, 4096)
         self.requests = check_int("requests", requests, 1, 1 << 20)
+        self.every = check_int("every", every, 1, 1 << 20)
         self._cursor = 0
+        self._drafting_steps = 0  # drafting steps since the last round on one
         # (sequences, their output lengths when proposed, the proposal's future)
         self._pending: list[tuple[list[Sequence], list[int], Future]] = []
         self.rounds = 0
+
+    def drafting_step(self) -> bool:
+        """Count one drafting step; True on every ``every``-th (a round is due after its commit)."""
+        self._drafting_steps += 1
+        if self._drafting_steps < self.every:
+            return False
+        self._drafting_steps = 0
+        return True
 
     def propose(self, queue: DrafterQueue, drafter: Any, seqs: list[Sequence], run: RunningBatch,
                 max_model_len: int) -> None:
