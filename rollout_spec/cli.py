@@ -87,8 +87,10 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="0 means greedy")
     p.add_argument("--top-p", type=_float_arg("top_p", 0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--top-k", type=_top_k_arg, default=-1, help="-1 keeps all tokens")
-    p.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=8,
-                   help="most draft nodes per request per verify step")
+    p.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=None,
+                   help="most draft nodes per request per verify step (default: 32 on CUDA, where "
+                        "the batch-aware budget picks a size up to it each step; 8 elsewhere, "
+                        "where every step drafts that many)")
     p.add_argument("--seed", type=_int_arg("seed", 0, 2**62), default=0)
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every step (default: the same pool each step, like epochs)")
@@ -134,6 +136,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(str(exc))
         if args.device.startswith("cuda") and not _cuda_available():
             parser.error(f"--device {args.device}: no CUDA device is visible (use auto or cpu)")
+        if args.draft_tokens is None:
+            on_cuda = args.device.startswith("cuda") or (args.device == "auto" and _cuda_available())
+            args.draft_tokens = 32 if on_cuda else 8
         if args.record is not None and args.record.suffix not in (".json", ".gz"):
             parser.error(f"--record must end in .json or .json.gz, got {str(args.record)!r}")
         history = run_bench(args)

@@ -135,3 +135,25 @@ def test_drafter_figures_read_stats_and_timer():
     assert timer.take_seconds() == 0.0  # taken once per step
     assert cli.drafter_figures(SimpleNamespace(drafter=None), outs) == {}
 
+
+
+@pytest.mark.parametrize("argv,cuda,want", [
+    (["--device", "cpu"], True, 8),
+    (["--device", "auto"], False, 8),
+    (["--device", "auto"], True, 32),
+    (["--device", "cuda"], True, 32),
+    (["--device", "cuda", "--draft-tokens", "5"], True, 5),
+])
+def test_draft_tokens_default_follows_the_device(monkeypatch, argv, cuda, want):
+    """32 where the batch-aware budget picks each step's size (CUDA), a fixed 8 elsewhere."""
+    class Seen(Exception):
+        pass
+
+    def open_engines(args):
+        raise Seen(args.draft_tokens)
+
+    monkeypatch.setattr(cli, "_cuda_available", lambda: cuda)
+    monkeypatch.setattr(cli, "open_engines", open_engines)
+    with pytest.raises(Seen) as got:
+        cli.main(["bench", "--wandb", "disabled", *argv])
+    assert got.value.args == (want,)
