@@ -78,8 +78,13 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
   }
 }
 
-// Stage 1 of a search: the context's keys, the scopes' indexes, and a prefetch of every table
-// slot the lookup will start at. ctx.size == 0 leaves every index null (nothing to search).
+// A request's search looks up the context's keys in every scope at once, in waves (stages): all
+// table slots are prefetched, then all heads read and their blocks and tokens prefetched, then
+// the chains walked, so that the misses of one wave overlap instead of queueing one behind the
+// other. propose runs the first two stages a request or two ahead (see pipelined below).
+//
+// Stage 1: the context's keys, the scopes' indexes, and a prefetch of every table slot the
+// lookup will start at. ctx.size == 0 leaves every index null (nothing to search).
 void DrafterCore::lookup_slots(const RequestState& req, Lookup& lk) const {
   lk.own = req.slot;
   lk.group = seqs_[lk.own].group;
@@ -133,16 +138,6 @@ void DrafterCore::lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) co
                  occ);
 }
 
-void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) const {
-  // The context's keys are looked up in every scope at once, in waves: all table slots are
-  // prefetched, then all heads read and their first block and tokens prefetched, so these
-  // misses overlap instead of queueing one behind the other.
-  Lookup lk;
-  lookup_slots(req, lk);
-  lookup_heads(lk);
-  lookup_walk(lk, occ);
-}
-
 bool DrafterCore::needs_gather(const RequestState& req) const {
   return !req.gathered || req.since_gather >= cfg_.regather_every ||
          static_cast<int32_t>(req.occ.size()) < cfg_.regather_below;
@@ -164,43 +159,70 @@ void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, 
 
 // One request's search is a chain of dependent misses (table slot -> head -> block and tokens),
 // which prefetching inside the request cannot overlap. So the searches are software-pipelined
-// across requests: while request i is searched and its tree built, request i + 2's keys are
-// hashed and its table slots prefetched, and request i + 1's heads are read from its (by now
+// across requests: while request i is searched and its tree built, the request two ahead has its
+// keys hashed and table slots prefetched, and the next one its heads read from its (by now
 // loaded) slots and their blocks and tokens prefetched; request i's walk then finds its lines
 // loaded. One request ahead per stage is enough (a request costs a few microseconds, far more
 // than a miss); 4 and 6 measured the same or worse. A request whose match state is reused skips
-// every stage; the lookups of a request that the batch cap leaves without a draft are dropped.
-void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutput& out) {
+// every stage; the lookups of a request that gets no draft (budget or batch cap) are dropped.
+// `next()` yields the request indices in order (-1 once there are no more); `draft(i, lk)` gets
+// request i's search with its first two stages run, or null when its match state is reused.
+template <class Next, class Draft>
+void DrafterCore::pipelined(Next next, Draft draft) const {
   constexpr int64_t kAhead = 2;  // stage 1 runs kAhead requests ahead, stage 2 one
-  constexpr int64_t kRing = 4;   // > kAhead: request j's lookup is ring[j % kRing]
+  constexpr int64_t kRing = 4;   // > kAhead: the k-th request taken is in slot k % kRing
+  int64_t req[kRing];
   Lookup ring[kRing];
   bool search[kRing];
+  int64_t taken = 0;
+  bool more = true;
+  auto stage1 = [&] {  // take the next request and start its search
+    const int64_t i = more ? next() : -1;
+    if (i < 0) {
+      more = false;
+      return;
+    }
+    const int64_t r = taken++ % kRing;
+    req[r] = i;
+    search[r] = needs_gather(*reqs_[i]);
+    if (search[r]) lookup_slots(*reqs_[i], ring[r]);
+  };
+  auto stage2 = [&](int64_t k) {
+    if (k < taken && search[k % kRing]) lookup_heads(ring[k % kRing]);
+  };
+  for (int64_t k = 0; k < kAhead; ++k) stage1();
+  stage2(0);
+  for (int64_t k = 0; k < taken; ++k) {
+    stage1();
+    stage2(k + 1);
+    const int64_t r = k % kRing;
+    draft(req[r], search[r] ? &ring[r] : nullptr);
+  }
+}
+
+void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutput& out) {
   out = DraftOutput{};
   out.offsets.reserve(n + 1);
   int64_t left = cfg_.max_batch_draft_tokens;
+  int64_t next = 0;
   const int64_t end = static_cast<int64_t>(n);
-  for (int64_t i = -kAhead; i < end; ++i) {
-    if (const int64_t j = i + kAhead; j < end) {
-      search[j % kRing] = needs_gather(*reqs_[j]);
-      if (search[j % kRing]) lookup_slots(*reqs_[j], ring[j % kRing]);
-    }
-    if (const int64_t j = i + 1; j >= 0 && j < end && search[j % kRing]) lookup_heads(ring[j % kRing]);
-    if (i < 0) continue;
-    const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
-    const int32_t budget = static_cast<int32_t>(std::min<int64_t>(want, left));
-    if (budget <= 0) {
-      out.offsets.push_back(out.offsets.back());
-      continue;
-    }
-    ++proposals_;
-    RequestState& req = *reqs_[i];
-    if (search[i % kRing]) {
-      lookup_walk(ring[i % kRing], req.occ);
-      mark_gathered(req);
-    }
-    builder_.build(req.occ, view_, cfg_, budget, out);
-    left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
-  }
+  pipelined([&] { return next < end ? next++ : int64_t(-1); },
+            [&](int64_t i, const Lookup* lk) {
+              const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
+              const int32_t budget = static_cast<int32_t>(std::min<int64_t>(want, left));
+              if (budget <= 0) {
+                out.offsets.push_back(out.offsets.back());
+                return;
+              }
+              ++proposals_;
+              RequestState& req = *reqs_[i];
+              if (lk) {
+                lookup_walk(*lk, req.occ);
+                mark_gathered(req);
+              }
+              builder_.build(req.occ, view_, cfg_, budget, out);
+              left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
+            });
 }
 
 // Why building every tree with its whole budget and cutting it later is exact: the builder emits
@@ -225,16 +247,25 @@ void DrafterCore::propose_parallel(const int32_t* budgets, size_t n, DraftOutput
   constexpr size_t kChunk = 4;
   std::atomic<size_t> next{0};
   threads.run([&](int w) {
-    for (size_t begin; (begin = next.fetch_add(kChunk, std::memory_order_relaxed)) < n;)
-      for (size_t i = begin; i < std::min(n, begin + kChunk); ++i) {
-        const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
-        draft_one(i, static_cast<int32_t>(std::min<int64_t>(want, cap)), w);
+    // This worker's requests, chunk by chunk, with their searches pipelined as on one thread.
+    size_t at = 0, stop = 0;
+    auto mine = [&]() -> int64_t {
+      if (at == stop) {
+        at = next.fetch_add(kChunk, std::memory_order_relaxed);
+        if (at >= n) return -1;
+        stop = std::min(n, at + kChunk);
       }
+      return static_cast<int64_t>(at++);
+    };
+    pipelined(mine, [&](int64_t i, const Lookup* lk) {
+      const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
+      draft_one(static_cast<size_t>(i), static_cast<int32_t>(std::min<int64_t>(want, cap)), w, lk);
+    });
   });
   commit_parallel(budgets, n, out);
 }
 
-void DrafterCore::draft_one(size_t i, int32_t budget, int w) {
+void DrafterCore::draft_one(size_t i, int32_t budget, int w, const Lookup* lk) {
   DraftOutput& mine = workers_[w].out;
   Part& part = parts_[i];
   part.worker = w;
@@ -247,8 +278,8 @@ void DrafterCore::draft_one(size_t i, int32_t budget, int w) {
   // Only read here: the request's state changes in commit_parallel, on the calling thread.
   const RequestState& req = *reqs_[i];
   const std::vector<Occurrence>* occ = &req.occ;
-  if (needs_gather(req)) {
-    gather(req, fresh_[i]);
+  if (lk) {
+    lookup_walk(*lk, fresh_[i]);
     occ = &fresh_[i];
     part.fresh = true;
   }
