@@ -63,15 +63,34 @@ class DrafterCore {
   void index_position(int32_t slot, RequestState* req, int32_t pos);
   // Index the positions extend just appended: all keys hashed and prefetched, then inserted.
   void index_appended(const int64_t* offsets, size_t n);
-  void gather(const RequestState& req, std::vector<Occurrence>& occ) const;
+  // A request's chain search, split in stages (keys and slot prefetches, heads and block
+  // prefetches, the walk) so that propose can run the first two a request or two ahead.
+  struct Lookup {
+    const ChainIndex* index[3];               // per scope; null: not searched
+    uint64_t keys[kNumKeys];
+    const ChainHead* heads[3][kNumKeys];      // filled by lookup_heads
+    int32_t own;                              // the request's slot
+    int32_t group;
+    bool use_group;
+  };
+  void lookup_slots(const RequestState& req, Lookup& lk) const;
+  void lookup_heads(Lookup& lk) const;
+  void lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) const;
   // Whether req's match state is missing, too thin or stale for another proposal.
   bool needs_gather(const RequestState& req) const;
   // Record that req.occ was just searched afresh (state flags and the gathers counter).
   void mark_gathered(RequestState& req);
+  // Calls draft(i, lookup) for the request indices next() yields, each request's search started
+  // two requests ahead (see drafter_propose.cpp); lookup is null when its match state is reused.
+  template <class Next, class Draft>
+  void pipelined(Next next, Draft draft) const;
+  // propose on the calling thread.
+  void propose_sequential(const int32_t* budgets, size_t n, DraftOutput& out);
   // propose on the pool: every tree built with its own budget, then cut in request order.
   void propose_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
-  // Gather (into fresh_[i]) if needed and build request i's tree into worker w's output.
-  void draft_one(size_t i, int32_t budget, int w);
+  // Walk request i's search (into fresh_[i]) if it has one, and build its tree into worker w's
+  // output.
+  void draft_one(size_t i, int32_t budget, int w, const Lookup* lk);
   // Append requests' trees to out in order under the batch cap; commit their fresh matches.
   void commit_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
   // The pool, made on first use (again in a forked child, which has no copy of its threads).

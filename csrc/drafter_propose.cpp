@@ -78,44 +78,60 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
   }
 }
 
-void DrafterCore::gather(const RequestState& req, std::vector<Occurrence>& occ) const {
-  occ.clear();
-  const int32_t own = req.slot;
-  const SlotView& ctx = view_[own];
+// A request's search looks up the context's keys in every scope at once, in waves (stages): all
+// table slots are prefetched, then all heads read and their blocks and tokens prefetched, then
+// the chains walked, so that the misses of one wave overlap instead of queueing one behind the
+// other. propose runs the first two stages a request or two ahead (see pipelined below).
+//
+// Stage 1: the context's keys, the scopes' indexes, and a prefetch of every table slot the
+// lookup will start at. ctx.size == 0 leaves every index null (nothing to search).
+void DrafterCore::lookup_slots(const RequestState& req, Lookup& lk) const {
+  lk.own = req.slot;
+  lk.group = seqs_[lk.own].group;
+  lk.use_group = lk.group >= 0 && cfg_.scope_weight[1] > 0.0;
+  lk.index[0] = lk.index[1] = lk.index[2] = nullptr;
+  const SlotView& ctx = view_[lk.own];
   if (ctx.size == 0) return;
-  const int32_t group = seqs_[own].group;
-  const bool use_group = group >= 0 && cfg_.scope_weight[1] > 0.0;
-  const ChainIndex* index[3] = {cfg_.scope_weight[0] > 0.0 ? &req.own : nullptr, nullptr,
-                                cfg_.scope_weight[2] > 0.0 ? &global_ : nullptr};
-  if (use_group) {
-    auto it = groups_.find(group);
-    if (it != groups_.end()) index[1] = &it->second;
+  if (cfg_.scope_weight[0] > 0.0) lk.index[0] = &req.own;
+  if (lk.use_group) {
+    auto it = groups_.find(lk.group);
+    if (it != groups_.end()) lk.index[1] = &it->second;
   }
-  // The context's keys are looked up in every scope at once, in waves: all table slots are
-  // prefetched, then all heads read and their first block and tokens prefetched, so these
-  // misses overlap instead of queueing one behind the other.
-  uint64_t keys[kNumKeys];
-  ngram_keys(ctx.tokens, ctx.size - 1, keys);  // 0 where the context is shorter than the key
-  for (const ChainIndex* ix : index)
-    if (ix) ix->prefetch(keys);
-  const ChainHead* heads[3][kNumKeys];
+  if (cfg_.scope_weight[2] > 0.0) lk.index[2] = &global_;
+  ngram_keys(ctx.tokens, ctx.size - 1, lk.keys);  // 0 where the context is shorter than the key
+  for (const ChainIndex* ix : lk.index)
+    if (ix) ix->prefetch(lk.keys);
+}
+
+// Stage 2: read the heads from their (by now loaded) slots, and prefetch the lines of their
+// blocks that the walk will read and the head records' tokens that a longer match reads.
+void DrafterCore::lookup_heads(Lookup& lk) const {
+  const SlotView& ctx = view_[lk.own];
   for (int sc = 0; sc < 3; ++sc)
     for (int ki = 0; ki < kNumKeys; ++ki) {
-      const ChainHead* h = index[sc] && keys[ki] ? index[sc]->head(ki, keys[ki]) : nullptr;
-      heads[sc][ki] = h;
+      const ChainHead* h = lk.index[sc] && lk.keys[ki] ? lk.index[sc]->head(ki, lk.keys[ki]) : nullptr;
+      lk.heads[sc][ki] = h;
       if (!h) continue;
       // The head's tokens are read only if its match is longer than the key.
       const ChainEntry& e = h->newest;
       if (e.before >= 0 && ctx.size > kKeyLens[ki] && ctx.tokens[ctx.size - 1 - kKeyLens[ki]] == e.before)
         prefetch_line(view_[e.seq].tokens + e.pos);
-      ChainIndex::prefetch(index[sc]->older(*h), walk(sc, ki) - 1);
+      ChainIndex::prefetch(lk.index[sc]->older(*h), walk(sc, ki) - 1);
     }
-  if (index[0]) gather_scope(*index[0], 0, ctx, heads[0], [](int32_t) { return true; }, occ);
-  if (index[1])
-    gather_scope(*index[1], 1, ctx, heads[1],
+}
+
+// Stage 3: walk the chains of every scope into occ.
+void DrafterCore::lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) const {
+  occ.clear();
+  const SlotView& ctx = view_[lk.own];
+  const int32_t own = lk.own, group = lk.group;
+  const bool use_group = lk.use_group;
+  if (lk.index[0]) gather_scope(*lk.index[0], 0, ctx, lk.heads[0], [](int32_t) { return true; }, occ);
+  if (lk.index[1])
+    gather_scope(*lk.index[1], 1, ctx, lk.heads[1],
                  [&](int32_t seq) { return in_group_scope(seq, own, group); }, occ);
-  if (index[2])
-    gather_scope(*index[2], 2, ctx, heads[2],
+  if (lk.index[2])
+    gather_scope(*lk.index[2], 2, ctx, lk.heads[2],
                  [&](int32_t seq) {
                    return seq != own && !(use_group && in_group_scope(seq, own, group));
                  },
@@ -138,25 +154,75 @@ void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, 
   resolve(ids, n);
   if (threads_ > 1 && n >= static_cast<size_t>(cfg_.parallel_min_requests) && n > 1)
     return propose_parallel(budgets, n, out);
+  propose_sequential(budgets, n, out);
+}
+
+// One request's search is a chain of dependent misses (table slot -> head -> block and tokens),
+// which prefetching inside the request cannot overlap. So the searches are software-pipelined
+// across requests: while request i is searched and its tree built, the request two ahead has its
+// keys hashed and table slots prefetched, and the next one its heads read from its (by now
+// loaded) slots and their blocks and tokens prefetched; request i's walk then finds its lines
+// loaded. One request ahead per stage is enough (a request costs a few microseconds, far more
+// than a miss); 4 and 6 measured the same or worse. A request whose match state is reused skips
+// every stage; the lookups of a request that gets no draft (budget or batch cap) are dropped.
+// `next()` yields the request indices in order (-1 once there are no more); `draft(i, lk)` gets
+// request i's search with its first two stages run, or null when its match state is reused.
+template <class Next, class Draft>
+void DrafterCore::pipelined(Next next, Draft draft) const {
+  constexpr int64_t kAhead = 2;  // stage 1 runs kAhead requests ahead, stage 2 one
+  constexpr int64_t kRing = 4;   // > kAhead: the k-th request taken is in slot k % kRing
+  int64_t req[kRing];
+  Lookup ring[kRing];
+  bool search[kRing];
+  int64_t taken = 0;
+  bool more = true;
+  auto stage1 = [&] {  // take the next request and start its search
+    const int64_t i = more ? next() : -1;
+    if (i < 0) {
+      more = false;
+      return;
+    }
+    const int64_t r = taken++ % kRing;
+    req[r] = i;
+    search[r] = needs_gather(*reqs_[i]);
+    if (search[r]) lookup_slots(*reqs_[i], ring[r]);
+  };
+  auto stage2 = [&](int64_t k) {
+    if (k < taken && search[k % kRing]) lookup_heads(ring[k % kRing]);
+  };
+  for (int64_t k = 0; k < kAhead; ++k) stage1();
+  stage2(0);
+  for (int64_t k = 0; k < taken; ++k) {
+    stage1();
+    stage2(k + 1);
+    const int64_t r = k % kRing;
+    draft(req[r], search[r] ? &ring[r] : nullptr);
+  }
+}
+
+void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutput& out) {
   out = DraftOutput{};
   out.offsets.reserve(n + 1);
   int64_t left = cfg_.max_batch_draft_tokens;
-  for (size_t i = 0; i < n; ++i) {
-    int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
-    int32_t budget = static_cast<int32_t>(std::min<int64_t>(want, left));
-    RequestState& req = *reqs_[i];
-    if (budget <= 0) {
-      out.offsets.push_back(out.offsets.back());
-      continue;
-    }
-    ++proposals_;
-    if (needs_gather(req)) {
-      gather(req, req.occ);
-      mark_gathered(req);
-    }
-    builder_.build(req.occ, view_, cfg_, budget, out);
-    left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
-  }
+  int64_t next = 0;
+  const int64_t end = static_cast<int64_t>(n);
+  pipelined([&] { return next < end ? next++ : int64_t(-1); },
+            [&](int64_t i, const Lookup* lk) {
+              const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
+              const int32_t budget = static_cast<int32_t>(std::min<int64_t>(want, left));
+              if (budget <= 0) {
+                out.offsets.push_back(out.offsets.back());
+                return;
+              }
+              ++proposals_;
+              RequestState& req = *reqs_[i];
+              if (lk) {
+                lookup_walk(*lk, req.occ);
+                mark_gathered(req);
+              }
+              builder_.build(req.occ, view_, cfg_, budget, out);
+              left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
+            });
 }
 
 // Why building every tree with its whole budget and cutting it later is exact: the builder emits
@@ -181,16 +247,25 @@ void DrafterCore::propose_parallel(const int32_t* budgets, size_t n, DraftOutput
   constexpr size_t kChunk = 4;
   std::atomic<size_t> next{0};
   threads.run([&](int w) {
-    for (size_t begin; (begin = next.fetch_add(kChunk, std::memory_order_relaxed)) < n;)
-      for (size_t i = begin; i < std::min(n, begin + kChunk); ++i) {
-        const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
-        draft_one(i, static_cast<int32_t>(std::min<int64_t>(want, cap)), w);
+    // This worker's requests, chunk by chunk, with their searches pipelined as on one thread.
+    size_t at = 0, stop = 0;
+    auto mine = [&]() -> int64_t {
+      if (at == stop) {
+        at = next.fetch_add(kChunk, std::memory_order_relaxed);
+        if (at >= n) return -1;
+        stop = std::min(n, at + kChunk);
       }
+      return static_cast<int64_t>(at++);
+    };
+    pipelined(mine, [&](int64_t i, const Lookup* lk) {
+      const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
+      draft_one(static_cast<size_t>(i), static_cast<int32_t>(std::min<int64_t>(want, cap)), w, lk);
+    });
   });
   commit_parallel(budgets, n, out);
 }
 
-void DrafterCore::draft_one(size_t i, int32_t budget, int w) {
+void DrafterCore::draft_one(size_t i, int32_t budget, int w, const Lookup* lk) {
   DraftOutput& mine = workers_[w].out;
   Part& part = parts_[i];
   part.worker = w;
@@ -203,8 +278,8 @@ void DrafterCore::draft_one(size_t i, int32_t budget, int w) {
   // Only read here: the request's state changes in commit_parallel, on the calling thread.
   const RequestState& req = *reqs_[i];
   const std::vector<Occurrence>* occ = &req.occ;
-  if (needs_gather(req)) {
-    gather(req, fresh_[i]);
+  if (lk) {
+    lookup_walk(*lk, fresh_[i]);
     occ = &fresh_[i];
     part.fresh = true;
   }
