@@ -36,6 +36,10 @@ class DraftBuilder {
   // its leaves). The order of emission is exactly that of expanding at once.
   void defer(int32_t node, int32_t max_depth);
 
+  // Set weight_ (and plain_keys_) for the occurrences, link them all as the root's members, and
+  // return their total weight.
+  double weigh(const std::vector<Occurrence>& occ, const CoreConfig& cfg);
+
   // Queue the children nodes_[first_child..] just made from `parent` (the best room_ of them).
   void queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth);
 
@@ -72,6 +76,15 @@ class DraftBuilder {
   void queued(size_t was);
   // Remove and return the frontier's best entry.
   Entry pop_best();
+  // Index of the unordered frontier's best entry: by Entry's operator<, or, when plain_keys_,
+  // by the same order read as one integer per entry (cheaper).
+  size_t best_by_compare() const;
+  size_t best_by_key() const;
+  // The current build's queued priorities are all +0 or positive, never NaN, so that their bits
+  // order them as their values do: so it is when every weight is >= 0, their total finite and
+  // > 0, and the evidence discount >= 0 (a zero-weight child gets priority 0 and is not queued;
+  // no 0/0, 0*inf or negative factor can arise).
+  bool plain_keys_ = false;
   // Token -> child of the node being expanded (linear probing), kept at most half full: a node
   // has at most as many children as the proposal has occurrences, and build sizes it for those.
   struct Slot {
