@@ -1,6 +1,8 @@
 #include "draft_builder.h"
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 
 namespace rollout_spec {
 
@@ -18,19 +20,23 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
   const TrieNode parent = nodes_[node];  // copy: nodes_ grows below
   if (parent.depth >= max_depth) return;
   const int32_t first_child = static_cast<int32_t>(nodes_.size());
-  // Pass 0: every member's next token. Tokens past an occurrence's cached ones are in another
-  // sequence's memory; reading them all in a loop of their own lets their misses overlap.
+  // Pass 0: walk the node's member list, noting every member and its next token. Tokens past an
+  // occurrence's cached ones are in another sequence's memory; reading them all in a loop of
+  // their own lets their misses overlap.
+  mem_.resize(parent.count);
   tok_.resize(parent.count);
-  for (int32_t j = 0; j < parent.count; ++j)
-    tok_[j] = next_token(occ[members_[parent.members + j]], view, parent.depth);
+  for (int32_t j = 0, o = parent.first_occ; j < parent.count; ++j, o = next_[o]) {
+    mem_[j] = o;
+    tok_[j] = next_token(occ[o], view, parent.depth);
+  }
   // Pass 1: the child of every member (children appear in the order of their first member),
   // found through a small open-addressing table from token to child. A scan of the children's
   // tokens costs members x children steps and mispredicts its exit once per member (the number
   // of children changes all the time): at T=1.0 a root has ~30 members and ~17 children, and
   // that scan was a third of the builder's instructions. Slots are stamped per expansion, so
-  // the table is never cleared.
-  scratch_.resize(parent.count);
-  child_tok_.clear();
+  // the table is never cleared. Each member is linked behind its child's last one, so the
+  // child's list is ready without a pass of its own (most children are never expanded).
+  tail_.clear();
   const uint32_t mask = (1u << slot_bits_) - 1;
   if (++stamp_ == 0) {  // the stamp wrapped: forget every slot
     for (Slot& s : slots_) s.stamp = 0;
@@ -38,48 +44,39 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
   }
   for (int32_t j = 0; j < parent.count; ++j) {
     const int32_t tok = tok_[j];
-    int32_t c = -1;
-    if (tok >= 0) {
-      uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> (32 - slot_bits_);
-      while (slots_[h].stamp == stamp_ && slots_[h].token != tok) h = (h + 1) & mask;
-      Slot& slot = slots_[h];
-      if (slot.stamp == stamp_) {
-        c = slot.child;
-      } else {
-        const int32_t nc = static_cast<int32_t>(child_tok_.size());
-        slot.stamp = stamp_;
-        slot.token = tok;
-        slot.child = nc;
-        c = nc;
-        child_tok_.push_back(tok);
-        // Filled field by field: a braced temporary is copied through the stack in pieces of
-        // other sizes than it was written in, which stalls store forwarding on every child.
-        TrieNode& n = nodes_.emplace_back();
-        n.token = tok;
-        n.parent = node;
-        n.depth = parent.depth + 1;
-        n.first_occ = members_[parent.members + j];
-      }
-      TrieNode& n = nodes_[first_child + c];
-      n.weight += weight_[members_[parent.members + j]];
-      n.count += 1;
-      c += first_child;
+    if (tok < 0) continue;  // the occurrence's sequence ends here
+    const int32_t o = mem_[j];
+    uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> (32 - slot_bits_);
+    while (slots_[h].stamp == stamp_ && slots_[h].token != tok) h = (h + 1) & mask;
+    Slot& slot = slots_[h];
+    int32_t c;
+    if (slot.stamp == stamp_) {
+      c = slot.child;
+      next_[tail_[c]] = o;
+      tail_[c] = o;
+    } else {
+      c = static_cast<int32_t>(tail_.size());
+      slot.stamp = stamp_;
+      slot.token = tok;
+      slot.child = c;
+      tail_.push_back(o);
+      // Filled field by field: a braced temporary is copied through the stack in pieces of
+      // other sizes than it was written in, which stalls store forwarding on every child.
+      TrieNode& n = nodes_.emplace_back();
+      n.token = tok;
+      n.parent = node;
+      n.depth = parent.depth + 1;
+      n.first_occ = o;
     }
-    scratch_[j] = c;
+    TrieNode& n = nodes_[first_child + c];
+    n.weight += weight_[o];
+    n.count += 1;
   }
-  // Pass 2: lay out each child's members contiguously (a counting sort, keeping their order).
+  queue_children(parent, first_child, max_depth);
+}
+
+void DraftBuilder::queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth) {
   const int32_t last = static_cast<int32_t>(nodes_.size());
-  int32_t at = static_cast<int32_t>(members_.size());
-  for (int32_t c = first_child; c < last; ++c) {
-    nodes_[c].members = at;
-    at += nodes_[c].count;
-  }
-  members_.resize(at);
-  fill_.assign(last - first_child, 0);
-  for (int32_t j = 0; j < parent.count; ++j) {
-    const int32_t c = scratch_[j];
-    if (c >= 0) members_[nodes_[c].members + fill_[c - first_child]++] = members_[parent.members + j];
-  }
   const size_t was = frontier_.size();
   for (int32_t c = first_child; c < last; ++c) {
     TrieNode& n = nodes_[c];
@@ -126,12 +123,41 @@ DraftBuilder::Entry DraftBuilder::pop_best() {
   }
   // The frontier of a small budget holds a few dozen entries at most: one pass picking the best
   // (a select, no data-dependent branch) beats a heap's sift, which mispredicts at every level.
-  size_t best = 0;
-  for (size_t k = 1; k < frontier_.size(); ++k) best = frontier_[best] < frontier_[k] ? k : best;
+  const size_t best = plain_keys_ ? best_by_key() : best_by_compare();
   const Entry e = frontier_[best];
   frontier_[best] = frontier_.back();
   frontier_.pop_back();
   return e;
+}
+
+size_t DraftBuilder::best_by_compare() const {
+  size_t best = 0;
+  for (size_t k = 1; k < frontier_.size(); ++k) best = frontier_[best] < frontier_[k] ? k : best;
+  return best;
+}
+
+size_t DraftBuilder::best_by_key() const {
+  // Entry's order as one 128-bit integer: the priority's bits (they order +0 and positive
+  // doubles as their values do, and are equal exactly when the values are), then ~tie (ties are
+  // >= 0, so the smaller tie gives the larger half). The best key stays in registers and the
+  // compare is branch-free; Entry's operator< reloads the best entry every step (a dependency
+  // through memory per entry) and branches on equal priorities.
+  using Key = unsigned __int128;
+  const Entry* f = frontier_.data();
+  const auto key = [](const Entry& e) {
+    uint64_t bits;
+    std::memcpy(&bits, &e.priority, sizeof bits);
+    return (Key(bits) << 64) | ~static_cast<uint64_t>(e.tie);
+  };
+  size_t best = 0;
+  Key best_key = key(f[0]);
+  for (size_t k = 1, n = frontier_.size(); k < n; ++k) {
+    const Key k_key = key(f[k]);
+    const bool better = k_key > best_key;
+    best = better ? k : best;
+    best_key = better ? k_key : best_key;
+  }
+  return best;
 }
 
 void DraftBuilder::defer(int32_t node, int32_t max_depth) {
@@ -145,6 +171,36 @@ void DraftBuilder::defer(int32_t node, int32_t max_depth) {
   e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth + 1;
   e.node = ~node;
   queued(frontier_.size() - 1);
+}
+
+double DraftBuilder::weigh(const std::vector<Occurrence>& occ, const CoreConfig& cfg) {
+  const int32_t n_occ = static_cast<int32_t>(occ.size());
+  weight_.resize(n_occ);
+  next_.resize(n_occ);
+  double total = 0.0;
+  // Read once: the stores below could alias cfg's fields as far as the compiler knows.
+  const int32_t power = cfg.match_power;
+  const double scope_weight[3] = {cfg.scope_weight[0], cfg.scope_weight[1], cfg.scope_weight[2]};
+  bool plain = true;  // every weight >= 0 (not NaN): see plain_keys_
+  for (int32_t i = 0; i < n_occ; ++i) {
+    // Longer matches are more predictive: weight = scope prior * match_len ** match_power.
+    // The default power 2 is spelled out (the same two products in the same order): the loop
+    // cost ~13 instructions per occurrence.
+    double w = scope_weight[occ[i].scope];
+    const double m = occ[i].match_len;
+    if (power == 2) {
+      w = w * m * m;
+    } else {
+      for (int32_t p = 0; p < power; ++p) w *= m;
+    }
+    weight_[i] = w;
+    plain &= w >= 0.0;
+    next_[i] = i + 1;  // the root's members: every occurrence, in order
+    total += w;
+  }
+  plain_keys_ = plain && total > 0.0 && total <= std::numeric_limits<double>::max() &&
+                cfg.evidence_discount >= 0.0;
+  return total;
 }
 
 void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
@@ -165,17 +221,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
       slots_.assign(size_t(1) << slot_bits_, Slot{});
       stamp_ = 0;
     }
-    weight_.resize(n_occ);
-    members_.resize(n_occ);
-    double total = 0.0;
-    for (int32_t i = 0; i < n_occ; ++i) {
-      // Longer matches are more predictive: weight = scope prior * match_len ** match_power.
-      double w = cfg.scope_weight[occ[i].scope];
-      for (int32_t p = 0; p < cfg.match_power; ++p) w *= occ[i].match_len;
-      weight_[i] = w;
-      members_[i] = i;
-      total += w;
-    }
+    const double total = weigh(occ, cfg);
     nodes_.clear();
     TrieNode& root = nodes_.emplace_back();
     root.count = n_occ;

@@ -36,17 +36,27 @@ class DraftBuilder {
   // its leaves). The order of emission is exactly that of expanding at once.
   void defer(int32_t node, int32_t max_depth);
 
+  // Set weight_ (and plain_keys_) for the occurrences, link them all as the root's members, and
+  // return their total weight.
+  double weigh(const std::vector<Occurrence>& occ, const CoreConfig& cfg);
+
+  // Queue the children nodes_[first_child..] just made from `parent` (the best room_ of them).
+  void queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth);
+
   std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
-  std::vector<int32_t> members_;  // occurrence indices, grouped per node
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
-  std::vector<int32_t> scratch_;  // per member of the node being expanded: its child's index
-  std::vector<int32_t> fill_;     // per child of that node: members placed so far
+  // Per occurrence: the next member (in gather order) of the same unexpanded node. A node's
+  // members are the list from its first_occ, count long; expanding it relinks them into its
+  // children's lists. Unexpanded nodes share no occurrence, so one array holds all their lists,
+  // and a child's list is made in the pass that finds its members, with no pass of its own.
+  std::vector<int32_t> next_;
+  std::vector<int32_t> mem_;      // per member of the node being expanded: its occurrence
+  std::vector<int32_t> tail_;     // per child of that node: its last member so far
   double floor_ = 0.0;              // path-probability floor of the current build
   int32_t room_ = 0;                // nodes the current build may still emit
   std::vector<double> discount_;   // n / (n + beta) for n occurrences behind a node
   double discount_beta_ = -1.0;     // the beta discount_ was made for
   std::vector<int32_t> tok_;        // per member of the node being expanded: its next token
-  std::vector<int32_t> child_tok_;  // per child of that node: its token
   struct Entry {
     double priority;
     int64_t tie;  // smaller wins among equal priorities
@@ -66,6 +76,15 @@ class DraftBuilder {
   void queued(size_t was);
   // Remove and return the frontier's best entry.
   Entry pop_best();
+  // Index of the unordered frontier's best entry: by Entry's operator<, or, when plain_keys_,
+  // by the same order read as one integer per entry (cheaper).
+  size_t best_by_compare() const;
+  size_t best_by_key() const;
+  // The current build's queued priorities are all +0 or positive, never NaN, so that their bits
+  // order them as their values do: so it is when every weight is >= 0, their total finite and
+  // > 0, and the evidence discount >= 0 (a zero-weight child gets priority 0 and is not queued;
+  // no 0/0, 0*inf or negative factor can arise).
+  bool plain_keys_ = false;
   // Token -> child of the node being expanded (linear probing), kept at most half full: a node
   // has at most as many children as the proposal has occurrences, and build sizes it for those.
   struct Slot {
