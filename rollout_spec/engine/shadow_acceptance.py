@@ -40,8 +40,9 @@ class ShadowAcceptance:
     """Shadow proposals for ``requests`` running requests (round-robin) per round, each with
     ``budget`` draft nodes, and their outcome once the outputs caught up.
 
-    The engine starts a round on a plain step right after handing the drafter every committed
-    token (``propose``), and collects finished walks with ``harvest`` as ``accepted[r, k]``:
+    The engine starts a round (``propose``) on a plain step right after handing the drafter
+    every committed token, and after every ``every``-th drafting step's commit
+    (``drafting_step``), and collects finished walks with ``harvest`` as ``accepted[r, k]``:
     the nodes request r would have kept from its first k, k = 0 .. budget. Requests with less
     room than ``budget`` more tokens are left out (their trees would be cut short).
     """
