@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -139,6 +139,7 @@ def verify(
     *,
     tree: TreeInputs | None = None,
     backend: str = "auto",
+    on_walk: Callable[[torch.Tensor], None] | None = None,
 ) -> VerifyResult:
     """Accept a path of every request's draft tree and draw one bonus token after it.
 
@@ -154,6 +155,9 @@ def verify(
             reference: torch row statistics, numpy walk) or "auto" (triton on CUDA when it is
             installed). Same law and logprobs; the random streams differ (seeded runs
             reproduce within a backend).
+        on_walk: triton backend only: called once with ``VerifyResult.walk`` (the walk's
+            device rows) when its final values are queued, before the host waits for them --
+            the engine queues its KV compaction there, so the GPU runs it without a host gap.
     Returns:
         VerifyResult (numpy arrays in ``.host``, device tensors on access).
     Raises:
@@ -163,7 +167,8 @@ def verify(
     if use_triton(backend, logits.device):
         from rollout_spec.verify_fused import verify_fused
 
-        return VerifyResult(*verify_fused(logits, batch, table, generator, tree), device=logits.device)
+        return VerifyResult(*verify_fused(logits, batch, table, generator, tree, on_walk=on_walk),
+                            device=logits.device)
     return VerifyResult(verify_torch(logits, batch, table, generator), device=logits.device)
 
 

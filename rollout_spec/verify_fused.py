@@ -10,6 +10,8 @@ inside the kernel).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -28,11 +30,13 @@ from rollout_spec.verify_triton import (
 
 def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
                  generator: torch.Generator | None, tree: TreeInputs | None,
-                 noise: tuple[torch.Tensor, torch.Tensor] | None = None
+                 noise: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 on_walk: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[HostVerifyResult, torch.Tensor]:
     """Verify validated inputs with the walk kernel; results on the host, and the walk's rows
     on the device (int32 ``[B, 1 + 3W]``, see ``launch_walk``) for device-side consumers such
-    as the engine's KV compaction.
+    as the engine's KV compaction. ``on_walk(rows)`` runs once the rows' final values are
+    queued: before the readback, unless candidate thresholds may need the exact redo.
 
     ``noise`` (tests only) replaces the kernel's Philox draws, see ``launch_walk``.
     """
@@ -62,13 +66,18 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
         if thr is None:
             thr = _exact_thresholds(logits, table, batch)
     keys = philox_keys(generator, dev)
-    launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
+    walk = out[:walk_size].view(num_req, -1)
+    launch_walk(logits, *cells, temp, thr, keys, walk, table.any_sampling, noise)
+    if on_walk is not None and not checked:  # final now: its consumer queues behind the walk
+        on_walk(walk)
     got = out.cpu().numpy()
     if checked and got[flags_at:].any():  # rare: some cut lies past its candidates
         thr = _exact_thresholds(logits, table, batch)
-        launch_walk(logits, *cells, temp, thr, keys, out[:walk_size], table.any_sampling, noise)
+        launch_walk(logits, *cells, temp, thr, keys, walk, table.any_sampling, noise)
         got = out.cpu().numpy()
-    return _unpack(got[:walk_size].reshape(num_req, -1), width), out[:walk_size].view(num_req, -1)
+    if on_walk is not None and checked:
+        on_walk(walk)
+    return _unpack(got[:walk_size].reshape(num_req, -1), width), walk
 
 
 _PLAIN_CELLS: dict[torch.device, list[torch.Tensor]] = {}

@@ -181,3 +181,13 @@ def test_engine_with_ladder_matches_engine_without():
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids and a.num_verify_steps == b.num_verify_steps
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
+def test_lm_head_rows_pad_to_few_shapes():
+    """The graphed path's LM head sees at most 25% padding and four row counts an octave."""
+    from rollout_spec.engine.runner import lm_head_rows
+
+    got = [lm_head_rows(r) for r in range(1, 10001)]
+    assert all(r <= g <= max(8, 1.25 * r) for r, g in zip(range(1, 10001), got))
+    assert got == sorted(got) and len(set(got)) == 42
+    assert [lm_head_rows(r) for r in (8, 9, 11, 16, 17, 257)] == [8, 10, 12, 16, 20, 320]

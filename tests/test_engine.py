@@ -118,6 +118,7 @@ def mixed_prompts(count: int, seed: int = 1) -> list[list[int]]:
 def engine(model, spec=None, **kw) -> RolloutEngine:
     kw.setdefault("num_slots", 8)
     kw.setdefault("max_model_len", 256)
+    kw.setdefault("worker_min_batch", 1)  # an overlapped engine uses its worker at these tiny B
     if spec is not None and "draft_budget" not in kw:
         # On CUDA an engine without a budget learns one from timed steps, which may pick 0 drafts
         # for these tiny models; a fixed budget tests the same drafts on every device.
@@ -375,10 +376,13 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
 
 
 def test_overlapped_drafter_changes_nothing(pair, monkeypatch) -> None:
-    """Drafter bookkeeping on the worker thread (default) or inline: identical outputs and counters.
+    """Drafter bookkeeping on the worker thread, inline, or on the worker only for steps of at
+    least ``worker_min_batch`` requests: identical outputs and counters.
 
     With the overlap, steps are proposed ahead also while samples wait for a slot (12 samples,
     5 slots), as long as none is admitted before the next step."""
+    import threading
+
     from rollout_spec.engine.scheduler import Scheduler
 
     _, model = pair
@@ -394,13 +398,24 @@ def test_overlapped_drafter_changes_nothing(pair, monkeypatch) -> None:
         return admits
 
     monkeypatch.setattr(Scheduler, "admits_after", spy)
-    runs = []
-    for overlap in (True, False):
-        eng = engine(model, ScriptedDrafter("random", seed=4), overlap_drafter=overlap, num_slots=5)
+    class Where(ScriptedDrafter):  # records whether each proposal ran on the main thread
+        def propose(self, req_ids, budgets=None):
+            self.threads.append(threading.current_thread() is threading.main_thread())
+            return super().propose(req_ids, budgets)
+
+    runs, on_main = [], []
+    # worker_min_batch 3: steps switch between the worker and inline calls as samples end.
+    for overlap, min_batch in ((True, 1), (True, 3), (True, 1000), (False, 1)):
+        drafter = Where("random", seed=4)
+        drafter.threads = []
+        eng = engine(model, drafter, overlap_drafter=overlap, num_slots=5, worker_min_batch=min_batch)
         outs = eng.generate(prompts, params)
         runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
         assert not eng._queue.busy  # generate returns with the drafter caught up
-    assert runs[0] == runs[1]
+        on_main.append(set(drafter.threads))
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+    # Proposals made ahead run on the worker; below worker_min_batch none does.
+    assert False in on_main[0] and False in on_main[1] and on_main[2] == on_main[3] == {True}
     assert True in queued and False in queued
 
 
@@ -528,6 +543,26 @@ def test_drafter_queue_keeps_order_bounds_itself_and_reports_errors() -> None:
     inline = DrafterQueue(overlap=False)
     inline.submit(seen.append, "now")
     assert seen[-1] == "now" and isinstance(inline.call(lambda: 1 / 0).exception(), ZeroDivisionError)
+    inline.use_worker(True)  # no worker without overlap
+    assert not inline.threaded
+
+
+def test_drafter_queue_switching_the_worker_off_keeps_order() -> None:
+    import threading
+
+    from rollout_spec.engine.drafter_queue import DrafterQueue
+
+    q, seen, gate = DrafterQueue(overlap=True), [], threading.Event()
+    q.submit(gate.wait)
+    q.submit(seen.append, "queued")
+    threading.Timer(0.05, gate.set).start()
+    q.use_worker(False)  # waits for the worker's calls before any inline one
+    q.submit(seen.append, "inline")
+    assert seen == ["queued", "inline"] and not q.threaded and not q.busy
+    q.use_worker(True)
+    q.call(seen.append, "worker").result()
+    assert seen[-1] == "worker" and q.threaded
+    q.close()
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -63,8 +63,11 @@ def both_paths(logits, batch, params, seed, tree=None):
     noise = (torch.rand(batch.num_nodes, generator=gen).to(DEVICE),
              torch.rand(logits.shape, generator=gen).to(DEVICE))
     logits = logits.to(DEVICE)
-    host, walk = fused.verify_fused(logits, batch, table, None, tree, noise=noise)
-    # The device rows the engine's KV compaction reads say what the host result says.
+    seen = []  # what on_walk's consumer (the engine's KV compaction) would read, when called
+    host, walk = fused.verify_fused(logits, batch, table, None, tree, noise=noise,
+                                    on_walk=lambda rows: seen.append(rows.clone()))
+    # Called once, on the final rows (after any redo of the walk); they say what the host says.
+    assert len(seen) == 1 and torch.equal(seen[0], walk)
     np.testing.assert_array_equal(walk[:, 0].cpu().numpy(), host.num_accepted)
     return host, verify_torch(logits, batch, table, None, noise=noise)
 

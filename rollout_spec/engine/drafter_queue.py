@@ -42,13 +42,22 @@ class DrafterQueue:
 
     def __init__(self, overlap: bool = False) -> None:
         self.overlap = overlap
+        self.threaded = overlap  # whether calls go to the worker now (``use_worker``)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []
         self.wait_seconds = 0.0
 
+    def use_worker(self, on: bool) -> None:
+        """Send the next calls to the worker (never without ``overlap``) or run them at once;
+        switching the worker off first waits for it, so calls still run in submission order."""
+        on = on and self.overlap
+        if self.threaded and not on:
+            self.drain()
+        self.threaded = on
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` after every earlier submission (now, when overlap is off)."""
-        if not self.overlap:
+        """Run ``fn(*args)`` after every earlier submission (now, while the worker is off)."""
+        if not self.threaded:
             fn(*args)
             return
         if self._pool is None:
@@ -59,7 +68,7 @@ class DrafterQueue:
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)`` behind the pending calls and return its future (result or error)."""
-        if not self.overlap:
+        if not self.threaded:
             fut: Future = Future()
             try:
                 fut.set_result(fn(*args))

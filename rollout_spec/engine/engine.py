@@ -63,7 +63,8 @@ class RolloutEngine:
             8th plain step hands the previous steps' tokens to it right after launching its
             forward, so the C++ extend (GIL released) runs while verification waits for the GPU;
             a drafting step queues its extend and, when no sample waits for a slot, the next
-            step's proposal as soon as it commits. Outputs are identical either way. None
+            step's proposal as soon as it commits; steps of fewer than ``worker_min_batch``
+            requests call the drafter directly. Outputs are identical either way. None
             (default): on where the model is on CUDA (measured on an H100), off on CPU, where the forward is not
             asynchronous and the hand-offs only add work (docs/gpu.md). Without it, plain steps
             feed the drafter nothing (unless the budget has ``observe_plain``: its shadow rounds
@@ -71,6 +72,10 @@ class RolloutEngine:
             proposal or when ``generate`` ends (``DrafterFeed``).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
             "triton").
+        worker_min_batch: with ``overlap_drafter``, the fewest running requests whose decode
+            steps use the worker. At B=8 on the H100 host the C++ extend and proposal took
+            ~0.07 ms a drafting step on the engine's thread, and the hand-offs to the worker
+            and the wait for it ~0.25 ms.
 
     ``phase_seconds`` accumulates the decode steps' wall time by phase (budget + propose,
     tree inputs + forward + verification, commit), their count, and the prefill steps' wall
@@ -92,6 +97,7 @@ class RolloutEngine:
         cuda_graphs: bool = True,
         overlap_drafter: Optional[bool] = None,
         verify_backend: str = "auto",
+        worker_min_batch: int = 32,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.num_slots = check_int("num_slots", num_slots, 1, 1 << 20)
@@ -107,6 +113,7 @@ class RolloutEngine:
         if overlap_drafter is None:
             overlap_drafter = next(model.parameters()).device.type == "cuda"
         self._queue = DrafterQueue(overlap_drafter)
+        self.worker_min_batch = check_int("worker_min_batch", worker_min_batch, 1, 1 << 20)
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
         self._ahead: Optional[tuple[np.ndarray, np.ndarray, Any]] = None  # next step's proposal
@@ -268,6 +275,7 @@ class RolloutEngine:
         whether samples will be admitted before the next decode; when they will not, a drafting
         step queues the next step's proposal at its commit (see ``_propose_ahead``)."""
         t0 = self.clock()
+        self._queue.use_worker(len(seqs) >= self.worker_min_batch)
         run = RunningBatch.of(seqs)
         budgets, batch = self._take_ahead(run)
         if batch is None:
@@ -278,9 +286,12 @@ class RolloutEngine:
         if batch.num_nodes == 0 and self._feed.due():
             self._plain_hand_off(seqs, run)
         self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
-        res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend)
+        # With drafts, the fused walk hands its rows to the KV compaction before the readback.
+        compact = self.runner.compact_kv if batch.num_nodes else None
+        res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend,
+                     on_walk=compact)
         t2 = self.clock()
-        accepted = self._commit(seqs, res, batch, run, admits_after if self._queue.overlap else None)
+        accepted = self._commit(seqs, res, batch, run, admits_after if self._queue.threaded else None)
         if batch.num_nodes and self._shadow is not None and self._shadow.drafting_step():
             self._drafting_shadow(seqs)
         t3 = self.clock()
@@ -297,7 +308,7 @@ class RolloutEngine:
         tokens while verification waits for the GPU; with a budget that takes acceptance from
         plain steps, queue a shadow round behind them and pass on the rounds that are ready."""
         observe = self._shadow_observer()
-        if not self._queue.overlap and observe is None:
+        if not self._queue.threaded and observe is None:
             return
         self._feed.flush(self._drafter)
         if observe is not None:
@@ -415,9 +426,8 @@ class RolloutEngine:
         extend (it runs on the worker while this thread appends). Returns the accepted draft
         nodes kept per request."""
         h = res.host
-        if batch is not None and batch.num_nodes:
-            self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes,
-                                         walk=res.walk)
+        if batch is not None and batch.num_nodes and res.walk is None:  # else compacted on the device
+            self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes)
         em_off = h.emitted_offsets
         req_of = np.repeat(np.arange(len(seqs)), np.diff(em_off))
         left = self.max_model_len - run.prompt_len - run.out_len

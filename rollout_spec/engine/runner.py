@@ -19,6 +19,15 @@ from rollout_spec.engine.sequence import Sequence
 from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs, host_tree_inputs, to_device
 
 
+def lm_head_rows(rows: int) -> int:
+    """``rows`` rounded up to the next of 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four sizes
+    an octave): at most 25% padding, and a few dozen LM-head shapes up to tens of thousands of rows."""
+    if rows <= 8:
+        return 8
+    step = 1 << (rows.bit_length() - 3)  # a quarter of the octave [2^(e-1), 2^e) that holds rows
+    return -(-rows // step) * step
+
+
 class ModelRunner:
     """Owns the model and its static KV cache on one device."""
 
@@ -148,14 +157,22 @@ class ModelRunner:
         self._step_rows = (static["slot_ids"][:num], static["ctx_lens"][:num])
         if tree is None:
             return self._logits(hidden[:, 0]), None
+        rows = len(tree["flat_index"])
+        # Gather a padded number of rows (the extra ones repeat cell 0) so the LM head meets a
+        # few shapes only: cuBLAS chose an algorithm for every new row count, ~0.6 ms of host
+        # time each on the H100, and a drafting step's rows (B + N) were new every few steps.
+        tree["flat_index"] = np.pad(tree["flat_index"], (0, lm_head_rows(rows) - rows))
         names = list(tree)
         fields = dict(zip(names, to_device([tree[n] for n in names], self.device)))
+        gather = fields.pop("flat_index")
         ti = TreeInputs(input_ids=static["input_ids"][:num], positions=static["positions"][:num],
-                        tree_mask=static["tree_mask"][:num], **fields, source=batch)
-        return self._logits(hidden.reshape(-1, hidden.shape[-1])[ti.flat_index]), ti
+                        tree_mask=static["tree_mask"][:num], flat_index=gather[:rows], **fields,
+                        source=batch)
+        return self._logits(hidden.reshape(-1, hidden.shape[-1])[gather], keep=rows), ti
 
-    def _logits(self, rows: Tensor) -> Tensor:
-        """``model.logits(rows)`` (fp32) written into buffers kept across steps.
+    def _logits(self, rows: Tensor, keep: Optional[int] = None) -> Tensor:
+        """``model.logits(rows)`` (fp32) written into buffers kept across steps; with ``keep``,
+        those of the first ``keep`` rows only (the rest are padding of a fixed-shape matmul).
 
         Drafting steps verify a different number of rows each time; a fresh ``[rows, V]``
         allocation per step cost 0.1-0.7 ms of host time on the H100 (measured inside
@@ -170,9 +187,10 @@ class ModelRunner:
                                      for d in dtypes)
         out = self._logit_bufs[0][:num]
         torch.matmul(rows, weight.t(), out=out)
+        keep = num if keep is None else keep
         if len(self._logit_bufs) == 1:
-            return out
-        return self._logit_bufs[1][:num].copy_(out)
+            return out[:keep]
+        return self._logit_bufs[1][:keep].copy_(out[:keep])
 
     def _decode_mask(self, num: int) -> Tensor:
         """A ``[num, 1, 1]`` all-true tree mask, allocated once per size bound."""
@@ -182,20 +200,14 @@ class ModelRunner:
         return self._ones[:num]
 
     def keep_accepted_kv(self, slots: np.ndarray, ctx_lens: np.ndarray, accepted_offsets: np.ndarray,
-                         accepted_nodes: np.ndarray, walk: Optional[Tensor] = None) -> None:
+                         accepted_nodes: np.ndarray) -> None:
         """Move accepted nodes' KV from their tree columns onto their path positions.
 
         Node j was written at ``ctx_len + 1 + j``; the d-th accepted node (1-based) belongs at
         ``ctx_len + d``. ``ctx_lens`` are the lengths before this step's tokens are committed.
-        With ``walk`` (the fused verification's device rows of the last ``verify_forward``),
-        one kernel reads the moves on the device (``kv_compact``) and the host arrays are unused.
+        This is the host path (moves built in numpy from verification's host arrays);
+        ``compact_kv`` does the same from the fused walk's device rows.
         """
-        if walk is not None:
-            from rollout_spec.engine.kv_compact import compact_accepted_kv
-
-            assert self._step_rows is not None, "walk given before any verify_forward"
-            compact_accepted_kv(self.cache.kv, walk, *self._step_rows)
-            return
         counts = np.diff(accepted_offsets)
         if counts.sum() == 0:
             return
@@ -207,3 +219,12 @@ class ModelRunner:
         if moved.any():
             index = self._long(np.stack([np.repeat(slots, counts)[moved], src[moved], dst[moved]]))
             self.cache.move(index[0], index[1], index[2])
+
+    def compact_kv(self, walk: Tensor) -> None:
+        """``keep_accepted_kv`` on the device: one kernel reads the moves from the fused
+        verification's walk rows of the last ``verify_forward`` (``kv_compact``), queued
+        behind the walk without waiting for it."""
+        from rollout_spec.engine.kv_compact import compact_accepted_kv
+
+        assert self._step_rows is not None, "compact_kv called before any verify_forward"
+        compact_accepted_kv(self.cache.kv, walk, *self._step_rows)
