@@ -1,4 +1,5 @@
-// The only file that knows Python: a thin nanobind layer over rollout_spec::DrafterCore.
+// The only file that knows Python: a thin nanobind layer over rollout_spec::DrafterCore and the
+// tree-inputs build.
 // Arrays come in as contiguous numpy arrays of fixed dtypes (the facade converts and validates);
 // every batch call releases the GIL while the core works.
 #include <nanobind/nanobind.h>
@@ -7,18 +8,22 @@
 #include <nanobind/stl/string.h>
 
 #include <fstream>
+#include <initializer_list>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "core_config.h"
 #include "drafter_core.h"
+#include "tree_inputs.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 using rollout_spec::CoreConfig;
 using rollout_spec::DrafterCore;
 using rollout_spec::DraftOutput;
+using rollout_spec::TreeInputsBuffers;
 
 namespace {
 
@@ -158,6 +163,47 @@ nb::tuple propose(DrafterCore& core, Vec<int64_t> ids, std::optional<Vec<int32_t
   return propose_output(std::move(out));
 }
 
+// An uninitialised numpy array of `shape`, its memory owned by the array.
+template <class T>
+nb::ndarray<nb::numpy, T> new_array(std::initializer_list<size_t> shape) {
+  size_t count = 1;
+  for (size_t s : shape) count *= s;
+  T* data = new T[count];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T>(data, shape, owner);
+}
+
+// tree.host_tree_inputs' native half: TreeInputs' host fields of a DraftBatch's CSR arrays, int64
+// roots and a width, as (input_ids, depth, parent_col, row_index, flat_index, valid, tree_mask,
+// positions). Bad shapes and values raise ValueError naming the field.
+nb::tuple tree_inputs(Vec<int32_t> offsets, Vec<int32_t> tokens, Vec<int32_t> parents,
+                      Vec<int64_t> root_tokens, Vec<int64_t> root_positions, int64_t width) {
+  if (offsets.shape(0) < 1) throw std::invalid_argument("DraftBatch.offsets must have B + 1 >= 1 entries");
+  const size_t num_req = offsets.shape(0) - 1, num_nodes = tokens.shape(0);
+  if (parents.shape(0) != num_nodes)
+    throw std::invalid_argument("DraftBatch.parents must have len(tokens) entries");
+  if (root_tokens.shape(0) != num_req || root_positions.shape(0) != num_req)
+    throw std::invalid_argument("root_tokens and root_positions must have B = len(offsets) - 1 entries");
+  if (width < 1) throw std::invalid_argument("width must be >= 1, got " + std::to_string(width));
+  const size_t w = static_cast<size_t>(width);
+  rollout_spec::check_tree_inputs(offsets.data(), num_req, parents.data(), num_nodes, w);
+  auto input_ids = new_array<int64_t>({num_req, w}), depth = new_array<int64_t>({num_req, w}),
+       parent_col = new_array<int64_t>({num_req, w}), row_index = new_array<int64_t>({num_req, w}),
+       flat_index = new_array<int64_t>({num_req + num_nodes}),
+       positions = new_array<int64_t>({num_req, w});
+  auto valid = new_array<bool>({num_req, w}), tree_mask = new_array<bool>({num_req, w, w});
+  const TreeInputsBuffers out{input_ids.data(), positions.data(), depth.data(),
+                              parent_col.data(), row_index.data(), flat_index.data(),
+                              valid.data(), tree_mask.data()};
+  {
+    nb::gil_scoped_release release;
+    rollout_spec::fill_tree_inputs(offsets.data(), num_req, tokens.data(), parents.data(),
+                                   root_tokens.data(), root_positions.data(), w, out);
+  }
+  return nb::make_tuple(input_ids, depth, parent_col, row_index, flat_index, valid, tree_mask,
+                        positions);
+}
+
 void bind_config(nb::module_& m) {
   nb::class_<CoreConfig>(m, "CoreConfig")
       .def(nb::init<>())
@@ -196,6 +242,8 @@ NB_MODULE(_core, m) {
   m.attr("ABI_VERSION") = 3;
   m.attr("KEY_LENGTHS") = nb::make_tuple(4, 2, 1);
   bind_config(m);
+  m.def("tree_inputs", &tree_inputs, "offsets"_a, "tokens"_a, "parents"_a, "root_tokens"_a,
+        "root_positions"_a, "width"_a);
   nb::class_<DrafterCore>(m, "DrafterCore")
       .def(nb::init<const CoreConfig&>(), "config"_a)
       .def("start", [](DrafterCore& c, Vec<int64_t> ids, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs) {

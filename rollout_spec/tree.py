@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rollout_spec import _core
+
 if TYPE_CHECKING:  # torch is imported lazily: the drafter side of the package must not need it
     import torch
 
@@ -116,10 +118,10 @@ class DraftBatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# What one padded tree forward needs (torch).  Index math is O(N) numpy on the host, where the
-# DraftBatch already lives; the result travels to the device in one copy, so building inputs
-# for a step launches no kernel (two small ones for roots already on the device) and never
-# waits on the GPU.
+# What one padded tree forward needs (torch).  The index math runs in the C++ core on the host,
+# where the DraftBatch already lives (one pass per request, GIL released); the result travels to
+# the device in one copy, so building inputs for a step launches no kernel (two small ones for
+# roots already on the device) and never waits on the GPU.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -148,59 +150,17 @@ class TreeInputs:
         return int(self.input_ids.shape[1])
 
 
-def _valid_cells(batch: DraftBatch, width: int) -> np.ndarray:
-    """bool[B, W]: the root and real-node cells of a validated batch. Read row by row they
-    are the verify rows in order (each root, then its nodes in slice order)."""
-    return np.arange(width) <= batch.sizes()[:, None]
+# host_tree_inputs' fields, in the order _core.tree_inputs returns them.
+_HOST_FIELDS = ("input_ids", "depth", "parent_col", "row_index", "flat_index", "valid", "tree_mask",
+                "positions")
 
 
-def index_arrays(batch: DraftBatch, width: int,
-                 valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def index_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """TreeInputs' tokens, parent_col and row_index (int64[B, W] each) of a validated batch, on
-    the host; the walk of verification needs nothing else (tokens: 0 in the root column).
-    ``valid`` is ``_valid_cells``' result when the caller has it."""
-    if valid is None:
-        valid = _valid_cells(batch, width)
-    nodes = valid.copy()
-    nodes[:, 0] = False
-    cell = np.flatnonzero(nodes)  # node cells in slice order
-    tokens = np.zeros(valid.shape, np.int64)
-    tokens.reshape(-1)[cell] = batch.tokens
-    parent_col = np.full(valid.shape, -1, np.int64)
-    parent_col.reshape(-1)[cell] = batch.parents + 1
-    rows = np.cumsum(valid, axis=None).reshape(valid.shape) - 1  # verify row of valid cells
-    row_index = np.where(valid, rows, rows[:, :1])  # padding: its root's row
-    return tokens, parent_col, row_index
-
-
-def _host_tree_arrays(batch: DraftBatch, width: int) -> dict[str, np.ndarray]:
-    """TreeInputs' fields of a validated batch as host arrays (input_ids with 0 at the roots,
-    and ``depth`` in place of positions), computed with numpy; see TreeInputs."""
-    valid = _valid_cells(batch, width)
-    tokens, parent_col, row_index = index_arrays(batch, width, valid)
-    reach = _ancestor_mask(parent_col, valid)
-    return dict(input_ids=tokens, depth=reach.sum(axis=2) - 1, parent_col=parent_col,
-                row_index=row_index, flat_index=np.flatnonzero(valid), valid=valid,
-                tree_mask=reach)
-
-
-def _ancestor_mask(parent_col: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """bool[B, W, W]: row j sees column i iff i is j, an ancestor of j or the root (padding
-    rows see the root only).
-
-    Columns are in topological order, so a node's row is its parent's row plus itself: one
-    vectorised step per column. (Pointer jumping needs fewer steps but its [B, W, W] gathers
-    measured twice as slow at W = 9.)
-    """
-    num_req, width = parent_col.shape
-    parent = np.maximum(parent_col, 0)
-    reach = np.zeros((num_req, width, width), bool)
-    reach[:, :, 0] = True
-    every = np.arange(num_req)
-    for j in range(1, width):
-        reach[:, j] = reach[every, parent[:, j]]
-        reach[:, j, j] = valid[:, j]
-    return reach
+    the host; the walk of verification needs nothing else (tokens: 0 in the root column)."""
+    zeros = np.zeros(batch.num_requests, np.int64)
+    host = host_tree_inputs(batch, zeros, zeros, width)
+    return host["input_ids"], host["parent_col"], host["row_index"]
 
 
 def _host_vector(name: str, value: object, num_req: int) -> np.ndarray | None:
@@ -251,14 +211,14 @@ def build_tree_inputs(
         device = root_tokens.device if isinstance(root_tokens, torch.Tensor) else "cpu"
     device = torch.device(device)
     host_roots = roots_h is not None and pos_h is not None
-    host = (host_tree_inputs(batch, roots_h, pos_h, width) if host_roots
-            else _host_tree_arrays(batch, width))
+    if not host_roots:  # zero roots here, the real ones added on the device below
+        roots_h = pos_h = np.zeros(num_req, np.int64)
+    host = host_tree_inputs(batch, roots_h, pos_h, width)
     names = list(host)
     fields = dict(zip(names, to_device([host[n] for n in names], device)))
     if not host_roots:  # the upload is a fresh buffer: finishing it in place is safe
         fields["input_ids"][:, 0] = torch.as_tensor(root_tokens, device=device).long()
-        fields["positions"] = (torch.as_tensor(root_positions, device=device).long()[:, None]
-                               + fields["depth"])
+        fields["positions"] += torch.as_tensor(root_positions, device=device).long()[:, None]
     return TreeInputs(**fields, source=batch)
 
 
@@ -266,11 +226,17 @@ def host_tree_inputs(batch: DraftBatch, root_tokens: np.ndarray, root_positions:
                      width: int) -> dict[str, np.ndarray]:
     """TreeInputs' fields as host arrays, for a validated batch, int64[B] host roots and a
     width of at least 1 + its largest tree (what ``build_tree_inputs`` uploads; callers that
-    place the arrays themselves, like the engine's CUDA-graph buffers, start here)."""
-    host = _host_tree_arrays(batch, width)
-    host["input_ids"][:, 0] = root_tokens
-    host["positions"] = host["depth"] + root_positions[:, None]
-    return host
+    place the arrays themselves, like the engine's CUDA-graph buffers, start here).
+
+    Built by the C++ core; arrays of the expected dtypes (int32 batch, int64 roots) reach it
+    without a copy. Raises ValueError naming the field for a width below that or a batch whose
+    offsets or parents are inconsistent.
+    """
+    arrays = _core.tree_inputs(
+        np.ascontiguousarray(batch.offsets, np.int32), np.ascontiguousarray(batch.tokens, np.int32),
+        np.ascontiguousarray(batch.parents, np.int32), np.ascontiguousarray(root_tokens, np.int64),
+        np.ascontiguousarray(root_positions, np.int64), width)
+    return dict(zip(_HOST_FIELDS, arrays))
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""build_tree_inputs against a per-node Python reference, and its input checks.
+"""build_tree_inputs against a per-node Python reference, host_tree_inputs (the C++ build)
+against the numpy build it replaced, and their input checks.
 
 ``ROLLOUT_SPEC_TEST_DEVICE=cuda`` builds on the GPU, from host and from device roots.
 """
@@ -7,8 +8,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from rollout_spec.tree import DraftBatch, build_tree_inputs, index_arrays
+from rollout_spec.tree import DraftBatch, build_tree_inputs, host_tree_inputs, index_arrays
 
 DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
 
@@ -46,6 +49,139 @@ def reference_inputs(batch: DraftBatch, roots, root_pos, width):
             pos[b, j + 1] += depth[b, j + 1]
             flat.append(b * width + j + 1)
     return ids, pos, mask, depth, np.array(flat)
+
+
+def numpy_tree_inputs(batch: DraftBatch, roots: np.ndarray, root_pos: np.ndarray,
+                      width: int) -> dict[str, np.ndarray]:
+    """The numpy build that host_tree_inputs replaced (slow reference): the same fields, dtypes
+    and key order, for a validated batch and int64 roots."""
+    valid = np.arange(width) <= batch.sizes()[:, None]
+    nodes = valid.copy()
+    nodes[:, 0] = False
+    cell = np.flatnonzero(nodes)  # node cells in slice order
+    tokens = np.zeros(valid.shape, np.int64)
+    tokens.reshape(-1)[cell] = batch.tokens
+    tokens[:, 0] = roots
+    parent_col = np.full(valid.shape, -1, np.int64)
+    parent_col.reshape(-1)[cell] = batch.parents + 1
+    rows = np.cumsum(valid, axis=None).reshape(valid.shape) - 1  # verify row of valid cells
+    row_index = np.where(valid, rows, rows[:, :1])  # padding: its root's row
+    # A node's mask row is its parent's row plus itself: one vectorised step per column.
+    reach = np.zeros((len(valid), width, width), bool)
+    reach[:, :, 0] = True
+    parent, every = np.maximum(parent_col, 0), np.arange(len(valid))
+    for j in range(1, width):
+        reach[:, j] = reach[every, parent[:, j]]
+        reach[:, j, j] = valid[:, j]
+    depth = reach.sum(axis=2) - 1
+    return dict(input_ids=tokens, depth=depth, parent_col=parent_col, row_index=row_index,
+                flat_index=np.flatnonzero(valid), valid=valid, tree_mask=reach,
+                positions=depth + root_pos[:, None])
+
+
+def assert_same_arrays(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """Same keys in the same order, and per key the same dtype, shape and values."""
+    assert list(got) == list(want)
+    for name, a in want.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape, name
+        np.testing.assert_array_equal(got[name], a, err_msg=name)
+
+
+@st.composite
+def batches_and_widths(draw) -> tuple[DraftBatch, np.ndarray, np.ndarray, int]:
+    """A random valid batch (B <= 40, trees of 0-63 nodes), int64 roots and a width in
+    [1 + largest tree, 64]. Node i's parent is i - 1 - k for a drawn k in [0, i]: chains where
+    hypothesis shrinks (k = 0), -1 at k = i."""
+    num_req = draw(st.integers(0, 40))
+    node = st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 63))
+    trees = [[(tok, i - 1 - k % (i + 1)) for i, (tok, k) in enumerate(raw)]
+             for raw in draw(st.lists(st.lists(node, max_size=63), min_size=num_req,
+                                      max_size=num_req))]
+    batch = DraftBatch.from_lists(trees)
+    need = 1 + int(batch.sizes().max(initial=0))
+    width = draw(st.integers(need, max(need, 64)))
+    ints = st.lists(st.integers(0, 2**62), min_size=num_req, max_size=num_req)
+    return batch, np.array(draw(ints), np.int64), np.array(draw(ints), np.int64), width
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=batches_and_widths())
+def test_host_tree_inputs_match_numpy_build(case):
+    batch, roots, root_pos, width = case
+    assert_same_arrays(host_tree_inputs(batch, roots, root_pos, width),
+                       numpy_tree_inputs(batch, roots, root_pos, width))
+
+
+@pytest.mark.parametrize("num_req, max_size, extra", [(40, 63, 0), (40, 20, 7), (1, 0, 0),
+                                                      (8, 32, 0), (256, 8, 0), (3, 63, 1)])
+def test_large_batches_match_numpy_build(num_req, max_size, extra):
+    rng = np.random.default_rng(num_req * 100 + max_size)
+    batch = random_batch(rng, num_req, max_size, vocab=1 << 20)
+    width = 1 + int(batch.sizes().max(initial=0)) + extra
+    roots, root_pos = rng.integers(0, 1 << 20, (2, num_req))
+    assert_same_arrays(host_tree_inputs(batch, roots, root_pos, width),
+                       numpy_tree_inputs(batch, roots, root_pos, width))
+
+
+def test_other_dtypes_and_strided_arrays_are_converted():
+    rng = np.random.default_rng(3)
+    batch = random_batch(rng, 6, 9, vocab=100)
+    strided = DraftBatch(*(np.repeat(a, 2)[::2] for a in (batch.offsets, batch.tokens,
+                                                          batch.parents, batch.probs)))
+    strided.validate()
+    assert not strided.offsets.flags.c_contiguous
+    roots, root_pos = rng.integers(0, 100, (2, 6)).astype(np.int32)
+    want = numpy_tree_inputs(batch, roots, root_pos, 11)
+    assert_same_arrays(host_tree_inputs(strided, roots, root_pos, 11), want)
+    assert_same_arrays(host_tree_inputs(batch, roots[::1].astype(np.uint16), root_pos, 11), want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(offsets=st.lists(st.integers(-3, 8), min_size=0, max_size=5),
+       parents=st.lists(st.integers(-3, 6), max_size=8), num_tokens=st.integers(0, 8),
+       width=st.integers(-2, 10))
+def test_host_tree_inputs_refuses_bad_batches(offsets, parents, num_tokens, width):
+    """Arbitrary (unvalidated) CSR arrays: a ValueError exactly when the batch is invalid or the
+    width too small, the numpy build's arrays otherwise; never a crash."""
+    batch = DraftBatch(offsets=np.array(offsets, np.int32), tokens=np.arange(num_tokens, dtype=np.int32),
+                       parents=np.array(parents, np.int32), probs=np.ones(num_tokens, np.float32))
+    num_req = max(len(offsets) - 1, 0)
+    roots = np.arange(num_req, dtype=np.int64)
+    try:
+        batch.validate()
+        need = 1 + int(batch.sizes().max(initial=0))
+    except ValueError:
+        need = None
+    if need is None or width < need:
+        with pytest.raises(ValueError, match="DraftBatch|width"):
+            host_tree_inputs(batch, roots, roots, width)
+    else:
+        assert_same_arrays(host_tree_inputs(batch, roots, roots, width),
+                           numpy_tree_inputs(batch, roots, roots, width))
+
+
+@pytest.mark.parametrize(
+    "offsets, parents, width, roots, message",
+    [
+        ([0, 2], [-1, 0], 2, 1, "width must be >= 1 \\+ largest tree = 3, got 2"),
+        ([0, 2], [-1, 0], 0, 1, "width"),
+        ([0, 2], [-1, 0], -5, 1, "width"),
+        ([0, 2], [-1, 0], 1 << 40, 1, "width"),
+        ([0, 3], [-1, 0], 4, 1, "DraftBatch.tokens has 2 entries, offsets say 3"),
+        ([0, 2, 1], [-1, 0], 4, 2, "DraftBatch.offsets must be non-decreasing"),
+        ([1, 2], [-1, 0], 4, 1, "DraftBatch.offsets must start with 0"),
+        ([], [-1, 0], 4, 0, "DraftBatch.offsets"),
+        ([0, 2], [-1, 1], 4, 1, "DraftBatch.parents"),
+        ([0, 2], [-1], 4, 1, "DraftBatch.parents"),
+        ([0, 2], [-1, 0], 4, 2, "root_tokens"),
+    ],
+)
+def test_host_tree_inputs_errors_name_the_field(offsets, parents, width, roots, message):
+    batch = DraftBatch(offsets=np.array(offsets, np.int32), tokens=np.array([5, 6], np.int32),
+                       parents=np.array(parents, np.int32), probs=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=message):
+        host_tree_inputs(batch, np.zeros(roots, np.int64), np.zeros(roots, np.int64), width)
 
 
 @pytest.mark.parametrize("roots_on", ["numpy", "host", "device"])
