@@ -215,7 +215,7 @@ class NgramDrafter:
         listed = budgets.tolist() if isinstance(budgets, np.ndarray) and budgets.ndim == 1 else budgets
         fast = self._core.propose_lists(req_ids, listed)
         if fast is not None:
-            return DraftBatch(offsets=fast[0], tokens=fast[1], parents=fast[2], probs=fast[3])
+            return DraftBatch.trusted(*fast)
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         native_budgets = None
         if budgets is not None:
@@ -225,8 +225,7 @@ class NgramDrafter:
             if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1 << 20):
                 raise ValueError(f"budgets must be in [0, {1 << 20}]")
             native_budgets = arr.astype(np.int32)
-        offsets, tokens, parents, probs = self._core.propose(ids, native_budgets)
-        return DraftBatch(offsets=offsets, tokens=tokens, parents=parents, probs=probs)
+        return DraftBatch.trusted(*self._core.propose(ids, native_budgets))
 
     # ----------------------------------------------------------------- shared scopes
     def add_sequences(self, group_ids: Sequence[Optional[int]], sequences: Sequence[TokenIds]) -> None:

@@ -59,6 +59,16 @@ class DraftBatch:
         )
 
     @staticmethod
+    def trusted(offsets: np.ndarray, tokens: np.ndarray, parents: np.ndarray,
+                probs: np.ndarray) -> "DraftBatch":
+        """A batch the C++ core built, already marked valid: the core builds every tree in
+        topological order within its budget (tests/test_drafter_reference.py compares each
+        batch with a Python reference), and checking it again cost ~20 us of every proposal."""
+        batch = DraftBatch(offsets=offsets, tokens=tokens, parents=parents, probs=probs)
+        object.__setattr__(batch, "_valid", True)
+        return batch
+
+    @staticmethod
     def from_lists(
         trees: list[list[tuple[int, int]]], probs: list[list[float]] | None = None
     ) -> "DraftBatch":

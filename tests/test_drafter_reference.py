@@ -18,6 +18,7 @@ from rollout_spec import _core
 from rollout_spec import drafter as drafter_mod
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter, _core_config
+from rollout_spec.tree import DraftBatch
 
 KEYS = (4, 2, 1)
 
@@ -276,7 +277,10 @@ def make_pair(cfg: SpecConfig, capacity: int, regather: tuple[int, int],
 
 
 def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
-    """DraftBatch -> per-request [(token, parent, prob)]."""
+    """DraftBatch -> per-request [(token, parent, prob)], after checking the contract the core's
+    batches skip (``DraftBatch.trusted``) on a copy."""
+    DraftBatch(offsets=batch.offsets, tokens=batch.tokens, parents=batch.parents,
+               probs=batch.probs).validate()
     off = batch.offsets
     return [[(int(batch.tokens[i]), int(batch.parents[i]), batch.probs[i]) for i in range(off[b], off[b + 1])]
             for b in range(batch.num_requests)]

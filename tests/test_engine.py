@@ -460,7 +460,8 @@ def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) 
     eng.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
     plain = [s for s in budget.steps if s[1] == 0]
     drafting = [s for s in budget.steps if s[1] > 0]
-    assert plain and drafting and budget.calls == len(budget.steps)  # one decision per step
+    # One decision per step, asked in the step before it: the first asks for itself too.
+    assert plain and drafting and budget.calls == len(budget.steps) + 1
     # Four clock reads per step, one more when a step proposes for itself, and one more again
     # around handing over tokens deferred by a plain step (that catch-up is also reported on
     # its own). With the overlap a drafting step after a drafting one was proposed ahead.
