@@ -50,20 +50,29 @@ class ChainIndex {
       if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
   }
 
-  // Start loading the lines that an insert of these keys writes (their table slots should be
-  // cached by now: call prefetch first, a few positions earlier).
-  void prefetch_tails(const uint64_t* keys) const {
+  // The first half of an insert, run a few positions ahead of `insert(..., slots)`: finds (or
+  // makes, with count 0) the heads that inserting these keys updates, stores their table slots
+  // in `slots`, and starts loading the block line each insert writes its older record to. Their
+  // table slots should be cached by now: call prefetch first, a few positions earlier. The
+  // insert then reuses the slots instead of probing the table a second time (each probe ends
+  // on an equal or an empty key, an unpredictable branch: a third of extend's mispredictions).
+  void prepare(const uint64_t* keys, uint32_t* slots) {
     for (int ki = 0; ki < kNumKeys; ++ki) {
       if (keys[ki] == 0) continue;
-      const ChainHead* h = heads_[ki].find(keys[ki]);
-      if (!h || h->count == 0 || pool_.max_older() == 0) continue;
-      const int32_t older = h->count - 1;
-      if (older == 0) continue;
+      slots[ki] = heads_[ki].upsert_slot(keys[ki]);
+      const ChainHead& h = heads_[ki].slots()[slots[ki]];
+      const int32_t older = h.count - 1;  // the older record that insert writes
+      if (older <= 0 || pool_.max_older() == 0) continue;
       int32_t cap;
-      const ChainEntry* e = pool_.entries(h->block, older, cap);
+      const ChainEntry* e = pool_.entries(h.block, older, cap);
       prefetch_line(e + older % cap);
     }
   }
+
+  // Index position `pos` like insert above, through the slots that `prepare` stored for these
+  // keys (the table may have grown in between: then the heads are found again).
+  void insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys,
+              const uint32_t* slots);
 
   // Head of the chain of key length kKeyLens[ki] with this key, or null.
   const ChainHead* head(int ki, uint64_t key) const { return heads_[ki].find(key); }
@@ -123,7 +132,7 @@ class ChainIndex {
   bool check(const std::function<const int32_t*(int32_t)>& tokens_of) const;
 
  private:
-  void insert_record(int ki, uint64_t key, const ChainEntry& e);
+  void insert_record(ChainHead& h, const ChainEntry& e);
   void clear();
 
   ChainTable heads_[kNumKeys];                // per key length: n-gram key -> chain head

@@ -23,12 +23,13 @@ namespace rollout_spec {
 class ChainPool {
  public:
   // Keep up to `max_older` older records per chain (rounded up to a class capacity, 2^m - 1).
-  explicit ChainPool(int32_t max_older) : classes_(max_older > 0 ? class_for(max_older) + 1 : 0) {
+  explicit ChainPool(int32_t max_older)
+      : max_older_(max_older > 0 ? capacity(class_for(max_older)) : 0) {
     std::fill(std::begin(free_), std::end(free_), -1);
   }
 
   // Most older records a chain keeps.
-  int32_t max_older() const { return classes_ == 0 ? 0 : capacity(classes_ - 1); }
+  int32_t max_older() const { return max_older_; }
 
   // Entries of a block of class c (c = class_for(older records kept)).
   static int32_t capacity(int c) { return (int32_t(2) << c) - 1; }
@@ -88,7 +89,9 @@ class ChainPool {
     return b;
   }
 
-  int classes_ = 0;                 // size classes in use
+  // Capacity of the largest class in use (0: no older records kept). Stored rather than derived
+  // from the class count: every insert and every walk reads it.
+  int32_t max_older_ = 0;
   int32_t free_[kMaxClasses];       // per class: offset of the first free block, -1 if none
   std::vector<ChainEntry, HugePageAllocator<ChainEntry>> arena_;  // every block, addressed by the offset of its first entry
 };

@@ -42,21 +42,25 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
     for (Slot& s : slots_) s.stamp = 0;
     stamp_ = 1;
   }
+  // Read once: the int stores below (slots, nodes) may alias these members as far as the
+  // compiler knows, so they were reloaded for every member.
+  const uint32_t stamp = stamp_;
+  const int shift = 32 - slot_bits_;
   for (int32_t j = 0; j < parent.count; ++j) {
     const int32_t tok = tok_[j];
     if (tok < 0) continue;  // the occurrence's sequence ends here
     const int32_t o = mem_[j];
-    uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> (32 - slot_bits_);
-    while (slots_[h].stamp == stamp_ && slots_[h].token != tok) h = (h + 1) & mask;
+    uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> shift;
+    while (slots_[h].stamp == stamp && slots_[h].token != tok) h = (h + 1) & mask;
     Slot& slot = slots_[h];
     int32_t c;
-    if (slot.stamp == stamp_) {
+    if (slot.stamp == stamp) {
       c = slot.child;
       next_[tail_[c]] = o;
       tail_[c] = o;
     } else {
       c = static_cast<int32_t>(tail_.size());
-      slot.stamp = stamp_;
+      slot.stamp = stamp;
       slot.token = tok;
       slot.child = c;
       tail_.push_back(o);
@@ -78,16 +82,20 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
 void DraftBuilder::queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth) {
   const int32_t last = static_cast<int32_t>(nodes_.size());
   const size_t was = frontier_.size();
+  // Read once: the children's stores below may alias `parent` and floor_ as far as the compiler
+  // knows, so they were reloaded for every child.
+  const double weight = parent.weight, prob = parent.prob, priority = parent.priority;
+  const double min_prob = floor_;
   for (int32_t c = first_child; c < last; ++c) {
     TrieNode& n = nodes_[c];
-    const double ratio = n.weight / parent.weight;
+    const double ratio = n.weight / weight;
     // Count ratios overrate continuations seen once or twice; beta discounts thin evidence in
     // the order of expansion (discount_[n] = n / (n + beta)), while the min_token_prob floor
     // judges the plain ratio.
-    n.prob = parent.prob * ratio;
-    n.priority = parent.priority * ratio * discount_[n.count];
+    n.prob = prob * ratio;
+    n.priority = priority * ratio * discount_[n.count];
     // A node below the floor would be popped and dropped with its subtree: never queue it.
-    if (n.prob < floor_ || n.priority <= 0.0) continue;
+    if (n.prob < min_prob || n.priority <= 0.0) continue;
     Entry& e = frontier_.emplace_back();  // ties: the earlier occurrence, then shallower
     e.priority = n.priority;
     e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth;

@@ -169,14 +169,17 @@ void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_
 void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
   // Every record lands in a random slot of a large hash table and that chain's newest block.
   // Positions are hashed first; then, while inserting position j, the slots of position
-  // j + kAhead and the blocks of position j + kAhead / 2 are prefetched, so that the misses of
-  // several positions overlap and their lines are still in L1 when used.
+  // j + kAhead are prefetched and the heads of position j + kAhead / 2 found (their slots kept
+  // for the insert, which then does not probe again) and their blocks prefetched, so that the
+  // misses of several positions overlap and their lines are still in L1 when used.
   struct Pending {
     RequestState* req;
     ChainIndex* group;  // null when the position is not indexed in a group scope
     bool shared;        // also indexed in the group and global scopes
     int32_t pos;
     uint64_t keys[kNumKeys];
+    // Table slots of the heads the inserts update, per index (ChainIndex::prepare).
+    uint32_t own_slots[kNumKeys], group_slots[kNumKeys], global_slots[kNumKeys];
   };
   constexpr size_t kAhead = 8;
   thread_local std::vector<Pending> pending;
@@ -205,10 +208,10 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     if (e.group) e.group->prefetch(e.keys);
     if (e.shared) global_.prefetch(e.keys);
   };
-  auto tails = [&](const Pending& e) {
-    e.req->own.prefetch_tails(e.keys);
-    if (e.group) e.group->prefetch_tails(e.keys);
-    if (e.shared) global_.prefetch_tails(e.keys);
+  auto tails = [&](Pending& e) {
+    e.req->own.prepare(e.keys, e.own_slots);
+    if (e.group) e.group->prepare(e.keys, e.group_slots);
+    if (e.shared) global_.prepare(e.keys, e.global_slots);
   };
   const size_t total = pending.size();
   for (size_t j = 0; j < std::min(total, kAhead); ++j) slots(pending[j]);
@@ -218,9 +221,9 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     if (j + kAhead / 2 < total) tails(pending[j + kAhead / 2]);
     const Pending& e = pending[j];
     const int32_t* tokens = view_[e.req->slot].tokens;
-    e.req->own.insert(e.req->slot, e.pos, tokens, e.keys);
-    if (e.group) e.group->insert(e.req->slot, e.pos, tokens, e.keys);
-    if (e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys);
+    e.req->own.insert(e.req->slot, e.pos, tokens, e.keys, e.own_slots);
+    if (e.group) e.group->insert(e.req->slot, e.pos, tokens, e.keys, e.group_slots);
+    if (e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys, e.global_slots);
   }
 }
 
