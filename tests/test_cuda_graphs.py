@@ -162,7 +162,7 @@ def test_engine_with_ladder_matches_engine_without():
     prompts = [torch.randint(0, 97, (int(n),), generator=gen).tolist() for n in (3, 9, 17, 30, 5, 12)]
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20, stop_token_ids=())
     outs = []
-    replays = []
+    replays, head_rows = [], []  # (rows, kept) of the LM head's calls on the ladder
     for ladder in (None, ([1, 2, 4, 8], [1, 2, 3, 5])):  # B=6 pads to 8; W=4 pads to 5
         eng = RolloutEngine(model, None, EchoDrafter(), num_slots=8, max_model_len=128,
                             draft_budget=lambda n: 3 if n > 4 else 6)  # W=7: outside, eager
@@ -174,10 +174,22 @@ def test_engine_with_ladder_matches_engine_without():
                     replays.append((_tag, key))
                     return _replay(key)
                 graphs.replay = spy
+
+            def head(rows, keep=None, _logits=eng.runner._logits):
+                head_rows.append((rows.shape[0], rows.shape[0] if keep is None else keep))
+                return _logits(rows, keep)
+            eng.runner._logits = head
         outs.append(eng.generate(prompts, params))
     # drafting and plain steps, padded in both dims; the 6 prompts of up to 30 tokens in one
     # prefill padded to 8 prompts of 128 tokens
     assert {("step", (8, 5)), ("step", (8, 1)), ("prefill", (8, 128))} <= set(replays)
+    # The LM head runs on the bucket's padded rows (plain steps, prefill) or a padded gather
+    # (drafting steps): row counts from the ladder's sizes and lm_head_rows only.
+    from rollout_spec.engine.runner import lm_head_rows
+
+    shapes = {1, 2, 4} | {lm_head_rows(k) for k in range(1, 8 * 5 + 1)}
+    assert all(kept <= rows and rows in shapes for rows, kept in head_rows)
+    assert {(8, 6)} <= set(head_rows) and any(rows > kept > 8 for rows, kept in head_rows)
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids and a.num_verify_steps == b.num_verify_steps
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))

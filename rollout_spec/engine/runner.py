@@ -102,13 +102,14 @@ class ModelRunner:
         if graphs is not None and graphs.fits(G, T):
             key = graphs.bucket(G, T)
             graphs.load(key, host)
-            last = graphs.replay(key)[:G]
+            padded = graphs.replay(key)
+            last = padded[: min(lm_head_rows(G), len(padded))]  # padded rows: see _logits
         else:
             last = self._prefill_step({name: self._long(a) for name, a in host.items()})
         for g, n in zip(groups, lens):
             self.cache.copy_prefix(g[0].slot, self._long([s.slot for s in g[1:]]), n)
         self.prefill_tokens += sum(lens)
-        return self._logits(last)
+        return self._logits(last, keep=G)
 
     def _upload_step(self, slots: np.ndarray, ctx_lens: np.ndarray, roots: np.ndarray) -> Tensor:
         """int64 ``[3, B]`` (slot, ctx_len, root) on the device in one copy."""
@@ -153,14 +154,13 @@ class ModelRunner:
             tree = host_tree_inputs(batch, roots, ctx_lens, key[1])
             host = {name: tree.pop(name) for name in ("input_ids", "positions", "tree_mask")}
         static = graphs.load(key, {**host, "slot_ids": slots, "ctx_lens": ctx_lens})
-        hidden = graphs.replay(key)[:num]
+        padded = graphs.replay(key)
+        hidden = padded[:num]
         self._step_rows = (static["slot_ids"][:num], static["ctx_lens"][:num])
-        if tree is None:
-            return self._logits(hidden[:, 0]), None
+        if tree is None:  # the bucket's padding rows round the LM head's rows up (see _logits)
+            return self._logits(padded[: min(lm_head_rows(num), len(padded)), 0], keep=num), None
         rows = len(tree["flat_index"])
-        # Gather a padded number of rows (the extra ones repeat cell 0) so the LM head meets a
-        # few shapes only: cuBLAS chose an algorithm for every new row count, ~0.6 ms of host
-        # time each on the H100, and a drafting step's rows (B + N) were new every few steps.
+        # Gather a padded number of rows (the extra ones repeat cell 0; see _logits).
         tree["flat_index"] = np.pad(tree["flat_index"], (0, lm_head_rows(rows) - rows))
         names = list(tree)
         fields = dict(zip(names, to_device([tree[n] for n in names], self.device)))
@@ -173,6 +173,11 @@ class ModelRunner:
     def _logits(self, rows: Tensor, keep: Optional[int] = None) -> Tensor:
         """``model.logits(rows)`` (fp32) written into buffers kept across steps; with ``keep``,
         those of the first ``keep`` rows only (the rest are padding of a fixed-shape matmul).
+
+        The graphed paths pad the rows to ``lm_head_rows`` so that the LM head meets a few
+        shapes only: cuBLAS chooses an algorithm for every new row count, ~0.6 ms of host time
+        each on the H100, and a drafting step's rows (B + N) were new every few steps, a plain
+        step's (B) whenever a sample ended.
 
         Drafting steps verify a different number of rows each time; a fresh ``[rows, V]``
         allocation per step cost 0.1-0.7 ms of host time on the H100 (measured inside
