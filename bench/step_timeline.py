@@ -77,9 +77,9 @@ def targets() -> list[tuple[Any, str, bool]]:
     from rollout_spec.engine import budget, commit, cuda_graphs, drafter_queue, engine, runner, scheduler
 
     eng = engine.RolloutEngine
-    out = [(eng, n, False) for n in ("step", "_decode", "_prefill", "_take_ahead", "_budgets", "_propose",
-                                     "_checked", "_plain_hand_off", "_account_last", "_commit",
-                                     "_propose_ahead", "_drafting_shadow", "_ask_budget")]
+    out = [(eng, n, False) for n in ("step", "_decode", "_prefill", "_budgets", "_propose", "_checked",
+                                     "_plain_hand_off", "_account_last", "_commit", "_drafting_shadow",
+                                     "_ask_budget")]
     out += [(engine, n, False) for n in ("verify", "plan_commit", "stop_mask", "_apply")]
     out += [(commit.RunningBatch, "of", True)]
     out += [(runner.ModelRunner, n, False) for n in ("verify_forward", "_graph_forward", "_logits",

@@ -40,21 +40,3 @@ def test_last_waiting_sample_is_admitted_into_one_free_slot() -> None:
     assert [len(g) for g in sched.admit()] == [16]
     finish(sched, 1)
     assert [len(g) for g in sched.admit()] == [1]  # fewer wait than min_admit: no reason to wait
-
-
-def test_admits_after_predicts_the_next_admission() -> None:
-    """``admits_after(k)``, asked while k running samples are about to end, says whether the
-    ``admit`` after their release takes anyone (random queues, slots, finishes)."""
-    import random
-
-    rng = random.Random(0)
-    for _ in range(300):
-        slots = rng.randint(1, 12)
-        sched = Scheduler(num_slots=slots, max_prefill_tokens=1 << 20, min_admit=rng.randint(1, 4))
-        queue(sched, prompts=rng.randint(1, 4), n=rng.randint(1, 5))
-        sched.admit()
-        while not sched.done:
-            k = rng.randint(0, len(sched.running))
-            predicted = sched.admits_after(k)
-            finish(sched, k)
-            assert predicted == bool(sched.admit())

@@ -62,12 +62,14 @@ class RolloutEngine:
         cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
             with a drafter and no ``draft_budget``, time them into a batch-aware
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
-        overlap_drafter: run the drafter's calls on a worker thread (``drafter_queue``). Every
-            8th plain step hands the previous steps' tokens to it right after launching its
-            forward, so the C++ extend (GIL released) runs while verification waits for the GPU;
-            a drafting step queues its extend and, when no sample waits for a slot, the next
-            step's proposal as soon as it commits; steps of fewer than ``worker_min_batch``
-            requests call the drafter directly. Outputs are identical either way. None
+        overlap_drafter: run the plain steps' drafter calls on a worker thread
+            (``drafter_queue``): every 8th plain step hands the previous steps' tokens to it
+            right after launching its forward, so the C++ extend (GIL released) runs while
+            verification waits for the GPU. Drafting steps, and plain steps of fewer than
+            ``worker_min_batch`` requests, call the drafter on the engine's thread: a drafting
+            step's extend and next proposal lie on its critical path either way, and handing
+            them to the worker and waiting for it cost more than the calls (B=256 on the H100
+            host: 1.26 ms of waiting against ~1 ms of C++). Outputs are identical either way. None
             (default): on where the model is on CUDA (measured on an H100), off on CPU, where the forward is not
             asynchronous and the hand-offs only add work (docs/gpu.md). Without it, plain steps
             feed the drafter nothing (unless the budget has ``observe_plain``: its shadow rounds
@@ -75,10 +77,8 @@ class RolloutEngine:
             proposal or when ``generate`` ends (``DrafterFeed``).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
             "triton").
-        worker_min_batch: with ``overlap_drafter``, the fewest running requests whose decode
-            steps use the worker. At B=8 on the H100 host the C++ extend and proposal took
-            ~0.07 ms a drafting step on the engine's thread, and the hand-offs to the worker
-            and the wait for it ~0.25 ms.
+        worker_min_batch: with ``overlap_drafter``, the fewest running requests whose plain
+            steps use the worker (below it, their hand-offs are a few requests' worth of work).
 
     ``phase_seconds`` accumulates the decode steps' wall time by phase (budget + propose,
     tree inputs + forward + verification, commit), their count, and the prefill steps' wall
@@ -119,7 +119,6 @@ class RolloutEngine:
         self.worker_min_batch = check_int("worker_min_batch", worker_min_batch, 1, 1 << 20)
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
-        self._ahead: Optional[tuple[np.ndarray, np.ndarray, Any]] = None  # next step's proposal
         self._asked: Optional[tuple[int, Any]] = None  # (batch size, budget's answer) for the next step
         self._unaccounted: Optional[tuple] = None  # the last decode step's figures, for _account_last
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
@@ -246,8 +245,8 @@ class RolloutEngine:
             t0 = self.clock()
             self._prefill(groups, generator)
             self.phase_seconds["prefill"] += self.clock() - t0
-        else:  # unless samples are admitted next, the next step's batch is known at this commit
-            self._decode(sched.running, generator, sched.admits_after)
+        else:
+            self._decode(sched.running, generator)
         finished = sched.release_finished()
         if sched.done:  # the call is over: the budget and the drafter get everything
             self._account_last()
@@ -274,32 +273,26 @@ class RolloutEngine:
                            np.array([s.params.max_new_tokens for s in seqs], np.int64))
         self._commit(seqs, res, None, run)
 
-    def _decode(self, seqs: list[Sequence], generator: torch.Generator,
-                admits_after: Optional[Callable[[int], bool]] = None) -> None:
-        """One propose -> forward -> verify -> commit step. ``admits_after(finishing)`` says
-        whether samples will be admitted before the next decode; when they will not, a drafting
-        step queues the next step's proposal at its commit (see ``_propose_ahead``)."""
+    def _decode(self, seqs: list[Sequence], generator: torch.Generator) -> None:
+        """One propose -> forward -> verify -> commit step."""
         t0 = self.clock()
-        self._queue.use_worker(len(seqs) >= self.worker_min_batch)
         run = RunningBatch.of(seqs)
-        budgets, batch = self._take_ahead(run)
-        if batch is None:
-            budgets = self._budgets(run)
-            batch = self._propose(run, budgets)
+        budgets = self._budgets(run)
+        batch = self._propose(run, budgets)
         t1 = self.clock()
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
         if batch.num_nodes == 0 and self._feed.due():
             self._plain_hand_off(seqs, run)
         self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
         self._ask_budget(len(seqs))  # and the next step's budget, decided on what that taught
+        if batch.num_nodes and self._shadow is not None and self._shadow.drafting_step():
+            self._drafting_shadow(seqs, run)
         # With drafts, the fused walk hands its rows to the KV compaction before the readback.
         compact = self.runner.compact_kv if batch.num_nodes else None
         res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend,
                      on_walk=compact)
         t2 = self.clock()
-        accepted = self._commit(seqs, res, batch, run, admits_after if self._queue.threaded else None)
-        if batch.num_nodes and self._shadow is not None and self._shadow.drafting_step():
-            self._drafting_shadow(seqs)
+        accepted = self._commit(seqs, res, batch, run)
         t3 = self.clock()
         self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), self._flush_seconds)
 
@@ -321,17 +314,16 @@ class RolloutEngine:
             self._shadow.harvest(observe)
             self._shadow.propose(self._queue, self._drafter, seqs, run, self.max_model_len)
 
-    def _drafting_shadow(self, seqs: list[Sequence]) -> None:
-        """A shadow round after a drafting step's commit (its tokens are queued to the drafter):
-        the step measured only the size it offered, the round measures every size up to the
-        largest (``ShadowAcceptance``). It runs on the worker behind the next step's proposal,
-        which waits for it: at most 16 trees every 8 drafting steps (B=256: ~20 us a step)."""
+    def _drafting_shadow(self, seqs: list[Sequence], run: RunningBatch) -> None:
+        """A shadow round on a drafting step, queued while the GPU runs its forward (the drafter
+        has every token up to ``run``, as its proposal needed): the step measures only the size
+        it offered, the round measures every size up to the largest (``ShadowAcceptance``), at
+        most 16 trees every 8 drafting steps."""
         observe = self._shadow_observer()
-        live = [s for s in seqs if not s.finished]
-        if observe is None or not live:
+        if observe is None:
             return
         self._shadow.harvest(observe)
-        self._shadow.propose(self._queue, self._drafter, live, RunningBatch.of(live), self.max_model_len)
+        self._shadow.propose(self._queue, self._drafter, seqs, run, self.max_model_len)
 
     def _account_last(self) -> None:
         """Feed the budget (acceptance, step wall time) and the per-phase clock with the last
@@ -384,10 +376,14 @@ class RolloutEngine:
         return np.clip(np.minimum(np.asarray(asked, np.int64), cap), 0, None)
 
     def _propose(self, run: RunningBatch, budgets: np.ndarray) -> DraftBatch:
+        """The step's draft trees, and the thread of its drafter calls: the worker takes plain
+        steps' hand-offs only (see ``overlap_drafter``)."""
         self._flush_seconds = 0.0
         if not budgets.any():
+            self._queue.use_worker(len(budgets) >= self.worker_min_batch)
             return DraftBatch.empty(len(budgets))
         t0, deferred = self.clock(), self._feed.pending
+        self._queue.use_worker(False)  # waits for the worker's hand-offs, like ``ready`` below
         self._feed.ready(self._drafter)  # the drafter must have seen every committed token
         # Catching up after steps without drafts: a run of drafting steps feeds the drafter
         # every step, overlapped, so the budget's cost model leaves this out (its guard does not).
@@ -409,45 +405,10 @@ class RolloutEngine:
             )
         return batch
 
-    def _propose_ahead(self, run: RunningBatch, keep: np.ndarray, reason: np.ndarray) -> None:
-        """Decide the next step's budgets now and queue its proposal on the drafter's worker.
-
-        Called only when no sample will be admitted before the next step, so the next batch is
-        this one minus the requests finishing here, in the same order. The budget decides one
-        step early (before this step's outcome is observed).
-        """
-        alive = reason == 0
-        if not alive.any():
-            return
-        nxt = RunningBatch(run.slot[alive], run.prompt_len[alive], (run.out_len + keep)[alive],
-                           run.root[alive], run.req_id[alive], run.max_new[alive])
-        budgets = self._budgets(nxt)
-        future = None
-        if budgets.any():
-            future = self._queue.call(self._drafter.propose, nxt.req_id.tolist(), budgets)
-        self._ahead = (nxt.req_id, budgets, future)
-
-    def _take_ahead(self, run: RunningBatch) -> tuple[Optional[np.ndarray], Optional[DraftBatch]]:
-        """The budgets and proposal queued for this step by the previous one, if they fit it."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None, None
-        ids, budgets, future = ahead
-        if not np.array_equal(ids, run.req_id):  # the batch changed after all: propose afresh
-            self._queue.drain()
-            return None, None
-        self._flush_seconds = 0.0
-        if future is None:
-            return budgets, DraftBatch.empty(len(budgets))
-        self._queue.drain()  # the proposal and everything queued before it; raises their errors
-        return budgets, self._checked(future.result(), budgets)
-
     def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch],
-                run: RunningBatch, admits_after: Optional[Callable[[int], bool]] = None) -> np.ndarray:
-        """Keep accepted KV, append emitted tokens (cut at stops/limits), feed the drafter and,
-        given ``admits_after`` and no admission next, queue the next step's proposal behind the
-        extend (it runs on the worker while this thread appends). Returns the accepted draft
-        nodes kept per request."""
+                run: RunningBatch) -> np.ndarray:
+        """Keep accepted KV, append emitted tokens (cut at stops/limits) and feed the drafter.
+        Returns the accepted draft nodes kept per request."""
         h = res.host
         if batch is not None and batch.num_nodes and res.walk is None:  # else compacted on the device
             self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes)
@@ -460,12 +421,10 @@ class RolloutEngine:
         tokens = h.emitted_tokens.tolist()
         starts, stops = em_off[:-1].tolist(), (em_off[:-1] + keep).tolist()
         kept = [tokens[a:b] for a, b in zip(starts, stops)]
-        if self._drafter is not None:  # before the appends: a worker extend overlaps them
+        if self._drafter is not None:
             drafted = batch is not None and batch.num_nodes > 0
             finished = [seqs[i] for i in np.flatnonzero(reason)] if reason.any() else []
             self._feed.committed(self._drafter, seqs, kept, finished, now=drafted)
-            if drafted and admits_after is not None and not admits_after(len(finished)):
-                self._propose_ahead(run, keep, reason)
         _apply(seqs, kept, starts, reason, h.emitted_logprobs.astype(np.float64).tolist(),
                batch.sizes().tolist() if batch is not None else None, accepted.tolist())
         return accepted

@@ -33,14 +33,6 @@ class Scheduler:
         """True when nothing waits and nothing runs."""
         return not self.waiting and not self.running
 
-    def admits_after(self, finishing: int) -> bool:
-        """Whether the next ``admit`` takes samples once ``finishing`` running ones have ended:
-        the engine proposes the next step's drafts early only when the batch will not change."""
-        if not self.waiting:
-            return False
-        free, running = len(self.free_slots) + finishing, len(self.running) - finishing
-        return free > 0 and (running <= 0 or free >= min(self.min_admit, len(self.waiting)))
-
     def admit(self) -> list[list[Sequence]]:
         """Take waiting samples into free slots, grouped by prompt (one prefill per group), once
         ``min_admit`` slots are free or nothing runs.

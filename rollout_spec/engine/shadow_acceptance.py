@@ -41,8 +41,8 @@ class ShadowAcceptance:
     ``budget`` draft nodes, and their outcome once the outputs caught up.
 
     The engine starts a round (``propose``) on a plain step right after handing the drafter
-    every committed token, and after every ``every``-th drafting step's commit
-    (``drafting_step``), and collects finished walks with ``harvest`` as ``accepted[r, k]``:
+    every committed token, and on every ``every``-th drafting step right after its proposal
+    (``drafting_step``), both while the GPU runs the step's forward, and collects finished walks with ``harvest`` as ``accepted[r, k]``:
     the nodes request r would have kept from its first k, k = 0 .. budget. Requests with less
     room than ``budget`` more tokens are left out (their trees would be cut short).
     """
@@ -58,7 +58,7 @@ class ShadowAcceptance:
         self.rounds = 0
 
     def drafting_step(self) -> bool:
-        """Count one drafting step; True on every ``every``-th (a round is due after its commit)."""
+        """Count one drafting step; True on every ``every``-th (a round is due on it)."""
         self._drafting_steps += 1
         if self._drafting_steps < self.every:
             return False
