@@ -46,7 +46,7 @@ class ModelRunner:
         self.prefill_graphs: Optional[GraphLadder] = None  # captured prefill buckets (CUDA only)
         self._ones: Optional[Tensor] = None
         self._step_rows: Optional[tuple[Tensor, Tensor]] = None  # last verify's (slot, ctx_len) on the device
-        self._logit_bufs: tuple[Tensor, ...] = ()  # (model dtype[, fp32]) [rows, V], grown on demand
+        self._logit_buf: Optional[Tensor] = None  # [rows, V] in the model's dtype, grown on demand
 
     def capture_graphs(self, batch_sizes: list[int], widths: list[int],
                        prefill: Optional[tuple[list[int], list[int]]] = None) -> None:
@@ -86,7 +86,7 @@ class ModelRunner:
     def prefill(self, groups: list[list[Sequence]]) -> Tensor:
         """Run each group's prompt once into its first slot, copy it to the others.
 
-        Returns fp32 logits ``[G, V]`` of each prompt's last token.
+        Returns logits ``[G, V]`` of each prompt's last token (model dtype, see ``_logits``).
         """
         lens = [len(g[0].prompt) for g in groups]
         G, T = len(groups), max(lens)
@@ -171,31 +171,26 @@ class ModelRunner:
         return self._logits(hidden.reshape(-1, hidden.shape[-1])[gather], keep=rows), ti
 
     def _logits(self, rows: Tensor, keep: Optional[int] = None) -> Tensor:
-        """``model.logits(rows)`` (fp32) written into buffers kept across steps; with ``keep``,
-        those of the first ``keep`` rows only (the rest are padding of a fixed-shape matmul).
+        """``rows @ lm_head.T`` in the model's dtype, written into a buffer kept across steps;
+        with ``keep``, the first ``keep`` rows only (the rest are padding of a fixed-shape matmul).
 
         The graphed paths pad the rows to ``lm_head_rows`` so that the LM head meets a few
         shapes only: cuBLAS chooses an algorithm for every new row count, ~0.6 ms of host time
         each on the H100, and a drafting step's rows (B + N) were new every few steps, a plain
-        step's (B) whenever a sample ended.
-
-        Drafting steps verify a different number of rows each time; a fresh ``[rows, V]``
-        allocation per step cost 0.1-0.7 ms of host time on the H100 (measured inside
-        ``model.logits``), the GPU idle meanwhile. The result is overwritten by the next step.
+        step's (B) whenever a sample ended. Drafting steps verify a different number of rows
+        each time; a fresh ``[rows, V]`` allocation per step cost 0.1-0.7 ms of host time on the
+        H100, the GPU idle meanwhile. No float32 copy: verification reads any float dtype in
+        float32 (exactly, for bf16), and a copy of ``[B + N, V]`` rows cost a kernel per step.
+        The result is overwritten by the next step.
         """
         num, weight = rows.shape[0], self.model.lm_head.weight
-        if not self._logit_bufs or self._logit_bufs[0].shape[0] < num:
-            size = max(num, 2 * self._logit_bufs[0].shape[0] if self._logit_bufs else 64)
-            dtypes = [weight.dtype] + ([torch.float32] if weight.dtype != torch.float32 else [])
-            self._logit_bufs = ()  # free the old pair before allocating the larger one
-            self._logit_bufs = tuple(torch.empty(size, weight.shape[0], dtype=d, device=self.device)
-                                     for d in dtypes)
-        out = self._logit_bufs[0][:num]
+        if self._logit_buf is None or self._logit_buf.shape[0] < num:
+            size = max(num, 2 * self._logit_buf.shape[0] if self._logit_buf is not None else 64)
+            self._logit_buf = None  # free the old buffer before allocating the larger one
+            self._logit_buf = torch.empty(size, weight.shape[0], dtype=weight.dtype, device=self.device)
+        out = self._logit_buf[:num]
         torch.matmul(rows, weight.t(), out=out)
-        keep = num if keep is None else keep
-        if len(self._logit_bufs) == 1:
-            return out[:keep]
-        return self._logit_bufs[1][:keep].copy_(out[:keep])
+        return out if keep is None else out[:keep]
 
     def _decode_mask(self, num: int) -> Tensor:
         """A ``[num, 1, 1]`` all-true tree mask, allocated once per size bound."""
