@@ -22,6 +22,7 @@ cannot be decided from its candidates is flagged, and the caller falls back to a
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -194,15 +195,38 @@ def _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy, voc
 
 
 # Seeds and the tree width change from call to call: specialising on them (== 1, % 16) would
-# compile the kernel again in the middle of a rollout.
+# compile the kernels again in the middle of a rollout.
+@triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg"])
+def _row_stats_kernel(logits_ptr, stride_row, temp_scalar, thr_ptr, noise_ptr, k0_arg, k1_arg,
+                      c2_arg, c3_arg, stats_ptr, vocab, Q: tl.constexpr, SCALE: tl.constexpr,
+                      HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr):
+    """Program r makes the walk's first pass over row r (``_row_pass``, one temperature for
+    all rows) and stores (lse as float32 bits, argmax, race winner) at ``stats[r]``: the same
+    code on the same inputs, so the walk reads exactly what its own pass would compute."""
+    row = tl.program_id(0).to(tl.int64)
+    temp = tl.where(temp_scalar == 0.0, 1.0, temp_scalar)
+    thr = -float("inf")
+    if HAS_THR:
+        thr = tl.load(thr_ptr + row)
+    lse, amax, ridx = _row_pass(logits_ptr + row * stride_row, noise_ptr + row * vocab,
+                                k0_arg.to(tl.uint32, bitcast=True), k1_arg.to(tl.uint32, bitcast=True),
+                                c2_arg.to(tl.uint32, bitcast=True), c3_arg.to(tl.uint32, bitcast=True),
+                                row, vocab, temp, thr, stats_ptr, stats_ptr, 0, 0, Q, SCALE,
+                                HAS_THR, RACE, EXT_NOISE, False)
+    tl.store(stats_ptr + row * 3, lse.to(tl.int32, bitcast=True))
+    tl.store(stats_ptr + row * 3 + 1, amax)
+    tl.store(stats_ptr + row * 3 + 2, ridx)
+
+
 @triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg", "width"])
 def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, temp_ptr,
                  temp_scalar, thr_ptr, unode_ptr, noise_ptr, k0_arg, k1_arg, c2_arg, c3_arg,
-                 out_ptr, vocab, Q: tl.constexpr, WPAD: tl.constexpr, PER_REQ_TEMP: tl.constexpr,
-                 SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
-                 EXT_NOISE: tl.constexpr):
+                 stats_ptr, out_ptr, vocab, Q: tl.constexpr, WPAD: tl.constexpr,
+                 PER_REQ_TEMP: tl.constexpr, SCALE: tl.constexpr, HAS_THR: tl.constexpr,
+                 RACE: tl.constexpr, EXT_NOISE: tl.constexpr, PRE: tl.constexpr):
     """Program b walks request b's tree from its root row (module docstring): accepted
-    columns, emitted tokens and their logprobs go to ``out`` (see ``launch_walk``)."""
+    columns, emitted tokens and their logprobs go to ``out`` (see ``launch_walk``). With PRE,
+    each row's first pass was made by ``_row_stats_kernel`` and is read from ``stats``."""
     b = tl.program_id(0)
     k0 = k0_arg.to(tl.uint32, bitcast=True)
     k1 = k1_arg.to(tl.uint32, bitcast=True)
@@ -241,9 +265,14 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
         thr = -float("inf")
         if HAS_THR:
             thr = tl.load(thr_ptr + row)
-        lse, amax, ridx = _row_pass(row_ptr, noise_row, k0, k1, c2, c3, row, vocab, temp, thr,
-                                    tok_ptr + cell0, pcol_ptr + cell0, width, cur, Q, SCALE,
-                                    HAS_THR, RACE, EXT_NOISE, False)
+        if PRE:
+            lse = tl.load(stats_ptr + row * 3).to(tl.float32, bitcast=True)
+            amax = tl.load(stats_ptr + row * 3 + 1)
+            ridx = tl.load(stats_ptr + row * 3 + 2)
+        else:
+            lse, amax, ridx = _row_pass(row_ptr, noise_row, k0, k1, c2, c3, row, vocab, temp, thr,
+                                        tok_ptr + cell0, pcol_ptr + cell0, width, cur, Q, SCALE,
+                                        HAS_THR, RACE, EXT_NOISE, False)
         kids = (pcols == cur) & live
         first, klogp = _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy,
                                        vocab, temp, thr, WPAD, SCALE, HAS_THR, RACE)
@@ -430,22 +459,49 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
     ``keys`` four int32-range Philox words (see ``philox_keys``); ``race`` is False only when
     every request is greedy; ``noise`` (tests) replaces Philox: (uniforms per node [N],
     uniforms per row and token [R, V]).
+
+    A walk reads its rows one after another, each pass over the vocabulary waiting for the
+    last. Where every row's pass fits in ``PRE_STATS_WAVES`` waves of one program per SM (small
+    batches: B=8 with 32 drafts each is 264 rows), ``_row_stats_kernel`` makes all of them at
+    once first, and the walk reads them; same figures, so same outcome.
     """
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_req, width = tokens.shape
     per_req = isinstance(temp, torch.Tensor)
+    q = _quarter_block(logits.shape[1])
+    scale = per_req or float(temp) not in (0.0, 1.0)
+    pre = width > 1 and not per_req and logits.shape[0] <= PRE_STATS_WAVES * _sm_count(logits.device)
+    stats = out
+    if pre:
+        stats = torch.empty((logits.shape[0], 3), dtype=torch.int32, device=logits.device)
+        _row_stats_kernel[(logits.shape[0],)](
+            logits, logits.stride(0), float(temp), thr if thr is not None else out,
+            noise[1] if noise is not None else out, *keys, stats, logits.shape[1],
+            Q=q, SCALE=scale, HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None,
+            num_warps=_warps(q),
+        )
     _walk_kernel[(num_req,)](
         logits, logits.stride(0), tokens, parent_col, row_index, width,
         temp if per_req else out, 0.0 if per_req else float(temp),
         thr if thr is not None else out,
         noise[0] if noise is not None else out, noise[1] if noise is not None else out,
-        *keys, out, logits.shape[1],
-        Q=_quarter_block(logits.shape[1]), WPAD=walk_pad(width),
-        PER_REQ_TEMP=per_req, SCALE=per_req or float(temp) not in (0.0, 1.0),
-        HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None,
-        num_warps=_warps(_quarter_block(logits.shape[1])),
+        *keys, stats, out, logits.shape[1],
+        Q=q, WPAD=walk_pad(width), PER_REQ_TEMP=per_req, SCALE=scale,
+        HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None, PRE=pre,
+        num_warps=_warps(q),
     )
+
+
+PRE_STATS_WAVES = 2  # most waves of row-stat programs (one per SM each) worth running up front
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the interpreter's CPU: 1)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 SELECT_MAX = 256  # most candidates _top_values ranks in one program (more: torch.topk)

@@ -44,6 +44,15 @@ MODES = {
 }
 
 
+@pytest.fixture(params=[False, True], ids=["walk_passes", "pre_stats"])
+def pre_stats(request, monkeypatch) -> bool:
+    """Row passes made by the walk itself, or all of them first by ``_row_stats_kernel``."""
+    from rollout_spec import verify_triton
+
+    monkeypatch.setattr(verify_triton, "PRE_STATS_WAVES", 1 << 30 if request.param else 0)
+    return request.param
+
+
 def friendly_logits(batch: DraftBatch, vocab: int, seed: int) -> torch.Tensor:
     """Random logits whose parent rows mostly favour the drafted token (deep accepts)."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +89,7 @@ def assert_same(got, ref) -> None:
 
 @pytest.mark.parametrize("vocab", [7, 300])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_kernel_takes_the_reference_decisions(mode, vocab):
+def test_kernel_takes_the_reference_decisions(mode, vocab, pre_stats):
     seed = list(MODES).index(mode) * 10 + vocab % 7
     batch = random_batch(np.random.default_rng(seed), num_req=10, max_size=8, vocab=6)
     params = MODES[mode]
@@ -90,7 +99,7 @@ def test_kernel_takes_the_reference_decisions(mode, vocab):
     assert_same(got, ref)
 
 
-def test_rejected_race_winners_are_raced_again():
+def test_rejected_race_winners_are_raced_again(pre_stats):
     """Many final rows whose unconstrained race winner is a rejected child: the kernel's second
     pass over the other tokens must give the reference's residual draw."""
     batch = DraftBatch.from_lists([[(t, -1) for t in range(4)]] * 24)  # wide roots, V=6
@@ -101,7 +110,7 @@ def test_rejected_race_winners_are_raced_again():
 
 
 @pytest.mark.parametrize("case", ["flat_top_p", "ties_cut_by_top_k", "ties_then_top_p_inside"])
-def test_cuts_the_candidates_cannot_see(case, monkeypatch):
+def test_cuts_the_candidates_cannot_see(case, monkeypatch, pre_stats):
     """Ties of the k-th value continuing past the candidates are counted in the normaliser by a
     pass over the row (no fallback); a top-p mass beyond the 1024 candidates (a flat row) falls
     back to the full sort. Either way the kernel decides as the reference."""
@@ -199,12 +208,28 @@ def test_plain_sampling_uploads_no_index_arrays(mode, monkeypatch):
     assert next(iter(fused._PLAIN_CELLS.values()))[0].shape[0] == 11  # grew 4 -> 11
 
 
-def test_bfloat16_logits_are_read_in_float32():
+def test_bfloat16_logits_are_read_in_float32(pre_stats):
     batch = random_batch(np.random.default_rng(7), num_req=8, max_size=5, vocab=6)
     logits = friendly_logits(batch, 50, 7).to(torch.bfloat16)
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=4)):
         got, ref = both_paths(logits, batch, params, 7)
         assert_same(got, ref)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "t0.7", "k5_p0.8"])
+def test_row_stats_up_front_change_no_outcome(mode, monkeypatch):
+    """With the kernel's own Philox draws, the walk decides the same whether it makes its row
+    passes itself or reads them from ``_row_stats_kernel``: bit-equal walk rows."""
+    from rollout_spec import verify_triton
+
+    batch = random_batch(np.random.default_rng(9), num_req=12, max_size=7, vocab=6)
+    logits = friendly_logits(batch, 300, 9).to(DEVICE)
+    walks = []
+    for waves in (0, 1 << 30):
+        monkeypatch.setattr(verify_triton, "PRE_STATS_WAVES", waves)
+        gen = torch.Generator(device=DEVICE).manual_seed(5)
+        walks.append(verify(logits, batch, MODES[mode], gen, backend="triton").walk.cpu())
+    assert torch.equal(walks[0], walks[1])
 
 
 def test_seeded_runs_reproduce_and_seeds_matter():
