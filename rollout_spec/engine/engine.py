@@ -261,12 +261,12 @@ class RolloutEngine:
     def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
         logits = self.runner.prefill(groups)
         seqs = [s for g in groups for s in g]
+        if self._drafter is not None:  # indexes the prompts while the GPU runs their forward
+            self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
+                               [s.prompt for s in seqs], [s.group_id for s in seqs])
         rows = torch.as_tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
         res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs), generator,
                      backend=self.verify_backend)
-        if self._drafter is not None:
-            self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
-                               [s.prompt for s in seqs], [s.group_id for s in seqs])
         zeros = np.zeros(len(seqs), np.int64)
         run = RunningBatch(zeros, np.array([len(s.prompt) for s in seqs], np.int64), zeros, zeros,
                            np.array([s.req_id for s in seqs], np.int64),
