@@ -12,12 +12,12 @@ deferred to the next proposal after a plain one.
 The worker only helps while the main thread waits (a GPU sync) or runs C code without the GIL.
 Each queued call needs the GIL to start and to convert its arguments, and a thread asking for
 the GIL gets it only when the holder blocks or after the interpreter's switch interval (5 ms by
-default): a proposal queued at a commit would wait for the main thread's token appends and the
-next step's set-up, i.e. start when the main thread blocks on it. ``responsive()`` shortens the
-interval while the engine generates, so the worker takes over within a fraction of a
-millisecond. The engine turns the overlap on where the model runs on CUDA (its forward is
-asynchronous, so verification waits for the GPU while the worker extends) and off on CPU, where
-the hand-offs cost more than they hid (measured on a loaded 2-core host).
+default): a call queued while the main thread works would start only when it next blocks.
+``responsive()`` shortens the interval while the engine generates, so the worker takes over
+within a fraction of a millisecond. The engine turns the overlap on where the model runs on CUDA
+(its forward is asynchronous, so verification waits for the GPU while the worker extends) and
+off on CPU, where the hand-offs cost more than they hid (measured on a loaded 2-core host); it
+uses the worker for plain steps' hand-offs only (``RolloutEngine``'s ``overlap_drafter``).
 """
 from __future__ import annotations
 
