@@ -431,6 +431,30 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
     assert threads[2]["extend"] == threads[3]["extend"] == {True}
 
 
+def test_prompts_reach_the_drafter_before_the_prefill_is_read_back(pair, monkeypatch) -> None:
+    """A prefill hands the drafter its prompts right after launching the forward, so the
+    indexing overlaps the GPU; verification (whose readback waits for the GPU) comes after."""
+    from rollout_spec.engine import engine as engine_module
+
+    _, model = pair
+    events = []
+    real_verify = engine_module.verify
+
+    def spy(logits, batch, *args, **kwargs):
+        events.append("verify" if batch.num_nodes == 0 else "verify drafts")
+        return real_verify(logits, batch, *args, **kwargs)
+
+    class Recording(ScriptedDrafter):
+        def start_batch(self, req_ids, prompts, group_ids) -> None:
+            events.append("start")
+            super().start_batch(req_ids, prompts, group_ids)
+
+    monkeypatch.setattr(engine_module, "verify", spy)
+    engine(model, Recording("random"), draft_budget=lambda _n: 0).generate(
+        [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert events[:2] == ["start", "verify"]
+
+
 def test_drafter_error_on_the_worker_is_raised(pair) -> None:
     _, model = pair
 
