@@ -122,8 +122,8 @@ class DrafterQueue:
 class DrafterFeed:
     """Gives the drafter the engine's committed tokens: right away, or deferred to the next proposal.
 
-    After a step that drafted, the next one most likely drafts too, so its tokens go to the worker
-    at once (the extend overlaps the rest of the step). After a step without drafts, feeding is
+    After a step that drafted, the next one most likely drafts too, so its tokens go to the
+    drafter at once (the next proposal needs them). After a step without drafts, feeding is
     pure overhead unless speculation switches back on, so the tokens stay in the sequences (the
     feed notes how long each output was when its feeding stopped) and ``ready`` hands them over
     in one batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees

@@ -42,9 +42,10 @@ class ShadowAcceptance:
 
     The engine starts a round (``propose``) on a plain step right after handing the drafter
     every committed token, and on every ``every``-th drafting step right after its proposal
-    (``drafting_step``), both while the GPU runs the step's forward, and collects finished walks with ``harvest`` as ``accepted[r, k]``:
-    the nodes request r would have kept from its first k, k = 0 .. budget. Requests with less
-    room than ``budget`` more tokens are left out (their trees would be cut short).
+    (``drafting_step``), both while the GPU runs the step's forward, and collects finished
+    walks with ``harvest`` as ``accepted[r, k]``: the nodes request r would have kept from its
+    first k, k = 0 .. budget. Requests with less room than ``budget`` more tokens are left out
+    (their trees would be cut short).
     """
 
     def __init__(self, budget: int, requests: int = 16, every: int = 8) -> None:
