@@ -141,7 +141,7 @@ class EchoDrafter:
         return DraftBatch.from_lists([[(t, i - 1) for i, t in enumerate(c)] for c in chains])
 
 
-def test_engine_with_ladder_matches_engine_without():
+def test_engine_with_ladder_matches_engine_without(monkeypatch):
     """The runner's bucketed path (rows and columns padded) gives the same greedy tokens.
 
     On CPU the ladder runs eagerly, which exercises exactly the padding a GPU replay sees.
@@ -175,10 +175,18 @@ def test_engine_with_ladder_matches_engine_without():
                     return _replay(key)
                 graphs.replay = spy
 
+            kept = []  # the logits each LM-head call returns
+
             def head(rows, keep=None, _logits=eng.runner._logits):
-                head_rows.append((rows.shape[0], rows.shape[0] if keep is None else keep))
+                kept.append(rows.shape[0] if keep is None else keep)
                 return _logits(rows, keep)
+
+            def matmul(a, b, *, out=None, _matmul=torch.matmul):  # the LM head's, into its buffer
+                if out is not None:
+                    head_rows.append((a.shape[0], kept[-1]))
+                return _matmul(a, b, out=out)
             eng.runner._logits = head
+            monkeypatch.setattr(torch, "matmul", matmul)
         outs.append(eng.generate(prompts, params))
     # drafting and plain steps, padded in both dims; the 6 prompts of up to 30 tokens in one
     # prefill padded to 8 prompts of 128 tokens

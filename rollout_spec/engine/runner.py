@@ -102,8 +102,7 @@ class ModelRunner:
         if graphs is not None and graphs.fits(G, T):
             key = graphs.bucket(G, T)
             graphs.load(key, host)
-            padded = graphs.replay(key)
-            last = padded[: min(lm_head_rows(G), len(padded))]  # padded rows: see _logits
+            last = graphs.replay(key)  # the bucket's padding rows: see _logits
         else:
             last = self._prefill_step({name: self._long(a) for name, a in host.items()})
         for g, n in zip(groups, lens):
@@ -157,8 +156,8 @@ class ModelRunner:
         padded = graphs.replay(key)
         hidden = padded[:num]
         self._step_rows = (static["slot_ids"][:num], static["ctx_lens"][:num])
-        if tree is None:  # the bucket's padding rows round the LM head's rows up (see _logits)
-            return self._logits(padded[: min(lm_head_rows(num), len(padded)), 0], keep=num), None
+        if tree is None:  # the bucket's padding rows: see _logits
+            return self._logits(padded[:, 0], keep=num), None
         rows = len(tree["flat_index"])
         # Gather a padded number of rows (the extra ones repeat cell 0; see _logits).
         tree["flat_index"] = np.pad(tree["flat_index"], (0, lm_head_rows(rows) - rows))
@@ -172,10 +171,10 @@ class ModelRunner:
 
     def _logits(self, rows: Tensor, keep: Optional[int] = None) -> Tensor:
         """``rows @ lm_head.T`` in the model's dtype, written into a buffer kept across steps;
-        with ``keep``, the first ``keep`` rows only (the rest are padding of a fixed-shape matmul).
+        with ``keep``, the logits of the first ``keep`` rows only: the LM head then runs on
+        ``lm_head_rows(keep)`` of ``rows`` (fewer if ``rows`` has fewer), the rest padding.
 
-        The graphed paths pad the rows to ``lm_head_rows`` so that the LM head meets a few
-        shapes only: cuBLAS chooses an algorithm for every new row count, ~0.6 ms of host time
+        The graphed paths pass their padded rows so that the LM head meets a few shapes only: cuBLAS chooses an algorithm for every new row count, ~0.6 ms of host time
         each on the H100, and a drafting step's rows (B + N) were new every few steps, a plain
         step's (B) whenever a sample ended. Drafting steps verify a different number of rows
         each time; a fresh ``[rows, V]`` allocation per step cost 0.1-0.7 ms of host time on the
@@ -183,6 +182,8 @@ class ModelRunner:
         float32 (exactly, for bf16), and a copy of ``[B + N, V]`` rows cost a kernel per step.
         The result is overwritten by the next step.
         """
+        if keep is not None:
+            rows = rows[: min(lm_head_rows(keep), rows.shape[0])]
         num, weight = rows.shape[0], self.model.lm_head.weight
         if self._logit_buf is None or self._logit_buf.shape[0] < num:
             size = max(num, 2 * self._logit_buf.shape[0] if self._logit_buf is not None else 64)
