@@ -588,6 +588,30 @@ def test_drafter_queue_keeps_order_bounds_itself_and_reports_errors() -> None:
     assert not inline.threaded
 
 
+def test_drafter_queue_full_of_finished_calls_does_not_wait() -> None:
+    """At ``max_pending`` queued calls, those that already ended are dropped instead of waiting
+    for the worker to empty; one that failed stays, so ``drain`` still raises its error."""
+    import threading
+
+    from rollout_spec.engine.drafter_queue import DrafterQueue
+
+    q, seen, gate = DrafterQueue(overlap=True), [], threading.Event()
+    q.submit(lambda: 1 / 0)
+    for i in range(q.max_pending - 2):
+        q.submit(seen.append, i)
+    q.call(len, seen).result()  # the queue is full, and everything in it has run
+    waits = []
+    q.drain, drain = (lambda: waits.append(1)), q.drain  # a wait now would be recorded
+    q.submit(gate.wait)  # the worker blocks: a drain here would hang without the gate
+    assert waits == [] and len(q._pending) == 2  # the failed call and the blocked one
+    gate.set()
+    q.drain = drain
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        q.drain()
+    assert seen == list(range(q.max_pending - 2))
+    q.close()
+
+
 def test_drafter_queue_switching_the_worker_off_keeps_order() -> None:
     import threading
 
@@ -653,24 +677,28 @@ class RecordingDrafter(ScriptedDrafter):
         super().finish_batch(req_ids)
 
 
+@pytest.mark.parametrize("max_running", [None, 2])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("drafts", [0, 2, "alternate"])
-def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, drafts, overlap) -> None:
+def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, drafts, overlap,
+                                                                     max_running) -> None:
     """Without drafts the engine hands tokens over lazily (inline: once, when generate ends; with
     the worker: during a forward every flush_every steps); with drafts every step. Either way each request gets
-    exactly its output, then one finish."""
+    exactly its output, then one finish -- also when samples join the running list while tokens
+    are deferred (max_running=2: the scheduler admits into its list in place)."""
     _, model = pair
     prompts = mixed_prompts(3, seed=11)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=9)
     steps = iter(range(10_000))
     budget = (lambda b: drafts) if drafts != "alternate" else (lambda b: 2 * (next(steps) % 2))
     drafter = RecordingDrafter()
-    outs = engine(model, drafter, draft_budget=budget, overlap_drafter=overlap).generate(prompts, params)
+    eng = engine(model, drafter, draft_budget=budget, overlap_drafter=overlap)
+    outs = eng.generate(prompts, params, max_running=max_running)
     assert [drafter.fed[r] for r in sorted(drafter.fed)] == [o.token_ids for o in outs]
     assert sorted(drafter.finished) == sorted(drafter.fed)
     if drafts == 0 and not overlap:
         assert drafter.extend_calls == 1
-    elif drafts == 0:
+    elif drafts == 0 and max_running is None:
         # one hand-off during a forward once flush_every steps (the prefill's commit included)
         # are pending, and one when generate ends
         from rollout_spec.engine.drafter_queue import DrafterFeed

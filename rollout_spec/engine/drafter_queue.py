@@ -62,8 +62,11 @@ class DrafterQueue:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-spec-drafter")
-        if len(self._pending) >= self.max_pending:  # a worker slower than the steps: wait, stay bounded
-            self.drain()
+        if len(self._pending) >= self.max_pending:
+            # Calls that ended well need no waiting; a failed one stays for ``drain`` to raise.
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+            if len(self._pending) >= self.max_pending:  # a worker slower than the steps: wait
+                self.drain()
         self._pending.append(self._pool.submit(fn, *args))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -124,8 +127,8 @@ class DrafterFeed:
 
     After a step that drafted, the next one most likely drafts too, so its tokens go to the
     drafter at once (the next proposal needs them). After a step without drafts, feeding is
-    pure overhead unless speculation switches back on, so the tokens stay in the sequences (the
-    feed notes how long each output was when its feeding stopped) and ``ready`` hands them over
+    pure overhead unless speculation switches back on, so the tokens stay in the sequences
+    (``Sequence.fed`` counts the output tokens the drafter has) and ``ready`` hands them over
     in one batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees
     the same tokens in the same order either way, so proposals do not change.
     """
@@ -135,17 +138,16 @@ class DrafterFeed:
     def __init__(self, queue: DrafterQueue) -> None:
         self.queue = queue
         self._plain_steps = 0  # plain steps recorded since the last flush
-        # req_id -> (sequence, output tokens the drafter has): every token of an output reaches
-        # the drafter before the output grows past it, except those of deferred plain steps.
-        self._unfed: dict[int, tuple[Sequence, int]] = {}
+        # The distinct running lists of the deferred steps: every sample with deferred tokens
+        # is in one of them (a plain step of the same list as the last adds nothing: O(1) per
+        # plain step; their sequences are visited at the flush, while the GPU works).
+        self._lists: list[list[Sequence]] = []
         self._finished: list[Sequence] = []
-        self._last: list[Sequence] | None = None  # the running list last recorded whole
-        self._last_len = 0
 
     @property
     def pending(self) -> bool:
         """True while some committed tokens or finishes have not been handed to the drafter."""
-        return bool(self._unfed or self._finished)
+        return bool(self._lists or self._finished)
 
     def due(self) -> bool:
         """Whether a plain step should hand the deferred tokens over now (to the worker, or for
@@ -159,17 +161,16 @@ class DrafterFeed:
         """Record a step's kept tokens (not yet appended to ``seqs``) and the sequences it ended."""
         if not now:
             self._plain_steps += 1
-            # A plain step of the same running list as the last one adds nobody new (every
-            # sample enters through its prefill's commit): O(1) instead of O(B) per plain step.
-            if seqs is not self._last or len(seqs) != self._last_len:
-                for s in seqs:
-                    if s.req_id not in self._unfed:
-                        self._unfed[s.req_id] = (s, len(s.output))
-                self._last, self._last_len = seqs, len(seqs)
+            # The scheduler grows its running list in place and replaces it when samples end,
+            # so a list seen before still holds everyone it held then.
+            if not self._lists or seqs is not self._lists[-1]:
+                self._lists.append(seqs)
             self._finished += finished
             return
         self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
         self.queue.submit(drafter.extend_batch, [s.req_id for s in seqs], kept)
+        for s, toks in zip(seqs, kept):
+            s.fed = len(s.output) + len(toks)
         if finished:
             self.queue.submit(drafter.finish_batch, [s.req_id for s in finished])
 
@@ -178,15 +179,18 @@ class DrafterFeed:
         if not self.pending:
             return
         ids, toks = [], []
-        for s, fed in self._unfed.values():
-            if len(s.output) > fed:
-                ids.append(s.req_id)
-                toks.append(s.output[fed:])
+        for seqs in self._lists:
+            for s in seqs:
+                size = len(s.output)
+                if size > s.fed:  # a sequence in several lists is handed over once
+                    ids.append(s.req_id)
+                    toks.append(s.output[s.fed:])
+                    s.fed = size
         if ids:
             self.queue.submit(drafter.extend_batch, ids, toks)
         if self._finished:
             self.queue.submit(drafter.finish_batch, [s.req_id for s in self._finished])
-        self._unfed, self._finished, self._last = {}, [], None
+        self._lists, self._finished = [], []
         self._plain_steps = 0
 
     def ready(self, drafter: Any) -> None:

@@ -31,6 +31,7 @@ class Sequence:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    fed: int = 0  # output tokens handed to the drafter so far (``drafter_queue.DrafterFeed``)
 
     @property
     def ctx_len(self) -> int:
