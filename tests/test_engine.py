@@ -391,9 +391,10 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
 
 
 def test_overlapped_drafter_changes_nothing(pair) -> None:
-    """Drafter bookkeeping on the worker thread, inline, or on the worker only for plain steps of
-    at least ``worker_min_batch`` requests: identical outputs and counters. Proposals always run
-    on the engine's thread; with the overlap, plain steps' hand-offs extend on the worker."""
+    """Drafter bookkeeping on the worker thread, inline, or on the worker only for plain steps
+    and prefills of at least ``worker_min_batch`` running requests: identical outputs and
+    counters. Proposals always run on the engine's thread; with the overlap, plain steps'
+    hand-offs extend on the worker, and so do prefills index their prompts."""
     import threading
 
     _, model = pair
@@ -409,6 +410,10 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
             self.threads["extend"].add(threading.current_thread() is threading.main_thread())
             return super().extend_batch(req_ids, token_lists)
 
+        def start_batch(self, req_ids, prompts, group_ids):
+            self.threads["start"].add(threading.current_thread() is threading.main_thread())
+            return super().start_batch(req_ids, prompts, group_ids)
+
     def every_tenth_step():  # long runs of plain steps, so their tokens are handed off
         calls = iter(range(1 << 30))
         return lambda _num_running: 4 if next(calls) % 10 == 0 else 0
@@ -417,7 +422,7 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
     # worker_min_batch 3: plain steps switch between the worker and inline calls as samples end.
     for overlap, min_batch in ((True, 1), (True, 3), (True, 1000), (False, 1)):
         drafter = Where("random", seed=4)
-        drafter.threads = {"propose": set(), "extend": set()}
+        drafter.threads = {"propose": set(), "extend": set(), "start": set()}
         eng = engine(model, drafter, overlap_drafter=overlap, num_slots=5, worker_min_batch=min_batch,
                      draft_budget=every_tenth_step())
         outs = eng.generate(prompts, params)
@@ -429,6 +434,8 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
     assert all(t["propose"] == {True} for t in threads)
     assert False in threads[0]["extend"] and False in threads[1]["extend"]
     assert threads[2]["extend"] == threads[3]["extend"] == {True}
+    assert threads[0]["start"] == {False} and threads[1]["start"] == {True, False}
+    assert threads[2]["start"] == threads[3]["start"] == {True}
 
 
 def test_prompts_reach_the_drafter_before_the_prefill_is_read_back(pair, monkeypatch) -> None:

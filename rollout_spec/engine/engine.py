@@ -65,7 +65,8 @@ class RolloutEngine:
         overlap_drafter: run the plain steps' drafter calls on a worker thread
             (``drafter_queue``): every 8th plain step hands the previous steps' tokens to it
             right after launching its forward, so the C++ extend (GIL released) runs while
-            verification waits for the GPU. Drafting steps, and plain steps of fewer than
+            verification waits for the GPU; prefills index their prompts there by the same
+            rule on the running batch's size. Drafting steps, and plain steps of fewer than
             ``worker_min_batch`` requests, call the drafter on the engine's thread: a drafting
             step's extend and next proposal lie on its critical path either way, and handing
             them to the worker and waiting for it cost more than the calls (B=256 on the H100
@@ -243,7 +244,7 @@ class RolloutEngine:
         groups = sched.admit()
         if groups:
             t0 = self.clock()
-            self._prefill(groups, generator)
+            self._prefill(groups, generator, len(sched.running))
             self.phase_seconds["prefill"] += self.clock() - t0
         else:
             self._decode(sched.running, generator)
@@ -258,10 +259,14 @@ class RolloutEngine:
                     self._shadow.harvest(observe)  # every round's requests have finished
         return finished
 
-    def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator) -> None:
+    def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator, num_running: int) -> None:
+        """Prefill the admitted groups; the drafter indexes their prompts meanwhile: on the
+        worker where plain steps of ``num_running`` requests use it (a large admission's
+        indexing can outlast the forward), else on this thread while the GPU works."""
         logits = self.runner.prefill(groups)
         seqs = [s for g in groups for s in g]
-        if self._drafter is not None:  # indexes the prompts while the GPU runs their forward
+        if self._drafter is not None:
+            self._queue.use_worker(num_running >= self.worker_min_batch)
             self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
                                [s.prompt for s in seqs], [s.group_id for s in seqs])
         rows = torch.as_tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
