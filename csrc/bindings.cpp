@@ -98,7 +98,15 @@ nb::object propose_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budge
 // without building numpy arrays. Returns false, with nothing changed, for anything else (other
 // types, bools, out-of-range values, a length mismatch); the facade then takes its validating path,
 // which raises the precise error.
-bool extend_flat(DrafterCore& core, const int64_t* ids, size_t n, nb::handle lists) {
+// The core's extend, or with `background` its extend_in_background (GIL released either way).
+void run_extend(DrafterCore& core, const int64_t* ids, const int32_t* tokens,
+                const int64_t* offsets, size_t n, bool background) {
+  nb::gil_scoped_release release;
+  if (background) core.extend_in_background(ids, tokens, offsets, n);
+  else core.extend(ids, tokens, offsets, n);
+}
+
+bool extend_flat(DrafterCore& core, const int64_t* ids, size_t n, nb::handle lists, bool background) {
   PyObject* outer = lists.ptr();
   if (!PyList_CheckExact(outer) || static_cast<size_t>(PyList_GET_SIZE(outer)) != n) return false;
   std::vector<int64_t> offsets(n + 1, 0);
@@ -117,21 +125,20 @@ bool extend_flat(DrafterCore& core, const int64_t* ids, size_t n, nb::handle lis
     }
     offsets[i + 1] = static_cast<int64_t>(tokens.size());
   }
-  nb::gil_scoped_release release;
-  core.extend(ids, tokens.data(), offsets.data(), n);
+  run_extend(core, ids, tokens.data(), offsets.data(), n, background);
   return true;
 }
 
-bool extend_lists(DrafterCore& core, Vec<int64_t> ids, nb::handle lists) {
-  return extend_flat(core, ids.data(), ids.shape(0), lists);
+bool extend_lists(DrafterCore& core, Vec<int64_t> ids, nb::handle lists, bool background) {
+  return extend_flat(core, ids.data(), ids.shape(0), lists, background);
 }
 
 // The same with the ids as a list of Python ints too (the decode loop's form): false, with
 // nothing changed, when they are anything else.
-bool extend_pylists(DrafterCore& core, nb::handle ids_obj, nb::handle lists) {
+bool extend_pylists(DrafterCore& core, nb::handle ids_obj, nb::handle lists, bool background) {
   thread_local std::vector<int64_t> ids;
   if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return false;
-  return extend_flat(core, ids.data(), ids.size(), lists);
+  return extend_flat(core, ids.data(), ids.size(), lists, background);
 }
 
 nb::dict stats_dict(const DrafterCore& core) {
@@ -252,13 +259,13 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         c.start(ids.data(), groups.data(), toks.data(), offs.data(), ids.shape(0));
       })
-      .def("extend", [](DrafterCore& c, Vec<int64_t> ids, Vec<int32_t> toks, Vec<int64_t> offs) {
+      .def("extend", [](DrafterCore& c, Vec<int64_t> ids, Vec<int32_t> toks, Vec<int64_t> offs,
+                        bool background) {
         check_csr(ids.shape(0), toks, offs);
-        nb::gil_scoped_release release;
-        c.extend(ids.data(), toks.data(), offs.data(), ids.shape(0));
-      })
-      .def("extend_lists", &extend_lists, "ids"_a, "lists"_a)
-      .def("extend_pylists", &extend_pylists, "ids"_a, "lists"_a)
+        run_extend(c, ids.data(), toks.data(), offs.data(), ids.shape(0), background);
+      }, "ids"_a, "tokens"_a, "offsets"_a, "background"_a = false)
+      .def("extend_lists", &extend_lists, "ids"_a, "lists"_a, "background"_a = false)
+      .def("extend_pylists", &extend_pylists, "ids"_a, "lists"_a, "background"_a = false)
       .def("finish", [](DrafterCore& c, Vec<int64_t> ids) {
         nb::gil_scoped_release release;
         c.finish(ids.data(), ids.shape(0));

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <thread>
 #include <unordered_set>
+#include <utility>
 
 namespace rollout_spec {
 
@@ -122,7 +123,7 @@ void DrafterCore::index_position(int32_t slot, RequestState* req, int32_t pos) {
 
 void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
                         const int64_t* offsets, size_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   check_ids(ids, n, /*must_exist=*/false);
   for (size_t i = 0; i < n; ++i) {
     int32_t slot = new_slot();
@@ -147,9 +148,40 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
   maybe_evict();
 }
 
+std::unique_lock<std::mutex> DrafterCore::lock_idle() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [&] { return !indexing_; });
+  if (indexing_error_) std::rethrow_exception(std::exchange(indexing_error_, nullptr));
+  return lock;
+}
+
 void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                          size_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
+  append_tokens(ids, tokens, offsets, n);
+  index_extended(offsets, n);
+}
+
+void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens,
+                                       const int64_t* offsets, size_t n) {
+  auto lock = lock_idle();
+  append_tokens(ids, tokens, offsets, n);
+  background_offsets_.assign(offsets, offsets + n + 1);
+  indexing_ = true;
+  background_.post([this, n] {
+    std::lock_guard<std::mutex> job_lock(mu_);
+    try {
+      index_extended(background_offsets_.data(), n);
+    } catch (...) {
+      indexing_error_ = std::current_exception();
+    }
+    indexing_ = false;
+    idle_.notify_all();
+  });
+}
+
+void DrafterCore::append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
+                                size_t n) {
   resolve(ids, n);
   for (size_t i = 0; i < n; ++i) {
     Sequence& s = seqs_[reqs_[i]->slot];
@@ -158,6 +190,9 @@ void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_
     stored_tokens_ += offsets[i + 1] - offsets[i];
     refresh_view(reqs_[i]->slot);
   }
+}
+
+void DrafterCore::index_extended(const int64_t* offsets, size_t n) {
   index_appended(offsets, n);
   for (size_t i = 0; i < n; ++i) {
     RequestState& req = *reqs_[i];
@@ -260,7 +295,7 @@ void DrafterCore::drop_matches() {
 }
 
 void DrafterCore::finish(const int64_t* ids, size_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   check_ids(ids, n, /*must_exist=*/true);
   for (size_t i = 0; i < n; ++i) {
     auto it = requests_.find(ids[i]);
@@ -280,7 +315,7 @@ void DrafterCore::finish(const int64_t* ids, size_t n) {
 
 void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
                                 const int64_t* offsets, size_t n, bool pinned) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   for (size_t i = 0; i < n; ++i) {
     int32_t slot = new_slot();
     Sequence& s = seqs_[slot];
@@ -298,7 +333,7 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
 }
 
 void DrafterCore::end_step() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   ++step_;
   drop_matches();  // group scopes change below
   refresh_all_views();  // Aging: drop group records that fell out of the history window (they stay global).
@@ -316,7 +351,7 @@ bool DrafterCore::in_group_scope(int32_t seq, int32_t own_slot, int32_t group) c
 }
 
 bool DrafterCore::has_request(int64_t id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   return requests_.count(id) != 0;
 }
 

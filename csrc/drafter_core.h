@@ -5,7 +5,9 @@
 // (ids[n], tokens[...], offsets[n+1]); all checks run before any state changes.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <iosfwd>
 #include <memory>
 #include <mutex>
@@ -13,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "background_worker.h"
 #include "chain_index.h"
 #include "core_config.h"
 #include "core_stats.h"
@@ -34,6 +37,11 @@ class DrafterCore {
   void start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
              const int64_t* offsets, size_t n);
   void extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
+  // extend that returns once the tokens are checked and appended; their indexing runs on the
+  // core's background thread, and every later call waits for it first (so it sees the same
+  // state as after extend). Bad ids throw here, with nothing changed.
+  void extend_in_background(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
+                            size_t n);
   void finish(const int64_t* ids, size_t n);
   // budgets may be null (each request gets num_draft_tokens). Calls of at least
   // parallel_min_requests requests are split over propose_threads threads; the result and the
@@ -54,6 +62,12 @@ class DrafterCore {
   std::string load(std::istream& is);
 
  private:
+  // The instance mutex, once no background indexing is pending (an error it raised is
+  // rethrown here, once).
+  std::unique_lock<std::mutex> lock_idle() const;
+  // extend's two halves: check ids and append tokens (into reqs_); index and advance them.
+  void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
+  void index_extended(const int64_t* offsets, size_t n);
   int32_t new_slot();
   // The group scope index of `group`, created empty if missing.
   ChainIndex& group_index(int32_t group);
@@ -116,6 +130,10 @@ class DrafterCore {
 
   CoreConfig cfg_;                                     // immutable settings
   mutable std::mutex mu_;                              // serialises every public call
+  mutable std::condition_variable idle_;               // signalled when indexing_ ends
+  bool indexing_ = false;                              // a background extend owns the state
+  mutable std::exception_ptr indexing_error_;          // what it threw, for the next call
+  std::vector<int64_t> background_offsets_;            // its CSR offsets (reqs_ holds its states)
   std::vector<Sequence> seqs_;                         // sequence slots (dead ones reused)
   std::vector<SlotView> view_;                         // hot fields of seqs_, same indexing
   std::vector<int32_t> free_slots_;                    // dead slots no index refers to any more
@@ -149,6 +167,8 @@ class DrafterCore {
   std::vector<Worker> workers_;
   std::vector<Part> parts_;                            // per request of the current call
   std::vector<std::vector<Occurrence>> fresh_;         // per request: a gather not yet committed
+  // Last member: destroyed first, so its pending job still finds everything above.
+  BackgroundWorker background_;
 };
 
 }  // namespace rollout_spec

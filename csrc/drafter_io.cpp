@@ -54,7 +54,7 @@ void get_index(std::istream& is, ChainIndex& index, const std::vector<Sequence>&
 }  // namespace
 
 void DrafterCore::save(std::ostream& os, const std::string& meta) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   put(os, kMagic);
   put_vec(os, std::vector<char>(meta.begin(), meta.end()));
   put(os, step_);
@@ -90,7 +90,7 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
 }
 
 std::string DrafterCore::load(std::istream& is) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   const uint64_t magic = get<uint64_t>(is);
   // The low 7 bytes spell "RSSPADR", the top byte the format version.
   if ((magic & 0x00FFFFFFFFFFFFFFULL) != (kMagic & 0x00FFFFFFFFFFFFFFULL))

@@ -46,7 +46,7 @@ void DrafterCore::rebuild_shared() {
 }
 
 CoreStats DrafterCore::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   CoreStats st;
   st.num_requests = static_cast<int64_t>(requests_.size());
   st.index_tokens = stored_tokens_;
@@ -75,7 +75,7 @@ CoreStats DrafterCore::stats() const {
 }
 
 std::string DrafterCore::check_integrity() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   auto tokens_of = [&](int32_t seq) { return seqs_[seq].tokens.data(); };
   int64_t stored = 0;
   for (const Sequence& s : seqs_) {

@@ -154,7 +154,7 @@ void DrafterCore::mark_gathered(RequestState& req) {
 }
 
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto lock = lock_idle();
   resolve(ids, n);
   if (threads_ > 1 && n >= static_cast<size_t>(cfg_.parallel_min_requests) && n > 1)
     return propose_parallel(budgets, n, out);

@@ -173,19 +173,26 @@ class NgramDrafter:
         """Append newly committed tokens (accepted + bonus) to a live request."""
         self.extend_batch([req_id], [token_ids])
 
-    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[TokenIds]) -> None:
-        """Batch form of ``extend``; raises ValueError for unknown or repeated ids or bad tokens."""
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[TokenIds], *,
+                     background: bool = False) -> None:
+        """Batch form of ``extend``; raises ValueError for unknown or repeated ids or bad tokens.
+
+        With ``background``, it returns once the input is checked and the tokens are stored:
+        their indexing (most of an extend's cost) runs on the core's own thread, without the
+        GIL, and every later call on this drafter waits for it first, so results are the same
+        as after a plain ``extend_batch`` (an engine uses the time for its own bookkeeping).
+        """
         # Ids and token lists as lists of Python ints (the decode loop's form) are converted
         # natively; anything else, including every invalid input, takes the validating path.
-        if self._core.extend_pylists(req_ids, token_lists):
+        if self._core.extend_pylists(req_ids, token_lists, background):
             return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         # Other id forms (numpy arrays) with token lists of Python ints: the lists are still
         # converted natively; anything else goes through the validating path below.
-        if self._core.extend_lists(ids, token_lists):
+        if self._core.extend_lists(ids, token_lists, background):
             return
         tokens, offsets = _flatten("token_ids", token_lists, len(ids))
-        self._core.extend(ids, tokens, offsets)
+        self._core.extend(ids, tokens, offsets, background)
 
     def finish(self, req_id: int) -> None:
         """End a request: its tokens stay in the group and global scopes, its own index is freed."""

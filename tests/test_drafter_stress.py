@@ -78,3 +78,77 @@ def test_one_thread_extends_while_another_proposes(propose_threads):
     assert d.stats()["evictions"] >= 0
     d.check_integrity()
     assert d.propose(ids).num_nodes > 0
+
+
+def _replay(background: bool, seed: int = 3) -> list[tuple]:
+    """A lock-step workload (two groups, capacity small enough to evict, an RL step boundary):
+    every proposal and the final stats, extending with or without ``background``."""
+    d = NgramDrafter(SpecConfig(capacity_tokens=3000, history_steps=1, num_draft_tokens=6))
+    rng = np.random.default_rng(seed)
+    seen, next_id = [], 0
+    for _ in range(3):  # RL steps
+        ids = list(range(next_id, next_id + 12))
+        next_id += 12
+        d.start_batch(ids, [[i % 3, 7, 8, 9] for i in ids], [i % 2 for i in ids])
+        for _ in range(60):
+            batch = d.propose(ids, [int(b) for b in rng.integers(0, 7, len(ids))])
+            seen.append((batch.offsets.tolist(), batch.tokens.tolist(), batch.parents.tolist(),
+                         batch.probs.tolist()))
+            lists = [rng.integers(0, 20, int(rng.integers(1, 4))).tolist() for _ in ids]
+            d.extend_batch(ids, lists, background=background)
+        d.finish_batch(ids)
+        d.end_step()
+    d.check_integrity()
+    stats = d.stats()
+    return seen + [tuple(sorted((k, v) for k, v in stats.items() if isinstance(v, int)))]
+
+
+def test_background_indexing_changes_no_proposal_and_no_state():
+    """``extend_batch(background=True)`` returns before indexing; every later call waits for it,
+    so proposals, evictions and stats match the plain extend's exactly."""
+    assert _replay(background=True) == _replay(background=False)
+
+
+def test_background_extend_checks_its_input_before_returning():
+    """Bad ids raise at the call itself with nothing changed, and the drafter stays usable."""
+    d = NgramDrafter(SpecConfig())
+    d.start_batch([1, 2], [[1, 2, 3], [1, 2, 3]], [0, 0])
+    d.extend_batch([1], [[4, 5]], background=True)
+    before = d.stats()
+    with pytest.raises(ValueError, match="unknown request id 9"):
+        d.extend_batch([1, 9], [[6], [7]], background=True)
+    with pytest.raises(ValueError, match="repeat"):
+        d.extend_batch([2, 2], [[6], [7]], background=True)
+    assert d.stats() == before
+    d.extend_batch([2], [[4]], background=True)
+    batch = d.propose([2])  # waits for the indexing: the sibling's continuation 4 -> 5 is found
+    assert batch.tokens.tolist()[:1] == [5]
+
+
+def test_background_extends_queue_behind_each_other_across_threads():
+    """Background extends from one thread and proposals from another: the same final state as
+    doing them in one thread (every call waits for the indexing before it)."""
+    ids = list(range(32))
+
+    def run(threaded: bool) -> dict:
+        d = NgramDrafter(SpecConfig(capacity_tokens=1 << 16, propose_threads=2))
+        d.start_batch(ids, [[i % 5, 1, 2] for i in ids], [i % 4 for i in ids])
+        rng = np.random.default_rng(9)
+        chunks = [[rng.integers(0, 9, 2).tolist() for _ in ids] for _ in range(200)]
+
+        def extender() -> None:
+            for lists in chunks:
+                d.extend_batch(ids, lists, background=True)
+
+        if threaded:
+            t = threading.Thread(target=extender)
+            t.start()
+            while t.is_alive():
+                d.propose(ids)
+            t.join()
+        else:
+            extender()
+        d.check_integrity()
+        return {k: v for k, v in d.stats().items() if k != "proposals" and k != "gathers"}
+
+    assert run(threaded=True) == run(threaded=False)

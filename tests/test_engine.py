@@ -438,6 +438,24 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
     assert threads[2]["start"] == threads[3]["start"] == {True}
 
 
+def test_ngram_drafter_indexes_in_the_background_with_identical_outputs(pair) -> None:
+    """With the n-gram drafter, a drafting step's extend indexes on the core's thread while the
+    engine commits (``DrafterFeed.background``); samples, logprobs and counters are those of
+    the engine that waits for each extend."""
+    _, model = pair
+    prompts = mixed_prompts(6, seed=12)
+    params = SamplingParams(n=3, temperature=0.8, max_new_tokens=24, seed=5)
+    runs = []
+    for background in (True, False):
+        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=6)
+        assert eng._feed.background  # NgramDrafter.extend_batch takes ``background``
+        eng._feed.background = background
+        outs = eng.generate(prompts, params, group_ids=list(range(6)))
+        runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
+    assert runs[0] == runs[1]
+    assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted: the drafter's index was read
+
+
 def test_prompts_reach_the_drafter_before_the_prefill_is_read_back(pair, monkeypatch) -> None:
     """A prefill hands the drafter its prompts right after launching the forward, so the
     indexing overlaps the GPU; verification (whose readback waits for the GPU) comes after."""

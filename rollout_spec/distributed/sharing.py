@@ -54,9 +54,14 @@ class SharingDrafter:
         """Commit tokens to one request."""
         self.extend_batch([req_id], [token_ids])
 
-    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Any]) -> None:
-        """Commit tokens; kept for grouped requests until they finish."""
-        self.drafter.extend_batch(req_ids, token_lists)
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Any], *,
+                     background: bool = False) -> None:
+        """Commit tokens; kept for grouped requests until they finish (``background``: see
+        ``NgramDrafter.extend_batch``)."""
+        if background:
+            self.drafter.extend_batch(req_ids, token_lists, background=True)
+        else:
+            self.drafter.extend_batch(req_ids, token_lists)
         for rid, tokens in zip(req_ids, token_lists):
             live = self._live.get(int(rid))
             if live is not None:

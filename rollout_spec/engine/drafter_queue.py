@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Optional
 
 from rollout_spec.engine.sequence import Sequence
@@ -130,7 +131,10 @@ class DrafterFeed:
     pure overhead unless speculation switches back on, so the tokens stay in the sequences
     (``Sequence.fed`` counts the output tokens the drafter has) and ``ready`` hands them over
     in one batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees
-    the same tokens in the same order either way, so proposals do not change.
+    the same tokens in the same order either way, so proposals do not change. Finishes always
+    wait for the next hand-off: nothing reads the drafter before the next proposal, and with
+    ``background`` (the n-gram drafter indexes a drafting step's extend on its own thread
+    while the engine commits) a finish right away would wait for that indexing.
     """
 
     flush_every = 8  # plain steps between hand-offs on the worker (see ``due``)
@@ -143,6 +147,9 @@ class DrafterFeed:
         # plain step; their sequences are visited at the flush, while the GPU works).
         self._lists: list[list[Sequence]] = []
         self._finished: list[Sequence] = []
+        # Whether a drafting step's extend may index in the drafter's background (its
+        # ``extend_batch`` takes ``background``; set by the engine for its drafter).
+        self.background = False
 
     @property
     def pending(self) -> bool:
@@ -168,11 +175,15 @@ class DrafterFeed:
             self._finished += finished
             return
         self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
-        self.queue.submit(drafter.extend_batch, [s.req_id for s in seqs], kept)
+        if self.background:  # indexed while the engine commits; the next drafter call waits
+            self.queue.submit(partial(drafter.extend_batch, background=True), [s.req_id for s in seqs], kept)
+        else:
+            self.queue.submit(drafter.extend_batch, [s.req_id for s in seqs], kept)
         for s, toks in zip(seqs, kept):
             s.fed = len(s.output) + len(toks)
-        if finished:
-            self.queue.submit(drafter.finish_batch, [s.req_id for s in finished])
+        # Finishes wait for the next proposal (or flush): a finish now would wait for the
+        # background indexing, and nothing reads the drafter before then.
+        self._finished += finished
 
     def flush(self, drafter: Any) -> None:
         """Queue every deferred extend (each request's unseen output) and finish."""

@@ -1,0 +1,37 @@
+// One persistent thread that runs posted jobs in order, so that a caller can hand off work that
+// needs no Python (the drafter's indexing after an extend) and go on with its own.
+//
+// The thread starts on the first post (again in a forked child, which has no copy of it). A job
+// must not throw: the owner catches and keeps its errors (DrafterCore::extend_in_background).
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace rollout_spec {
+
+class BackgroundWorker {
+ public:
+  BackgroundWorker() = default;
+  ~BackgroundWorker();
+  BackgroundWorker(const BackgroundWorker&) = delete;
+  BackgroundWorker& operator=(const BackgroundWorker&) = delete;
+
+  // Queue `job` behind the jobs posted before it and return at once.
+  void post(std::function<void()> job);
+
+ private:
+  void loop();
+
+  std::thread thread_;
+  long pid_ = 0;  // process that started thread_
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_ = false;
+};
+
+}  // namespace rollout_spec
