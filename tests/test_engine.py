@@ -434,8 +434,8 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
     assert all(t["propose"] == {True} for t in threads)
     assert False in threads[0]["extend"] and False in threads[1]["extend"]
     assert threads[2]["extend"] == threads[3]["extend"] == {True}
-    assert threads[0]["start"] == {False} and threads[1]["start"] == {True, False}
-    assert threads[2]["start"] == threads[3]["start"] == {True}
+    # Prefills follow the running batch's size (worker_min_batch 3: either thread, by device).
+    assert threads[0]["start"] == {False} and threads[2]["start"] == threads[3]["start"] == {True}
 
 
 def test_ngram_drafter_indexes_in_the_background_with_identical_outputs(pair) -> None:
