@@ -102,8 +102,12 @@ class ChainIndex {
         prefetch_line(p + off);
       return;
     }
-    for (int32_t t = 0; t < std::min(n, o.n); ++t) prefetch_line(o.base + (o.last - t) % o.cap);
+    const int32_t m = std::min(n, o.n);
+    for (int32_t t = 0, at = m > 0 ? o.last % o.cap : 0; t < m; ++t, at = ring_down(at, o.cap))
+      prefetch_line(o.base + at);
   }
+  // The ring index before `at` in a block of `cap` entries: (at - 1) mod cap.
+  static int32_t ring_down(int32_t at, int32_t cap) { return at == 0 ? cap - 1 : at - 1; }
 
   // The insertion log: every indexed position, oldest first.
   const std::vector<ChainRecord>& log() const { return log_; }

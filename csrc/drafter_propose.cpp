@@ -73,12 +73,16 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
     // The older records kept sit in one block, whose lines were prefetched with the heads.
     const ChainIndex::Older older = index.older(*h);
     const int32_t n = std::min(older.n, walk(scope, ki) - 1);
-    for (int32_t t = 0; t < n; ++t) {
-      const ChainEntry& e = older.base[(older.last - t) % older.cap];
+    if (n <= 0) continue;
+    // The t-th newest is base[(last - t) % cap]: one division per chain, then a step down that
+    // wraps (a division per record was a long-latency instruction in both loops).
+    const int32_t newest = older.last % older.cap;
+    for (int32_t t = 0, at = newest; t < n; ++t, at = ChainIndex::ring_down(at, older.cap)) {
+      const ChainEntry& e = older.base[at];
       if (longer(e.before)) prefetch_line(view_[e.seq].tokens + e.pos);
     }
-    for (int32_t t = 0; t < n; ++t)
-      if (take(older.base[(older.last - t) % older.cap])) return;
+    for (int32_t t = 0, at = newest; t < n; ++t, at = ChainIndex::ring_down(at, older.cap))
+      if (take(older.base[at])) return;
   }
 }
 
