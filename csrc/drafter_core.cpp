@@ -311,10 +311,6 @@ void DrafterCore::end_step() {
   }
 }
 
-bool DrafterCore::in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const {
-  return seq != own_slot && group >= 0 && view_[seq].scope_group == group;
-}
-
 bool DrafterCore::has_request(int64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return requests_.count(id) != 0;

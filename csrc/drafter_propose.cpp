@@ -35,11 +35,12 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
     // True when the record's match goes on past the key: the token before its n-gram equals the
     // context's. Otherwise the match is exactly k tokens long, known without reading the record's
     // sequence (the key's own tokens are trusted to the 64-bit hash). The context's token is read
-    // once per key (-1 where the context is no longer than the key, which no `before` >= 0
-    // equals): the occurrence writes below may alias ctx.tokens as far as the compiler knows, so
-    // it was reloaded for every record.
-    const int32_t ctx_before = c >= k ? ctx.tokens[c - k] : -1;
-    auto longer = [&](int32_t before) { return before >= 0 && before == ctx_before; };
+    // once per key: the occurrence writes below may alias ctx.tokens as far as the compiler
+    // knows, so it was reloaded for every record. Where the context is no longer than the key it
+    // is -2, which no `before` equals (stored tokens are >= 0, checked at the bindings, and -1
+    // marks a record at its sequence's start), so one comparison decides.
+    const int32_t ctx_before = c >= k ? ctx.tokens[c - k] : -2;
+    auto longer = [&](int32_t before) { return before == ctx_before; };
     // Adds the occurrence of a record if it qualifies; true once the scope is full.
     auto take = [&](const ChainEntry& e) {
       const int32_t seq = e.seq, pos = e.pos;
