@@ -203,7 +203,18 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       ngram_keys(s.tokens.data(), p, e.keys);
     }
   }
+  // Four positions further ahead, the indexes' own fields of a request's first position (its
+  // state was prefetched by resolve, but the inserts of the requests before it evict it again),
+  // and with the slots, the ends of their logs.
+  auto state = [&](size_t j) {
+    const Pending& e = pending[j];
+    if (j > 0 && pending[j - 1].req == e.req) return;
+    e.req->own.prefetch_self();
+    if (e.group) e.group->prefetch_self();
+  };
   auto slots = [&](const Pending& e) {
+    e.req->own.prefetch_log_end();
+    if (e.group) e.group->prefetch_log_end();
     e.req->own.prefetch(e.keys);
     if (e.group) e.group->prefetch(e.keys);
     if (e.shared) global_.prefetch(e.keys);
@@ -214,9 +225,12 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     if (e.shared) global_.prepare(e.keys, e.global_slots);
   };
   const size_t total = pending.size();
+  constexpr size_t kState = kAhead + 4;
+  for (size_t j = 0; j < std::min(total, kState); ++j) state(j);
   for (size_t j = 0; j < std::min(total, kAhead); ++j) slots(pending[j]);
   for (size_t j = 0; j < std::min(total, kAhead / 2); ++j) tails(pending[j]);
   for (size_t j = 0; j < total; ++j) {
+    if (j + kState < total) state(j + kState);
     if (j + kAhead < total) slots(pending[j + kAhead]);
     if (j + kAhead / 2 < total) tails(pending[j + kAhead / 2]);
     const Pending& e = pending[j];
