@@ -50,6 +50,18 @@ class ChainIndex {
       if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
   }
 
+  // Start loading this index's own bookkeeping (its tables', pool's and log's fields), which
+  // every insert reads: a request's or group's index is cold at each call.
+  void prefetch_self() const {
+    const char* p = reinterpret_cast<const char*>(this);
+    for (size_t off = 0; off < sizeof(*this); off += 64) prefetch_line(p + off);
+    prefetch_line(p + sizeof(*this) - 1);
+  }
+  // Start loading the log's line that the next insert appends to (its fields must be loaded).
+  void prefetch_log_end() const {
+    if (log_.size() < log_.capacity()) prefetch_line(log_.data() + log_.size());
+  }
+
   // The first half of an insert, run a few positions ahead of `insert(..., slots)`: finds (or
   // makes, with count 0) the heads that inserting these keys updates, stores their table slots
   // in `slots`, and starts loading the block line each insert writes its older record to. Their
@@ -102,8 +114,12 @@ class ChainIndex {
         prefetch_line(p + off);
       return;
     }
-    for (int32_t t = 0; t < std::min(n, o.n); ++t) prefetch_line(o.base + (o.last - t) % o.cap);
+    const int32_t m = std::min(n, o.n);
+    for (int32_t t = 0, at = m > 0 ? o.last % o.cap : 0; t < m; ++t, at = ring_down(at, o.cap))
+      prefetch_line(o.base + at);
   }
+  // The ring index before `at` in a block of `cap` entries: (at - 1) mod cap.
+  static int32_t ring_down(int32_t at, int32_t cap) { return at == 0 ? cap - 1 : at - 1; }
 
   // The insertion log: every indexed position, oldest first.
   const std::vector<ChainRecord>& log() const { return log_; }

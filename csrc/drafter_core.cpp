@@ -238,7 +238,18 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       ngram_keys(s.tokens.data(), p, e.keys);
     }
   }
+  // Four positions further ahead, the indexes' own fields of a request's first position (its
+  // state was prefetched by resolve, but the inserts of the requests before it evict it again),
+  // and with the slots, the ends of their logs.
+  auto state = [&](size_t j) {
+    const Pending& e = pending[j];
+    if (j > 0 && pending[j - 1].req == e.req) return;
+    e.req->own.prefetch_self();
+    if (e.group) e.group->prefetch_self();
+  };
   auto slots = [&](const Pending& e) {
+    e.req->own.prefetch_log_end();
+    if (e.group) e.group->prefetch_log_end();
     e.req->own.prefetch(e.keys);
     if (e.group) e.group->prefetch(e.keys);
     if (e.shared) global_.prefetch(e.keys);
@@ -249,9 +260,12 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     if (e.shared) global_.prepare(e.keys, e.global_slots);
   };
   const size_t total = pending.size();
+  constexpr size_t kState = kAhead + 4;
+  for (size_t j = 0; j < std::min(total, kState); ++j) state(j);
   for (size_t j = 0; j < std::min(total, kAhead); ++j) slots(pending[j]);
   for (size_t j = 0; j < std::min(total, kAhead / 2); ++j) tails(pending[j]);
   for (size_t j = 0; j < total; ++j) {
+    if (j + kState < total) state(j + kState);
     if (j + kAhead < total) slots(pending[j + kAhead]);
     if (j + kAhead / 2 < total) tails(pending[j + kAhead / 2]);
     const Pending& e = pending[j];
@@ -344,10 +358,6 @@ void DrafterCore::end_step() {
         [&](int32_t seq) { return seqs_[seq].tokens.data(); });
     it = it->second.empty() ? groups_.erase(it) : std::next(it);
   }
-}
-
-bool DrafterCore::in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const {
-  return seq != own_slot && group >= 0 && view_[seq].scope_group == group;
 }
 
 bool DrafterCore::has_request(int64_t id) const {

@@ -121,7 +121,10 @@ class DrafterCore {
   template <class Accept>
   void gather_scope(const ChainIndex& index, int scope, const SlotView& ctx,
                     const ChainHead* const* heads, Accept accept, std::vector<Occurrence>& occ) const;
-  bool in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const;
+  // Inline: the search's global scope asks it for every record it reads.
+  bool in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const {
+    return seq != own_slot && group >= 0 && view_[seq].scope_group == group;
+  }
   void maybe_evict();
   void rebuild_shared();
   void check_ids(const int64_t* ids, size_t n, bool must_exist) const;

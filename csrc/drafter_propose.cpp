@@ -35,11 +35,12 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
     // True when the record's match goes on past the key: the token before its n-gram equals the
     // context's. Otherwise the match is exactly k tokens long, known without reading the record's
     // sequence (the key's own tokens are trusted to the 64-bit hash). The context's token is read
-    // once per key (-1 where the context is no longer than the key, which no `before` >= 0
-    // equals): the occurrence writes below may alias ctx.tokens as far as the compiler knows, so
-    // it was reloaded for every record.
-    const int32_t ctx_before = c >= k ? ctx.tokens[c - k] : -1;
-    auto longer = [&](int32_t before) { return before >= 0 && before == ctx_before; };
+    // once per key: the occurrence writes below may alias ctx.tokens as far as the compiler
+    // knows, so it was reloaded for every record. Where the context is no longer than the key it
+    // is -2, which no `before` equals (stored tokens are >= 0, checked at the bindings, and -1
+    // marks a record at its sequence's start), so one comparison decides.
+    const int32_t ctx_before = c >= k ? ctx.tokens[c - k] : -2;
+    auto longer = [&](int32_t before) { return before == ctx_before; };
     // Adds the occurrence of a record if it qualifies; true once the scope is full.
     auto take = [&](const ChainEntry& e) {
       const int32_t seq = e.seq, pos = e.pos;
@@ -73,12 +74,16 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
     // The older records kept sit in one block, whose lines were prefetched with the heads.
     const ChainIndex::Older older = index.older(*h);
     const int32_t n = std::min(older.n, walk(scope, ki) - 1);
-    for (int32_t t = 0; t < n; ++t) {
-      const ChainEntry& e = older.base[(older.last - t) % older.cap];
+    if (n <= 0) continue;
+    // The t-th newest is base[(last - t) % cap]: one division per chain, then a step down that
+    // wraps (a division per record was a long-latency instruction in both loops).
+    const int32_t newest = older.last % older.cap;
+    for (int32_t t = 0, at = newest; t < n; ++t, at = ChainIndex::ring_down(at, older.cap)) {
+      const ChainEntry& e = older.base[at];
       if (longer(e.before)) prefetch_line(view_[e.seq].tokens + e.pos);
     }
-    for (int32_t t = 0; t < n; ++t)
-      if (take(older.base[(older.last - t) % older.cap])) return;
+    for (int32_t t = 0, at = newest; t < n; ++t, at = ChainIndex::ring_down(at, older.cap))
+      if (take(older.base[at])) return;
   }
 }
 
