@@ -175,10 +175,9 @@ class DrafterFeed:
             self._finished += finished
             return
         self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
-        if self.background:  # indexed while the engine commits; the next drafter call waits
-            self.queue.submit(partial(drafter.extend_batch, background=True), [s.req_id for s in seqs], kept)
-        else:
-            self.queue.submit(drafter.extend_batch, [s.req_id for s in seqs], kept)
+        # With ``background``, indexed while the engine commits; the next drafter call waits.
+        extend = partial(drafter.extend_batch, background=True) if self.background else drafter.extend_batch
+        self.queue.submit(extend, [s.req_id for s in seqs], kept)
         for s, toks in zip(seqs, kept):
             s.fed = len(s.output) + len(toks)
         # Finishes wait for the next proposal (or flush): a finish now would wait for the
