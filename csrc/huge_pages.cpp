@@ -14,7 +14,6 @@ namespace {
 constexpr size_t kChunk = size_t(1) << 21;  // 2 MB: the huge page size of x86-64 and arm64
 constexpr int kMinShift = 6;                // smallest block: one cache line
 constexpr int kMaxShift = 20;               // largest block carved from a chunk: 1 MB
-constexpr int kTopShift = 47;               // largest block of all: 128 TB (beyond: bad_alloc)
 
 // 2 MB-aligned memory advised to be backed by huge pages (advice only: never fails for it).
 void* huge_pages(size_t bytes) {
@@ -35,7 +34,7 @@ int class_of(size_t bytes) {
 
 struct Arena {
   std::mutex mu;                       // drafters of several threads share the arena
-  void* free[kTopShift + 1] = {};      // per class: freed blocks, linked through their first word
+  void* free[kMaxShift + 1] = {};      // per class: freed blocks, linked through their first word
   char* cur = nullptr;                 // unused rest of the newest chunk
   size_t left = 0;                     // its bytes
 };
@@ -55,7 +54,7 @@ Arena& arena() {
 }  // namespace
 
 void* huge_alloc(size_t bytes) {
-  if (bytes > (size_t(1) << kTopShift)) throw std::bad_alloc();
+  if (bytes > (size_t(1) << kMaxShift)) return huge_pages((bytes + kChunk - 1) & ~(kChunk - 1));
   const int c = class_of(bytes);
   const size_t size = size_t(1) << c;
   Arena& a = arena();
@@ -64,7 +63,6 @@ void* huge_alloc(size_t bytes) {
     a.free[c] = *static_cast<void**>(p);
     return p;
   }
-  if (c > kMaxShift) return huge_pages(size);
   if (a.left < size) {
     // The chunk's rest is too small for this block: hand it out as smaller blocks later.
     while (a.left >= (size_t(1) << kMinShift)) {
@@ -86,6 +84,10 @@ void* huge_alloc(size_t bytes) {
 
 void huge_free(void* p, size_t bytes) noexcept {
   if (!p) return;
+  if (bytes > (size_t(1) << kMaxShift)) {
+    std::free(p);
+    return;
+  }
   const int c = class_of(bytes);
   Arena& a = arena();
   std::lock_guard<std::mutex> lock(a.mu);

@@ -6,13 +6,10 @@
 // pages nearly every such access also misses the TLB, and a page walk (two-dimensional under a
 // hypervisor) costs about as much as the cache miss and overlaps poorly. Most of these arrays
 // are small (a request's own index, one sequence's tokens), so they cannot get huge pages of
-// their own: arrays up to 1 MB are carved from shared 2 MB chunks, larger ones get whole huge
-// pages; both are rounded up to a power of two (a size class). Nothing is given back to the
-// system: a freed block serves the next array of its class (eviction frees and rebuilds, a
-// table's growth, a group index rebuilt at every RL step), so it is not zeroed again by the
-// kernel, which a fresh huge page is on its first touch (perf: up to 40% of extend's samples
-// in a fresh process while the global tables grew). Without THP (or with it disabled) this is
-// plain memory.
+// their own: arrays up to 1 MB are carved from shared 2 MB chunks (power-of-two size classes,
+// freed blocks reused per class), larger ones get whole huge pages. Chunks are never given back
+// to the system; freed blocks serve later arrays of their class (eviction frees and rebuilds
+// reuse them). Without THP (or with it disabled) this is plain memory.
 #pragma once
 
 #include <cstddef>
