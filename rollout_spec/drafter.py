@@ -118,6 +118,19 @@ def _core_config(config: SpecConfig) -> "_core.CoreConfig":
     return c
 
 
+def indexes_in_background(drafter: object) -> bool:
+    """Whether ``drafter.extend_batch`` takes ``background=True``. A drafter says so with an
+    ``indexes_in_background`` attribute that is True (``NgramDrafter``); a wrapper reports the
+    drafter it wraps and passes the flag on only then, so callers never probe signatures."""
+    return getattr(drafter, "indexes_in_background", False) is True
+
+
+def background_kwargs(drafter: object, background: bool) -> dict[str, bool]:
+    """What a wrapper passes on to ``drafter.extend_batch`` when asked for ``background``: the
+    flag where the drafter indexes in the background, nothing otherwise (same result, at once)."""
+    return {"background": True} if background and indexes_in_background(drafter) else {}
+
+
 class NgramDrafter:
     """Model-free drafter: proposes draft trees from the request, group and global n-gram scopes.
 
@@ -126,6 +139,8 @@ class NgramDrafter:
     ``propose`` of 64 or more requests is itself split over ``config.propose_threads`` threads
     of a pool the core keeps (the drafts do not depend on the count).
     """
+
+    indexes_in_background = True  # ``extend_batch(..., background=True)``: see that method
 
     def __init__(self, config: Optional[SpecConfig] = None, *, _load_from: Optional[str] = None):
         """Create an empty drafter; ``config.external_corpora`` .npy files go into the global scope.

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
+from rollout_spec.drafter import background_kwargs
 from rollout_spec.replay import accepted_length
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -422,9 +423,12 @@ class DrafterProbe:
                 self._pending[int(rid)] = (tok[off[b]:off[b + 1]], par[off[b]:off[b + 1]])
         return batch
 
-    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> Any:
-        """Extend through the drafter, then score the pending trees against the committed tokens."""
-        out = self._timed(self._drafter.extend_batch)(req_ids, token_lists)
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]], *,
+                     background: bool = False) -> Any:
+        """Extend through the drafter (``background`` passed on where it indexes in the
+        background), then score the pending trees against the committed tokens."""
+        out = self._timed(self._drafter.extend_batch)(req_ids, token_lists,
+                                                      **background_kwargs(self._drafter, background))
         for rid, committed in zip(req_ids, token_lists):
             tree = self._pending.pop(int(rid), None)
             if tree is not None:

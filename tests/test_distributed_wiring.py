@@ -256,3 +256,34 @@ def test_sglang_corpus_refuses_a_shared_index_under_tensor_parallelism(monkeypat
     with pytest.raises(ValueError, match="tensor parallelism"):
         corpus.RolloutSpecCorpus(spec=SpecConfig(shared_index="x"))
     assert corpus.RolloutSpecCorpus(spec=SpecConfig()).spec.shared_index is None  # no index: TP is fine
+
+
+class _PlainDrafter:
+    """A drafter whose ``extend_batch`` takes no ``background`` (records its calls)."""
+
+    def __init__(self) -> None:
+        self.extended: list[tuple[list[int], list[list[int]]]] = []
+
+    def start_batch(self, req_ids, prompts, group_ids=None) -> None:
+        pass
+
+    def extend_batch(self, req_ids, token_lists) -> None:
+        self.extended.append((list(req_ids), [list(t) for t in token_lists]))
+
+
+def test_sharing_drafter_passes_background_only_to_a_drafter_that_indexes_in_background() -> None:
+    from rollout_spec.drafter import NgramDrafter, indexes_in_background
+
+    plain = SharingDrafter(_PlainDrafter(), _FakeIndex(latest_step=0))
+    assert not indexes_in_background(plain)
+    plain.start_batch([1], [[5, 6]], [3])
+    plain.extend_batch([1], [[7]], background=True)  # no TypeError: extended at once
+    assert plain.drafter.extended == [([1], [[7]])]
+
+    ngram, alone = SharingDrafter(NgramDrafter(SpecConfig()), _FakeIndex(latest_step=0)), NgramDrafter(SpecConfig())
+    assert indexes_in_background(ngram)
+    for d, background in ((ngram, True), (alone, False)):
+        d.start_batch([1], [[5, 6, 5]], [3])
+        d.extend_batch([1], [[6, 5]], background=background)
+    assert ngram.drafter.stats() == alone.stats()  # stats wait for the indexing, like any later call
+    assert ngram.propose([1]).tokens.tolist() == alone.propose([1]).tokens.tolist() == [6, 5, 6, 5]

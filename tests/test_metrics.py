@@ -165,3 +165,24 @@ def test_drafter_probe_counts_acceptance_by_depth():
     assert metrics.tree_depth([-1, 0, -1, 2, 3]) == 3 and metrics.tree_depth([]) == 0
     with pytest.raises(ValueError, match="speculation is off"):
         metrics.DrafterProbe(None)
+
+
+def test_drafter_probe_passes_background_only_where_the_drafter_indexes_in_background():
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.drafter import NgramDrafter, indexes_in_background
+
+    class Plain:  # ``extend_batch`` without ``background``
+        def extend_batch(self, req_ids, token_lists):
+            self.last = list(req_ids)
+
+    plain = metrics.DrafterProbe(Plain())
+    assert not indexes_in_background(plain)
+    plain.extend_batch([4], [[1]], background=True)  # extended at once, no TypeError
+    assert plain.last == [4]
+
+    probe, alone = metrics.DrafterProbe(NgramDrafter(SpecConfig())), NgramDrafter(SpecConfig())
+    assert indexes_in_background(probe)
+    for d, background in ((probe, True), (alone, False)):
+        d.start_batch([1], [[5, 6, 5]])
+        d.extend_batch([1], [[6, 5]], background=background)
+    assert probe.propose([1]).tokens.tolist() == alone.propose([1]).tokens.tolist() == [6, 5, 6, 5]

@@ -24,6 +24,7 @@ from rollout_spec.distributed.placement import (
     placement_from_env,
 )
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig
+from rollout_spec.drafter import background_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,10 @@ class SharingDrafter:
 
     def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Any], *,
                      background: bool = False) -> None:
-        """Commit tokens; kept for grouped requests until they finish (``background``: see
-        ``NgramDrafter.extend_batch``)."""
-        if background:
-            self.drafter.extend_batch(req_ids, token_lists, background=True)
-        else:
-            self.drafter.extend_batch(req_ids, token_lists)
+        """Commit tokens; kept for grouped requests until they finish. ``background`` (see
+        ``NgramDrafter.extend_batch``) is passed on only to a drafter that indexes in the
+        background; another one extends at once, with the same result."""
+        self.drafter.extend_batch(req_ids, token_lists, **background_kwargs(self.drafter, background))
         for rid, tokens in zip(req_ids, token_lists):
             live = self._live.get(int(rid))
             if live is not None:

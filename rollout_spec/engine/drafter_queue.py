@@ -147,8 +147,8 @@ class DrafterFeed:
         # plain step; their sequences are visited at the flush, while the GPU works).
         self._lists: list[list[Sequence]] = []
         self._finished: list[Sequence] = []
-        # Whether a drafting step's extend may index in the drafter's background (its
-        # ``extend_batch`` takes ``background``; set by the engine for its drafter).
+        # Whether a drafting step's extend may index in the drafter's background (set by the
+        # engine: ``rollout_spec.drafter.indexes_in_background`` of its drafter).
         self.background = False
 
     @property
