@@ -12,7 +12,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -325,15 +325,20 @@ def _raise_on_errors(outputs: Sequence[Any]) -> None:
                            f"{getattr(errors[0], 'error', None)}")
 
 
-def _warm_up(engines: Engines, prompt_ids: list[int]) -> None:
-    """One short untimed generation per engine (lazy init, allocator, kernels), ungrouped."""
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=4, seed=0)
+def _warm_up(engines: Engines, prompt_ids: list[int], args: argparse.Namespace) -> None:
+    """One short untimed generation per engine (lazy init, allocator, kernels) with the steps'
+    own sampling and n, so that step 0 does not pay for compiling their kernels. The speculative
+    engine then gets a fresh drafter of the same config: step 0 starts from an empty index, not
+    from the warm-up's tokens (at temperature 0 they would be step 0's own)."""
+    params = replace(_sampling(args, 0), max_new_tokens=min(args.max_new_tokens, 16))
     for engine in (engines.base, engines.spec):
         if engine is not None:
-            engine.generate([prompt_ids], params, group_ids=[None])  # None: no group scope
-    if isinstance(getattr(engines.spec, "drafter", None), DrafterProbe):
-        engines.spec.drafter.take_seconds()  # step 0's figures start after the warm-up
-        engines.spec.drafter.take_depths()
+            engine.generate([prompt_ids], params, group_ids=[None])
+    probe = getattr(engines.spec, "drafter", None)
+    if probe is not None:
+        from rollout_spec.drafter import NgramDrafter
+
+        engines.spec.drafter = DrafterProbe(NgramDrafter(probe.config))
 
 
 def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[SpecStats]:
@@ -350,7 +355,7 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
         tok = engines.spec.tokenizer
         workload = Workload(args.task, tok, args.prompts, seed=args.seed,
                             fresh_each_step=args.fresh_prompts, max_steps=args.steps)
-        _warm_up(engines, list(workload.batch(0)[0].prompt_ids))
+        _warm_up(engines, list(workload.batch(0)[0].prompt_ids), args)
     recorder = None if args.record is None else TraceRecorder(
         args.model, vars(_sampling(args, 0)), getattr(tok, "eos_token_id", None))
     sink = make_sink(args.wandb, args.wandb_project, _jsonable(vars(args)))

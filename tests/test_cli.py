@@ -157,3 +157,25 @@ def test_draft_tokens_default_follows_the_device(monkeypatch, argv, cuda, want):
     with pytest.raises(Seen) as got:
         cli.main(["bench", "--wandb", "disabled", *argv])
     assert got.value.args == (want,)
+
+
+def test_warm_up_uses_the_steps_sampling_then_starts_the_drafter_empty():
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.drafter import NgramDrafter
+
+    answer = "7"
+    engines = cli.Engines(spec=FakeEngine(True, answer), base=FakeEngine(False, answer))
+    old = cli.DrafterProbe(NgramDrafter(SpecConfig(num_draft_tokens=5)))
+    old.start_batch([1], [[4, 5, 6]], [None])  # what a warm-up leaves in the index
+    engines.spec.drafter = old
+    args = cli.build_parser().parse_args(["bench", "--temperature", "0.7", "--top-p", "0.9", "--n", "3",
+                                          "--max-new-tokens", "64"])
+    cli._warm_up(engines, [1, 2, 3], args)
+    for engine in (engines.base, engines.spec):
+        (count, params, _), = engine.calls
+        assert count == 1 and (params.n, params.temperature, params.top_p) == (3, 0.7, 0.9)
+        assert params.max_new_tokens == 16
+    fresh = engines.spec.drafter
+    assert isinstance(fresh, cli.DrafterProbe) and fresh is not old
+    assert fresh.config == old.config and fresh.stats()["index_tokens"] == 0
+    assert old.stats()["index_tokens"] == 3
