@@ -440,18 +440,27 @@ def test_overlapped_drafter_changes_nothing(pair) -> None:
 
 def test_ngram_drafter_indexes_in_the_background_with_identical_outputs(pair) -> None:
     """With the n-gram drafter, a drafting step's extend indexes on the core's thread while the
-    engine commits (``DrafterFeed.background``); samples, logprobs and counters are those of
-    the engine that waits for each extend."""
+    engine commits (``indexes_in_background``); samples, logprobs and counters are those of
+    the engine that waits for each extend (the same drafter, saying it cannot)."""
     _, model = pair
     prompts = mixed_prompts(6, seed=12)
     params = SamplingParams(n=3, temperature=0.8, max_new_tokens=24, seed=5)
     runs = []
     for background in (True, False):
         eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=6)
-        assert eng._feed.background  # NgramDrafter.extend_batch takes ``background``
-        eng._feed.background = background
+        drafter, flags = eng.drafter, set()
+        drafter.indexes_in_background = background
+        real_extend = drafter.extend_batch
+
+        def extend(req_ids, token_lists, real=real_extend, flags=flags, **kwargs):
+            flags.add(kwargs.get("background", False))
+            return real(req_ids, token_lists, **kwargs)
+
+        drafter.extend_batch = extend
         outs = eng.generate(prompts, params, group_ids=list(range(6)))
         runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
+        # Drafting steps ask for it exactly when the drafter says it can (hand-offs never do).
+        assert True in flags if background else flags == {False}
     assert runs[0] == runs[1]
     assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted: the drafter's index was read
 

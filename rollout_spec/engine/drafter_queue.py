@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Optional
 
+from rollout_spec.drafter import background_kwargs
 from rollout_spec.engine.sequence import Sequence
 
 
@@ -147,9 +148,6 @@ class DrafterFeed:
         # plain step; their sequences are visited at the flush, while the GPU works).
         self._lists: list[list[Sequence]] = []
         self._finished: list[Sequence] = []
-        # Whether a drafting step's extend may index in the drafter's background (set by the
-        # engine: ``rollout_spec.drafter.indexes_in_background`` of its drafter).
-        self.background = False
 
     @property
     def pending(self) -> bool:
@@ -175,8 +173,9 @@ class DrafterFeed:
             self._finished += finished
             return
         self.flush(drafter)  # keeps the drafter's order: older deferred tokens first
-        # With ``background``, indexed while the engine commits; the next drafter call waits.
-        extend = partial(drafter.extend_batch, background=True) if self.background else drafter.extend_batch
+        # Indexed while the engine commits where the drafter can (``background_kwargs``); its
+        # next call waits for that.
+        extend = partial(drafter.extend_batch, **background_kwargs(drafter, True))
         self.queue.submit(extend, [s.req_id for s in seqs], kept)
         for s, toks in zip(seqs, kept):
             s.fed = len(s.output) + len(toks)

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams, SpecConfig, check_int
-from rollout_spec.drafter import indexes_in_background
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
 from rollout_spec.engine.model import Transformer
@@ -120,7 +119,6 @@ class RolloutEngine:
         self._queue = DrafterQueue(overlap_drafter)
         self.worker_min_batch = check_int("worker_min_batch", worker_min_batch, 1, 1 << 20)
         self._feed = DrafterFeed(self._queue)
-        self._feed.background = indexes_in_background(self._drafter)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
         self._asked: Optional[tuple[int, Any]] = None  # (batch size, budget's answer) for the next step
         self._unaccounted: Optional[tuple] = None  # the last decode step's figures, for _account_last
@@ -189,7 +187,6 @@ class RolloutEngine:
         """Replace the drafter (e.g. by a wrapper that times it) after the queued calls ran."""
         self._settle_drafter()
         self._drafter = value
-        self._feed.background = indexes_in_background(value)
 
     def _settle_drafter(self) -> None:
         """Hand the drafter every deferred token and wait for its queued calls (errors raise)."""
