@@ -94,6 +94,21 @@ nb::object propose_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budge
   return propose_output(std::move(out));
 }
 
+// propose_ahead for the same inputs as propose_lists; false, with nothing queued, when they are
+// anything else (the facade then validates them and calls propose_ahead with arrays).
+bool propose_ahead_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budgets_obj) {
+  std::vector<int64_t> ids;
+  std::vector<int32_t> budgets;
+  if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return false;
+  const bool have_budgets = !budgets_obj.is_none();
+  if (have_budgets && (!int_list(budgets_obj.ptr(), 0, int64_t(1) << 20, budgets) ||
+                       budgets.size() != ids.size()))
+    return false;
+  nb::gil_scoped_release release;
+  core.propose_ahead(ids.data(), have_budgets ? budgets.data() : nullptr, ids.size());
+  return true;
+}
+
 // extend's fast path for the usual input, a Python list of Python lists of ints: flattened here
 // without building numpy arrays. Returns false, with nothing changed, for anything else (other
 // types, bools, out-of-range values, a length mismatch); the facade then takes its validating path,
@@ -156,6 +171,8 @@ nb::dict stats_dict(const DrafterCore& core) {
   d["evictions"] = s.evictions;
   d["proposals"] = s.proposals;
   d["gathers"] = s.gathers;
+  d["ahead_hits"] = s.ahead_hits;
+  d["ahead_dropped"] = s.ahead_dropped;
   return d;
 }
 
@@ -272,6 +289,13 @@ NB_MODULE(_core, m) {
       })
       .def("propose", &propose, "ids"_a, "budgets"_a = nb::none())
       .def("propose_lists", &propose_lists, "ids"_a, "budgets"_a = nb::none())
+      .def("propose_ahead", [](DrafterCore& c, Vec<int64_t> ids, std::optional<Vec<int32_t>> budgets) {
+        if (budgets && budgets->shape(0) != ids.shape(0))
+          throw std::invalid_argument("budgets must have len(req_ids) entries");
+        nb::gil_scoped_release release;
+        c.propose_ahead(ids.data(), budgets ? budgets->data() : nullptr, ids.shape(0));
+      }, "ids"_a, "budgets"_a = nb::none())
+      .def("propose_ahead_lists", &propose_ahead_lists, "ids"_a, "budgets"_a = nb::none())
       .def("add_sequences", [](DrafterCore& c, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs, bool pinned) {
         check_csr(groups.shape(0), toks, offs);
         nb::gil_scoped_release release;

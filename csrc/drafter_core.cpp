@@ -123,7 +123,7 @@ void DrafterCore::index_position(int32_t slot, RequestState* req, int32_t pos) {
 
 void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
                         const int64_t* offsets, size_t n) {
-  auto lock = lock_idle();
+  auto lock = lock_to_change();
   check_ids(ids, n, /*must_exist=*/false);
   for (size_t i = 0; i < n; ++i) {
     int32_t slot = new_slot();
@@ -150,24 +150,36 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
 
 std::unique_lock<std::mutex> DrafterCore::lock_idle() const {
   std::unique_lock<std::mutex> lock(mu_);
-  idle_.wait(lock, [&] { return !indexing_; });
+  idle_.wait(lock, [&] { return background_jobs_ == 0; });
   if (indexing_error_) std::rethrow_exception(std::exchange(indexing_error_, nullptr));
   return lock;
 }
 
+std::unique_lock<std::mutex> DrafterCore::lock_to_change() {
+  auto lock = lock_idle();
+  drop_ahead();
+  return lock;
+}
+
+void DrafterCore::drop_ahead() {
+  if (!ahead_.ready) return;
+  ahead_.ready = false;
+  ++ahead_dropped_;
+}
+
 void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                          size_t n) {
-  auto lock = lock_idle();
+  auto lock = lock_to_change();
   append_tokens(ids, tokens, offsets, n);
   index_extended(offsets, n);
 }
 
 void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens,
                                        const int64_t* offsets, size_t n) {
-  auto lock = lock_idle();
+  auto lock = lock_to_change();
   append_tokens(ids, tokens, offsets, n);
   background_offsets_.assign(offsets, offsets + n + 1);
-  indexing_ = true;
+  ++background_jobs_;
   background_.post([this, n] {
     std::lock_guard<std::mutex> job_lock(mu_);
     try {
@@ -175,7 +187,39 @@ void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens
     } catch (...) {
       indexing_error_ = std::current_exception();
     }
-    indexing_ = false;
+    --background_jobs_;
+    idle_.notify_all();
+  });
+}
+
+void DrafterCore::propose_ahead(const int64_t* ids, const int32_t* budgets, size_t n) {
+  // No lock: the state belongs to a background indexing job now and then (right after a
+  // drafting step's extend), and this job queues behind it instead of waiting for it here. The
+  // count is raised before the post, on the caller's thread, so that caller's next call waits
+  // for the job.
+  Ahead job{std::vector<int64_t>(ids, ids + n),
+            budgets ? std::vector<int32_t>(budgets, budgets + n) : std::vector<int32_t>{},
+            budgets != nullptr, false};
+  ++background_jobs_;
+  background_.post([this, job = std::move(job)]() mutable {
+    std::lock_guard<std::mutex> job_lock(mu_);
+    const size_t count = job.ids.size();
+    // After a failed indexing the state is not what the caller expects; its error is kept for
+    // the next call and nothing is drafted.
+    if (!indexing_error_) {
+      try {
+        drop_ahead();  // an earlier one nobody asked for
+        resolve(job.ids.data(), count);
+        draft_all(job.has_budgets ? job.budgets.data() : nullptr, count, splits(count));
+        ahead_ = std::move(job);
+        ahead_.ready = true;
+      } catch (...) {
+        // Dropped: the propose call that follows raises the same error if it names these ids.
+        ahead_.ready = false;
+        ++ahead_dropped_;
+      }
+    }
+    --background_jobs_;
     idle_.notify_all();
   });
 }
@@ -302,6 +346,7 @@ void DrafterCore::advance(RequestState& req, int32_t first) const {
 }
 
 void DrafterCore::drop_matches() {
+  drop_ahead();
   for (auto& [id, req] : requests_) {
     req.gathered = false;
     req.occ.clear();
@@ -329,7 +374,7 @@ void DrafterCore::finish(const int64_t* ids, size_t n) {
 
 void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
                                 const int64_t* offsets, size_t n, bool pinned) {
-  auto lock = lock_idle();
+  auto lock = lock_to_change();
   for (size_t i = 0; i < n; ++i) {
     int32_t slot = new_slot();
     Sequence& s = seqs_[slot];
@@ -347,7 +392,7 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
 }
 
 void DrafterCore::end_step() {
-  auto lock = lock_idle();
+  auto lock = lock_to_change();
   ++step_;
   drop_matches();  // group scopes change below
   refresh_all_views();  // Aging: drop group records that fell out of the history window (they stay global).

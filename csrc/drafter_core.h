@@ -5,6 +5,7 @@
 // (ids[n], tokens[...], offsets[n+1]); all checks run before any state changes.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -43,6 +44,15 @@ class DrafterCore {
   void extend_in_background(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                             size_t n);
   void finish(const int64_t* ids, size_t n);
+  // Start the proposal for (ids, budgets) on the background thread, behind any pending
+  // indexing, and return at once (the engine calls it right after a drafting step's extend, so
+  // the next step's proposal is made while it commits). The next propose with the same ids and
+  // budgets returns exactly what it would have built: this proposal only reads the state, and
+  // its match-state updates are applied by that call. Anything that changes what a proposal
+  // reads first drops it (start, extend, add_sequences, end_step, load, a finish that evicts);
+  // a propose with other arguments drops it and proposes afresh. An error (e.g. an unknown id)
+  // drops it too: the propose call that follows meets the same error if it names those ids.
+  void propose_ahead(const int64_t* ids, const int32_t* budgets, size_t n);
   // budgets may be null (each request gets num_draft_tokens). Calls of at least
   // parallel_min_requests requests are split over propose_threads threads; the result and the
   // state left behind are the same for every thread count.
@@ -62,9 +72,14 @@ class DrafterCore {
   std::string load(std::istream& is);
 
  private:
-  // The instance mutex, once no background indexing is pending (an error it raised is
-  // rethrown here, once).
+  // The instance mutex, once no background job (indexing, a proposal drafted ahead) is pending
+  // (an error the indexing raised is rethrown here, once).
   std::unique_lock<std::mutex> lock_idle() const;
+  // lock_idle for a call that changes what proposals read: it also drops a proposal drafted
+  // ahead (finish, which changes nothing other requests' proposals read, drops it only when it
+  // evicts, through drop_matches).
+  std::unique_lock<std::mutex> lock_to_change();
+  void drop_ahead();
   // extend's two halves: check ids and append tokens (into reqs_); index and advance them.
   void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
   void index_extended(const int64_t* offsets, size_t n);
@@ -100,8 +115,14 @@ class DrafterCore {
   void pipelined(Next next, Draft draft) const;
   // propose on the calling thread.
   void propose_sequential(const int32_t* budgets, size_t n, DraftOutput& out);
-  // propose on the pool: every tree built with its own budget, then cut in request order.
-  void propose_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
+  // Every tree built with its own budget into the workers' outputs (on the pool when `parallel`,
+  // else on the calling thread), reading the state only; commit_parallel then cuts them in
+  // request order and applies their match-state updates.
+  void draft_all(const int32_t* budgets, size_t n, bool parallel);
+  // Whether a call of n requests is split over the pool.
+  bool splits(size_t n) const {
+    return threads_ > 1 && n >= static_cast<size_t>(cfg_.parallel_min_requests) && n > 1;
+  }
   // Walk request i's search (into fresh_[i]) if it has one, and build its tree into worker w's
   // output.
   void draft_one(size_t i, int32_t budget, int w, const Lookup* lk);
@@ -133,8 +154,10 @@ class DrafterCore {
 
   CoreConfig cfg_;                                     // immutable settings
   mutable std::mutex mu_;                              // serialises every public call
-  mutable std::condition_variable idle_;               // signalled when indexing_ ends
-  bool indexing_ = false;                              // a background extend owns the state
+  mutable std::condition_variable idle_;               // signalled when a background job ends
+  // Queued jobs that own the state: changed under mu_ by the jobs, but raised by propose_ahead
+  // without it (the job queues behind a running one instead of waiting for its lock).
+  std::atomic<int> background_jobs_{0};
   mutable std::exception_ptr indexing_error_;          // what it threw, for the next call
   std::vector<int64_t> background_offsets_;            // its CSR offsets (reqs_ holds its states)
   std::vector<Sequence> seqs_;                         // sequence slots (dead ones reused)
@@ -170,6 +193,15 @@ class DrafterCore {
   std::vector<Worker> workers_;
   std::vector<Part> parts_;                            // per request of the current call
   std::vector<std::vector<Occurrence>> fresh_;         // per request: a gather not yet committed
+  // A proposal drafted ahead (propose_ahead) and waiting for the propose call it was made for.
+  struct Ahead {
+    std::vector<int64_t> ids;
+    std::vector<int32_t> budgets;
+    bool has_budgets = false;
+    bool ready = false;  // parts_, fresh_ and workers_ hold its draft
+  } ahead_;
+  int64_t ahead_hits_ = 0;                             // proposals served from ahead_
+  int64_t ahead_dropped_ = 0;                          // ahead proposals never used
   // Last member: destroyed first, so its pending job still finds everything above.
   BackgroundWorker background_;
 };

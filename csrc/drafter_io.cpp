@@ -90,7 +90,7 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
 }
 
 std::string DrafterCore::load(std::istream& is) {
-  auto lock = lock_idle();
+  auto lock = lock_to_change();
   const uint64_t magic = get<uint64_t>(is);
   // The low 7 bytes spell "RSSPADR", the top byte the format version.
   if ((magic & 0x00FFFFFFFFFFFFFFULL) != (kMagic & 0x00FFFFFFFFFFFFFFULL))

@@ -55,6 +55,8 @@ CoreStats DrafterCore::stats() const {
   st.evictions = evictions_;
   st.proposals = proposals_;
   st.gathers = gathers_;
+  st.ahead_hits = ahead_hits_;
+  st.ahead_dropped = ahead_dropped_;
   int64_t mem = sizeof(*this) + seqs_.capacity() * sizeof(Sequence) +
                 free_slots_.capacity() * sizeof(int32_t);
   for (const Sequence& s : seqs_) {

@@ -160,9 +160,25 @@ void DrafterCore::mark_gathered(RequestState& req) {
 
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
   auto lock = lock_idle();
+  if (ahead_.ready) {
+    const bool same = ahead_.ids.size() == n && std::equal(ids, ids + n, ahead_.ids.begin()) &&
+                      ahead_.has_budgets == (budgets != nullptr) &&
+                      (!budgets || std::equal(budgets, budgets + n, ahead_.budgets.begin()));
+    if (same) {
+      ahead_.ready = false;
+      ++ahead_hits_;
+      resolve(ids, n);  // the same states as when drafted: nothing changed them since
+      commit_parallel(budgets, n, out);
+      return;
+    }
+    drop_ahead();
+  }
   resolve(ids, n);
-  if (threads_ > 1 && n >= static_cast<size_t>(cfg_.parallel_min_requests) && n > 1)
-    return propose_parallel(budgets, n, out);
+  if (splits(n)) {
+    draft_all(budgets, n, true);
+    commit_parallel(budgets, n, out);
+    return;
+  }
   propose_sequential(budgets, n, out);
 }
 
@@ -240,9 +256,9 @@ void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutp
 // budget), so the tree built with budget m is the first m nodes of the one built with b > m.
 // Match state is committed in request order too: a request the cap leaves without a draft keeps
 // its old state, as on one thread.
-void DrafterCore::propose_parallel(const int32_t* budgets, size_t n, DraftOutput& out) {
-  ThreadPool& threads = pool();
-  if (workers_.size() < static_cast<size_t>(threads.size())) workers_.resize(threads.size());
+void DrafterCore::draft_all(const int32_t* budgets, size_t n, bool parallel) {
+  const size_t width = parallel ? static_cast<size_t>(pool().size()) : 1;
+  if (workers_.size() < width) workers_.resize(width);
   for (Worker& w : workers_) {
     w.out.offsets.assign(1, 0);
     w.out.tokens.clear();
@@ -255,7 +271,7 @@ void DrafterCore::propose_parallel(const int32_t* budgets, size_t n, DraftOutput
   // Small chunks taken in turn balance requests of very different cost (a gather vs. a reuse).
   constexpr size_t kChunk = 4;
   std::atomic<size_t> next{0};
-  threads.run([&](int w) {
+  auto work = [&](int w) {
     // This worker's requests, chunk by chunk, with their searches pipelined as on one thread.
     size_t at = 0, stop = 0;
     auto mine = [&]() -> int64_t {
@@ -270,8 +286,12 @@ void DrafterCore::propose_parallel(const int32_t* budgets, size_t n, DraftOutput
       const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
       draft_one(static_cast<size_t>(i), static_cast<int32_t>(std::min<int64_t>(want, cap)), w, lk);
     });
-  });
-  commit_parallel(budgets, n, out);
+  };
+  if (parallel) {
+    pool().run(work);
+  } else {
+    work(0);
+  }
 }
 
 void DrafterCore::draft_one(size_t i, int32_t budget, int w, const Lookup* lk) {

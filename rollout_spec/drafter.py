@@ -63,6 +63,24 @@ def _int_array(name: str, values: object) -> np.ndarray:
     return arr
 
 
+def _listed(budgets: object) -> object:
+    """Budgets in the form the core's list fast paths take: a 1-D numpy array as a list (the
+    engine's form), anything else as given (invalid input then takes the validating path)."""
+    return budgets.tolist() if isinstance(budgets, np.ndarray) and budgets.ndim == 1 else budgets
+
+
+def _budget_array(budgets: object, count: int) -> Optional[np.ndarray]:
+    """Validated int32 per-request budgets (None stays None: ``num_draft_tokens`` each)."""
+    if budgets is None:
+        return None
+    arr = _int_array("budgets", budgets)
+    if len(arr) != count:
+        raise ValueError(f"budgets must have one entry per request ({count})")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1 << 20):
+        raise ValueError(f"budgets must be in [0, {1 << 20}]")
+    return arr.astype(np.int32)
+
+
 def _token_array(name: str, values: object) -> np.ndarray:
     """Validated int32 token ids from a list or integer array."""
     arr = _int_array(name, values)
@@ -125,6 +143,12 @@ def indexes_in_background(drafter: object) -> bool:
     return getattr(drafter, "indexes_in_background", False) is True
 
 
+def proposes_ahead(drafter: object) -> bool:
+    """Whether ``drafter`` has ``propose_ahead(req_ids, budgets)``, said by a ``proposes_ahead``
+    attribute that is True (``NgramDrafter``; wrappers report the drafter they wrap)."""
+    return getattr(drafter, "proposes_ahead", False) is True
+
+
 def background_kwargs(drafter: object, background: bool) -> dict[str, bool]:
     """What a wrapper passes on to ``drafter.extend_batch`` when asked for ``background``: the
     flag where the drafter indexes in the background, nothing otherwise (same result, at once)."""
@@ -141,6 +165,7 @@ class NgramDrafter:
     """
 
     indexes_in_background = True  # ``extend_batch(..., background=True)``: see that method
+    proposes_ahead = True  # ``propose_ahead``: see that method
 
     def __init__(self, config: Optional[SpecConfig] = None, *, _load_from: Optional[str] = None):
         """Create an empty drafter; ``config.external_corpora`` .npy files go into the global scope.
@@ -231,23 +256,30 @@ class NgramDrafter:
         Returns:
             A DraftBatch; siblings are ordered best first, ``probs`` are path probabilities.
         """
-        # Lists of Python ints are converted natively (a 1-D numpy budget array goes as a list:
-        # the engine's form); anything else, including every invalid input, takes the
-        # validating path below with the arguments as given.
-        listed = budgets.tolist() if isinstance(budgets, np.ndarray) and budgets.ndim == 1 else budgets
-        fast = self._core.propose_lists(req_ids, listed)
+        # Lists of Python ints are converted natively; anything else, including every invalid
+        # input, takes the validating path below with the arguments as given.
+        fast = self._core.propose_lists(req_ids, _listed(budgets))
         if fast is not None:
             return DraftBatch.trusted(*fast)
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
-        native_budgets = None
-        if budgets is not None:
-            arr = _int_array("budgets", budgets)
-            if len(arr) != len(ids):
-                raise ValueError(f"budgets must have one entry per request ({len(ids)})")
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1 << 20):
-                raise ValueError(f"budgets must be in [0, {1 << 20}]")
-            native_budgets = arr.astype(np.int32)
-        return DraftBatch.trusted(*self._core.propose(ids, native_budgets))
+        return DraftBatch.trusted(*self._core.propose(ids, _budget_array(budgets, len(ids))))
+
+    def propose_ahead(self, req_ids: Sequence[int],
+                      budgets: Union[Sequence[int], np.ndarray, None] = None) -> None:
+        """Start ``propose(req_ids, budgets)`` on the core's background thread and return at once.
+
+        The next ``propose`` with the same arguments returns those trees, exactly what it would
+        have built then, waiting only for what is left of the work. A call that changes what
+        proposals read (``start``, ``extend``, ``add_sequences``, ``end_step``, ``load``, a
+        ``finish`` that evicts) drops them, and so does a ``propose`` with other arguments (it
+        proposes afresh). The engine calls this right after a drafting step's extend, so that the
+        next step's proposal is built while the engine commits this one. Malformed arguments
+        raise here; unknown or repeated ids raise in the ``propose`` that names them.
+        """
+        if self._core.propose_ahead_lists(req_ids, _listed(budgets)):
+            return
+        ids = self._ids(req_ids, must_be_live=True, core_checks=True)
+        self._core.propose_ahead(ids, _budget_array(budgets, len(ids)))
 
     # ----------------------------------------------------------------- shared scopes
     def add_sequences(self, group_ids: Sequence[Optional[int]], sequences: Sequence[TokenIds]) -> None:

@@ -465,6 +465,28 @@ def test_ngram_drafter_indexes_in_the_background_with_identical_outputs(pair) ->
     assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted: the drafter's index was read
 
 
+def test_ngram_drafter_proposes_ahead_with_identical_outputs(pair) -> None:
+    """After a drafting step's extend the engine starts the next step's proposal on the core's
+    thread (``propose_ahead``): samples, logprobs and counters are those of the engine whose
+    drafter cannot. Samples outnumber the slots, so prefills come between some drafting steps:
+    those proposals are dropped (the next step asks for other requests), the rest are used."""
+    _, model = pair
+    prompts = mixed_prompts(6, seed=13)
+    params = SamplingParams(n=3, temperature=0.8, max_new_tokens=24, seed=6)
+    runs, stats = [], []
+    for ahead in (True, False):
+        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=6)
+        eng.drafter.proposes_ahead = ahead
+        outs = eng.generate(prompts, params, group_ids=list(range(6)))
+        runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
+        stats.append(eng.drafter.stats())
+    assert runs[0] == runs[1]
+    assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted
+    assert stats[0]["ahead_hits"] > 0 and stats[0]["ahead_dropped"] > 0
+    assert stats[1]["ahead_hits"] == stats[1]["ahead_dropped"] == 0
+    assert (stats[0]["proposals"], stats[0]["gathers"]) == (stats[1]["proposals"], stats[1]["gathers"])
+
+
 def test_prompts_reach_the_drafter_before_the_prefill_is_read_back(pair, monkeypatch) -> None:
     """A prefill hands the drafter its prompts right after launching the forward, so the
     indexing overlaps the GPU; verification (whose readback waits for the GPU) comes after."""

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams, SpecConfig, check_int
+from rollout_spec.drafter import proposes_ahead
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
 from rollout_spec.engine.model import Transformer
@@ -395,6 +396,21 @@ class RolloutEngine:
         self._flush_seconds = self.clock() - t0 if deferred else 0.0
         return self._checked(self._drafter.propose(run.req_id.tolist(), budgets), budgets)
 
+    def _propose_next(self, run: RunningBatch, keep: np.ndarray, reason: np.ndarray) -> None:
+        """Right after a drafting step's extend: where the drafter can (``proposes_ahead``) and
+        the next step's budget is known (asked in this step's GPU wait, one size for all) and
+        drafts, start the next step's proposal on the drafter's background thread, so that it is
+        built while this step commits. The next ``_propose`` asks for exactly these trees (the
+        requests that did not end here, with ``_budgets``' caps after this step's tokens); after
+        a prefill in between it asks for others, and the drafter proposes afresh (same drafts)."""
+        asked = self._asked[1] if self._asked is not None else 0
+        if np.ndim(asked) != 0 or int(asked) <= 0 or not proposes_ahead(self._drafter):
+            return
+        alive = reason == 0
+        room = run.room(self.max_model_len)[alive] - keep[alive]
+        budgets = np.clip(np.minimum(room - 1, self.max_draft_tokens), 0, int(asked))
+        self._queue.submit(self._drafter.propose_ahead, run.req_id[alive].tolist(), budgets)
+
     def _checked(self, batch: DraftBatch, budgets: np.ndarray) -> DraftBatch:
         """The drafter's batch, after checking it against the budgets and the vocabulary."""
         batch.validate()
@@ -430,6 +446,8 @@ class RolloutEngine:
             drafted = batch is not None and batch.num_nodes > 0
             finished = [seqs[i] for i in np.flatnonzero(reason)] if reason.any() else []
             self._feed.committed(self._drafter, seqs, kept, finished, now=drafted)
+            if drafted:
+                self._propose_next(run, keep, reason)
         _apply(seqs, kept, starts, reason, h.emitted_logprobs.astype(np.float64).tolist(),
                batch.sizes().tolist() if batch is not None else None, accepted.tolist())
         return accepted
