@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -54,46 +55,54 @@ def propose_both(one: NgramDrafter, many: NgramDrafter, ids, budgets=None) -> Dr
     return a
 
 
+def run_ops(one: NgramDrafter, twin: NgramDrafter, ops: list,
+            before: Callable[[tuple, list[int]], None] | None = None) -> None:
+    """Apply the reference test's operations to both drafters; every proposal must agree
+    (``propose_both``). ``before(op, live)`` runs ahead of each operation, on the live ids."""
+    live: list[int] = []
+    next_id = 0
+    for op in ops:
+        if before is not None and live:
+            before(op, live)
+        if op[0] == "start":
+            for d in (one, twin):
+                d.start(next_id, op[1], op[2])
+            live.append(next_id)
+            next_id += 1
+        elif op[0] == "extend" and live:
+            for d in (one, twin):
+                d.extend(live[op[1] % len(live)], op[2])
+        elif op[0] == "finish" and live:
+            rid = live.pop(op[1] % len(live))
+            for d in (one, twin):
+                d.finish(rid)
+        elif op[0] == "propose" and live:
+            ids = live[op[1] % len(live):]
+            propose_both(one, twin, ids, [op[2]] * len(ids))
+        elif op[0] == "accept" and live:
+            # Propose for everyone (the cap binds often), then commit one request's best path.
+            batch = propose_both(one, twin, live)
+            k = op[1] % len(live)
+            path = best_path(as_lists(batch)[k])[:op[2]] + ([op[3]] if op[3] >= 0 else [])
+            for d in (one, twin):
+                d.extend(live[k], path)
+        elif op[0] == "add":
+            for d in (one, twin):
+                d.add_sequences([op[1]], [op[2]])
+        elif op[0] == "end_step":
+            for d in (one, twin):
+                d.end_step()
+    if live:
+        propose_both(one, twin, live)
+    twin.check_integrity()
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, ops=st.lists(op_st, min_size=1, max_size=40), capacity=st.integers(20, 80))
 def test_random_operations_match_one_thread(cfg, ops, capacity):
     """The reference test's operations (tiny batches, caps of 0-20 nodes), every call of two or
     more requests split over the pool."""
-    one, many = make_twins(cfg, min_requests=2, capacity=capacity)
-    live: list[int] = []
-    next_id = 0
-    for op in ops:
-        if op[0] == "start":
-            for d in (one, many):
-                d.start(next_id, op[1], op[2])
-            live.append(next_id)
-            next_id += 1
-        elif op[0] == "extend" and live:
-            for d in (one, many):
-                d.extend(live[op[1] % len(live)], op[2])
-        elif op[0] == "finish" and live:
-            rid = live.pop(op[1] % len(live))
-            for d in (one, many):
-                d.finish(rid)
-        elif op[0] == "propose" and live:
-            ids = live[op[1] % len(live):]
-            propose_both(one, many, ids, [op[2]] * len(ids))
-        elif op[0] == "accept" and live:
-            # Propose for everyone (the cap binds often), then commit one request's best path.
-            batch = propose_both(one, many, live)
-            k = op[1] % len(live)
-            path = best_path(as_lists(batch)[k])[:op[2]] + ([op[3]] if op[3] >= 0 else [])
-            for d in (one, many):
-                d.extend(live[k], path)
-        elif op[0] == "add":
-            for d in (one, many):
-                d.add_sequences([op[1]], [op[2]])
-        elif op[0] == "end_step":
-            for d in (one, many):
-                d.end_step()
-    if live:
-        propose_both(one, many, live)
-    many.check_integrity()
+    run_ops(*make_twins(cfg, min_requests=2, capacity=capacity), ops)
 
 
 @pytest.mark.parametrize("tree,cap", [(True, 1 << 20), (True, 700), (False, 700)])

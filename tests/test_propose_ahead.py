@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter, proposes_ahead
-from test_drafter_parallel import assert_same, make_twins  # noqa: E402  (tests/ is on sys.path)
+from test_drafter_parallel import assert_same, make_twins, run_ops  # noqa: E402  (tests/ is on sys.path)
 from test_drafter_reference import as_lists, best_path, config_st, op_st  # noqa: E402
 
 
@@ -117,48 +117,17 @@ def test_random_operations_with_proposals_drafted_ahead(cfg, ops, capacity, gues
     drafts ahead before every operation (on a pool of 4 for two or more requests): for the next
     proposal's own arguments (guess 0-1), other budgets (2) or every live request (3)."""
     one, ahead = make_twins(cfg, min_requests=2, capacity=capacity)
-    live: list[int] = []
-    next_id = 0
-    for op, guess in zip(ops, guesses):
-        if live:
-            ids, budgets = live, [3] * len(live)
-            if op[0] == "propose" and guess < 3:
-                ids = live[op[1] % len(live):]
-                budgets = [op[2] + (guess == 2)] * len(ids)
-            ahead.propose_ahead(ids, budgets)
-        if op[0] == "start":
-            for d in (one, ahead):
-                d.start(next_id, op[1], op[2])
-            live.append(next_id)
-            next_id += 1
-        elif op[0] == "extend" and live:
-            for d in (one, ahead):
-                d.extend(live[op[1] % len(live)], op[2])
-        elif op[0] == "finish" and live:
-            rid = live.pop(op[1] % len(live))
-            for d in (one, ahead):
-                d.finish(rid)
-        elif op[0] in ("propose", "accept") and live:
-            ids = live[op[1] % len(live):] if op[0] == "propose" else live
-            budgets = [op[2]] * len(ids) if op[0] == "propose" else None
-            batch = one.propose(ids, budgets)
-            assert_same(batch, ahead.propose(ids, budgets))
-            assert counters(one) == counters(ahead)
-            if op[0] == "accept":
-                k = op[1] % len(live)
-                path = best_path(as_lists(batch)[k])[:op[2]] + ([op[3]] if op[3] >= 0 else [])
-                for d in (one, ahead):
-                    d.extend(live[k], path)
-        elif op[0] == "add":
-            for d in (one, ahead):
-                d.add_sequences([op[1]], [op[2]])
-        elif op[0] == "end_step":
-            for d in (one, ahead):
-                d.end_step()
-    if live:
-        assert_same(one.propose(live), ahead.propose(live))
+    guess = iter(guesses)
+
+    def draft_ahead(op: tuple, live: list[int]) -> None:
+        ids, budgets, g = live, [3] * len(live), next(guess)
+        if op[0] == "propose" and g < 3:
+            ids = live[op[1] % len(live):]
+            budgets = [op[2] + (g == 2)] * len(ids)
+        ahead.propose_ahead(ids, budgets)
+
+    run_ops(one, ahead, ops, before=draft_ahead)
     assert counters(one) == counters(ahead)
-    ahead.check_integrity()
 
 
 def test_engine_like_steps_take_most_proposals_drafted_ahead():
