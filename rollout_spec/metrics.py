@@ -386,10 +386,12 @@ class DrafterProbe:
     The engine proposes a tree per request, verifies, then extends the drafter with exactly the
     tokens it committed; walking each tree along those tokens gives the accepted depth, so the
     per-depth counters need nothing from the engine (the walk is the replay simulator's
-    ``accepted_length``). Bookkeeping runs outside the timed calls.
+    ``accepted_length``). Bookkeeping runs outside the timed calls. The time is the calling
+    thread's: work the core does on its own thread (background indexing, proposals drafted
+    ahead) counts only where a later call waits for it.
     """
 
-    TIMED = ("start_batch", "finish_batch", "start", "extend", "finish")
+    TIMED = ("start_batch", "finish_batch", "start", "extend", "finish", "propose_ahead")
 
     def __init__(self, drafter: Any) -> None:
         if drafter is None:

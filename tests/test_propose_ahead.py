@@ -106,7 +106,11 @@ def test_capability():
     from rollout_spec.metrics import DrafterProbe
 
     assert proposes_ahead(NgramDrafter()) and not proposes_ahead(object())
-    assert proposes_ahead(DrafterProbe(NgramDrafter()))
+    probe = DrafterProbe(started())
+    assert proposes_ahead(probe)
+    probe.propose_ahead([0, 1], [4, 4])
+    assert_same(probe.propose([0, 1], [4, 4]), started().propose([0, 1], [4, 4]))
+    assert probe.stats()["ahead_hits"] == 1
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
