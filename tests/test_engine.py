@@ -8,6 +8,7 @@ bf16 is measured on the real model in test_engine_smollm2.py.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -465,17 +466,21 @@ def test_ngram_drafter_indexes_in_the_background_with_identical_outputs(pair) ->
     assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted: the drafter's index was read
 
 
-def test_ngram_drafter_proposes_ahead_with_identical_outputs(pair) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ngram_drafter_proposes_ahead_with_identical_outputs(pair, overlap: bool) -> None:
     """After a drafting step's extend the engine starts the next step's proposal on the core's
     thread (``propose_ahead``): samples, logprobs and counters are those of the engine whose
-    drafter cannot. Samples outnumber the slots, so prefills come between some drafting steps:
-    those proposals are dropped (the next step asks for other requests), the rest are used."""
+    drafter cannot, with plain steps (every third) handing their tokens to the worker thread or
+    not. Samples outnumber the slots, so prefills come between some drafting steps: those
+    proposals are dropped (the next step asks for other requests), the rest are used."""
     _, model = pair
     prompts = mixed_prompts(6, seed=13)
     params = SamplingParams(n=3, temperature=0.8, max_new_tokens=24, seed=6)
     runs, stats = [], []
     for ahead in (True, False):
-        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=6)
+        asked = itertools.count()
+        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=6, overlap_drafter=overlap,
+                     draft_budget=lambda _n: 4 if next(asked) % 3 else 0)
         eng.drafter.proposes_ahead = ahead
         outs = eng.generate(prompts, params, group_ids=list(range(6)))
         runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
