@@ -74,6 +74,22 @@ nb::tuple propose_output(DraftOutput&& out) {
                         to_numpy(std::move(out.parents)), to_numpy(std::move(out.probs)));
 }
 
+// propose's list inputs: ids and budgets (None: budgets left empty) as lists of in-range Python
+// ints of one length; false, with the vectors in any state, when they are anything else.
+bool propose_list_args(nb::handle ids_obj, nb::handle budgets_obj, std::vector<int64_t>& ids,
+                       std::vector<int32_t>& budgets, bool& have_budgets) {
+  if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return false;
+  have_budgets = !budgets_obj.is_none();
+  return !have_budgets || (int_list(budgets_obj.ptr(), 0, int64_t(1) << 20, budgets) &&
+                           budgets.size() == ids.size());
+}
+
+// propose's array inputs: budgets, if given, one per id.
+void check_budgets(const Vec<int64_t>& ids, const std::optional<Vec<int32_t>>& budgets) {
+  if (budgets && budgets->shape(0) != ids.shape(0))
+    throw std::invalid_argument("budgets must have len(req_ids) entries");
+}
+
 // propose's fast path for the decode loop's input: ids (and budgets, or None) as lists of
 // Python ints, converted here instead of through numpy (about 40 us per call of 512 requests).
 // Returns None, with nothing changed, when they are anything else; repeated and unknown ids
@@ -81,11 +97,8 @@ nb::tuple propose_output(DraftOutput&& out) {
 nb::object propose_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budgets_obj) {
   thread_local std::vector<int64_t> ids;
   thread_local std::vector<int32_t> budgets;
-  if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return nb::none();
-  const bool have_budgets = !budgets_obj.is_none();
-  if (have_budgets && (!int_list(budgets_obj.ptr(), 0, int64_t(1) << 20, budgets) ||
-                       budgets.size() != ids.size()))
-    return nb::none();
+  bool have_budgets = false;
+  if (!propose_list_args(ids_obj, budgets_obj, ids, budgets, have_budgets)) return nb::none();
   DraftOutput out;
   {
     nb::gil_scoped_release release;
@@ -99,11 +112,8 @@ nb::object propose_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budge
 bool propose_ahead_lists(DrafterCore& core, nb::handle ids_obj, nb::handle budgets_obj) {
   std::vector<int64_t> ids;
   std::vector<int32_t> budgets;
-  if (!int_list(ids_obj.ptr(), 0, INT64_MAX, ids)) return false;
-  const bool have_budgets = !budgets_obj.is_none();
-  if (have_budgets && (!int_list(budgets_obj.ptr(), 0, int64_t(1) << 20, budgets) ||
-                       budgets.size() != ids.size()))
-    return false;
+  bool have_budgets = false;
+  if (!propose_list_args(ids_obj, budgets_obj, ids, budgets, have_budgets)) return false;
   nb::gil_scoped_release release;
   core.propose_ahead(ids.data(), have_budgets ? budgets.data() : nullptr, ids.size());
   return true;
@@ -178,7 +188,7 @@ nb::dict stats_dict(const DrafterCore& core) {
 
 nb::tuple propose(DrafterCore& core, Vec<int64_t> ids, std::optional<Vec<int32_t>> budgets) {
   size_t n = ids.shape(0);
-  if (budgets && budgets->shape(0) != n) throw std::invalid_argument("budgets must have len(req_ids) entries");
+  check_budgets(ids, budgets);
   DraftOutput out;
   {
     nb::gil_scoped_release release;
@@ -290,8 +300,7 @@ NB_MODULE(_core, m) {
       .def("propose", &propose, "ids"_a, "budgets"_a = nb::none())
       .def("propose_lists", &propose_lists, "ids"_a, "budgets"_a = nb::none())
       .def("propose_ahead", [](DrafterCore& c, Vec<int64_t> ids, std::optional<Vec<int32_t>> budgets) {
-        if (budgets && budgets->shape(0) != ids.shape(0))
-          throw std::invalid_argument("budgets must have len(req_ids) entries");
+        check_budgets(ids, budgets);
         nb::gil_scoped_release release;
         c.propose_ahead(ids.data(), budgets ? budgets->data() : nullptr, ids.shape(0));
       }, "ids"_a, "budgets"_a = nb::none())

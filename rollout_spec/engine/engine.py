@@ -375,10 +375,14 @@ class RolloutEngine:
             asked = self.draft_budget(num)
         if isinstance(asked, int) and asked == 0:  # the plain path: nothing to cap
             return np.zeros(num, np.int64)
-        # A step emits accepted + 1 tokens, so drafting more than room - 1 could not be kept.
-        cap = np.minimum(run.room(self.max_model_len) - 1, self.max_draft_tokens)
-        if isinstance(asked, int):
-            return np.clip(cap, 0, max(asked, 0))
+        return self._capped(asked, run.room(self.max_model_len))
+
+    def _capped(self, asked: Any, room: np.ndarray) -> np.ndarray:
+        """The budget's answer (one size, or one per request) capped per request: a step emits
+        accepted + 1 tokens, so drafting more than ``room - 1`` could not be kept."""
+        cap = np.minimum(room - 1, self.max_draft_tokens)
+        if np.ndim(asked) == 0:
+            return np.clip(cap, 0, max(int(asked), 0))
         return np.clip(np.minimum(np.asarray(asked, np.int64), cap), 0, None)
 
     def _propose(self, run: RunningBatch, budgets: np.ndarray) -> DraftBatch:
@@ -407,8 +411,7 @@ class RolloutEngine:
         if np.ndim(asked) != 0 or int(asked) <= 0 or not proposes_ahead(self._drafter):
             return
         alive = reason == 0
-        room = run.room(self.max_model_len)[alive] - keep[alive]
-        budgets = np.clip(np.minimum(room - 1, self.max_draft_tokens), 0, int(asked))
+        budgets = self._capped(asked, run.room(self.max_model_len)[alive] - keep[alive])
         self._queue.submit(self._drafter.propose_ahead, run.req_id[alive].tolist(), budgets)
 
     def _checked(self, batch: DraftBatch, budgets: np.ndarray) -> DraftBatch:
