@@ -45,7 +45,7 @@ inline void ChainIndex::insert_record(ChainHead& h, const ChainEntry& e) {
 void ChainIndex::insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys) {
   log_.push_back(ChainRecord{seq, pos});
   for (int ki = 0; ki < kNumKeys; ++ki) {
-    if (keys[ki] == 0) continue;
+    if (keys[ki] == 0 || !has_key(ki)) continue;
     const int32_t k = kKeyLens[ki];
     insert_record(heads_[ki].upsert(keys[ki]),
                   ChainEntry{seq, pos, pos >= k ? tokens[pos - k] : -1, tokens[pos + 1]});
@@ -56,7 +56,7 @@ void ChainIndex::insert(int32_t seq, int32_t pos, const int32_t* tokens, const u
                         const uint32_t* slots) {
   log_.push_back(ChainRecord{seq, pos});
   for (int ki = 0; ki < kNumKeys; ++ki) {
-    if (keys[ki] == 0) continue;
+    if (keys[ki] == 0 || !has_key(ki)) continue;
     const int32_t k = kKeyLens[ki];
     insert_record(heads_[ki].at(slots[ki], keys[ki]),
                   ChainEntry{seq, pos, pos >= k ? tokens[pos - k] : -1, tokens[pos + 1]});
@@ -77,7 +77,7 @@ void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,
   size_t kept = 0;
   for (const ChainRecord& r : old) kept += keep(r.seq);
   log_.reserve(kept);
-  for (int ki = 0; ki < kNumKeys; ++ki) heads_[ki].reserve(kept);  // an upper bound on keys
+  reserve_keys(kept);  // an upper bound on keys
   uint64_t keys[kNumKeys];
   for (const ChainRecord& r : old) {
     if (!keep(r.seq)) continue;
@@ -109,6 +109,11 @@ bool ChainIndex::check(const std::function<const int32_t*(int32_t)>& tokens_of) 
   size_t total = 0;
   for (int ki = 0; ki < kNumKeys; ++ki) {
     const int32_t k = kKeyLens[ki];
+    if (!has_key(ki)) {  // a key length it does not keep has no chains
+      for (const ChainHead& h : heads_[ki].slots())
+        if (h.key != 0) return false;
+      continue;
+    }
     // The log's positions of every key, oldest first: the key's lookup view must list the newest.
     std::unordered_map<uint64_t, std::vector<ChainRecord>> expected;
     for (const ChainRecord& r : log_)

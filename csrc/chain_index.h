@@ -28,6 +28,8 @@ constexpr int kNumKeys = 3;
 // its 4-gram chain (and measured backwards), and on the shared traces the extra chain changed no
 // proposal outcome while costing a quarter of all inserts.
 constexpr int32_t kKeyLens[kNumKeys] = {4, 2, 1};
+// A set of key lengths as a bit mask: bit ki stands for kKeyLens[ki].
+constexpr uint32_t kAllKeys = (1u << kNumKeys) - 1;
 
 // Hash of tokens[pos-k+1 .. pos] tagged with k; never 0 (0 marks an empty table slot).
 uint64_t ngram_key(const int32_t* tokens, int32_t pos, int32_t k);
@@ -36,8 +38,15 @@ void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys);
 
 class ChainIndex {
  public:
-  // Chains keep their newest `keep` (>= 1) records for lookups (the log keeps every one).
-  explicit ChainIndex(int32_t keep = 32) : pool_(keep - 1) {}
+  // Chains keep their newest `keep` (>= 1) records for lookups (the log keeps every one), for
+  // the key lengths in `key_mask` only (a subset of kAllKeys, never empty): an index without a
+  // key length has no chains for it, and its lookups of that length find nothing.
+  explicit ChainIndex(int32_t keep = 32, uint32_t key_mask = kAllKeys)
+      : pool_(keep - 1), key_mask_(key_mask) {}
+
+  // Whether this index keeps chains of key length kKeyLens[ki].
+  bool has_key(int ki) const { return (key_mask_ >> ki) & 1u; }
+  uint32_t key_mask() const { return key_mask_; }
 
   // Index position `pos` of sequence `seq` (whose tokens are `tokens`, holding pos + 1 at least),
   // given its keys from ngram_keys (computed once per position and shared by the request, group
@@ -47,7 +56,7 @@ class ChainIndex {
   // Start loading the table slots that a lookup or insert of these keys will touch.
   void prefetch(const uint64_t* keys) const {
     for (int ki = 0; ki < kNumKeys; ++ki)
-      if (keys[ki] != 0) heads_[ki].prefetch(keys[ki]);
+      if (keys[ki] != 0 && has_key(ki)) heads_[ki].prefetch(keys[ki]);
   }
 
   // Start loading this index's own bookkeeping (its tables', pool's and log's fields), which
@@ -70,7 +79,7 @@ class ChainIndex {
   // on an equal or an empty key, an unpredictable branch: a third of extend's mispredictions).
   void prepare(const uint64_t* keys, uint32_t* slots) {
     for (int ki = 0; ki < kNumKeys; ++ki) {
-      if (keys[ki] == 0) continue;
+      if (keys[ki] == 0 || !has_key(ki)) continue;
       slots[ki] = heads_[ki].upsert_slot(keys[ki]);
       const ChainHead& h = heads_[ki].slots()[slots[ki]];
       const int32_t older = h.count - 1;  // the older record that insert writes
@@ -86,8 +95,11 @@ class ChainIndex {
   void insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys,
               const uint32_t* slots);
 
-  // Head of the chain of key length kKeyLens[ki] with this key, or null.
-  const ChainHead* head(int ki, uint64_t key) const { return heads_[ki].find(key); }
+  // Head of the chain of key length kKeyLens[ki] with this key, or null (always null for a key
+  // length this index does not keep).
+  const ChainHead* head(int ki, uint64_t key) const {
+    return has_key(ki) ? heads_[ki].find(key) : nullptr;
+  }
 
   // The older records kept for chain `h`: the t-th newest of them (t < n) is base[(last - t) % cap].
   struct Older {
@@ -134,10 +146,11 @@ class ChainIndex {
 
   // Size every key length's table for `n` keys up front (they grow past it as needed).
   void reserve_keys(size_t n) {
-    for (int ki = 0; ki < kNumKeys; ++ki) heads_[ki].reserve(n);
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      if (has_key(ki)) heads_[ki].reserve(n);
   }
 
-  // Records over all key lengths (a position counts once per key length that fits).
+  // Records over its key lengths (a position counts once per key length that fits).
   size_t num_records() const { return records_; }
   size_t memory_bytes() const;
   bool empty() const { return log_.empty(); }
@@ -154,7 +167,8 @@ class ChainIndex {
   ChainTable heads_[kNumKeys];                // per key length: n-gram key -> chain head
   ChainPool pool_;                            // older records of every chain
   std::vector<ChainRecord> log_;              // indexed positions in insertion order
-  size_t records_ = 0;                        // records over all key lengths
+  size_t records_ = 0;                        // records over its key lengths
+  uint32_t key_mask_;                         // the key lengths it keeps (bits of kAllKeys)
 };
 
 }  // namespace rollout_spec

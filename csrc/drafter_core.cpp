@@ -137,7 +137,7 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     refresh_view(slot);
     RequestState& req = requests_[ids[i]];
     req.slot = slot;
-    req.own = ChainIndex(cfg_.chain_walk);
+    req.own = ChainIndex(cfg_.chain_walk, kRequestKeys);
     // Its own tables sized for the prompt and a response as long as recent ones: grown from
     // 16 slots, each was rehashed again every time the response doubled the keys, inside the
     // decode loop (extend 6-11% cheaper on the shared traces). Sizes change no lookup result.

@@ -108,6 +108,16 @@ def test_prompt_lookup_proposes_a_span_repeated_in_the_prompt():
     assert tree(d.propose([0]))[0] == (1, -1)
 
 
+def test_prompt_lookup_reaches_a_span_far_back_behind_a_frequent_last_token():
+    # The context ends in "50 51 52 7"; that 4-gram occurs once, at the prompt's start, followed
+    # by "60 61 62". Token 7 then recurs 40 times, each time followed by another token, so the
+    # span lies far beyond its 1-gram chain's newest records: only the 4-gram key reaches it.
+    filler = [t for i in range(40) for t in (7, 100 + i)]
+    d = NgramDrafter()
+    d.start(0, [50, 51, 52, 7, 60, 61, 62] + filler + [50, 51, 52, 7])
+    assert tree(d.propose([0]))[:3] == [(60, -1), (61, 0), (62, 1)]
+
+
 def test_group_scope_prefers_a_siblings_continuation():
     d = NgramDrafter()
     # A sibling in group 1 (finished) and, more recently, another group's response.

@@ -21,6 +21,7 @@ from rollout_spec.drafter import NgramDrafter, _core_config
 from rollout_spec.tree import DraftBatch
 
 KEYS = (4, 2, 1)
+REQUEST_KEYS = (4, 1)  # a request's own index keeps no 2-gram chains
 
 
 class RefDrafter:
@@ -56,14 +57,14 @@ class RefDrafter:
 
     def _index(self, slot: int, own: list | None, pos: int) -> None:
         s = self.seqs[slot]
-        targets = [own] if own is not None else []
+        targets = [(own, REQUEST_KEYS)] if own is not None else []
         if pos >= s["prompt_len"] - 1:
             if s["group"] >= 0:
-                targets.append(self.groups.setdefault(s["group"], [[] for _ in KEYS]))
-            targets.append(self.glob)
-        for index in targets:
+                targets.append((self.groups.setdefault(s["group"], [[] for _ in KEYS]), KEYS))
+            targets.append((self.glob, KEYS))
+        for index, keys in targets:
             for ki, k in enumerate(KEYS):
-                if pos + 1 >= k:
+                if k in keys and pos + 1 >= k:
                     index[ki].append((slot, pos))
 
     def _in_group(self, seq: int, own: int, group: int) -> bool:
