@@ -407,8 +407,9 @@ def test_guard_asks_for_a_plain_step_now_and_then_until_it_can_compare():
 
 def test_guard_refreshes_its_plain_figure_while_drafting_runs():
     """After ``refresh_every`` drafting steps of a bucket without a plain one, the budget returns
-    one plain step (the bucket's plain figure is then current); other buckets are unaffected."""
-    guard = ThroughputGuard(min_steps=1, refresh_every=5)
+    one plain step (the bucket's plain figure is then current); other buckets are unaffected.
+    Drafting leads by 100% here, so the gap is stretched only with ``refresh_lead`` below 1."""
+    guard = ThroughputGuard(min_steps=1, refresh_every=5, refresh_lead=1.0)
     budget = DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [1, 2, 4, 8], guard=guard)
     k = budget.best(8)
     guard.observe(False, 8, 8, 8e-6)
@@ -423,6 +424,30 @@ def test_guard_refreshes_its_plain_figure_while_drafting_runs():
     assert not guard.wants_plain(8) and all(budget(8) == k for _ in range(10))
     with pytest.raises(ValueError, match="refresh_every"):
         ThroughputGuard(refresh_every=0)
+
+
+def test_guard_refreshes_less_often_the_more_drafting_leads():
+    """The gap between plain steps is ``refresh_every`` up to a lead of ``refresh_lead``, grows in
+    proportion beyond it and stops at ``MAX_REFRESH_STRETCH`` times; unknown figures keep it."""
+    guard = ThroughputGuard(decay=1.0, min_steps=1, refresh_every=10, refresh_lead=0.2)
+    assert guard.refresh_gap(8) == 10  # nothing measured yet
+    guard.observe(False, 8, 8, 8e-3)  # plain: 1 ms a token
+    for drafting_ms, gap in ((0.9, 10), (1 / 1.2, 10), (0.5, 50), (1 / 1.6, 30), (0.1, 80)):
+        guard.observe(True, 8, 8, 8 * drafting_ms * 1e-3)
+        assert guard.refresh_gap(8) == pytest.approx(gap, abs=1), drafting_ms
+    assert guard.refresh_gap(64) == 10  # another bucket, nothing measured
+    guard.observe(False, 8, 8, 8e-3)  # a plain step: the count starts again
+    for _ in range(79):
+        guard.observe(True, 8, 8, 8e-4)
+    assert not guard.wants_plain(8)
+    guard.observe(True, 8, 8, 8e-4)
+    assert guard.wants_plain(8)
+    free = ThroughputGuard(decay=1.0, min_steps=1, refresh_every=10)
+    free.observe(False, 8, 8, 8e-3)
+    free.observe(True, 8, 8, 0.0)  # drafting steps that took no time: the longest gap
+    assert free.refresh_gap(8) == 80
+    with pytest.raises(ValueError, match="refresh_lead"):
+        ThroughputGuard(refresh_lead=0.0)
 
 
 def test_guard_and_budget_ask_drafting_for_a_minimum_gain():
