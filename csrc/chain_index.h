@@ -39,14 +39,13 @@ void ngram_keys(const int32_t* tokens, int32_t pos, uint64_t* keys);
 class ChainIndex {
  public:
   // Chains keep their newest `keep` (>= 1) records for lookups (the log keeps every one), for
-  // the key lengths in `key_mask` only (a subset of kAllKeys, never empty): an index without a
+  // the key lengths in `key_mask` only (a non-empty subset of kAllKeys): an index without a
   // key length has no chains for it, and its lookups of that length find nothing.
   explicit ChainIndex(int32_t keep = 32, uint32_t key_mask = kAllKeys)
       : pool_(keep - 1), key_mask_(key_mask) {}
 
   // Whether this index keeps chains of key length kKeyLens[ki].
   bool has_key(int ki) const { return (key_mask_ >> ki) & 1u; }
-  uint32_t key_mask() const { return key_mask_; }
 
   // Index position `pos` of sequence `seq` (whose tokens are `tokens`, holding pos + 1 at least),
   // given its keys from ngram_keys (computed once per position and shared by the request, group

@@ -134,8 +134,8 @@ def test_ngram_drafter_beats_prompt_lookup_on_a_synthetic_trace():
 
 def test_ngram_drafter_keeps_up_with_prompt_lookup_on_a_code_edit_trace():
     # Responses copy their long prompts: only the request scope helps, and its long keys must
-    # reach spans far back behind frequent tokens (with the 1-gram key alone, ours fell ~20%
-    # below prompt lookup on the full-size trace).
+    # reach spans far back behind frequent tokens (with the 1-gram key alone, ours fell 15%
+    # below prompt lookup on the full-size trace: 3.57 against 4.19).
     trace = make_edit_trace(EditSpec(prompts=6, file_tokens=600, seed=1))
     ours = replay(NgramDrafter(SpecConfig()), trace, budget=8)
     lookup = replay(PromptLookupDrafter(), trace, budget=8)

@@ -76,6 +76,7 @@ class ThroughputGuard:
         return self._per_token(drafted, batch_bucket(batch))
 
     def _per_token(self, drafted: bool, bucket: int) -> float | None:
+        """``seconds_per_token`` by bucket."""
         key = (drafted, bucket)
         if self._count.get(key, 0) < self.min_steps:
             return None
