@@ -1,5 +1,6 @@
-"""CPU smoke runs of the budget's two bench scripts: ``draft_size_yield.py`` (E(k) three ways on a
-trace) and ``idle_overhead.py`` (a speculative engine that never drafts), and their flag errors."""
+"""CPU smoke runs of the budget's bench scripts: ``draft_size_yield.py`` (E(k) three ways on a
+trace), ``idle_overhead.py`` (a speculative engine that never drafts) and ``budget_overhead.py``
+(the budget's bookkeeping per step), and their flag errors."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import budget_overhead  # noqa: E402
 import draft_size_yield  # noqa: E402
 import engine_bench  # noqa: E402
 import idle_overhead  # noqa: E402
@@ -58,3 +60,17 @@ def test_idle_overhead_bad_flags(capsys) -> None:
     with pytest.raises(SystemExit):
         idle_overhead.main(["--device", "cpu", "--slots", "4", "--batch-sizes", "8"])
     assert "--batch-sizes" in capsys.readouterr().err
+
+
+def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
+    budget_overhead.main(["--steps", "50", "--batch-sizes", "8,300"])
+    rows = table_rows(capsys.readouterr().out)
+    assert [r[0] for r in rows] == ["8", "300"]
+    assert all(float(x) > 0 for r in rows for x in r[1:])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--batch-sizes", "0,8"], ["--batch-sizes", ","]])
+def test_budget_overhead_bad_flags(argv, capsys) -> None:
+    with pytest.raises(SystemExit):
+        budget_overhead.main(argv)
+    assert "--steps and every --batch-sizes entry must be >= 1" in capsys.readouterr().err

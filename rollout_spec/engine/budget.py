@@ -369,7 +369,7 @@ class DraftBudget:
             self._drafts += 1
             # The guard compares with plain steps of the same batch size: take one in four
             # until it has enough (a budget that always drafts would otherwise never get them).
-            if self.guard is not None and self.guard.wants_plain(batch_size) and self._drafts >= 4:
+            if self.guard is not None and self._drafts >= 4 and self.guard.wants_plain(batch_size):
                 self._drafts = 0
                 return 0, "plain for the guard"
             return k, "drafted"
