@@ -16,21 +16,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_spec.engine.budget import (PROMISED_GAIN, SHOWN_GAIN, AcceptanceTracker,  # noqa: E402
-                                        CostModel, DraftBudget)
-from rollout_spec.engine.step_cost import OnlineStepCost  # noqa: E402
-from rollout_spec.engine.throughput_guard import ThroughputGuard  # noqa: E402
+from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost, draft_sizes  # noqa: E402
 
-CANDIDATES = (1, 2, 4, 8, 16, 32)
+MAX_DRAFT = 32  # the engine bench's default draft budget
 
 
 def make_budget(max_batch: int) -> DraftBudget:
-    """A budget built like ``auto_budget``'s, on a grid of 3 ms steps growing with B and W."""
-    batches, widths = (1, 8, 32, 64, 128, max_batch), (1,) + tuple(k + 1 for k in CANDIDATES)
+    """The engine's own budget (``budget_from_cost``) on a grid of 3 ms steps growing with B and W."""
+    batches = (1, 8, 32, 64, 128, max_batch)
+    widths = (1,) + tuple(k + 1 for k in draft_sizes(MAX_DRAFT))
     grid = tuple(tuple(3e-3 * (1 + 1e-3 * b) * (1 + 1e-2 * w) for w in widths) for b in batches)
-    return DraftBudget(CostModel(batches, widths, grid), AcceptanceTracker(max(CANDIDATES)), CANDIDATES,
-                       probe_every=32, host=OnlineStepCost(max_batch, max_batch * max(CANDIDATES)),
-                       guard=ThroughputGuard(decay=0.25, min_gain=SHOWN_GAIN), min_gain=PROMISED_GAIN)
+    return budget_from_cost(CostModel(batches, widths, grid), max_batch, MAX_DRAFT)
 
 
 def per_step_us(fn, steps: int) -> float:

@@ -385,16 +385,21 @@ class DraftBudget:
         return 0, "model" if k == 0 else "vetoed"
 
 
+def draft_sizes(max_draft: int) -> list[int]:
+    """The candidate draft sizes of ``auto_budget``: powers of two up to ``max_draft``, and it."""
+    check_int("max_draft", max_draft, 1, 4096)
+    return sorted({min(1 << i, max_draft) for i in range(13) if (1 << i) <= 2 * max_draft})
+
+
 def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key: str,
                 max_batch: int, max_draft: int, cache_dir: str | Path | None) -> DraftBudget:
     """A DraftBudget from timed forwards (``step(B, W)``), cached under ``cache_dir`` by ``key``.
 
-    Candidate draft sizes are powers of two up to ``max_draft``; the grid spans batch sizes
+    Candidate draft sizes are ``draft_sizes(max_draft)``; the grid spans batch sizes
     1..max_batch so every running batch is interpolated, never guessed.
     """
     check_int("max_batch", max_batch, 1, 1 << 20)
-    check_int("max_draft", max_draft, 1, 4096)
-    cands = sorted({min(1 << i, max_draft) for i in range(13) if (1 << i) <= 2 * max_draft})
+    cands = draft_sizes(max_draft)
     batches = sorted({b for b in (1, 8, 32, 64, 128, 256) if b < max_batch} | {max_batch})
     widths = [1] + [k + 1 for k in cands]
 
@@ -404,6 +409,13 @@ def auto_budget(step: Callable[[int, int], None], sync: Callable[[], None], key:
 
     key = f"{key}_b{max_batch}_k{max_draft}"
     cost = measure() if cache_dir is None else cached_cost_model(cache_dir, key, measure)
+    return budget_from_cost(cost, max_batch, max_draft)
+
+
+def budget_from_cost(cost: CostModel, max_batch: int, max_draft: int) -> DraftBudget:
+    """``auto_budget``'s policy over a given cost grid: sizes ``draft_sizes(max_draft)``, a learned
+    host residual, the throughput guard and the gains below."""
+    cands = draft_sizes(max_draft)
     host = OnlineStepCost(max_batch, max_batch * max(cands))
     # Acceptance climbs within a rollout (a group's first samples have no siblings to draft
     # from): a veto taken early must be able to lift within a few probes, so probes come every
