@@ -238,10 +238,6 @@ void DrafterCore::append_tokens(const int64_t* ids, const int32_t* tokens, const
 
 void DrafterCore::index_extended(const int64_t* offsets, size_t n) {
   index_appended(offsets, n);
-  for (size_t i = 0; i < n; ++i) {
-    RequestState& req = *reqs_[i];
-    if (req.gathered) advance(req, view_[req.slot].size - static_cast<int32_t>(offsets[i + 1] - offsets[i]));
-  }
   maybe_evict();
 }
 
@@ -261,7 +257,10 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     uint32_t own_slots[kNumKeys], group_slots[kNumKeys], global_slots[kNumKeys];
   };
   constexpr size_t kAhead = 8;
-  thread_local std::vector<Pending> pending;
+  // Kept between calls; named through a reference, because pool workers run the lambdas below
+  // and a thread_local named there would be the worker's own.
+  thread_local std::vector<Pending> kept_pending;
+  std::vector<Pending>& pending = kept_pending;
   pending.clear();
   for (size_t i = 0; i < n; ++i) {
     RequestState* req = reqs_[i];
@@ -282,42 +281,86 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       ngram_keys(s.tokens.data(), p, e.keys);
     }
   }
-  // Four positions further ahead, the indexes' own fields of a request's first position (its
-  // state was prefetched by resolve, but the inserts of the requests before it evict it again),
-  // and with the slots, the ends of their logs.
-  auto state = [&](size_t j) {
-    const Pending& e = pending[j];
-    if (j > 0 && pending[j - 1].req == e.req) return;
-    e.req->own.prefetch_self();
-    if (e.group) e.group->prefetch_self();
+  // Inserts the positions `order` lists (all, in order, when null): into the request's own and
+  // group indexes when `local`, into the global one when `global`.
+  auto insert_all = [&](const std::vector<uint32_t>* order, bool local, bool global) {
+    const size_t total = order ? order->size() : pending.size();
+    auto at = [&](size_t j) -> Pending& { return pending[order ? (*order)[j] : j]; };
+    // Four positions further ahead, the indexes' own fields of a request's first position (its
+    // state was prefetched by resolve, but the inserts of the requests before it evict it
+    // again), and with the slots, the ends of their logs.
+    auto state = [&](size_t j) {
+      const Pending& e = at(j);
+      if (!local || (j > 0 && at(j - 1).req == e.req)) return;
+      e.req->own.prefetch_self();
+      if (e.group) e.group->prefetch_self();
+    };
+    auto slots = [&](const Pending& e) {
+      if (local) {
+        e.req->own.prefetch_log_end();
+        if (e.group) e.group->prefetch_log_end();
+        e.req->own.prefetch(e.keys);
+        if (e.group) e.group->prefetch(e.keys);
+      }
+      if (global && e.shared) global_.prefetch(e.keys);
+    };
+    auto tails = [&](Pending& e) {
+      if (local) {
+        e.req->own.prepare(e.keys, e.own_slots);
+        if (e.group) e.group->prepare(e.keys, e.group_slots);
+      }
+      if (global && e.shared) global_.prepare(e.keys, e.global_slots);
+    };
+    constexpr size_t kState = kAhead + 4;
+    for (size_t j = 0; j < std::min(total, kState); ++j) state(j);
+    for (size_t j = 0; j < std::min(total, kAhead); ++j) slots(at(j));
+    for (size_t j = 0; j < std::min(total, kAhead / 2); ++j) tails(at(j));
+    for (size_t j = 0; j < total; ++j) {
+      if (j + kState < total) state(j + kState);
+      if (j + kAhead < total) slots(at(j + kAhead));
+      if (j + kAhead / 2 < total) tails(at(j + kAhead / 2));
+      const Pending& e = at(j);
+      const int32_t* tokens = view_[e.req->slot].tokens;
+      if (local) {
+        e.req->own.insert(e.req->slot, e.pos, tokens, e.keys, e.own_slots);
+        if (e.group) e.group->insert(e.req->slot, e.pos, tokens, e.keys, e.group_slots);
+      }
+      if (global && e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys, e.global_slots);
+    }
   };
-  auto slots = [&](const Pending& e) {
-    e.req->own.prefetch_log_end();
-    if (e.group) e.group->prefetch_log_end();
-    e.req->own.prefetch(e.keys);
-    if (e.group) e.group->prefetch(e.keys);
-    if (e.shared) global_.prefetch(e.keys);
+  // Match states follow the new tokens (reads the sequences only, never an index).
+  auto advance_request = [&](size_t i) {
+    RequestState& req = *reqs_[i];
+    if (req.gathered) advance(req, view_[req.slot].size - static_cast<int32_t>(offsets[i + 1] - offsets[i]));
   };
-  auto tails = [&](Pending& e) {
-    e.req->own.prepare(e.keys, e.own_slots);
-    if (e.group) e.group->prepare(e.keys, e.group_slots);
-    if (e.shared) global_.prepare(e.keys, e.global_slots);
-  };
-  const size_t total = pending.size();
-  constexpr size_t kState = kAhead + 4;
-  for (size_t j = 0; j < std::min(total, kState); ++j) state(j);
-  for (size_t j = 0; j < std::min(total, kAhead); ++j) slots(pending[j]);
-  for (size_t j = 0; j < std::min(total, kAhead / 2); ++j) tails(pending[j]);
-  for (size_t j = 0; j < total; ++j) {
-    if (j + kState < total) state(j + kState);
-    if (j + kAhead < total) slots(pending[j + kAhead]);
-    if (j + kAhead / 2 < total) tails(pending[j + kAhead / 2]);
-    const Pending& e = pending[j];
-    const int32_t* tokens = view_[e.req->slot].tokens;
-    e.req->own.insert(e.req->slot, e.pos, tokens, e.keys, e.own_slots);
-    if (e.group) e.group->insert(e.req->slot, e.pos, tokens, e.keys, e.group_slots);
-    if (e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys, e.global_slots);
+  if (!splits(n)) {
+    insert_all(nullptr, true, true);
+    for (size_t i = 0; i < n; ++i) advance_request(i);
+    return;
   }
+  // Split over the pool: the caller inserts into the global index (3 of a response position's 8
+  // records, into the largest table), the other workers into the request and group indexes,
+  // each taking whole groups (and ungrouped requests by slot), so that every index still gets
+  // its records in the serial order and every index is written by one thread.
+  const int others = pool().size() - 1;
+  auto owner = [&](const RequestState& req) {
+    const int32_t group = seqs_[req.slot].group;
+    return 1 + static_cast<int>((group >= 0 ? group : req.slot) % others);
+  };
+  thread_local std::vector<std::vector<uint32_t>> kept_parts;
+  std::vector<std::vector<uint32_t>>& parts = kept_parts;
+  parts.resize(others + 1);
+  for (auto& part : parts) part.clear();
+  for (size_t j = 0; j < pending.size(); ++j) parts[owner(*pending[j].req)].push_back(static_cast<uint32_t>(j));
+  pool().run([&](int w) {
+    if (w == 0) {
+      insert_all(nullptr, false, true);
+      return;
+    }
+    insert_all(&parts[w], true, false);
+    for (size_t i = 0; i < n; ++i)
+      if (owner(*reqs_[i]) == w) advance_request(i);
+  });
 }
 
 void DrafterCore::advance(RequestState& req, int32_t first) const {

@@ -90,7 +90,8 @@ class DrafterCore {
   void refresh_view(int32_t slot);
   void refresh_all_views();
   void index_position(int32_t slot, RequestState* req, int32_t pos);
-  // Index the positions extend just appended: all keys hashed and prefetched, then inserted.
+  // Index the positions extend just appended (all keys hashed and prefetched, then inserted)
+  // and advance the requests' match states; a call that splits() is spread over the pool.
   void index_appended(const int64_t* offsets, size_t n);
   // A request's chain search, split in stages (keys and slot prefetches, heads and block
   // prefetches, the walk) so that propose can run the first two a request or two ahead.

@@ -138,6 +138,41 @@ def test_engine_like_steps_at_batch_256_match_one_thread(tree, cap):
     many.check_integrity()
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_split_indexing_matches_one_thread(background):
+    """extend_batch of 96 requests is indexed on the pool (the global index on one thread, the
+    request and group indexes by group on the others): grouped requests, ungrouped ones, some
+    with nothing new, long commits crossing many positions. Every proposal, the stats and the
+    integrity check must come out as on one thread, also after eviction under a small capacity."""
+    rng = np.random.default_rng(11)
+    one, many = make_twins(SpecConfig(num_draft_tokens=8), min_requests=16, capacity=3000)
+    ids = list(range(96))
+    groups = [i // 8 if i < 64 else None for i in ids]
+    motifs = [rng.integers(0, 30, 40).tolist() for _ in range(12)]
+    for d in (one, many):
+        d.start_batch(ids, [motifs[i % 12][: 6 + i % 9] for i in ids], groups)
+    for step in range(30):
+        commits = []
+        for i in ids:
+            size = 0 if (i + step) % 7 == 0 else int(rng.integers(1, 12))
+            start = (step * 3 + i) % 30
+            toks = motifs[i % 12][start:start + size]
+            commits.append([int(t) if rng.random() < 0.8 else int(rng.integers(0, 30)) for t in toks])
+        for d in (one, many):
+            d.extend_batch(ids, commits, background=background)
+        propose_both(one, many, ids)
+        if step % 10 == 9:
+            done = ids[:16]
+            ids = ids[16:] + [i + 1000 for i in done]
+            for d in (one, many):
+                d.finish_batch(done)
+                d.start_batch(ids[-16:], [motifs[i % 12][:8] for i in ids[-16:]], [i % 5 for i in ids[-16:]])
+                d.end_step()
+    assert one.stats() == many.stats()
+    one.check_integrity()
+    many.check_integrity()
+
+
 def test_propose_threads_is_validated():
     """Out-of-range thread counts are refused by the config and by the core, naming the field."""
     for bad in (-1, 257):
