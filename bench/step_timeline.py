@@ -73,8 +73,9 @@ class Timeline:
 
 def targets() -> list[tuple[Any, str, bool]]:
     """(owner, attribute, is a staticmethod) of every function the timeline wraps."""
-    from rollout_spec import verify
-    from rollout_spec.engine import budget, commit, cuda_graphs, drafter_queue, engine, runner, scheduler
+    from rollout_spec import drafter, verify
+    from rollout_spec.engine import (budget, commit, cuda_graphs, drafter_queue, engine, runner, scheduler,
+                                     shadow_acceptance)
 
     eng = engine.RolloutEngine
     out = [(eng, n, False) for n in ("step", "_decode", "_prefill", "_budgets", "_propose", "_checked",
@@ -93,6 +94,9 @@ def targets() -> list[tuple[Any, str, bool]]:
     out += [(verify, "_check_inputs", False)]
     out += [(drafter_queue.DrafterQueue, n, False) for n in ("submit", "drain", "call")]
     out += [(drafter_queue.DrafterFeed, n, False) for n in ("committed", "flush", "ready")]
+    out += [(drafter.NgramDrafter, n, False) for n in ("start_batch", "extend_batch", "finish_batch",
+                                                       "propose", "propose_ahead")]
+    out += [(shadow_acceptance.ShadowAcceptance, n, False) for n in ("propose", "harvest")]
     out += [(scheduler.Scheduler, n, False) for n in ("admit", "release_finished")]
     out += [(budget.DraftBudget, n, False) for n in ("__call__", "observe", "observe_plain", "record_step")]
     out += [(torch.Tensor, "cpu", False), (torch, "matmul", False)]
