@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
-from rollout_spec.engine.budget import (AcceptanceTracker, CostModel, DraftBudget,
+from rollout_spec.engine.budget import (AcceptanceTracker, CostModel, DraftBudget, budget_from_cost,
                                         cached_cost_model, measure_cost_model)
 from rollout_spec.engine.step_cost import OnlineStepCost
 from rollout_spec.engine.throughput_guard import ThroughputGuard
@@ -264,6 +266,64 @@ def test_acceptance_measured_on_plain_steps_replaces_probes_while_the_model_says
     for _ in range(40):
         budget.observe_plain(np.tile(np.arange(5), (16, 1)))  # everything kept
     assert budget.best(8) == 4 and budget.tracker.expected_tokens(4) > 4.9
+
+
+def drive_with_shadow_rounds(budget: DraftBudget, batch: int, gpu: CostModel, host: float,
+                             steps: int, rate: float = 0.6) -> Counter:
+    """Drive ``budget`` like the engine with shadow rounds: plain steps report acceptance at
+    every size (``observe_plain``) every 4 plain steps, drafting steps their own outcome; wall =
+    GPU grid + ``host`` seconds (the same on both paths). Returns the decisions by reason."""
+    rng = np.random.default_rng(3)
+    before = Counter(budget.decisions)
+    plain = 0
+    for _ in range(steps):
+        k = budget(batch)
+        if k == 0:
+            plain += 1
+            if plain % 4 == 0:
+                depth = (rng.random((16, 8)) < rate).cumprod(axis=1).sum(axis=1)
+                budget.observe_plain(np.minimum(depth[:, None], np.arange(9)))
+            budget.record_step(batch, 0, 0, 1, gpu.step_time(batch, 1) + host, tokens=batch)
+            continue
+        accepted = (rng.random((batch, k)) < rate).cumprod(axis=1).sum(axis=1)
+        budget.observe(np.full(batch, k), accepted)
+        budget.record_step(batch, batch * k, batch * k, k + 1, gpu.step_time(batch, k + 1) + host,
+                           tokens=batch + int(accepted.sum()))
+    after = Counter(budget.decisions)
+    after.subtract(before)
+    return +after
+
+
+def test_stalls_on_a_buckets_first_drafting_steps_do_not_price_drafting_out_for_good():
+    """Three drafting steps that met 50 ms stalls (kernels compiling) are a batch bucket's only
+    drafting residual; shadow rounds then keep acceptance fresh, so no ordinary probe comes.
+    The model says plain at first, but probes at the size drafting would get at plain's host
+    cost re-measure the residual, and drafting takes over again (without the stalls it drafts
+    from the start; session 15 found three stalls of 4 ms kept it off for good)."""
+    gpu = gpu_grid()
+    for stalled in (False, True):
+        budget = budget_from_cost(gpu, 256, 8)
+        if stalled:
+            for _ in range(3):
+                budget.record_step(128, 512, 512, 5, gpu.step_time(128, 5) + 0.05, tokens=200)
+            assert budget.best(128) == 0  # priced out by the stalls
+        first = drive_with_shadow_rounds(budget, 128, gpu, host=3e-4, steps=600)
+        later = drive_with_shadow_rounds(budget, 128, gpu, host=3e-4, steps=400)
+        if stalled:
+            assert first["model"] > 0 and first["probe"] >= 2
+        else:
+            assert first["model"] == 0
+        assert later["drafted"] >= 0.9 * 400 - later["plain for the guard"]
+        assert budget.best(128) > 0
+
+
+def test_no_residual_probes_where_drafting_at_plain_cost_would_not_pay():
+    """Where even a drafting step at plain's host cost loses (verification costs W times a
+    decode), a pick of 0 with fresh shadow acceptance is never probed."""
+    gpu = synthetic_cost(launch=0.0, per_token=2e-5, weights=0.0)
+    budget = budget_from_cost(gpu, 256, 8)
+    decisions = drive_with_shadow_rounds(budget, 256, gpu, host=3e-4, steps=1000)
+    assert decisions["probe"] == 0 and decisions["drafted"] <= 8  # the optimistic start only
 
 
 def test_budget_turns_speculation_off_when_host_cost_eats_the_gain():
