@@ -317,6 +317,23 @@ def test_stalls_on_a_buckets_first_drafting_steps_do_not_price_drafting_out_for_
         assert budget.best(128) > 0
 
 
+def test_a_stall_on_a_buckets_first_drafting_step_is_capped_for_the_guard_too():
+    """The guard takes a bucket's first step as its average as is: a 200 ms stall there kept
+    drafting vetoed for hundreds of steps. With a residual model the guard gets the step capped
+    like the residual (one grid step of excess, or twice the prediction); without one, as is."""
+    gpu = gpu_grid()
+    normal = gpu.step_time(128, 5) + 3e-4
+    figures = {}
+    for name, budget in (("capped", budget_from_cost(gpu, 256, 8)),
+                         ("raw", DraftBudget(gpu, AcceptanceTracker(8), [4], guard=ThroughputGuard()))):
+        budget.record_step(128, 512, 512, 5, normal + 0.2, tokens=200)  # the stall
+        for _ in range(6):
+            budget.record_step(128, 512, 512, 5, normal, tokens=200)
+        figures[name] = budget.guard.seconds_per_token(True, 128) * 200
+    assert figures["capped"] < 1.3 * normal
+    assert figures["raw"] > 5 * normal
+
+
 def test_no_residual_probes_where_drafting_at_plain_cost_would_not_pay():
     """Where even a drafting step at plain's host cost loses (verification costs W times a
     decode), a pick of 0 with fresh shadow acceptance is never probed."""

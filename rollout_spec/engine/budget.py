@@ -312,15 +312,17 @@ class DraftBudget:
         the step emitted (the guard learns only from steps that report it), ``catch_up`` the
         part of ``seconds`` spent handing the drafter tokens that earlier plain steps deferred.
         The guard counts it (drafting now and then pays it every time); the residual model,
-        which prices a run of drafting steps, leaves it out.
+        which prices a run of drafting steps, leaves it out. With a residual model, both see a
+        stall capped alike (below): the guard takes a bucket's first step as its average as is.
         """
         if not (0.0 <= catch_up <= seconds):
             raise ValueError(f"catch_up must be in [0, seconds={seconds}], got {catch_up}")
         if offered > 0 and catch_up > 0.0:  # a drafting step right after plain ones, e.g. a probe
             self._costly_probe = catch_up > 0.25 * (seconds - catch_up)
-        if self.guard is not None and tokens is not None:
-            self.guard.observe(offered > 0, batch, tokens, seconds)
+        guarded = self.guard is not None and tokens is not None
         if self.host is None:
+            if guarded:
+                self.guard.observe(offered > 0, batch, tokens, seconds)
             return
         check_int("offered", offered, 0, 1 << 30)
         check_int("width", width, 1, 1 << 20)
@@ -335,6 +337,8 @@ class DraftBudget:
         # priced drafting out of it (session 15, tests/test_budget.py).
         if excess > gpu:
             excess = min(excess, max(gpu, 2.0 * abs(self.host.residual(offered > 0, batch, nodes))))
+        if guarded:
+            self.guard.observe(offered > 0, batch, tokens, gpu + excess + catch_up)
         self.host.observe(offered > 0, batch, nodes, excess)
 
     def best(self, batch: int) -> int:
