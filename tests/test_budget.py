@@ -299,7 +299,7 @@ def test_stalls_on_a_buckets_first_drafting_steps_do_not_price_drafting_out_for_
     drafting residual; shadow rounds then keep acceptance fresh, so no ordinary probe comes.
     The model says plain at first, but probes at the size drafting would get at plain's host
     cost re-measure the residual, and drafting takes over again (without the stalls it drafts
-    from the start; session 15 found three stalls of 4 ms kept it off for good)."""
+    from the start; before session 15, in a simulation, three stalls of 4 ms kept it off for good)."""
     gpu = gpu_grid()
     for stalled in (False, True):
         budget = budget_from_cost(gpu, 256, 8)
