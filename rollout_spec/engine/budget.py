@@ -313,17 +313,21 @@ class DraftBudget:
         part of ``seconds`` spent handing the drafter tokens that earlier plain steps deferred.
         The guard counts it (drafting now and then pays it every time); the residual model,
         which prices a run of drafting steps, leaves it out. With a residual model, both see a
-        stall capped alike (below): the guard takes a bucket's first step as its average as is.
+        stall capped alike (``_learn_residual``): the guard takes a bucket's first step as its average as is.
         """
         if not (0.0 <= catch_up <= seconds):
             raise ValueError(f"catch_up must be in [0, seconds={seconds}], got {catch_up}")
         if offered > 0 and catch_up > 0.0:  # a drafting step right after plain ones, e.g. a probe
             self._costly_probe = catch_up > 0.25 * (seconds - catch_up)
-        guarded = self.guard is not None and tokens is not None
-        if self.host is None:
-            if guarded:
-                self.guard.observe(offered > 0, batch, tokens, seconds)
-            return
+        wall = seconds if self.host is None else self._learn_residual(batch, offered, nodes, width,
+                                                                      seconds, catch_up)
+        if self.guard is not None and tokens is not None:
+            self.guard.observe(offered > 0, batch, tokens, wall)
+
+    def _learn_residual(self, batch: int, offered: int, nodes: int, width: int, seconds: float,
+                        catch_up: float) -> float:
+        """``record_step``'s part for the residual model and the fill; returns the step's wall
+        time with a stall capped as the residual model saw it, for the guard."""
         check_int("offered", offered, 0, 1 << 30)
         check_int("width", width, 1, 1 << 20)
         if offered > 0:
@@ -337,9 +341,8 @@ class DraftBudget:
         # priced drafting out of it (session 15, tests/test_budget.py).
         if excess > gpu:
             excess = min(excess, max(gpu, 2.0 * abs(self.host.residual(offered > 0, batch, nodes))))
-        if guarded:
-            self.guard.observe(offered > 0, batch, tokens, gpu + excess + catch_up)
         self.host.observe(offered > 0, batch, nodes, excess)
+        return gpu + excess + catch_up
 
     def best(self, batch: int) -> int:
         """The candidate draft size with the highest predicted tokens per second (smallest on ties)."""
