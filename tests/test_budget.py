@@ -419,19 +419,25 @@ def test_guard_vetoes_drafting_that_was_measured_slower_and_probes_keep_it_fresh
     assert guard.allows_drafting(8) and budget(8) == k
 
 
-def test_catch_up_counts_for_the_guard_and_not_for_the_cost_model():
-    """A drafting step that first handed the drafter 1 ms of deferred tokens: the guard judges
-    its whole wall time, the residual model learns the same as from a step 1 ms shorter."""
-    def budget() -> DraftBudget:
+def test_catch_up_counts_for_neither_the_guard_nor_the_cost_model():
+    """A drafting step that first caught up for 1 ms (deferred tokens, a proposal nothing drafted
+    ahead): the guard and the residual model learn from it what they learn from a step 1 ms
+    shorter, with a residual model or without one. A run of drafting steps pays that once; at
+    B=256, T=1.0 on the H100 the guard's figure from such probes was 1.6x a run's own."""
+    def budget(host: bool) -> DraftBudget:
         return DraftBudget(synthetic_cost(2e-4, 2e-5), tracker_with_rate(0.9), [4],
-                           host=OnlineStepCost(64, 512), guard=ThroughputGuard(decay=1.0, min_steps=1))
-    with_catch_up, without = budget(), budget()
-    gpu = with_catch_up.cost.step_time(8, 5)
-    with_catch_up.record_step(8, 32, 32, 5, gpu + 2e-3, tokens=16, catch_up=1e-3)
-    without.record_step(8, 32, 32, 5, gpu + 1e-3, tokens=16)
-    assert with_catch_up.guard.seconds_per_token(True, 8) == pytest.approx((gpu + 2e-3) / 16)
-    assert with_catch_up.host.residual(True, 8, 32) == pytest.approx(without.host.residual(True, 8, 32))
-    assert with_catch_up.host.residual(True, 8, 32) > 0
+                           host=OnlineStepCost(64, 512) if host else None,
+                           guard=ThroughputGuard(decay=1.0, min_steps=1))
+    for host in (True, False):
+        with_catch_up, without = budget(host), budget(host)
+        gpu = with_catch_up.cost.step_time(8, 5)
+        with_catch_up.record_step(8, 32, 32, 5, gpu + 2e-3, tokens=16, catch_up=1e-3)
+        without.record_step(8, 32, 32, 5, gpu + 1e-3, tokens=16)
+        assert with_catch_up.guard.seconds_per_token(True, 8) == pytest.approx((gpu + 1e-3) / 16)
+        assert without.guard.seconds_per_token(True, 8) == pytest.approx((gpu + 1e-3) / 16)
+        if host:
+            assert with_catch_up.host.residual(True, 8, 32) == pytest.approx(without.host.residual(True, 8, 32))
+            assert with_catch_up.host.residual(True, 8, 32) > 0
     with pytest.raises(ValueError, match="catch_up"):
         with_catch_up.record_step(8, 32, 32, 5, 1e-3, tokens=16, catch_up=2e-3)
 

@@ -121,6 +121,8 @@ class RolloutEngine:
         self.worker_min_batch = check_int("worker_min_batch", worker_min_batch, 1, 1 << 20)
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
+        self._drafted_last = False  # whether the last decode step drafted (so drafted ahead)
+        self._switch_from: Optional[float] = None  # clock at a switch step's proposal (see _propose)
         self._asked: Optional[tuple[int, Any]] = None  # (batch size, budget's answer) for the next step
         self._unaccounted: Optional[tuple] = None  # the last decode step's figures, for _account_last
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
@@ -253,6 +255,7 @@ class RolloutEngine:
         if sched.done:  # the call is over: the budget and the drafter get everything
             self._account_last()
             self._asked = None  # asked for a step that will not come
+            self._drafted_last = False  # nothing of the next call is drafted ahead
             if self._drafter is not None:
                 self._settle_drafter()
                 observe = self._shadow_observer()
@@ -286,6 +289,7 @@ class RolloutEngine:
         budgets = self._budgets(run)
         batch = self._propose(run, budgets)
         t1 = self.clock()
+        catch_up = self._flush_seconds if self._switch_from is None else t1 - self._switch_from
         logits, tree = self.runner.verify_forward(run.slot, run.ctx_len, run.root, batch)
         if batch.num_nodes == 0 and self._feed.due():
             self._plain_hand_off(seqs, run)
@@ -300,7 +304,8 @@ class RolloutEngine:
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run)
         t3 = self.clock()
-        self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), self._flush_seconds)
+        self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), catch_up)
+        self._drafted_last = batch.num_nodes > 0
 
     def _shadow_observer(self) -> Optional[Callable[[np.ndarray], None]]:
         """The budget's ``observe_plain`` when shadow rounds run for it, else None."""
@@ -337,7 +342,7 @@ class RolloutEngine:
         one step behind, and the host work leaves the critical path."""
         if self._unaccounted is None:
             return
-        (run, budgets, batch, accepted, marks, flush_seconds), self._unaccounted = self._unaccounted, None
+        (run, budgets, batch, accepted, marks, catch_up), self._unaccounted = self._unaccounted, None
         t0, t1, t2, t3 = marks
         for name, secs in zip(("propose", "forward_verify", "commit"), (t1 - t0, t2 - t1, t3 - t2)):
             self.phase_seconds[name] += secs
@@ -351,7 +356,7 @@ class RolloutEngine:
         if record is not None:
             width = 1 + int(batch.sizes().max(initial=0))
             record(len(run.slot), offered, batch.num_nodes, width, t3 - t0,
-                   tokens=len(run.slot) + int(accepted.sum()), catch_up=flush_seconds)
+                   tokens=len(run.slot) + int(accepted.sum()), catch_up=catch_up)
 
     def _ask_budget(self, num_running: int) -> None:
         """Ask the budget for the next decode step now, while the GPU runs this one: it knows
@@ -388,7 +393,7 @@ class RolloutEngine:
     def _propose(self, run: RunningBatch, budgets: np.ndarray) -> DraftBatch:
         """The step's draft trees, and the thread of its drafter calls: the worker takes plain
         steps' hand-offs only (see ``overlap_drafter``)."""
-        self._flush_seconds = 0.0
+        self._flush_seconds, self._switch_from = 0.0, None
         if not budgets.any():
             self._queue.use_worker(len(budgets) >= self.worker_min_batch)
             return DraftBatch.empty(len(budgets))
@@ -396,8 +401,14 @@ class RolloutEngine:
         self._queue.use_worker(False)  # waits for the worker's hand-offs, like ``ready`` below
         self._feed.ready(self._drafter)  # the drafter must have seen every committed token
         # Catching up after steps without drafts: a run of drafting steps feeds the drafter
-        # every step, overlapped, so the budget's cost model leaves this out (its guard does not).
-        self._flush_seconds = self.clock() - t0 if deferred else 0.0
+        # every step, overlapped, and drafts each proposal ahead (``_propose_next``), so the
+        # budget prices drafting without this. A step right after a plain one (a switch) catches
+        # up for its whole proposal phase (``_decode`` reads it off the step's clock); any other
+        # for the deferred tokens alone.
+        if not self._drafted_last:
+            self._switch_from = t0
+        elif deferred:
+            self._flush_seconds = self.clock() - t0
         return self._checked(self._drafter.propose(run.req_id.tolist(), budgets), budgets)
 
     def _propose_next(self, run: RunningBatch, keep: np.ndarray, reason: np.ndarray) -> None:
