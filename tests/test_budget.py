@@ -340,7 +340,7 @@ def test_a_stall_on_a_buckets_first_drafting_step_is_capped_for_the_guard_too():
 
 
 def test_a_drafting_run_that_pays_is_not_vetoed_for_its_switch_costs():
-    """Drafting at B=128 emits tokens ~12% faster than plain once it runs, but its first step
+    """Drafting at B=128 emits tokens ~18% faster than plain once it runs, but its first step
     after plain ones costs a whole step more (the catch-up: deferred tokens, a proposal nothing
     drafted ahead). The guard's plain steps and the probes make such switches now and then; had
     the guard counted them, drafting would look slower than plain and stay vetoed (session 16:
