@@ -11,6 +11,7 @@ wrapped call, so absolute step times read a little high; compare the two columns
 Examples::
 
     python bench/step_timeline.py --device cuda --batch-size 8 --temperature 0.6
+    python bench/step_timeline.py --device cuda --batch-size 256 --temperature 1.0 --fixed-budget 4
     python bench/step_timeline.py --device cpu --random-weights --batch-size 2 --max-new-tokens 8
 """
 from __future__ import annotations
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=eb._int(1, 1 << 16), default=256)
     ap.add_argument("--draft-tokens", type=eb._int(1, 256), default=32)
     ap.add_argument("--min-ms", type=float, default=0.005, help="hide functions under this many ms per step")
+    ap.add_argument("--fixed-budget", type=eb._int(1, 256), default=None,
+                    help="draft nodes per request on every spec step instead of the batch-aware budget: "
+                         "what drafting costs and yields where the budget would not draft")
     return ap
 
 
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
          "--max-new-tokens", str(args.max_new_tokens), "--draft-tokens", str(args.draft_tokens)]
         + (["--random-weights"] if args.random_weights else []))
     spec_eng, base_eng, pool, warm, stop = eb.make_engines(bench_args)
+    if args.fixed_budget is not None:
+        spec_eng.draft_budget = lambda _num_running: args.fixed_budget
     eb.warm_up((spec_eng, base_eng), warm, args.batch_size, args.temperature, args.max_new_tokens, stop)
     timeline = Timeline()
     with installed(timeline):

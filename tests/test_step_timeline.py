@@ -31,6 +31,31 @@ def test_table_lists_both_engines_and_timers_come_off(monkeypatch, capsys) -> No
     assert "cpu" not in torch.Tensor.__dict__  # the inherited method is back
 
 
+def test_fixed_budget_drafts_every_spec_step(monkeypatch, capsys) -> None:
+    """``--fixed-budget K`` replaces the budget: every spec step offers each request K nodes,
+    or fewer where it has room to keep fewer (``RolloutEngine._capped``)."""
+    monkeypatch.setitem(eb.SMOLLM2_135M, "num_hidden_layers", 2)
+    offered = []
+    real = RolloutEngine._budgets
+
+    def spy(self, run):
+        budgets = real(self, run)
+        if self._drafter is not None:
+            room = run.room(self.max_model_len) - 1
+            offered.append((budgets.tolist(), [min(3, max(r, 0)) for r in room.tolist()]))
+        return budgets
+
+    monkeypatch.setattr(RolloutEngine, "_budgets", spy)
+    st.main(["--device", "cpu", "--random-weights", "--batch-size", "2", "--max-new-tokens", "6",
+             "--rounds", "1", "--min-ms", "0", "--fixed-budget", "3"])
+    # Without the option a CPU engine offers ``--draft-tokens`` (32) where there is room: 4 here.
+    assert offered and all(got == want for got, want in offered)
+    assert offered[0] == ([3, 3], [3, 3])
+    with pytest.raises(SystemExit):
+        st.main(["--fixed-budget", "0"])
+    assert "--fixed-budget" in capsys.readouterr().err
+
+
 def test_bad_batch_size_names_the_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         st.main(["--batch-size", "0"])
