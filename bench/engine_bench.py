@@ -15,7 +15,9 @@ Two modes, both printing tables whose ratios are measured in the same run:
   says what the drafter has seen of a timed prompt: ``cold`` (default) nothing, ``warm`` one
   earlier RL step on it. Each row is ``--repeats`` rounds of (plain call, spec call) on the
   same new prompts, interleaved so that drift hits both; its figures are over all rounds and
-  it shows the spread of the per-round speedups and the seconds it took.
+  it shows the spread of the per-round speedups and the seconds it took. Then come where a
+  decode step's time went per row, the batch-aware budget's decisions per row (on CUDA) and
+  what it learned.
 
 Examples::
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from typing import Callable
 
 import numpy as np
@@ -434,10 +437,14 @@ def engine_rows(args: argparse.Namespace) -> None:
     cost = grid[list(grid)[-1]]
     del bench
     print_engine_header(args)
-    phase_rows = []
+    phase_rows, decision_rows = [], []
+    decisions = getattr(spec_eng.draft_budget, "decisions", None)  # the batch-aware budget's
     for temp in args.temperatures:
         for b in args.batch_sizes:
+            before = Counter(decisions or {})
             row = measure_row(args, (spec_eng, base_eng), pool, warm, stop, temp, b)
+            if decisions is not None:
+                decision_rows.append((temp, b, Counter(decisions) - before))
             base, spec = row["base"], row["spec"]
             tax = interp_tax(cost, b, spec["width"])
             bound, speedup = spec["tpf"] / tax, spec["tps"] / base["tps"]
@@ -447,6 +454,7 @@ def engine_rows(args: argparse.Namespace) -> None:
                   f"{row['secs']:.1f} |", flush=True)
             phase_rows.append((temp, b, base, spec, cost[(b, 1)]))
     print_phase_table(phase_rows)
+    print_decision_table(decision_rows)
     print_budget_state(spec_eng.draft_budget, args.batch_sizes, spec_eng.shadow_rounds)
     for b in args.profile:
         profile_generate(args, spec_eng, pool, stop, b)
@@ -479,6 +487,21 @@ def print_phase_table(rows: list) -> None:
               f"{sm['forward_verify']:.2f} | {sm['commit']:.2f} | {sum(sm.values()):.2f} | "
               f"{base['decodes']:.0f}/{spec['decodes']:.0f} | {base['prefill_ms']:.0f}/{spec['prefill_ms']:.0f} | "
               f"{base['outside_ms']:.0f}/{spec['outside_ms']:.0f} |")
+
+
+DECISIONS = ("drafted", "vetoed", "model", "probe", "plain for the guard")  # DraftBudget.decisions' keys
+
+
+def print_decision_table(rows: list[tuple[float, int, Counter]]) -> None:
+    """The batch-aware budget's decode-step decisions by reason, per row (its warm-up included):
+    where the steps of a row that did not draft came from (the model's pick of 0, a veto of the
+    throughput guard, a plain step the guard asked for) and how many were probes."""
+    if not rows:
+        return
+    print("\n## Budget decisions per row (one per budget call of the row's spec calls, warm-up included)")
+    print("| T | B | " + " | ".join(DECISIONS) + " |\n" + "|---" * (2 + len(DECISIONS)) + "|")
+    for temp, b, counts in rows:
+        print(f"| {temp} | {b} | " + " | ".join(str(counts[k]) for k in DECISIONS) + " |")
 
 
 def print_budget_state(budget: object, batches: list[int], shadow_rounds: int) -> None:

@@ -112,6 +112,42 @@ def test_queue_holds_more_samples_than_run_at_once(calls: list[tuple], capsys) -
     assert [(c[0], len(c[2]), c[4]) for c in timed] == [("base", 2, 8), ("spec", 2, 8)]
 
 
+def test_budget_decisions_are_counted_per_row(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """With the batch-aware budget (a CUDA engine's; installed by hand here), every call it
+    gets during a row lands in that row's line of the decisions table, by reason."""
+    from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost
+
+    monkeypatch.setitem(eb.SMOLLM2_135M, "num_hidden_layers", 2)
+    widths = (1, 2, 3, 5, 9, 17, 33)
+    grid = CostModel((1, 8), widths, tuple(tuple(1e-3 * (1 + b / 8) * (1 + 0.1 * w) for w in widths)
+                                           for b in (1, 8)))
+    make, call = eb.make_engines, DraftBudget.__call__
+    per_row: list[int] = []
+
+    def with_budget(args):
+        out = make(args)
+        out[0].draft_budget = budget_from_cost(grid, 8, 32)
+        return out
+
+    def counted(self, batch_size):
+        per_row[-1] += 1
+        return call(self, batch_size)
+
+    def row(*args, **kw):
+        per_row.append(0)
+        return measure(*args, **kw)
+
+    measure = eb.measure_row
+    monkeypatch.setattr(eb, "make_engines", with_budget)
+    monkeypatch.setattr(DraftBudget, "__call__", counted)
+    monkeypatch.setattr(eb, "measure_row", row)
+    out = run(TINY + ["--batch-sizes", "1,2"], capsys)
+    lines = out[out.index("## Budget decisions per row"):].split("\n\n")[0].splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
+    assert [c[:2] for c in cells] == [["0.6", "1"], ["0.6", "2"]]
+    assert [sum(int(x) for x in c[2:]) for c in cells] == per_row and min(per_row) > 0
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--queue", "0", "argument --queue: must be in [1, 64], got 0"),
     ("--batch-sizes", "1,0", "argument --batch-sizes: every value must be in [1, 4096], got 0"),
