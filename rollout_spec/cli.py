@@ -240,8 +240,10 @@ def open_engines(args: argparse.Namespace) -> Engines:
     model_dir = str(resolve_model_dir(args.model))
     limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     sizes = engine_sizes(args, AutoTokenizer.from_pretrained(model_dir), limit)
+    # The batch-aware budget on every device: on a CPU a fixed budget made speculation a loss.
     spec = RolloutEngine.from_pretrained(
-        model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
+        model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens),
+        batch_aware_budget=True, **sizes)
     spec.drafter = DrafterProbe(spec.drafter)
     base = None
     if not args.no_baseline:

@@ -534,6 +534,48 @@ def test_drafter_error_on_the_worker_is_raised(pair) -> None:
         engine(model, Broken("random"), overlap_drafter=True).generate([[1, 2, 3]], params)
 
 
+def test_one_prompt_prefill_raises_no_warning(pair) -> None:
+    """A one-prompt prefill's positions are a read-only broadcast view, on which torch warned
+    (once per process: in ``rollout-spec bench``'s output on a CPU)."""
+    import warnings
+
+    _, model = pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine(model).generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=3))
+
+
+def test_batch_aware_budget_is_timed_on_request_and_cached(pair, monkeypatch, tmp_path) -> None:
+    """``batch_aware_budget=True`` gives an engine on any device a ``DraftBudget`` timed from
+    its own steps, stored under the cache dir and read back by the next engine without timing;
+    off CUDA the default keeps the fixed budget. Greedy outputs stay plain decoding's."""
+    from rollout_spec.engine import budget as budget_mod
+
+    _, model = pair
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path))
+    timed: list[tuple] = []
+    measure = budget_mod.measure_cost_model
+
+    def counted(step, sync, batches, widths, **kw):
+        timed.append((tuple(batches), tuple(widths)))
+        return measure(step, sync, batches, widths, **kw)
+
+    monkeypatch.setattr(budget_mod, "measure_cost_model", counted)
+    spec, sizes = SpecConfig(num_draft_tokens=4), dict(num_slots=4, max_model_len=128)
+    first = RolloutEngine(model, None, spec, batch_aware_budget=True, **sizes)
+    assert isinstance(first.draft_budget, budget_mod.DraftBudget)
+    assert timed == [((1, 4), (1, 2, 3, 5))]  # every batch up to the slots, every draft size + 1
+    assert len(list((tmp_path / "costs").glob("cost_*.json"))) == 1
+    second = RolloutEngine(model, None, spec, batch_aware_budget=True, **sizes)
+    assert isinstance(second.draft_budget, budget_mod.DraftBudget) and len(timed) == 1  # the cache
+    if DEVICE.type == "cpu":
+        assert not isinstance(RolloutEngine(model, None, spec, **sizes).draft_budget, budget_mod.DraftBudget)
+    prompts, params = mixed_prompts(6), SamplingParams(temperature=0.0, max_new_tokens=12)
+    plain = [o.token_ids for o in RolloutEngine(model, None, None, **sizes).generate(prompts, params)]
+    assert [o.token_ids for o in second.generate(prompts, params)] == plain
+    assert sum(second.draft_budget.decisions.values()) > 0  # it decided every decode step
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_budget_gets_every_decode_step_on_the_engine_clock(pair, overlap: bool) -> None:
     """``record_step`` receives (B, offered nodes, proposed nodes, width, wall seconds, tokens

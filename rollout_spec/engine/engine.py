@@ -16,6 +16,7 @@ import torch
 from rollout_spec.config import SamplingParams, SpecConfig, check_int
 from rollout_spec.drafter import proposes_ahead
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
+from rollout_spec.engine.cuda_graphs import default_ladder
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
 from rollout_spec.engine.model import Transformer
 from rollout_spec.engine.runner import ModelRunner
@@ -63,6 +64,14 @@ class RolloutEngine:
         cuda_graphs: on CUDA, capture decode/verify steps for a ladder of (B, W) buckets and,
             with a drafter and no ``draft_budget``, time them into a batch-aware
             ``budget.DraftBudget`` (cached under the cache dir); False keeps every step eager.
+        batch_aware_budget: with a drafter and no ``draft_budget``, whether the engine times
+            its steps at start (or reads them from the cache) into a ``budget.DraftBudget``,
+            which drafts only where speculation pays. None (default): on CUDA, with
+            ``cuda_graphs``. True on a CPU times eager steps (tens of seconds once per CPU kind,
+            thread count and model): there a verify step's LM head and verification cost
+            several decodes, and a fixed budget of 8 made ``rollout-spec bench`` 0.57x as fast
+            as plain decoding on the 2-core dev box. Without it every step drafts
+            ``spec.num_draft_tokens`` per request.
         overlap_drafter: run the plain steps' drafter calls on a worker thread
             (``drafter_queue``): every 8th plain step hands the previous steps' tokens to it
             right after launching its forward, so the C++ extend (GIL released) runs while
@@ -100,6 +109,7 @@ class RolloutEngine:
         eos_token_ids: Seq[int] = (),
         max_draft_tokens: int = 64,
         cuda_graphs: bool = True,
+        batch_aware_budget: Optional[bool] = None,
         overlap_drafter: Optional[bool] = None,
         verify_backend: str = "auto",
         worker_min_batch: int = 32,
@@ -137,24 +147,40 @@ class RolloutEngine:
         # Slack past max_model_len: a padded tree of the widest request is written past the root.
         self.runner = ModelRunner(model, num_slots, self.max_model_len + self.max_draft_tokens + 1)
         self._next_req_id = 0
-        if cuda_graphs and self.runner.device.type == "cuda":
-            self._setup_gpu(auto_budget=draft_budget is None, max_draft=default if self._drafter else 0)
+        on_cuda = self.runner.device.type == "cuda"
+        if batch_aware_budget is None:
+            batch_aware_budget = on_cuda and cuda_graphs
+        auto = batch_aware_budget and draft_budget is None and self._drafter is not None
+        max_draft = min(default, self.max_draft_tokens) if self._drafter is not None else 0
+        if cuda_graphs and on_cuda:
+            self.runner.capture_graphs(*default_ladder(self.num_slots, max_draft + 1))
+        if auto and max_draft > 0:
+            self._time_budget(max_draft)
 
-    def _setup_gpu(self, auto_budget: bool, max_draft: int) -> None:
-        """Capture the decode/verify ladder; time it into a DraftBudget unless one was given."""
+    def _time_budget(self, max_draft: int) -> None:
+        """Time the step grid into ``budget.auto_budget`` (cached per device, model and dtype):
+        the captured ladder on CUDA, eager steps padded the same way elsewhere."""
+        import os
+        import platform
+
         from rollout_spec.engine import budget
-        from rollout_spec.engine.cuda_graphs import default_ladder, ladder_step_timer
+        from rollout_spec.engine.cuda_graphs import GraphLadder, ladder_step_timer, verify_input_specs
         from rollout_spec.engine.weights import cache_root
 
-        max_draft = min(max_draft, self.max_draft_tokens)
-        self.runner.capture_graphs(*default_ladder(self.num_slots, max_draft + 1))
-        if auto_budget and max_draft > 0:
-            c, dev = self.model.config, self.runner.device
-            key = (f"{torch.cuda.get_device_name(dev)}_{c.model_type}-L{c.num_layers}-H{c.hidden_size}"
-                   f"-V{c.vocab_size}_{self.runner.dtype}")
-            step = ladder_step_timer(self.runner.graphs, self.runner.scratch_slot, self.max_model_len // 4)
-            self.draft_budget = budget.auto_budget(step, torch.cuda.synchronize, key, self.num_slots,
-                                                   max_draft, cache_root() / "costs")
+        runner, c = self.runner, self.model.config
+        ladder = runner.graphs
+        if ladder is None:  # eager: the same buckets, run as the engine's own steps run
+            ladder = GraphLadder(runner._graph_step, verify_input_specs(runner.scratch_slot),
+                                 *default_ladder(self.num_slots, max_draft + 1), runner.device, eager=True)
+        if runner.device.type == "cuda":
+            where = torch.cuda.get_device_name(runner.device)
+        else:
+            where = f"{runner.device.type}-{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}t"
+        syncs = {"cuda": torch.cuda.synchronize, "mps": getattr(getattr(torch, "mps", None), "synchronize", None)}
+        sync = syncs.get(runner.device.type) or (lambda: None)  # a CPU step is done when it returns
+        key = (f"{where}_{c.model_type}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}_{runner.dtype}")
+        step = ladder_step_timer(ladder, runner.scratch_slot, self.max_model_len // 4)
+        self.draft_budget = budget.auto_budget(step, sync, key, self.num_slots, max_draft, cache_root() / "costs")
 
     @classmethod
     def from_pretrained(

@@ -76,8 +76,9 @@ class ModelRunner:
 
     def _long(self, values: list[int] | np.ndarray) -> Tensor:
         """int64 values on the device; from pinned memory without a host sync on CUDA (a
-        pageable copy would wait for the GPU to drain, e.g. for the KV moves after a verify)."""
-        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        pageable copy would wait for the GPU to drain, e.g. for the KV moves after a verify).
+        Read-only views (a one-prompt prefill's broadcast positions) are copied: torch warns on them."""
+        host = torch.from_numpy(np.require(values, np.int64, ["C", "W"]))
         if self.device.type == "cpu":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
