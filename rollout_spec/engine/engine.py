@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as Seq
 from typing import Any, Optional, Union
 
+import os
+import platform
 import time
 
 import numpy as np
@@ -160,9 +162,6 @@ class RolloutEngine:
     def _time_budget(self, max_draft: int) -> None:
         """Time the step grid into ``budget.auto_budget`` (cached per device, model and dtype):
         the captured ladder on CUDA, eager steps padded the same way elsewhere."""
-        import os
-        import platform
-
         from rollout_spec.engine import budget
         from rollout_spec.engine.cuda_graphs import GraphLadder, ladder_step_timer, verify_input_specs
         from rollout_spec.engine.weights import cache_root
