@@ -163,14 +163,13 @@ class RolloutEngine:
         """Time the step grid into ``budget.auto_budget`` (cached per device, model and dtype):
         the captured ladder on CUDA, eager steps padded the same way elsewhere."""
         from rollout_spec.engine import budget
-        from rollout_spec.engine.cuda_graphs import GraphLadder, ladder_step_timer, verify_input_specs
+        from rollout_spec.engine.cuda_graphs import ladder_step_timer
         from rollout_spec.engine.weights import cache_root
 
         runner, c = self.runner, self.model.config
-        ladder = runner.graphs
-        if ladder is None:  # eager: the same buckets, run as the engine's own steps run
-            ladder = GraphLadder(runner._graph_step, verify_input_specs(runner.scratch_slot),
-                                 *default_ladder(self.num_slots, max_draft + 1), runner.device, eager=True)
+        ladder = runner.graphs  # eager where nothing was captured: the same buckets, run as is
+        if ladder is None:
+            ladder = runner.verify_ladder(*default_ladder(self.num_slots, max_draft + 1), eager=True)
         if runner.device.type == "cuda":
             where = torch.cuda.get_device_name(runner.device)
         else:

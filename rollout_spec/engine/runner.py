@@ -58,10 +58,15 @@ class ModelRunner:
         """
         groups, lengths = prefill or prefill_ladder(self.scratch_slot, self.cache.max_len)
         with torch.inference_mode():
-            self.graphs = GraphLadder(self._graph_step, verify_input_specs(self.scratch_slot),
-                                      batch_sizes, widths, self.device)
+            self.graphs = self.verify_ladder(batch_sizes, widths)
             self.prefill_graphs = GraphLadder(self._prefill_step, prefill_input_specs(self.scratch_slot),
                                               groups, lengths, self.device)
+
+    def verify_ladder(self, batch_sizes: list[int], widths: list[int], eager: bool = False) -> GraphLadder:
+        """The decode/verify step over (B, W) buckets: captured (``capture_graphs``), or with
+        ``eager`` run as is on the same padded inputs (to time steps where nothing is captured)."""
+        return GraphLadder(self._graph_step, verify_input_specs(self.scratch_slot), batch_sizes, widths,
+                           self.device, eager=eager)
 
     def _graph_step(self, inp: dict[str, Tensor]) -> Tensor:
         ctx = StepContext(self.cache, inp["slot_ids"], inp["ctx_lens"], inp["tree_mask"])
