@@ -16,8 +16,8 @@ Two modes, both printing tables whose ratios are measured in the same run:
   earlier RL step on it. Each row is ``--repeats`` rounds of (plain call, spec call) on the
   same new prompts, interleaved so that drift hits both; its figures are over all rounds and
   it shows the spread of the per-round speedups and the seconds it took. Then come where a
-  decode step's time went per row, the batch-aware budget's decisions per row (on CUDA) and
-  what it learned.
+  decode step's time went per row, the batch-aware budget's decisions per row (on CUDA), each
+  round's speedup and decisions, and what the budget learned.
 
 Examples::
 
@@ -400,14 +400,20 @@ def measure_round(args: argparse.Namespace, engines: tuple, pool: PromptPool, st
 
 def measure_row(args: argparse.Namespace, engines: tuple, pool: PromptPool, warm: Prompts,
                 stop: tuple | None, temperature: float, batch: int) -> dict:
-    """A row: warm-up, then ``--repeats`` rounds; figures over all rounds, speedup per round."""
+    """A row: warm-up, then ``--repeats`` rounds; figures over all rounds, and per round its
+    speedup and the budget's decisions (empty without a batch-aware budget)."""
     t0 = time.perf_counter()
     warm_up(engines, warm, batch, temperature, args.max_new_tokens, stop)
-    rounds = [measure_round(args, engines, pool, stop, temperature, batch) for _ in range(args.repeats)]
+    decisions = getattr(engines[0].draft_budget, "decisions", Counter())
+    rounds, round_decisions = [], []
+    for _ in range(args.repeats):
+        before = Counter(decisions)
+        rounds.append(measure_round(args, engines, pool, stop, temperature, batch))
+        round_decisions.append(Counter(decisions) - before)
     per_round = [summarise(s)["tps"] / summarise(b)["tps"] for b, s in rounds]
     return {"base": summarise([r for b, _ in rounds for r in b]),
             "spec": summarise([r for _, s in rounds for r in s]),
-            "speedups": per_round, "secs": time.perf_counter() - t0}
+            "speedups": per_round, "round_decisions": round_decisions, "secs": time.perf_counter() - t0}
 
 
 def print_engine_header(args: argparse.Namespace) -> None:
@@ -437,7 +443,7 @@ def engine_rows(args: argparse.Namespace) -> None:
     cost = grid[list(grid)[-1]]
     del bench
     print_engine_header(args)
-    phase_rows, decision_rows = [], []
+    phase_rows, decision_rows, round_rows = [], [], []
     decisions = getattr(spec_eng.draft_budget, "decisions", None)  # the batch-aware budget's
     for temp in args.temperatures:
         for b in args.batch_sizes:
@@ -453,8 +459,10 @@ def engine_rows(args: argparse.Namespace) -> None:
                   f"{min(row['speedups']):.2f}-{max(row['speedups']):.2f} | {base['samples']} | "
                   f"{row['secs']:.1f} |", flush=True)
             phase_rows.append((temp, b, base, spec, cost[(b, 1)]))
+            round_rows.append((temp, b, row["speedups"], row["round_decisions"]))
     print_phase_table(phase_rows)
     print_decision_table(decision_rows)
+    print_round_table(round_rows)
     print_budget_state(spec_eng.draft_budget, args.batch_sizes, spec_eng.shadow_rounds)
     for b in args.profile:
         profile_generate(args, spec_eng, pool, stop, b)
@@ -502,6 +510,16 @@ def print_decision_table(rows: list[tuple[float, int, Counter]]) -> None:
     print("| T | B | " + " | ".join(DECISIONS) + " |\n" + "|---" * (2 + len(DECISIONS)) + "|")
     for temp, b, counts in rows:
         print(f"| {temp} | {b} | " + " | ".join(str(counts[k]) for k in DECISIONS) + " |")
+
+
+def print_round_table(rows: list[tuple[float, int, list[float], list[Counter]]]) -> None:
+    """Each round's speedup with the budget's decisions in it (warm-up excluded): whether a
+    row's spread comes from its first rounds, while the budget learns, or from noise."""
+    print("\n## Rounds: speedup and budget decisions per round")
+    print("| T | B | round | speedup | " + " | ".join(DECISIONS) + " |\n" + "|---" * (4 + len(DECISIONS)) + "|")
+    for temp, b, speedups, counts in rows:
+        for i, (x, c) in enumerate(zip(speedups, counts)):
+            print(f"| {temp} | {b} | {i + 1} | {x:.2f} | " + " | ".join(str(c[k]) for k in DECISIONS) + " |")
 
 
 def print_budget_state(budget: object, batches: list[int], shadow_rounds: int) -> None:

@@ -146,6 +146,14 @@ def test_budget_decisions_are_counted_per_row(monkeypatch: pytest.MonkeyPatch, c
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
     assert [c[:2] for c in cells] == [["0.6", "1"], ["0.6", "2"]]
     assert [sum(int(x) for x in c[2:]) for c in cells] == per_row and min(per_row) > 0
+    lines = out[out.index("## Rounds: speedup and budget decisions"):].split("\n\n")[0].splitlines()
+    rounds = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
+    repeats = int(TINY[TINY.index("--repeats") + 1])
+    assert [r[:3] for r in rounds] == [[t, b, str(i + 1)] for t, b in (("0.6", "1"), ("0.6", "2"))
+                                       for i in range(repeats)]
+    for c in cells:  # a row's rounds hold all of its decisions but the warm-up's
+        in_rounds = sum(int(x) for r in rounds if r[:2] == c[:2] for x in r[4:])
+        assert 0 < in_rounds < sum(int(x) for x in c[2:])
 
 
 @pytest.mark.parametrize("flag, value, message", [
