@@ -112,9 +112,10 @@ def test_queue_holds_more_samples_than_run_at_once(calls: list[tuple], capsys) -
     assert [(c[0], len(c[2]), c[4]) for c in timed] == [("base", 2, 8), ("spec", 2, 8)]
 
 
-def test_budget_decisions_are_counted_per_row(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_budget_decisions_are_counted_per_row_and_round(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """With the batch-aware budget (a CUDA engine's; installed by hand here), every call it
-    gets during a row lands in that row's line of the decisions table, by reason."""
+    gets during a row lands in that row's line of the decisions table, by reason, and the
+    rounds table splits the row's calls, less the warm-up's, over its rounds."""
     from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost
 
     monkeypatch.setitem(eb.SMOLLM2_135M, "num_hidden_layers", 2)
