@@ -400,11 +400,13 @@ def measure_round(args: argparse.Namespace, engines: tuple, pool: PromptPool, st
 
 def measure_row(args: argparse.Namespace, engines: tuple, pool: PromptPool, warm: Prompts,
                 stop: tuple | None, temperature: float, batch: int) -> dict:
-    """A row: warm-up, then ``--repeats`` rounds; figures over all rounds, and per round its
-    speedup and the budget's decisions (empty without a batch-aware budget)."""
+    """A row: warm-up, then ``--repeats`` rounds; figures over all rounds, the budget's decisions
+    in the row (warm-up included) and per round its speedup and decisions (all empty without a
+    batch-aware budget)."""
     t0 = time.perf_counter()
-    warm_up(engines, warm, batch, temperature, args.max_new_tokens, stop)
     decisions = getattr(engines[0].draft_budget, "decisions", Counter())
+    start = Counter(decisions)
+    warm_up(engines, warm, batch, temperature, args.max_new_tokens, stop)
     rounds, round_decisions = [], []
     for _ in range(args.repeats):
         before = Counter(decisions)
@@ -413,7 +415,8 @@ def measure_row(args: argparse.Namespace, engines: tuple, pool: PromptPool, warm
     per_round = [summarise(s)["tps"] / summarise(b)["tps"] for b, s in rounds]
     return {"base": summarise([r for b, _ in rounds for r in b]),
             "spec": summarise([r for _, s in rounds for r in s]),
-            "speedups": per_round, "round_decisions": round_decisions, "secs": time.perf_counter() - t0}
+            "decisions": Counter(decisions) - start, "speedups": per_round,
+            "round_decisions": round_decisions, "secs": time.perf_counter() - t0}
 
 
 def print_engine_header(args: argparse.Namespace) -> None:
@@ -444,13 +447,12 @@ def engine_rows(args: argparse.Namespace) -> None:
     del bench
     print_engine_header(args)
     phase_rows, decision_rows, round_rows = [], [], []
-    decisions = getattr(spec_eng.draft_budget, "decisions", None)  # the batch-aware budget's
+    counts_decisions = hasattr(spec_eng.draft_budget, "decisions")  # the batch-aware budget does
     for temp in args.temperatures:
         for b in args.batch_sizes:
-            before = Counter(decisions or {})
             row = measure_row(args, (spec_eng, base_eng), pool, warm, stop, temp, b)
-            if decisions is not None:
-                decision_rows.append((temp, b, Counter(decisions) - before))
+            if counts_decisions:
+                decision_rows.append((temp, b, row["decisions"]))
             base, spec = row["base"], row["spec"]
             tax = interp_tax(cost, b, spec["width"])
             bound, speedup = spec["tpf"] / tax, spec["tps"] / base["tps"]
