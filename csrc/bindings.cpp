@@ -16,6 +16,7 @@
 
 #include "core_config.h"
 #include "drafter_core.h"
+#include "race_noise.h"
 #include "tree_inputs.h"
 
 namespace nb = nanobind;
@@ -238,6 +239,23 @@ nb::tuple tree_inputs(Vec<int32_t> offsets, Vec<int32_t> tokens, Vec<int32_t> pa
                         positions);
 }
 
+// noise.race_uniforms' native half: float32[A, vocab] uniforms of the rows keyed (seeds[a],
+// positions[a]), in the column layout of quarter block q, with counter word 3 = tag.
+nb::ndarray<nb::numpy, float> race_uniforms(Vec<int64_t> seeds, Vec<int64_t> positions,
+                                            int64_t vocab, int64_t q, uint32_t tag) {
+  if (positions.shape(0) != seeds.shape(0))
+    throw std::invalid_argument("positions must have len(seeds) entries");
+  if (vocab < 1 || q < 1) throw std::invalid_argument("vocab and q must be >= 1");
+  const size_t rows = seeds.shape(0), v = static_cast<size_t>(vocab);
+  auto out = new_array<float>({rows, v});
+  {
+    nb::gil_scoped_release release;
+    rollout_spec::race_uniforms(seeds.data(), positions.data(), rows, v, static_cast<size_t>(q),
+                                tag, out.data());
+  }
+  return out;
+}
+
 void bind_config(nb::module_& m) {
   nb::class_<CoreConfig>(m, "CoreConfig")
       .def(nb::init<>())
@@ -278,6 +296,7 @@ NB_MODULE(_core, m) {
   bind_config(m);
   m.def("tree_inputs", &tree_inputs, "offsets"_a, "tokens"_a, "parents"_a, "root_tokens"_a,
         "root_positions"_a, "width"_a);
+  m.def("race_uniforms", &race_uniforms, "seeds"_a, "positions"_a, "vocab"_a, "q"_a, "tag"_a);
   nb::class_<DrafterCore>(m, "DrafterCore")
       .def(nb::init<const CoreConfig&>(), "config"_a)
       .def("start", [](DrafterCore& c, Vec<int64_t> ids, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs) {

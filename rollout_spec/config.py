@@ -135,7 +135,8 @@ class SamplingParams:
     stop_token_ids: Optional[tuple[int, ...]] = None
     """Tokens that end a sample (kept in the output); None means the model's EOS."""
     seed: Optional[int] = 0
-    """Seed of the call's random generator: identical calls reproduce. None draws fresh entropy."""
+    """Seed of the call's sampling noise: sample i of prompt p draws by ``noise.sample_seed(seed,
+    p, i)``, so identical calls reproduce, with or without a drafter. None draws fresh entropy."""
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1, 1 << 16)

@@ -11,17 +11,18 @@ they finish and published at ``engine.end_step()``, the RL step boundary.
 """
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
-import torch
 
 from rollout_spec.config import SamplingParams, SpecConfig
 from rollout_spec.groups import prompt_group_id
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
+from rollout_spec.noise import sample_seed
 
 if TYPE_CHECKING:
     from rollout_spec.engine.engine import RolloutEngine
@@ -100,12 +101,14 @@ class RolloutSession:
         if group_ids is not None and len(group_ids) != len(token_prompts):
             raise ValueError(f"group_ids has {len(group_ids)} entries, prompts has {len(token_prompts)}")
         sched = Scheduler(max_running or self.engine.num_slots, self.engine.max_prefill_tokens)
+        call_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):
             gid = group_ids[p] if group_ids is not None else prompt_group_id(prompt)
             error = self._check_prompt(prompt)
             for i in range(self.params.n):
-                seq = Sequence(self.engine.new_request_id(), p, i, list(prompt), self.params, gid, self.stop_ids)
+                seq = Sequence(self.engine.new_request_id(), p, i, list(prompt), self.params, gid,
+                               self.stop_ids, sample_seed(call_seed, p, i))
                 if error:
                     seq.finish_reason, seq.error = "error", error
                 else:
@@ -116,11 +119,6 @@ class RolloutSession:
 
     def _drive(self, sched: Scheduler, total: int) -> None:
         """Step the engine until every queued sample has finished."""
-        gen = torch.Generator(device=self.engine.device)
-        if self.params.seed is not None:
-            gen.manual_seed(self.params.seed)
-        else:
-            gen.seed()
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
@@ -128,7 +126,7 @@ class RolloutSession:
             bar = tqdm(total=total, desc="rollout", unit="sample")
         try:
             while not sched.done:
-                finished = self.engine.step(sched, gen)
+                finished = self.engine.step(sched)
                 if bar is not None and finished:
                     bar.update(len(finished))
         finally:

@@ -1,31 +1,30 @@
 """Lossless verification of draft trees against the target's logits (DESIGN.md, "Verification").
 
 Law. At a node with target distribution p (sampling.py: temperature, then top-k, then top-p,
-renormalised), the children are tried in slice order: child c is accepted with probability
-p(c) / (mass not yet rejected); a rejected child's mass is removed. If no child is accepted, the
-bonus token is drawn from p with every child removed, renormalised. Greedy requests accept the
-child equal to the argmax and emit the argmax as bonus. A sibling repeating an earlier sibling's
-token has no mass left and is never accepted. The emitted tokens then have exactly the law of
-plain sampling from the target, one token at a time.
+renormalised) the row's token x is drawn from p, and the first child carrying x is accepted; when
+no child carries it, x is the bonus token. This is DESIGN's multi-branch rejection sampling with
+point-mass drafts, the same law decided in one draw: child c (its earlier siblings rejected) is
+accepted with probability p(c) / (mass not yet rejected), and a bonus drawn when every child was
+rejected follows p with the children removed, renormalised. Greedy requests take the argmax. A
+sibling repeating an earlier sibling's token is never accepted. The emitted tokens have exactly
+the law of plain sampling from the target, one token at a time.
 
-Vectorisation. A child's acceptance, given that its parent was reached and its earlier siblings
-were rejected, uses its own uniform draw, so every node's decision is computed at once; a node is
-on the accepted path iff it and all its ancestors were their parent's first accepted child
-(pointer jumping: a loop of log2(depth) numpy steps). No loop runs over requests or nodes.
+Coupled noise. x is drawn by a Gumbel race, argmax of ``log p(v) + G_v`` with ``G_v = -log(-log
+U_v)``, whose uniforms are keyed by (request seed, row position, token) (noise.py), not drawn
+from a stream. A request at a given position races the same noise on every step, so from the
+same logits a speculative step emits exactly the tokens that plain decoding would, and an
+empty DraftBatch is plain sampling. U in [0, 1) makes G finite or -inf, never +inf, so a draw
+never lands outside p's support.
 
-Where the work runs. Two implementations of this law. On CUDA (``backend="auto"``) the whole
-walk runs in one Triton kernel, one program per request reading only the rows on its accepted
-path (verify_fused.py, verify_triton.py): one launch, one small device-to-host copy. The torch
-path below is the reference (and the CPU path): everything of size [rows, V] runs on the logits'
-device, the O(N) integer walk in numpy, with two device-to-host copies (row statistics; bonus
-tokens). Random numbers come from ``generator`` (in the kernel: Philox keyed by it), so seeded
-runs reproduce; tests hold both paths to the same decisions on the same uniforms.
+Where the work runs. Two implementations. On CUDA (``backend="auto"``) the whole walk runs in one
+Triton kernel, one program per request reading only the rows on its accepted path
+(verify_fused.py, verify_triton.py): one launch, one small device-to-host copy. The torch path
+below is the reference (and the CPU path): row statistics for every row, then the trees are
+walked level by level, racing the rows the walk has reached (one device round trip per level).
 
 Log-probabilities. Every emitted token (accepted or bonus) reports ``log p(token)`` under the
 distribution it was drawn from at its parent: temperature-scaled, top-k/top-p truncated and
-renormalised (for greedy, the log-softmax of the raw logits). The residual used for the bonus is
-a device of the rejection scheme, not the policy, so it is never reported. With an empty
-DraftBatch, ``verify`` is plain sampling and reports the same numbers.
+renormalised (for greedy, the log-softmax of the raw logits).
 """
 from __future__ import annotations
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams
+from rollout_spec.noise import NoiseKeys, race_uniforms
 from rollout_spec.sampling import (
     RowStats,
     SamplingTable,
@@ -48,9 +48,6 @@ from rollout_spec.sampling import (
 )
 from rollout_spec.tree import DraftBatch, TreeInputs, to_device
 
-# A child holding all the mass not yet rejected is accepted with certainty; float rounding of
-# that remaining mass must not turn certainty into a rare rejection with nothing left to sample.
-_CERTAIN = 1.0 - 1e-6
 _FIELDS = ("accepted_offsets", "accepted_nodes", "bonus", "emitted_offsets", "emitted_tokens",
            "emitted_logprobs", "num_accepted")
 
@@ -111,7 +108,6 @@ class _Nodes:
     req: np.ndarray  # int64[N]: request of the node
     local: np.ndarray  # int64[N]: index within the request's slice
     tok: np.ndarray  # int64[N]: draft token
-    parent: np.ndarray  # int64[N]: flat index of the parent node, -1 under the root
     parent_row: np.ndarray  # int64[N]: verify row of the parent (the root row under the root)
     node_row: np.ndarray  # int64[N]: verify row of the node itself
     root_row: np.ndarray  # int64[B]: verify row of each request's root
@@ -126,7 +122,6 @@ class _Nodes:
         root_row = starts + np.arange(num_req, dtype=np.int64)
         par = batch.parents.astype(np.int64)
         return _Nodes(req=req, local=local, tok=batch.tokens.astype(np.int64),
-                      parent=np.where(par >= 0, starts[req] + par, -1),
                       parent_row=root_row[req] + 1 + par, node_row=root_row[req] + 1 + local,
                       root_row=root_row)
 
@@ -137,6 +132,7 @@ def verify(
     sampling: SamplingParams | Sequence[SamplingParams],
     generator: torch.Generator | None = None,
     *,
+    keys: NoiseKeys | None = None,
     tree: TreeInputs | None = None,
     backend: str = "auto",
     on_walk: Callable[[torch.Tensor], None] | None = None,
@@ -148,13 +144,15 @@ def verify(
             ``offsets[b] + b`` followed by its nodes in slice order.
         batch: the draft trees the logits were computed for.
         sampling: one SamplingParams for all requests, or B of them.
-        generator: torch.Generator on the logits' device; seeded runs reproduce.
+        generator: draws the requests' noise keys when ``keys`` is None (seeded runs
+            reproduce); unused otherwise.
+        keys: each request's noise key (seed, root position) on the logits' device; the engine
+            passes its requests' own, so their draws do not depend on the step or the batch.
         tree: the TreeInputs of this forward; optional, only checked against the batch (the
             walk needs nothing that the batch does not already hold on the host).
         backend: "triton" (the whole walk in one kernel, verify_triton.py), "torch" (the
             reference: torch row statistics, numpy walk) or "auto" (triton on CUDA when it is
-            installed). Same law and logprobs; the random streams differ (seeded runs
-            reproduce within a backend).
+            installed). Same law, noise and logprobs.
         on_walk: triton backend only: called once with ``VerifyResult.walk`` (the walk's
             device rows) when its final values are queued, before the host waits for them --
             the engine queues its KV compaction there, so the GPU runs it without a host gap.
@@ -164,43 +162,61 @@ def verify(
         ValueError/TypeError naming the offending argument or field.
     """
     table = _check_inputs(logits, batch, sampling, tree)
+    if keys is None:
+        keys = NoiseKeys.fresh(generator, batch.num_requests, logits.device)
+    else:
+        keys.check(batch.num_requests, logits.device)
     if use_triton(backend, logits.device):
         from rollout_spec.verify_fused import verify_fused
 
-        return VerifyResult(*verify_fused(logits, batch, table, generator, tree, on_walk=on_walk),
+        return VerifyResult(*verify_fused(logits, batch, table, keys, tree, on_walk=on_walk),
                             device=logits.device)
-    return VerifyResult(verify_torch(logits, batch, table, generator), device=logits.device)
+    return VerifyResult(verify_torch(logits, batch, table, keys), device=logits.device)
 
 
-def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
-                 generator: torch.Generator | None,
-                 noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> HostVerifyResult:
-    """The reference path for validated inputs: row statistics with torch, the walk in numpy.
+def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable, keys: NoiseKeys,
+                 noise: torch.Tensor | None = None) -> HostVerifyResult:
+    """The reference path for validated inputs: row statistics with torch, then a walk of all
+    trees at once, level by level, racing the rows reached.
 
-    ``noise`` (tests only) replaces the draws from ``generator``: uniforms per node [N] and per
-    row and token [R, V] (the bonus race of a final row r uses row r), as verify_triton takes.
+    ``noise`` (tests only) replaces the keyed uniforms: float32[R, V], row r's race uses row r.
     """
     dev, nodes = logits.device, _Nodes.of(batch)
     temps = effective_temperature(table)
     rows_per_req = batch.sizes() + 1
     temp_rows = None if table.uniform else np.repeat(temps, rows_per_req)
-    uploads = [nodes.parent_row, nodes.tok] + ([temp_rows] if temp_rows is not None else [])
+    uploads = [nodes.parent_row, nodes.tok, temps, table.temperature == 0] + (
+        [temp_rows] if temp_rows is not None else [])
     dev_arrays = to_device(uploads, dev)
-    stats = row_stats(logits, table, rows_per_req, table.any_greedy,
-                      dev_arrays[2] if temp_rows is not None else None)
+    stats = row_stats(logits, table, rows_per_req, False,
+                      dev_arrays[4] if temp_rows is not None else None)
     child_logit = logits[dev_arrays[0], dev_arrays[1]].float()
-    u = noise[0] if noise is not None else torch.rand(batch.num_nodes, generator=generator,
-                                                      device=dev)
-    child_logit, lse, thr, argmax, u = _fetch([child_logit, stats.lse, stats.thr, stats.argmax, u])
+    child_logit, lse, thr = _fetch([child_logit, stats.lse, stats.thr])
     logp = _node_logprobs(nodes, temps, child_logit, lse, thr)
-    by_parent = np.argsort(nodes.parent_row, kind="stable")  # sibling groups, in slice order
-    hit = _hits(nodes, by_parent, table.temperature == 0, logp, argmax, u)
-    accepted = _on_path(nodes, _first_per_parent(nodes, by_parent, hit))
-    final_row, acc_idx = _final_rows(nodes, accepted, batch.num_requests)
-    bonus, bonus_score = _bonus(logits, stats, table, temps, nodes, final_row, generator,
-                                noise[1] if noise is not None else None)
-    bonus_logp = bonus_score - lse[final_row]
-    return _assemble(nodes, acc_idx, logp, bonus, bonus_logp, batch.num_requests)
+    num_req = batch.num_requests
+    row, depth = nodes.root_row.copy(), np.zeros(num_req, np.int64)
+    bonus, bonus_logp = np.zeros(num_req, np.int64), np.zeros(num_req, np.float32)
+    active, accepted = np.ones(num_req, bool), []
+    while active.any():
+        reqs = np.flatnonzero(active)
+        win_at = np.zeros(num_req, np.int64)
+        win_at[reqs], score = _race(logits, stats, table, dev_arrays[2:4], keys, reqs, row[reqs],
+                                    depth[reqs], noise)
+        # The first child (slice order) of each active request's current row carrying its winner.
+        carries = active[nodes.req] & (nodes.parent_row == row[nodes.req]) & (nodes.tok == win_at[nodes.req])
+        hits = np.flatnonzero(carries)
+        moved, first = np.unique(nodes.req[hits], return_index=True)
+        chosen = hits[first]
+        accepted.append(chosen)
+        row[moved], depth[moved] = nodes.node_row[chosen], depth[moved] + 1
+        ended = np.ones(len(reqs), bool)
+        ended[np.searchsorted(reqs, moved)] = False
+        done = reqs[ended]
+        bonus[done] = win_at[done]
+        bonus_logp[done] = score[ended] - lse[row[done]]
+        active[done] = False
+    acc_idx = np.sort(np.concatenate(accepted)) if accepted else np.zeros(0, np.int64)
+    return _assemble(nodes, acc_idx, logp, bonus, bonus_logp, num_req)
 
 
 @functools.cache
@@ -281,98 +297,28 @@ def _node_logprobs(nodes: _Nodes, temps: np.ndarray, child_logit: np.ndarray, ls
     return logp.astype(np.float32)
 
 
-def _group_exclusive_cumsum(values: np.ndarray, keys: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Sum of ``values`` over the earlier members (in ``order``) of each element's key group."""
-    v = values[order]
-    k = keys[order]
-    before = np.cumsum(v) - v
-    is_start = np.ones(len(k), bool)
-    is_start[1:] = k[1:] != k[:-1]
-    start = np.maximum.accumulate(np.where(is_start, np.arange(len(k)), 0))
-    out = np.empty_like(before)
-    out[order] = before - before[start]
-    return out
-
-
-def _hits(nodes: _Nodes, by_parent: np.ndarray, greedy: np.ndarray, logp: np.ndarray,
-          argmax: np.ndarray | None, u: np.ndarray) -> np.ndarray:
-    """bool[N]: the node would be accepted if its parent were reached and earlier siblings
-    rejected (duplicates of an earlier sibling's token never are). ``by_parent`` orders the
-    nodes by parent row, stably."""
-    by_token = np.lexsort((nodes.tok, nodes.parent_row))
-    same = np.zeros(len(by_token), bool)
-    same[1:] = (nodes.parent_row[by_token][1:] == nodes.parent_row[by_token][:-1]) & (
-        nodes.tok[by_token][1:] == nodes.tok[by_token][:-1])
-    dup = np.empty_like(same)
-    dup[by_token] = same
-    p = np.where(dup, 0.0, np.exp(logp.astype(np.float64)))
-    left = np.maximum(1.0 - _group_exclusive_cumsum(p, nodes.parent_row, by_parent), 0.0)
-    hit = (p > 0) & ((u * left < p) | (p >= left * _CERTAIN))
-    node_greedy = greedy[nodes.req]
-    if argmax is not None and node_greedy.any():
-        hit = np.where(node_greedy, nodes.tok == argmax[nodes.parent_row], hit)
-    return hit & ~dup
-
-
-def _first_per_parent(nodes: _Nodes, by_parent: np.ndarray, hit: np.ndarray) -> np.ndarray:
-    """bool[N]: the node is the first hit among its siblings (the child the walk would take)."""
-    earlier = _group_exclusive_cumsum(hit.astype(np.int64), nodes.parent_row, by_parent)
-    return hit & (earlier == 0)
-
-
-def _on_path(nodes: _Nodes, chosen: np.ndarray) -> np.ndarray:
-    """bool[N]: the node and all its ancestors were chosen (pointer jumping over parents)."""
-    acc, up = chosen.copy(), nodes.parent.copy()
-    while (up >= 0).any():  # log2(depth) rounds: ``up`` jumps 1, 2, 4, ... levels at a time
-        has = up >= 0
-        acc &= np.where(has, acc[np.maximum(up, 0)], True)
-        up = np.where(has, up[np.maximum(up, 0)], -1)
-    return acc
-
-
-def _final_rows(nodes: _Nodes, accepted: np.ndarray, num_req: int) -> tuple[np.ndarray, np.ndarray]:
-    """Verify row of each request's last accepted node (its root when none), and the flat
-    indices of accepted nodes. A path's deepest node is its latest in topological order."""
-    acc_idx = np.flatnonzero(accepted)
-    last = np.full(num_req, -1, np.int64)
-    np.maximum.at(last, nodes.req[acc_idx], acc_idx)
-    final_row = nodes.root_row.copy()
-    final_row[last >= 0] = nodes.node_row[last[last >= 0]]
-    return final_row, acc_idx
-
-
-def _bonus(logits: torch.Tensor, stats: RowStats, table: SamplingTable, temps: np.ndarray,
-           nodes: _Nodes, final_row: np.ndarray, generator: torch.Generator | None,
-           race_noise: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
-    """Bonus tokens (int64[B]) and their masked scaled logits (float32[B]), from the final rows.
-
-    Sampling uses the Gumbel race: argmax of ``log p(x) + G_x`` with ``G_x = -log(-log U_x)`` is a
-    draw from p, and removing the final node's children (all rejected) from the race
-    renormalises p over the rest. U in [0, 1) makes G finite or -inf, never +inf, so a draw never
-    lands outside p's support. Greedy requests take the argmax: a child equal to it would have
-    been accepted.
-    """
-    child = nodes.parent_row == final_row[nodes.req]
-    greedy = table.temperature == 0
-    ups = [final_row, nodes.req[child], nodes.tok[child]]
-    if not table.uniform:
-        ups += [temps.reshape(-1, 1), greedy]
-    dev = to_device(ups, logits.device)
-    temp = stats.temp if table.uniform else dev[3]
-    scores = target_scores_of_rows(logits, stats, dev[0], temp)
+def _race(logits: torch.Tensor, stats: RowStats, table: SamplingTable,
+          per_request: list[torch.Tensor], keys: NoiseKeys, reqs: np.ndarray, rows: np.ndarray,
+          depth: np.ndarray, noise: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's sampled token (int64[A]: the Gumbel race of request reqs[a]'s noise at its
+    root position + depth[a]; greedy requests: the argmax) and its masked scaled logit
+    (float32[A]), for verify rows ``rows``. ``per_request`` holds the requests' effective
+    temperatures and greedy flags on the device."""
+    temps, greedy = per_request
+    reqs_t, rows_t, depth_t = to_device([reqs, rows, depth], logits.device)
+    temp = stats.temp if table.uniform else temps[reqs_t][:, None]
+    scores = target_scores_of_rows(logits, stats, rows_t, temp)
+    win = scores.argmax(dim=-1)
     if table.any_sampling:
-        u = (race_noise[dev[0]] if race_noise is not None
-             else torch.rand(scores.shape, generator=generator, device=scores.device))
-        race = scores - (-u.log()).log()
-        race[dev[1], dev[2]] = float("-inf")
-        bonus = race.argmax(dim=-1)
-        if table.any_greedy:
-            bonus = torch.where(dev[4], scores.argmax(dim=-1), bonus)
-    else:
-        bonus = scores.argmax(dim=-1)
-    bonus_score = scores.gather(1, bonus[:, None]).squeeze(1)
-    bonus_h, score_h = _fetch([bonus, bonus_score])
-    return bonus_h, score_h
+        if noise is not None:
+            u = noise[rows_t]
+        else:
+            u = race_uniforms(keys.seeds[reqs_t], keys.positions[reqs_t] + depth_t, logits.shape[1])
+        raced = (scores - (-u.log()).log()).argmax(dim=-1)
+        win = torch.where(greedy[reqs_t], win, raced) if table.any_greedy else raced
+    score = scores.gather(1, win[:, None]).squeeze(1)
+    win_h, score_h = _fetch([win, score])
+    return win_h, score_h
 
 
 def _assemble(nodes: _Nodes, acc_idx: np.ndarray, logp: np.ndarray, bonus: np.ndarray,

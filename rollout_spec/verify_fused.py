@@ -4,9 +4,8 @@ inputs and unpacks one small result.
 Per step: no upload when the engine passes the TreeInputs of this batch and all requests share
 their sampling parameters (one small upload otherwise), one threshold kernel when top-k/top-p
 truncate (plus ``torch.topk`` for top-p without top-k), one walk kernel, one device-to-host
-copy. The law and the reported log-probabilities are those of the torch reference in verify.py
-(tests compare the two on the same uniforms); only the source of randomness differs (Philox
-inside the kernel).
+copy. The law, the keyed noise and the reported log-probabilities are those of the torch reference
+in verify.py (tests compare the two decision for decision).
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rollout_spec.noise import NoiseKeys
 from rollout_spec.sampling import SamplingTable, effective_temperature, row_stats
 from rollout_spec.tree import DraftBatch, TreeInputs, index_arrays, to_device
 from rollout_spec.verify import HostVerifyResult
@@ -24,13 +24,11 @@ from rollout_spec.verify_triton import (
     can_select,
     launch_thresholds,
     launch_walk,
-    philox_keys,
 )
 
 
 def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
-                 generator: torch.Generator | None, tree: TreeInputs | None,
-                 noise: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 keys: NoiseKeys, tree: TreeInputs | None, noise: torch.Tensor | None = None,
                  on_walk: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[HostVerifyResult, torch.Tensor]:
     """Verify validated inputs with the walk kernel; results on the host, and the walk's rows
@@ -38,7 +36,7 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
     as the engine's KV compaction. ``on_walk(rows)`` runs once the rows' final values are
     queued: before the readback, unless candidate thresholds may need the exact redo.
 
-    ``noise`` (tests only) replaces the kernel's Philox draws, see ``launch_walk``.
+    ``noise`` (tests only) replaces the keyed draws, see ``launch_walk``.
     """
     dev, num_req, vocab = logits.device, batch.num_requests, logits.shape[1]
     own_tree = tree is not None and tree.source is batch  # the forward's arrays: no upload
@@ -65,7 +63,6 @@ def verify_fused(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable,
         checked = thr is not None
         if thr is None:
             thr = _exact_thresholds(logits, table, batch)
-    keys = philox_keys(generator, dev)
     walk = out[:walk_size].view(num_req, -1)
     launch_walk(logits, *cells, temp, thr, keys, walk, table.any_sampling, noise)
     if on_walk is not None and not checked:  # final now: its consumer queues behind the walk

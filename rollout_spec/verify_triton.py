@@ -1,19 +1,18 @@
 """Verification on the GPU in one Triton kernel: one program walks one request's draft tree.
 
-``verify.py``'s torch path is the reference: it computes every row's statistics, walks all trees
-on the host and draws the bonus afterwards (two device round trips and dozens of launches). Here
-program b does the whole walk of request b on the device. Starting at the root row it makes one
-pass over the row (log-normaliser of the masked scaled logits, raw argmax, and a Gumbel race that
-samples the row's distribution), decides the row's children exactly as the reference does
-(``p(c)`` against the mass not yet rejected, in float64), then moves to the accepted child or,
-when none is accepted, emits the race winner as the bonus. If that winner is one of the rejected
-children, a second pass repeats the race with the same noise over the other tokens: a draw from
-the residual. Rows off the accepted path are never read, so a step reads about (accepted + 1)
-rows per request, in one launch, with one device-to-host copy of the outcome.
+``verify.py``'s torch path is the reference: it races every level's rows with torch and walks the
+trees on the host, one device round trip per level. Here program b does the whole walk of
+request b on the device. Starting at the root row it makes one pass over the row (log-normaliser
+of the masked scaled logits, raw argmax, and the Gumbel race that samples the row's
+distribution), then moves to the child whose token won the race (greedy: the argmax) or, when no
+child carries it, emits the winner as the bonus. Rows off the accepted path are never read, so a
+step reads about (accepted + 1) rows per request, in one launch, with one device-to-host copy of
+the outcome.
 
-Randomness: Philox-4x32-10 keyed by the torch generator's seed, with the generator's offset in
-the counter (advanced per call), so seeded runs reproduce. Tests inject the uniforms instead
-(``noise``) to compare the kernel with the torch reference decision for decision.
+Randomness: the race's uniforms are noise.py's keyed Philox draws, (request seed, row position,
+column), computed here with the same layout, so the kernel and the reference race the same noise
+and a request's draws do not depend on the step, the batch or the drafts. Tests may inject the
+uniforms instead (``noise``).
 
 Truncated rows (top-k/top-p) need their thresholds first: ``_threshold_kernel`` selects each
 row's few largest logits itself (``_top_values``: two passes, no sort of the row; torch.topk
@@ -29,17 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels: its log/exp are exact
+from rollout_spec.noise import NOISE_TAG as _NOISE_TAG, NoiseKeys, quarter_block
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels: its log is exact
 
     @triton.jit
     def _precise_log(x):
         """log (numpy's, exact enough)."""
         return tl.log(x)
-
-    @triton.jit
-    def _exp64(x):
-        """exp (numpy's, keeps float64)."""
-        return tl.exp(x)
 
 else:
     from triton.language.extra import libdevice
@@ -49,14 +45,8 @@ else:
         """Correctly rounded log: exponential variates near 0 decide the race."""
         return libdevice.log(x)
 
-    @triton.jit
-    def _exp64(x):
-        """exp of float64 (tl.exp is the float32 approximation)."""
-        return libdevice.exp(x)
-
 # Kernel constants (constexpr: jitted code may only read constexpr globals).
-CERTAIN = tl.constexpr(1.0 - 1e-6)  # as verify._CERTAIN: a child holding all remaining mass wins
-NODE_STREAM = tl.constexpr(0x7FFFFFFF)  # counter word 0 of node uniforms; race words stay < V/4
+NOISE_TAG = tl.constexpr(_NOISE_TAG)  # counter word 3 of the race's Philox calls (noise.py)
 OUT_FIELDS = tl.constexpr(3)  # per request, W slots each: accepted column, emitted token, logprob
 WALK_MIN_PAD = 64  # the walk's smallest padded width (see walk_pad)
 MAX_CANDIDATES = 4096  # largest candidate list that _threshold_kernel ranks in one program
@@ -85,13 +75,12 @@ def _philox_words(k0, k1, c0, c1, c2, c3):
 
 @triton.jit
 def _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, base, bits, vocab, temp, thr,
-            kid_tok_ptr, kid_pcol_ptr, width, cur, Q: tl.constexpr, SCALE: tl.constexpr,
-            HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr,
-            EXCLUDE: tl.constexpr):
+            Q: tl.constexpr, SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
+            EXT_NOISE: tl.constexpr):
     """Fold columns [base, base + Q) of a row into per-lane running statistics: max m and sum
-    s of an online log-sum-exp of y, best x and its column, best race value and its column
-    (EXCLUDE: column ``cur``'s children take no part in the race). Lanes are reduced once per
-    row (``_row_pass``): no cross-warp reduction inside the loop, so loads stream."""
+    s of an online log-sum-exp of y, best x and its column, best race value and its column.
+    Lanes are reduced once per row (``_row_pass``): no cross-warp reduction inside the loop, so
+    loads stream."""
     cols = base + tl.arange(0, Q)
     x, y = _scaled(row_ptr, cols, vocab, temp, thr, SCALE, HAS_THR)
     take = x > best  # strict: a lane keeps its earliest column on ties
@@ -108,10 +97,6 @@ def _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, base, bits, vocab, te
             u = tl.uint_to_uniform_float(bits)
         ex = -_precise_log(u)  # u in [0, 1): ex in (0, inf]; the race is max of y - log(ex)
         r = tl.where(y > float("-inf"), y - tl.log(ex), float("-inf"))
-        if EXCLUDE:
-            for j in range(1, width):  # a handful of children: mask their tokens out
-                kid = tl.load(kid_pcol_ptr + j) == cur
-                r = tl.where(kid & (cols == tl.load(kid_tok_ptr + j)), float("-inf"), r)
         take_r = r > rbest
         ri = tl.where(take_r, cols, ri)
         rbest = tl.where(take_r, r, rbest)
@@ -126,15 +111,14 @@ def _first_max(values, cols):
 
 
 @triton.jit
-def _row_pass(row_ptr, noise_ptr, k0, k1, c2, c3, row, vocab, temp, thr, kid_tok_ptr,
-              kid_pcol_ptr, width, cur, Q: tl.constexpr, SCALE: tl.constexpr,
-              HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr,
-              EXCLUDE: tl.constexpr):
+def _row_pass(row_ptr, noise_ptr, k0, k1, pos, vocab, temp, thr, Q: tl.constexpr,
+              SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
+              EXT_NOISE: tl.constexpr):
     """One read of a row: (log-normaliser of the kept y, argmax of x, race winner).
 
-    Race noise: the super-block of 4Q columns at ``start`` uses Philox counters
-    (start / 4 + i, row, c2, c3), word w feeding column start + w * Q + i, so a repeated pass
-    (EXCLUDE) sees the same noise."""
+    Race noise (noise.py's layout): the super-block of 4Q columns at ``start`` uses Philox
+    counters (start / 4 + i, pos_lo, pos_hi, NOISE_TAG) under the request's key (k0, k1), word w
+    feeding column start + w * Q + i."""
     m = tl.full([Q], float("-inf"), tl.float32)
     s = tl.zeros([Q], tl.float32)
     best = tl.full([Q], float("-inf"), tl.float32)
@@ -143,24 +127,26 @@ def _row_pass(row_ptr, noise_ptr, k0, k1, c2, c3, row, vocab, temp, thr, kid_tok
     ri = tl.zeros([Q], tl.int32)
     for start in range(0, vocab, 4 * Q):
         if RACE and not EXT_NOISE:  # one Philox call feeds four sub-blocks
-            w0, w1, w2, w3 = _philox_words(k0, k1, start // 4 + tl.arange(0, Q), row, c2, c3)
+            w0, w1, w2, w3 = _philox_words(k0, k1, start // 4 + tl.arange(0, Q),
+                                           (pos & 0xFFFFFFFF).to(tl.uint32),
+                                           ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32), NOISE_TAG)
         else:
             w0 = tl.zeros([Q], tl.uint32)
             w1 = w0
             w2 = w0
             w3 = w0
-        m, s, best, bi, rbest, ri = _absorb(
-            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start, w0, vocab, temp, thr,
-            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
-        m, s, best, bi, rbest, ri = _absorb(
-            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + Q, w1, vocab, temp, thr,
-            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
-        m, s, best, bi, rbest, ri = _absorb(
-            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + 2 * Q, w2, vocab, temp, thr,
-            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
-        m, s, best, bi, rbest, ri = _absorb(
-            m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start + 3 * Q, w3, vocab, temp, thr,
-            kid_tok_ptr, kid_pcol_ptr, width, cur, Q, SCALE, HAS_THR, RACE, EXT_NOISE, EXCLUDE)
+        m, s, best, bi, rbest, ri = _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, start,
+                                            w0, vocab, temp, thr, Q, SCALE, HAS_THR, RACE,
+                                            EXT_NOISE)
+        m, s, best, bi, rbest, ri = _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr,
+                                            start + Q, w1, vocab, temp, thr, Q, SCALE, HAS_THR,
+                                            RACE, EXT_NOISE)
+        m, s, best, bi, rbest, ri = _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr,
+                                            start + 2 * Q, w2, vocab, temp, thr, Q, SCALE,
+                                            HAS_THR, RACE, EXT_NOISE)
+        m, s, best, bi, rbest, ri = _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr,
+                                            start + 3 * Q, w3, vocab, temp, thr, Q, SCALE,
+                                            HAS_THR, RACE, EXT_NOISE)
     top = tl.max(m, axis=0)
     anchor = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - anchor)), axis=0)
@@ -177,61 +163,70 @@ def _pick(values, jj, j):
 
 
 @triton.jit
-def _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy, vocab, temp, thr,
-                    WPAD: tl.constexpr, SCALE: tl.constexpr, HAS_THR: tl.constexpr,
-                    RACE: tl.constexpr):
-    """(first accepted child's column, or WPAD; the children's logprobs) at the current row:
-    greedy takes the child equal to the argmax, sampling tries each child in column order
-    against the mass not yet rejected, in float64 as the reference does."""
+def _accepted_child(row_ptr, toks, kids, jj, lse, winner, vocab, temp, thr, WPAD: tl.constexpr,
+                    SCALE: tl.constexpr, HAS_THR: tl.constexpr):
+    """(column of the first child carrying the row's sampled token ``winner``, or WPAD; the
+    children's logprobs) at the current row."""
     kx, ky = _scaled(row_ptr, tl.where(kids, toks, 0), vocab, temp, thr, SCALE, HAS_THR)
     klogp = tl.where(kids, ky - lse, 0.0)
-    hit = kids & ~dup & (toks == amax)
-    if RACE:
-        p = tl.where(kids & ~dup, _exp64(klogp.to(tl.float64)), 0.0)
-        left = tl.maximum(1.0 - (tl.cumsum(p, axis=0) - p), 0.0)
-        take = (p > 0) & ((u_node.to(tl.float64) * left < p) | (p >= left * CERTAIN))
-        hit = tl.where(greedy, hit, take)
+    hit = kids & (toks == winner)
     return tl.min(tl.where(hit, jj, WPAD), axis=0), klogp
 
 
-# Seeds and the tree width change from call to call: specialising on them (== 1, % 16) would
-# compile the kernels again in the middle of a rollout.
-@triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg"])
-def _row_stats_kernel(logits_ptr, stride_row, temp_scalar, thr_ptr, noise_ptr, k0_arg, k1_arg,
-                      c2_arg, c3_arg, stats_ptr, vocab, Q: tl.constexpr, SCALE: tl.constexpr,
-                      HAS_THR: tl.constexpr, RACE: tl.constexpr, EXT_NOISE: tl.constexpr):
-    """Program r makes the walk's first pass over row r (``_row_pass``, one temperature for
-    all rows) and stores (lse as float32 bits, argmax, race winner) at ``stats[r]``: the same
-    code on the same inputs, so the walk reads exactly what its own pass would compute."""
-    row = tl.program_id(0).to(tl.int64)
-    temp = tl.where(temp_scalar == 0.0, 1.0, temp_scalar)
-    thr = -float("inf")
-    if HAS_THR:
-        thr = tl.load(thr_ptr + row)
-    lse, amax, ridx = _row_pass(logits_ptr + row * stride_row, noise_ptr + row * vocab,
-                                k0_arg.to(tl.uint32, bitcast=True), k1_arg.to(tl.uint32, bitcast=True),
-                                c2_arg.to(tl.uint32, bitcast=True), c3_arg.to(tl.uint32, bitcast=True),
-                                row, vocab, temp, thr, stats_ptr, stats_ptr, 0, 0, Q, SCALE,
-                                HAS_THR, RACE, EXT_NOISE, False)
-    tl.store(stats_ptr + row * 3, lse.to(tl.int32, bitcast=True))
-    tl.store(stats_ptr + row * 3 + 1, amax)
-    tl.store(stats_ptr + row * 3 + 2, ridx)
+@triton.jit
+def _request_key(seed_ptr, b):
+    """Philox key words (k0, k1) of request b's seed."""
+    seed = tl.load(seed_ptr + b)
+    return (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
 
-@triton.jit(do_not_specialize=["k0_arg", "k1_arg", "c2_arg", "c3_arg", "width"])
+# The tree width changes from call to call: specialising on it (== 1, % 16) would compile the
+# kernels again in the middle of a rollout.
+@triton.jit(do_not_specialize=["width"])
+def _row_stats_kernel(logits_ptr, stride_row, pcol_ptr, rowidx_ptr, width, temp_scalar, thr_ptr,
+                      noise_ptr, seed_ptr, pos_ptr, stats_ptr, vocab, Q: tl.constexpr,
+                      SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
+                      EXT_NOISE: tl.constexpr):
+    """Program (b, c) makes the walk's first pass over the row of request b's column c, if it
+    holds a node (``_row_pass``, one temperature for all rows), and stores (lse as float32
+    bits, argmax, race winner) at ``stats[row]``: the same code on the same inputs (the row's
+    position is the root's plus the column's depth), so the walk reads exactly what its own pass
+    would compute."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    cell0 = b.to(tl.int64) * width
+    if (c == 0) | (tl.load(pcol_ptr + cell0 + c) >= 0):
+        row = tl.load(rowidx_ptr + cell0 + c)
+        depth = 0
+        up = c
+        while up > 0:  # a few parent hops: columns are topological, parents come first
+            up = tl.load(pcol_ptr + cell0 + up).to(tl.int32)
+            depth += 1
+        temp = tl.where(temp_scalar == 0.0, 1.0, temp_scalar)
+        thr = -float("inf")
+        if HAS_THR:
+            thr = tl.load(thr_ptr + row)
+        k0, k1 = _request_key(seed_ptr, b)
+        pos = tl.load(pos_ptr + b) + depth
+        lse, amax, ridx = _row_pass(logits_ptr + row * stride_row, noise_ptr + row * vocab, k0,
+                                    k1, pos, vocab, temp, thr, Q, SCALE, HAS_THR, RACE, EXT_NOISE)
+        tl.store(stats_ptr + row * 3, lse.to(tl.int32, bitcast=True))
+        tl.store(stats_ptr + row * 3 + 1, amax)
+        tl.store(stats_ptr + row * 3 + 2, ridx)
+
+
+@triton.jit(do_not_specialize=["width"])
 def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, temp_ptr,
-                 temp_scalar, thr_ptr, unode_ptr, noise_ptr, k0_arg, k1_arg, c2_arg, c3_arg,
-                 stats_ptr, out_ptr, vocab, Q: tl.constexpr, WPAD: tl.constexpr,
-                 PER_REQ_TEMP: tl.constexpr, SCALE: tl.constexpr, HAS_THR: tl.constexpr,
-                 RACE: tl.constexpr, EXT_NOISE: tl.constexpr, PRE: tl.constexpr):
+                 temp_scalar, thr_ptr, noise_ptr, seed_ptr, pos_ptr, stats_ptr, out_ptr, vocab,
+                 Q: tl.constexpr, WPAD: tl.constexpr, PER_REQ_TEMP: tl.constexpr,
+                 SCALE: tl.constexpr, HAS_THR: tl.constexpr, RACE: tl.constexpr,
+                 EXT_NOISE: tl.constexpr, PRE: tl.constexpr):
     """Program b walks request b's tree from its root row (module docstring): accepted
     columns, emitted tokens and their logprobs go to ``out`` (see ``launch_walk``). With PRE,
     each row's first pass was made by ``_row_stats_kernel`` and is read from ``stats``."""
     b = tl.program_id(0)
-    k0 = k0_arg.to(tl.uint32, bitcast=True)
-    k1 = k1_arg.to(tl.uint32, bitcast=True)
-    c2 = c2_arg.to(tl.uint32, bitcast=True)
-    c3 = c3_arg.to(tl.uint32, bitcast=True)
+    k0, k1 = _request_key(seed_ptr, b)
+    pos0 = tl.load(pos_ptr + b)
     if PER_REQ_TEMP:
         t_raw = tl.load(temp_ptr + b)
     else:
@@ -244,16 +239,6 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
     toks = tl.load(tok_ptr + cell0 + jj, mask=live, other=-1)
     pcols = tl.load(pcol_ptr + cell0 + jj, mask=live, other=-1)
     rows = tl.load(rowidx_ptr + cell0 + jj, mask=live, other=0)
-    # dup[j]: an earlier sibling carries the same token, so j has no mass left.
-    same = (pcols[:, None] == pcols[None, :]) & (toks[:, None] == toks[None, :])
-    dup = tl.max((same & (jj[None, :] < jj[:, None])).to(tl.int32), axis=1) > 0
-    if RACE:  # one uniform per node; unused draws do not change the law of the used ones
-        if EXT_NOISE:
-            u_node = tl.load(unode_ptr + rows - b - 1, mask=pcols >= 0, other=0.0)
-        else:
-            u_node = tl.uint_to_uniform_float(_philox_words(k0, k1, NODE_STREAM, rows, c2, c3)[0])
-    else:
-        u_node = tl.zeros([WPAD], tl.float32)
     out = out_ptr + b.to(tl.int64) * (1 + OUT_FIELDS * width)
     cur = 0
     n = 0
@@ -261,7 +246,6 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
     while walking:
         row = _pick(rows, jj, cur)
         row_ptr = logits_ptr + row * stride_row
-        noise_row = noise_ptr + row * vocab
         thr = -float("inf")
         if HAS_THR:
             thr = tl.load(thr_ptr + row)
@@ -270,12 +254,12 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
             amax = tl.load(stats_ptr + row * 3 + 1)
             ridx = tl.load(stats_ptr + row * 3 + 2)
         else:
-            lse, amax, ridx = _row_pass(row_ptr, noise_row, k0, k1, c2, c3, row, vocab, temp, thr,
-                                        tok_ptr + cell0, pcol_ptr + cell0, width, cur, Q, SCALE,
-                                        HAS_THR, RACE, EXT_NOISE, False)
+            lse, amax, ridx = _row_pass(row_ptr, noise_ptr + row * vocab, k0, k1, pos0 + n, vocab,
+                                        temp, thr, Q, SCALE, HAS_THR, RACE, EXT_NOISE)
+        winner = tl.where(greedy, amax, ridx)
         kids = (pcols == cur) & live
-        first, klogp = _accepted_child(row_ptr, toks, kids, dup, u_node, jj, lse, amax, greedy,
-                                       vocab, temp, thr, WPAD, SCALE, HAS_THR, RACE)
+        first, klogp = _accepted_child(row_ptr, toks, kids, jj, lse, winner, vocab, temp, thr,
+                                       WPAD, SCALE, HAS_THR)
         if first < WPAD:
             tl.store(out + 1 + n, first)
             tl.store(out + 1 + width + n, _pick(toks, jj, first).to(tl.int32))
@@ -283,15 +267,8 @@ def _walk_kernel(logits_ptr, stride_row, tok_ptr, pcol_ptr, rowidx_ptr, width, t
             n += 1
             cur = first
         else:
-            bonus = tl.where(greedy, amax, ridx)
-            if RACE:
-                clash = tl.max((kids & (toks == ridx)).to(tl.int32), axis=0) > 0
-                if clash & (t_raw != 0.0):  # the winner was rejected: race the rest again
-                    _, _, bonus = _row_pass(row_ptr, noise_row, k0, k1, c2, c3, row, vocab, temp,
-                                            thr, tok_ptr + cell0, pcol_ptr + cell0, width, cur,
-                                            Q, SCALE, HAS_THR, RACE, EXT_NOISE, True)
-            bx, by = _scaled(row_ptr, bonus, vocab, temp, thr, SCALE, HAS_THR)
-            tl.store(out + 1 + width + n, bonus.to(tl.int32))
+            bx, by = _scaled(row_ptr, winner, vocab, temp, thr, SCALE, HAS_THR)
+            tl.store(out + 1 + width + n, winner.to(tl.int32))
             tl.store(out + 1 + 2 * width + n, (by - lse).to(tl.int32, bitcast=True))
             walking = False
     tl.store(out, n)
@@ -344,13 +321,11 @@ def _threshold_kernel(logits_ptr, stride_row, cand_ptr, stride_c, ncand, pcol_pt
         ym = tl.max(tl.where(kept, y, -float("inf")), axis=0)
         lse = ym + tl.log(tl.sum(tl.where(kept, tl.exp(y - ym), 0.0), axis=0))
         if (k >= vocab) & (p < 1.0):  # the top-p mass is relative to the whole row
-            lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, 0, row, vocab, temp, 0.0,
-                                  pcol_ptr, pcol_ptr, width, 0, Q, SCALE, False, False, False,
-                                  False)
+            lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, vocab, temp, 0.0, Q, SCALE,
+                                  False, False, False)
         if beyond & (p < 1.0):  # ties of the k-th value past the candidates count too
-            lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, 0, row, vocab, temp, thr_k,
-                                  pcol_ptr, pcol_ptr, width, 0, Q, SCALE, True, False, False,
-                                  False)
+            lse, _, _ = _row_pass(row_ptr, logits_ptr, 0, 0, 0, vocab, temp, thr_k, Q, SCALE,
+                                  True, False, False)
         # With that normaliser the cut is exact even then: if the candidates' mass stays below
         # top_p, only ties of the k-th value remain, so the cut is thr_k (max below).
         probs = tl.where(kept, tl.exp(y - lse), 0.0)
@@ -426,11 +401,6 @@ def _top_values_kernel(logits_ptr, stride_row, buf_ptr, ncand, flag_ptr, vocab,
     tl.store(flag_ptr + row, over.to(tl.int32))
 
 
-def _quarter_block(vocab: int) -> int:
-    """Q: a row is read in blocks of 4 * Q columns, one Philox call per four columns."""
-    return max(16, min(1024, triton.next_power_of_2(-(-vocab // 4))))
-
-
 def _warps(q: int) -> int:
     """Warps per walk program: 16 at Q = 1024 (one element per thread and sub-block, 16 KB of
     loads in flight per iteration, 104 registers, no spills on sm_90), fewer for small rows."""
@@ -448,17 +418,16 @@ def walk_pad(width: int) -> int:
 
 def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Tensor,
                 row_index: torch.Tensor, temp: float | torch.Tensor, thr: torch.Tensor | None,
-                keys: tuple[int, int, int, int], out: torch.Tensor, race: bool,
-                noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                keys: NoiseKeys, out: torch.Tensor, race: bool,
+                noise: torch.Tensor | None = None) -> None:
     """Walk every request's tree on the device; fills ``out`` int32[B, 1 + 3W] (row b: number
     accepted n, then W accepted columns, W emitted tokens, W emitted logprobs as float32 bits;
     the first n, n + 1, n + 1 slots are meaningful).
 
     ``tokens``/``parent_col``/``row_index`` are [B, W] as in TreeInputs; ``temp`` is one raw
     temperature or float32[B] (0 = greedy); ``thr`` float32[R] truncation thresholds or None;
-    ``keys`` four int32-range Philox words (see ``philox_keys``); ``race`` is False only when
-    every request is greedy; ``noise`` (tests) replaces Philox: (uniforms per node [N],
-    uniforms per row and token [R, V]).
+    ``keys`` the requests' noise keys (noise.py); ``race`` is False only when every request is
+    greedy; ``noise`` (tests) replaces the keyed draws with uniforms per row and token [R, V].
 
     A walk reads its rows one after another, each pass over the vocabulary waiting for the
     last. Where every row's pass fits in ``PRE_STATS_WAVES`` waves of one program per SM (small
@@ -469,25 +438,24 @@ def launch_walk(logits: torch.Tensor, tokens: torch.Tensor, parent_col: torch.Te
         logits = logits.contiguous()
     num_req, width = tokens.shape
     per_req = isinstance(temp, torch.Tensor)
-    q = _quarter_block(logits.shape[1])
+    q = quarter_block(logits.shape[1])
     scale = per_req or float(temp) not in (0.0, 1.0)
     pre = width > 1 and not per_req and logits.shape[0] <= PRE_STATS_WAVES * _sm_count(logits.device)
     stats = out
+    noise_arg = noise if noise is not None else out
     if pre:
         stats = torch.empty((logits.shape[0], 3), dtype=torch.int32, device=logits.device)
-        _row_stats_kernel[(logits.shape[0],)](
-            logits, logits.stride(0), float(temp), thr if thr is not None else out,
-            noise[1] if noise is not None else out, *keys, stats, logits.shape[1],
-            Q=q, SCALE=scale, HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None,
-            num_warps=_warps(q),
+        _row_stats_kernel[(num_req, width)](
+            logits, logits.stride(0), parent_col, row_index, width, float(temp),
+            thr if thr is not None else out, noise_arg, keys.seeds, keys.positions, stats,
+            logits.shape[1], Q=q, SCALE=scale, HAS_THR=thr is not None, RACE=race,
+            EXT_NOISE=noise is not None, num_warps=_warps(q),
         )
     _walk_kernel[(num_req,)](
         logits, logits.stride(0), tokens, parent_col, row_index, width,
         temp if per_req else out, 0.0 if per_req else float(temp),
-        thr if thr is not None else out,
-        noise[0] if noise is not None else out, noise[1] if noise is not None else out,
-        *keys, stats, out, logits.shape[1],
-        Q=q, WPAD=walk_pad(width), PER_REQ_TEMP=per_req, SCALE=scale,
+        thr if thr is not None else out, noise_arg, keys.seeds, keys.positions, stats, out,
+        logits.shape[1], Q=q, WPAD=walk_pad(width), PER_REQ_TEMP=per_req, SCALE=scale,
         HAS_THR=thr is not None, RACE=race, EXT_NOISE=noise is not None, PRE=pre,
         num_warps=_warps(q),
     )
@@ -511,7 +479,7 @@ def _select_shape(vocab: int, ncand: int) -> tuple[int, int, int] | None:
     """(Q, G, CAP) of ``_top_values`` for ``ncand`` candidates, or None when it cannot rank
     that many. Four times as many groups as candidates keeps collisions (two of the top values
     in one group) few, so the gathered set stays near ncand; CAP leaves room for them."""
-    q = _quarter_block(vocab)
+    q = quarter_block(vocab)
     if not 1 <= ncand <= min(SELECT_MAX, q):
         return None
     cap = max(64, 4 * triton.next_power_of_2(ncand))
@@ -551,7 +519,7 @@ def launch_thresholds(logits: torch.Tensor, ncand: int, parent_col: torch.Tensor
         candidates = torch.empty(logits.shape[0], cpad, dtype=torch.float32,
                                  device=logits.device)
     else:
-        q, g, cpad = _quarter_block(vocab), 1, max(2, triton.next_power_of_2(ncand))
+        q, g, cpad = quarter_block(vocab), 1, max(2, triton.next_power_of_2(ncand))
     per_req = isinstance(params[0], torch.Tensor)
     scalars = (0.0, 0, 1.0) if per_req else (float(params[0]), int(params[1]), float(params[2]))
     ptrs = params if per_req else (thr, thr, thr)
@@ -561,22 +529,3 @@ def launch_thresholds(logits: torch.Tensor, ncand: int, parent_col: torch.Tensor
         Q=q, G=g, CPAD=cpad, PER_REQ=per_req, SCALE=per_req or scalars[0] not in (0.0, 1.0),
         SELECT=g > 1, num_warps=_warps(q),
     )
-
-
-_TAG = 0x2545F491  # in counter word 3: keeps our Philox counters apart from torch's own
-
-
-def philox_keys(generator: torch.Generator | None, device: torch.device) -> tuple[int, ...]:
-    """Four Philox words (key from the generator's seed, counter from its offset, which is
-    advanced so the next call draws fresh numbers), each as an int32-range int."""
-    if generator is None:
-        generator = (torch.cuda.default_generators[device.index or torch.cuda.current_device()]
-                     if device.type == "cuda" else torch.default_generator)
-    if generator.device.type == "cuda":
-        seed, offset = generator.initial_seed(), generator.get_offset()
-        generator.set_offset(offset + 4)
-    else:  # CPU generators (interpreter tests) have no offset: draw the counter from them
-        seed = generator.initial_seed()
-        offset = int(torch.randint(0, 2**62, (1,), generator=generator))
-    words = (seed, seed >> 32, offset, (offset >> 32) ^ _TAG)
-    return tuple(((w & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for w in words)

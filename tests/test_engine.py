@@ -163,6 +163,29 @@ def test_greedy_speculation_is_token_identical(pair, budget: int) -> None:
             assert accepted > 0
 
 
+@pytest.mark.parametrize("params", [SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5),
+                                    SamplingParams(n=2, temperature=0.7, top_k=20, top_p=0.9,
+                                                   max_new_tokens=16, seed=6)],
+                         ids=["t1.0", "t0.7_k20_p0.9"])
+def test_sampling_speculation_is_token_identical(pair, params: SamplingParams) -> None:
+    """Keyed noise: from the same seed, every drafter's speculative sampling emits exactly plain
+    sampling's tokens and logprobs, and plain sampling does not depend on the batch (one sample
+    at a time gives the same samples)."""
+    _, model = pair
+    prompts = mixed_prompts(10, seed=4)
+    plain = engine(model).generate(prompts, params)
+    alone = engine(model).generate(prompts, params, max_running=1)
+    assert [o.token_ids for o in alone] == [o.token_ids for o in plain]
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain[::2])}
+    for mode in ("oracle", "corrupt", "random"):
+        outs = engine(model, ScriptedDrafter(mode, truth), draft_budget=lambda b: 12).generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], mode
+        for o, p in zip(outs, plain):
+            np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-4)
+        if mode == "oracle":
+            assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
 def test_tpf_is_one_without_speculation(pair) -> None:
     _, model = pair
     outs = engine(model).generate(mixed_prompts(4), SamplingParams(temperature=0.0, max_new_tokens=9), progress=True)
@@ -648,7 +671,7 @@ def test_vectorised_commit_cuts_like_one_request_at_a_time() -> None:
         for _ in range(B):
             prompt = rng.integers(10, 20, int(rng.integers(1, max_len - 1))).tolist()
             params = SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(1, 12)))
-            s = Sequence(0, 0, 0, prompt, params, None, stops)
+            s = Sequence(0, 0, 0, prompt, params, None, stops, 0)
             s.output = rng.integers(10, 20, int(rng.integers(0, 4))).tolist()
             seqs.append(s)
             emitted.append(rng.integers(0, 12, int(rng.integers(1, 6))).tolist())

@@ -8,7 +8,7 @@ from rollout_spec.engine.sequence import Sequence
 
 
 def queue(sched: Scheduler, prompts: int, n: int) -> list[Sequence]:
-    seqs = [Sequence(p * n + i, p, i, [1, 2, 3], SamplingParams(n=n), p, frozenset())
+    seqs = [Sequence(p * n + i, p, i, [1, 2, 3], SamplingParams(n=n), p, frozenset(), 0)
             for p in range(prompts) for i in range(n)]
     for s in seqs:
         sched.add(s)

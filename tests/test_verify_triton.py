@@ -1,9 +1,9 @@
 """The fused walk kernel (verify_triton.py via verify_fused.py) against the torch reference.
 
-Given the same uniforms (injected in place of the kernel's Philox draws), the kernel must take
-every decision the reference takes: same accepted nodes, bonus tokens and logprobs, for greedy,
-sampling, truncation and mixed per-request parameters, duplicate siblings and rejected race
-winners. Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
+Given the same uniforms (injected in place of the keyed draws, or the keyed draws themselves),
+the kernel must take every decision the reference takes: same accepted nodes, bonus tokens and
+logprobs, for greedy, sampling, truncation and mixed per-request parameters, duplicate siblings
+and race winners no child carries. Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
 (TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed
 (CI's .venv has no triton). The law of the Philox draws is tested by test_verify_law.py with
 ROLLOUT_SPEC_TEST_DEVICE=cuda.
@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from rollout_spec import verify_fused as fused  # noqa: E402
 from rollout_spec.config import SamplingParams  # noqa: E402
+from rollout_spec.noise import NoiseKeys  # noqa: E402
 from rollout_spec.sampling import SamplingTable  # noqa: E402
 from rollout_spec.tree import DraftBatch, build_tree_inputs  # noqa: E402
 from rollout_spec.verify import verify, verify_torch  # noqa: E402
@@ -65,20 +66,27 @@ def friendly_logits(batch: DraftBatch, vocab: int, seed: int) -> torch.Tensor:
     return logits
 
 
-def both_paths(logits, batch, params, seed, tree=None):
-    """(kernel, reference) HostVerifyResults on the same injected uniforms."""
-    table = SamplingTable.from_params(params, batch.num_requests)
+def keys_of(num_req: int, seed: int) -> NoiseKeys:
+    """Seeded noise keys at scattered root positions."""
     gen = torch.Generator().manual_seed(seed)
-    noise = (torch.rand(batch.num_nodes, generator=gen).to(DEVICE),
-             torch.rand(logits.shape, generator=gen).to(DEVICE))
+    return NoiseKeys(torch.randint(0, 2**62, (num_req,), generator=gen).to(DEVICE),
+                     torch.randint(0, 3000, (num_req,), generator=gen).to(DEVICE))
+
+
+def both_paths(logits, batch, params, seed, tree=None, keyed=False):
+    """(kernel, reference) HostVerifyResults on the same injected uniforms (``keyed``: on
+    the keyed draws both make themselves)."""
+    table = SamplingTable.from_params(params, batch.num_requests)
+    keys = keys_of(batch.num_requests, seed)
+    noise = None if keyed else torch.rand(logits.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     logits = logits.to(DEVICE)
     seen = []  # what on_walk's consumer (the engine's KV compaction) would read, when called
-    host, walk = fused.verify_fused(logits, batch, table, None, tree, noise=noise,
+    host, walk = fused.verify_fused(logits, batch, table, keys, tree, noise=noise,
                                     on_walk=lambda rows: seen.append(rows.clone()))
     # Called once, on the final rows (after any redo of the walk); they say what the host says.
     assert len(seen) == 1 and torch.equal(seen[0], walk)
     np.testing.assert_array_equal(walk[:, 0].cpu().numpy(), host.num_accepted)
-    return host, verify_torch(logits, batch, table, None, noise=noise)
+    return host, verify_torch(logits, batch, table, keys, noise=noise)
 
 
 def assert_same(got, ref) -> None:
@@ -99,14 +107,27 @@ def test_kernel_takes_the_reference_decisions(mode, vocab, pre_stats):
     assert_same(got, ref)
 
 
-def test_rejected_race_winners_are_raced_again(pre_stats):
-    """Many final rows whose unconstrained race winner is a rejected child: the kernel's second
-    pass over the other tokens must give the reference's residual draw."""
+def test_race_winners_no_child_carries_are_the_bonus(pre_stats):
+    """Wide roots on a flat row: many walks end at the root with a winner that none of its four
+    children carries, and the kernel emits it as the reference does."""
     batch = DraftBatch.from_lists([[(t, -1) for t in range(4)]] * 24)  # wide roots, V=6
     logits = torch.zeros(batch.num_requests * 5, 6)
     got, ref = both_paths(logits, batch, SamplingParams(temperature=1.0), 3)
     assert_same(got, ref)
-    assert (ref.num_accepted == 0).sum() >= 3  # several roots rejected all four children
+    assert (ref.num_accepted == 0).sum() >= 3  # several roots drew one of tokens 4, 5
+    assert set(ref.bonus[ref.num_accepted == 0].tolist()) <= {4, 5}
+
+
+@pytest.mark.parametrize("mode", ["t1.0", "k5_p0.8", "mixed"])
+def test_kernel_draws_the_reference_keyed_noise(mode, pre_stats):
+    """Without injected uniforms both paths draw noise.py's keyed Philox uniforms (the kernel
+    with its own Philox calls, the reference with torch): same decisions."""
+    batch = random_batch(np.random.default_rng(11), num_req=12, max_size=7, vocab=6)
+    params = MODES[mode]
+    if isinstance(params, list):
+        params = [params[b % len(params)] for b in range(batch.num_requests)]
+    got, ref = both_paths(friendly_logits(batch, 300, 11), batch, params, 11, keyed=True)
+    assert_same(got, ref)
 
 
 @pytest.mark.parametrize("case", ["flat_top_p", "ties_cut_by_top_k", "ties_then_top_p_inside"])
@@ -218,18 +239,19 @@ def test_bfloat16_logits_are_read_in_float32(pre_stats):
 
 @pytest.mark.parametrize("mode", ["greedy", "t0.7", "k5_p0.8"])
 def test_row_stats_up_front_change_no_outcome(mode, monkeypatch):
-    """With the kernel's own Philox draws, the walk decides the same whether it makes its row
-    passes itself or reads them from ``_row_stats_kernel``: bit-equal walk rows."""
+    """With the keyed draws, the walk decides the same whether it makes its row
+    passes itself or reads them from ``_row_stats_kernel``: bit-equal outcomes."""
     from rollout_spec import verify_triton
 
     batch = random_batch(np.random.default_rng(9), num_req=12, max_size=7, vocab=6)
     logits = friendly_logits(batch, 300, 9).to(DEVICE)
-    walks = []
+    outcomes = []
     for waves in (0, 1 << 30):
         monkeypatch.setattr(verify_triton, "PRE_STATS_WAVES", waves)
         gen = torch.Generator(device=DEVICE).manual_seed(5)
-        walks.append(verify(logits, batch, MODES[mode], gen, backend="triton").walk.cpu())
-    assert torch.equal(walks[0], walks[1])
+        outcomes.append(verify(logits, batch, MODES[mode], gen, backend="triton").host)
+    assert_same(*outcomes)
+    np.testing.assert_array_equal(outcomes[0].emitted_logprobs, outcomes[1].emitted_logprobs)
 
 
 def test_seeded_runs_reproduce_and_seeds_matter():

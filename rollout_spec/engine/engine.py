@@ -25,7 +25,8 @@ from rollout_spec.engine.runner import ModelRunner
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.engine.shadow_acceptance import ShadowAcceptance
-from rollout_spec.tree import DraftBatch
+from rollout_spec.noise import NoiseKeys
+from rollout_spec.tree import DraftBatch, to_device
 from rollout_spec.verify import VerifyResult, verify
 
 DraftBudget = Callable[[int], Union[int, Seq[int], np.ndarray]]
@@ -266,15 +267,16 @@ class RolloutEngine:
         if self.drafter is not None:  # the property hands over everything pending first
             self._drafter.end_step()
 
-    def step(self, sched: Scheduler, generator: torch.Generator) -> list[Sequence]:
-        """One engine iteration (prefill of admitted samples, else one decode); returns finished."""
+    def step(self, sched: Scheduler) -> list[Sequence]:
+        """One engine iteration (prefill of admitted samples, else one decode); returns finished.
+        Every sample draws its noise by its own ``seed`` (noise.py)."""
         groups = sched.admit()
         if groups:
             t0 = self.clock()
-            self._prefill(groups, generator, len(sched.running))
+            self._prefill(groups, len(sched.running))
             self.phase_seconds["prefill"] += self.clock() - t0
         else:
-            self._decode(sched.running, generator)
+            self._decode(sched.running)
         finished = sched.release_finished()
         if sched.done:  # the call is over: the budget and the drafter get everything
             self._account_last()
@@ -287,7 +289,7 @@ class RolloutEngine:
                     self._shadow.harvest(observe)  # every round's requests have finished
         return finished
 
-    def _prefill(self, groups: list[list[Sequence]], generator: torch.Generator, num_running: int) -> None:
+    def _prefill(self, groups: list[list[Sequence]], num_running: int) -> None:
         """Prefill the admitted groups; the drafter indexes their prompts meanwhile: on the
         worker where plain steps of ``num_running`` requests use it (a large admission's
         indexing can outlast the forward), else on this thread while the GPU works."""
@@ -297,16 +299,19 @@ class RolloutEngine:
             self._queue.use_worker(num_running >= self.worker_min_batch)
             self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
                                [s.prompt for s in seqs], [s.group_id for s in seqs])
-        rows = torch.as_tensor([i for i, g in enumerate(groups) for _ in g], device=self.device)
-        res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs), generator,
-                     backend=self.verify_backend)
+        rows, seeds, last = to_device([np.array([i for i, g in enumerate(groups) for _ in g]),
+                                       np.array([s.seed for s in seqs], np.int64),
+                                       np.array([len(s.prompt) - 1 for s in seqs], np.int64)],
+                                      self.device)
+        res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs),
+                     keys=NoiseKeys(seeds, last), backend=self.verify_backend)
         zeros = np.zeros(len(seqs), np.int64)
         run = RunningBatch(zeros, np.array([len(s.prompt) for s in seqs], np.int64), zeros, zeros,
                            np.array([s.req_id for s in seqs], np.int64),
                            np.array([s.params.max_new_tokens for s in seqs], np.int64))
         self._commit(seqs, res, None, run)
 
-    def _decode(self, seqs: list[Sequence], generator: torch.Generator) -> None:
+    def _decode(self, seqs: list[Sequence]) -> None:
         """One propose -> forward -> verify -> commit step."""
         t0 = self.clock()
         run = RunningBatch.of(seqs)
@@ -323,8 +328,8 @@ class RolloutEngine:
             self._drafting_shadow(seqs, run)
         # With drafts, the fused walk hands its rows to the KV compaction before the readback.
         compact = self.runner.compact_kv if batch.num_nodes else None
-        res = verify(logits, batch, _params_of(seqs), generator, tree=tree, backend=self.verify_backend,
-                     on_walk=compact)
+        res = verify(logits, batch, _params_of(seqs), keys=self.runner.noise_keys(), tree=tree,
+                     backend=self.verify_backend, on_walk=compact)
         t2 = self.clock()
         accepted = self._commit(seqs, res, batch, run)
         t3 = self.clock()

@@ -16,6 +16,7 @@ from rollout_spec.engine.cuda_graphs import (GraphLadder, prefill_input_specs, p
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import StepContext, Transformer
 from rollout_spec.engine.sequence import Sequence
+from rollout_spec.noise import NoiseKeys
 from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs, host_tree_inputs, to_device
 
 
@@ -46,6 +47,8 @@ class ModelRunner:
         self.prefill_graphs: Optional[GraphLadder] = None  # captured prefill buckets (CUDA only)
         self._ones: Optional[Tensor] = None
         self._step_rows: Optional[tuple[Tensor, Tensor]] = None  # last verify's (slot, ctx_len) on the device
+        # The noise seed of the sequence in each slot (written at its prefill), for noise_keys.
+        self.slot_seeds = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
         self._logit_buf: Optional[Tensor] = None  # [rows, V] in the model's dtype, grown on demand
 
     def capture_graphs(self, batch_sizes: list[int], widths: list[int],
@@ -90,7 +93,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, groups: list[list[Sequence]]) -> Tensor:
-        """Run each group's prompt once into its first slot, copy it to the others.
+        """Run each group's prompt once into its first slot, copy it to the others, and note
+        every sequence's noise seed in its slot (``noise_keys``).
 
         Returns logits ``[G, V]`` of each prompt's last token (model dtype, see ``_logits``).
         """
@@ -113,6 +117,8 @@ class ModelRunner:
             last = self._prefill_step({name: self._long(a) for name, a in host.items()})
         for g, n in zip(groups, lens):
             self.cache.copy_prefix(g[0].slot, self._long([s.slot for s in g[1:]]), n)
+        slots, seeds = self._long([[s.slot, s.seed] for g in groups for s in g]).T
+        self.slot_seeds[slots] = seeds
         self.prefill_tokens += sum(lens)
         return self._logits(last, keep=G)
 
@@ -226,6 +232,13 @@ class ModelRunner:
         if moved.any():
             index = self._long(np.stack([np.repeat(slots, counts)[moved], src[moved], dst[moved]]))
             self.cache.move(index[0], index[1], index[2])
+
+    def noise_keys(self) -> NoiseKeys:
+        """The noise keys of the last ``verify_forward``'s requests: their slots' seeds, and
+        their roots' positions (the context lengths), already on the device."""
+        assert self._step_rows is not None, "noise_keys called before any verify_forward"
+        slot_t, ctx_t = self._step_rows
+        return NoiseKeys(self.slot_seeds[slot_t], ctx_t)
 
     def compact_kv(self, walk: Tensor) -> None:
         """``keep_accepted_kv`` on the device: one kernel reads the moves from the fused

@@ -23,6 +23,7 @@ class Sequence:
     params: SamplingParams
     group_id: Optional[int]  # the prompt's identity for the drafter's group scope
     stop_ids: frozenset[int]
+    seed: int  # keys the sample's noise (noise.py): its tokens do not depend on the batch or drafts
     slot: int = -1  # KV slot while running, -1 otherwise
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -1,0 +1,18 @@
+// The verifier's keyed sampling noise on the host (rollout_spec/noise.py gives the law and the
+// column layout; the Triton walk kernel draws the same bits on the GPU). The torch version of
+// Philox took 0.35 s for a 64-row race on two cores; this loop takes a few milliseconds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace rollout_spec {
+
+// Fill out[a * vocab + v] (num_rows rows) with the uniform in [0, 1) of column v of the row keyed
+// (seeds[a], positions[a]): word (v mod 4q) / q of Philox-4x32-10 at counter
+// (v / 4q * q + v mod q, pos_lo, pos_hi, tag) under key (seed_lo, seed_hi), converted as triton's
+// uint_to_uniform_float does.
+void race_uniforms(const int64_t* seeds, const int64_t* positions, size_t num_rows, size_t vocab,
+                   size_t q, uint32_t tag, float* out);
+
+}  // namespace rollout_spec

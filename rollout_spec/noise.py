@@ -1,0 +1,77 @@
+"""Sampling noise keyed by (request seed, position, token), the same on every step and batch.
+
+Verification samples each row's token by a Gumbel race (verify.py). Its uniforms come from
+Philox-4x32-10 with the request's seed as the key and the row's position (and the token's
+column) as the counter, not from a stream that advances with every call. A request at a given
+position therefore draws the same noise whether the row is a plain decode step's root, a draft
+node several levels deep, or a prefill's last token, and whatever else shares the batch: from
+the same logits, speculative and plain decoding emit the same tokens (RL runs reproduce with the
+drafter on or off, and engines can be compared on identical samples).
+
+Column layout (shared with verify_triton's kernel, which draws the same bits on the GPU): a row
+is read in super-blocks of 4Q columns (Q = ``quarter_block(V)``); column ``s + w * Q + i`` of the
+super-block at ``s`` takes word w of Philox's output for counter ``(s / 4 + i, pos_lo, pos_hi,
+NOISE_TAG)`` under key ``(seed_lo, seed_hi)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+NOISE_TAG = 0x5EED0C0F  # counter word 3: sets these draws apart from other uses of Philox
+
+
+def quarter_block(vocab: int) -> int:
+    """Q of the column layout: the smallest power of two >= V / 4, within [16, 1024]."""
+    need = max(1, -(-vocab // 4))
+    return max(16, min(1024, 1 << (need - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class NoiseKeys:
+    """What keys each request's noise in one ``verify`` call: its seed and the position of its
+    root row (a node at depth d uses position + d), int64[B] tensors on the logits' device."""
+
+    seeds: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def fresh(generator: torch.Generator | None, num_requests: int,
+              device: torch.device) -> "NoiseKeys":
+        """Independent keys for one call that has none of its own: seeds drawn from
+        ``generator`` (seeded calls reproduce), positions 0."""
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        seeds = torch.randint(0, 2**62, (num_requests,), generator=generator, device=gen_device)
+        return NoiseKeys(seeds.to(device), torch.zeros(num_requests, dtype=torch.int64, device=device))
+
+    def check(self, num_requests: int, device: torch.device) -> None:
+        """ValueError naming the field unless both are int64[num_requests] on ``device``."""
+        for name in ("seeds", "positions"):
+            t = getattr(self, name)
+            if (not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != (num_requests,)
+                    or t.device != device):
+                got = (f"{t.dtype}{list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"keys.{name} must be int64[{num_requests}] on {device}, got {got}")
+
+
+def sample_seed(call_seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of prompt ``prompt_index`` in a call seeded
+    ``call_seed``: splitmix64's finaliser over the three, in [0, 2**63)."""
+    z = (call_seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9
+         + sample_index * 0x94D049BB133111EB + 0x632BE59BD9B4E019) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1
+
+
+def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32[A, V] on the keys' device: the uniforms of rows keyed (seeds[a], positions[a]),
+    every column (computed by the native core on the host)."""
+    from rollout_spec import _core
+
+    host = [np.ascontiguousarray(t.cpu().numpy(), np.int64) for t in (seeds, positions)]
+    u = _core.race_uniforms(*host, vocab, quarter_block(vocab), NOISE_TAG)
+    return torch.from_numpy(u).to(seeds.device)
