@@ -136,7 +136,9 @@ class SamplingParams:
     """Tokens that end a sample (kept in the output); None means the model's EOS."""
     seed: Optional[int] = 0
     """Seed of the call's sampling noise: sample i of prompt p draws by ``noise.sample_seed(seed,
-    p, i)``, so identical calls reproduce, with or without a drafter. None draws fresh entropy."""
+    p, i)``, so identical calls reproduce, with or without a drafter. None draws fresh entropy.
+    Give each RL step its own seed (e.g. ``seed + step``): a fixed one races the same noise for
+    the same (prompt, sample) at every step."""
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1, 1 << 16)
