@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from rollout_spec.config import SamplingParams
+from rollout_spec.noise import NoiseKeys, race_uniforms, sample_seed
 from rollout_spec.tree import DraftBatch, build_tree_inputs
 from rollout_spec.verify import verify
 from test_tree import random_batch
@@ -143,6 +144,46 @@ def test_seeded_runs_reproduce_and_seeds_matter():
     assert torch.equal(runs[0].emitted_tokens, runs[1].emitted_tokens)
     assert torch.equal(runs[0].accepted_nodes, runs[1].accepted_nodes)
     assert not torch.equal(runs[0].emitted_tokens, runs[2].emitted_tokens)
+
+
+def test_keyed_draws_follow_the_key_not_the_batch():
+    """A request's tokens depend on its (seed, position) only: the same request alone, in a
+    batch of others, or as a tree node at that position draws the same token; another position
+    or seed draws other noise."""
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    sp = SamplingParams(temperature=1.0)
+    keys = NoiseKeys(torch.tensor([11, 12, 13, 14, 15, 16], device=DEVICE),
+                     torch.tensor([5, 9, 9, 0, 3, 7], device=DEVICE))
+    batch = verify(logits, DraftBatch.empty(6), sp, keys=keys).host.bonus
+    for b in range(6):
+        alone = NoiseKeys(keys.seeds[b : b + 1], keys.positions[b : b + 1])
+        assert verify(logits[b : b + 1], DraftBatch.empty(1), sp, keys=alone).host.bonus[0] == batch[b]
+    # Request 0 drafts the token it samples at position 5; its node row (position 6) then races
+    # the noise a plain step at position 6 would.
+    tree = DraftBatch.from_lists([[(int(batch[0]), -1)]])
+    rows = torch.stack([logits[0], logits[1]])
+    got = verify(rows, tree, sp, keys=NoiseKeys(keys.seeds[:1], keys.positions[:1])).host
+    plain = verify(logits[1:2], DraftBatch.empty(1), sp,
+                   keys=NoiseKeys(keys.seeds[:1], keys.positions[:1] + 1)).host
+    assert got.num_accepted[0] == 1 and got.emitted_tokens.tolist() == [batch[0], plain.bonus[0]]
+    u = race_uniforms(keys.seeds, keys.positions, vocab)
+    assert u.shape == (6, vocab) and float(u.min()) >= 0 and float(u.max()) < 1
+    assert torch.equal(u, race_uniforms(keys.seeds, keys.positions, vocab))
+    assert not torch.equal(u[0], race_uniforms(keys.seeds[:1], keys.positions[:1] + 1, vocab)[0])
+
+
+def test_sample_seeds_are_distinct_and_keys_are_checked():
+    seeds = {sample_seed(s, p, i) for s in (0, 1) for p in range(50) for i in range(8)}
+    assert len(seeds) == 800 and all(0 <= s < 2**63 for s in seeds)
+    logits = torch.randn(2, 7).to(DEVICE)
+    bad = [NoiseKeys(torch.zeros(3, dtype=torch.int64, device=DEVICE),
+                     torch.zeros(2, dtype=torch.int64, device=DEVICE)),
+           NoiseKeys(torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                     torch.zeros(2, dtype=torch.int32, device=DEVICE))]
+    for keys, field in zip(bad, ("keys.seeds", "keys.positions")):
+        with pytest.raises(ValueError, match=field):
+            verify(logits, DraftBatch.empty(2), SamplingParams(temperature=1.0), keys=keys)
 
 
 def test_prebuilt_tree_inputs_give_the_same_result():
