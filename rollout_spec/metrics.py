@@ -49,6 +49,9 @@ class SpecStats:
     drafter_us_per_request: Optional[float] = None
     index_tokens: Optional[int] = None
     index_bytes: Optional[int] = None
+    same_samples: Optional[int] = None
+    """Samples whose tokens equal the baseline's sample of the same (prompt, sample): with keyed
+    noise every one of them, except where the two forwards round a near-tie differently."""
 
     @property
     def spec_tokens_per_s(self) -> float:
@@ -67,6 +70,13 @@ class SpecStats:
         """Tokens/s with speculation over tokens/s without."""
         base = self.base_tokens_per_s
         return self.spec_tokens_per_s / base if base else None
+
+    @property
+    def same_rate(self) -> Optional[float]:
+        """Fraction of samples identical to the baseline's, if it ran."""
+        if self.same_samples is None or not self.num_requests:
+            return None
+        return self.same_samples / self.num_requests
 
     @property
     def tpf(self) -> float:
@@ -95,7 +105,7 @@ class SpecStats:
         """Plain fields plus derived figures, for JSON output."""
         out = asdict(self)
         for name in ("spec_tokens_per_s", "base_tokens_per_s", "speedup", "tpf", "accept_rate",
-                     "budget_used", "accept_by_depth"):
+                     "budget_used", "accept_by_depth", "same_rate"):
             out[name] = getattr(self, name)
         return out
 
@@ -151,6 +161,8 @@ def stats_from_outputs(
         depth_accepted=depths[1] if depths else _depth_counts(spec_outputs, "num_accepted_by_depth"),
         drafter_us_per_request=drafter.get("us_per_request"),
         index_tokens=drafter.get("index_tokens"), index_bytes=drafter.get("index_bytes"),
+        same_samples=None if base_outputs is None else sum(
+            list(a.token_ids) == list(b.token_ids) for a, b in zip(spec_outputs, base_outputs)),
     )
 
 
@@ -174,6 +186,7 @@ def wandb_metrics(stats: SpecStats) -> dict[str, float]:
     optional = {
         "spec/tokens_per_s_baseline": stats.base_tokens_per_s,
         "spec/speedup": stats.speedup,
+        "spec/same_samples": stats.same_rate,
         "spec/drafter_us_per_request": stats.drafter_us_per_request,
         "spec/index_tokens": stats.index_tokens,
         "spec/index_bytes": stats.index_bytes,
@@ -317,16 +330,19 @@ def _fmt(value: Optional[float], spec: str = ".2f", suffix: str = "") -> str:
 
 
 def step_table(stats: SpecStats) -> Any:
-    """A rich table of one step: tokens/s both ways, speedup, TPF, accept rate, reward."""
+    """A rich table of one step: tokens/s both ways, speedup, TPF, accept rate, reward, and how
+    many samples came out identical to the baseline's."""
     from rich.table import Table
 
     table = Table(title=f"step {stats.step}  ({stats.num_requests} requests)", title_justify="left")
-    for name in ("tok/s spec", "tok/s base", "speedup", "TPF", "accept", "budget used", "reward"):
+    for name in ("tok/s spec", "tok/s base", "speedup", "TPF", "accept", "budget used", "reward",
+                 "same samples"):
         table.add_column(name, justify="right")
+    same = "-" if stats.same_samples is None else f"{stats.same_samples}/{stats.num_requests}"
     table.add_row(
         _fmt(stats.spec_tokens_per_s, ".1f"), _fmt(stats.base_tokens_per_s, ".1f"),
         _fmt(stats.speedup, ".2f", "x"), _fmt(stats.tpf), _fmt(stats.accept_rate, ".1%"),
-        _fmt(stats.budget_used, ".1%"), _fmt(stats.mean_reward, ".3f"),
+        _fmt(stats.budget_used, ".1%"), _fmt(stats.mean_reward, ".3f"), same,
     )
     return table
 

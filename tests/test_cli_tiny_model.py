@@ -63,6 +63,8 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path):
     for r in rows:
         assert r["num_requests"] == 4 and 4 <= r["spec_tokens"] <= 64
         assert r["base_tokens"] is not None and r["speedup"] > 0
+        # Keyed noise, fp32 on the CPU: both passes sample exactly the same tokens.
+        assert r["same_samples"] == 4 and r["base_tokens"] == r["spec_tokens"]
         assert r["tpf"] >= 1.0 and 0.0 <= r["accept_rate"] <= 1.0
         assert r["mean_reward"] is not None
         assert r["drafter_us_per_request"] > 0

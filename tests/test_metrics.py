@@ -43,6 +43,10 @@ def test_figures_follow_design_definitions():
     # verl's per-sample means, not pooled ratios
     assert s.verl_accept_rate == pytest.approx((8 / 16 + 0 / 8) / 2)
     assert s.verl_accept_length == pytest.approx(((1 + 8 / 4) + (1 + 0)) / 2)
+    assert s.same_samples == 2 and s.same_rate == 1.0 and wandb_metrics(s)["spec/same_samples"] == 1.0
+    base[1].token_ids = [0, 1, 2, 9]  # the baseline drew another second sample
+    other = stats_from_outputs(0, _outputs(), 2.0, draft_budget=8, base_outputs=base, base_seconds=3.0)
+    assert other.same_samples == 1 and other.same_rate == 0.5
 
 
 def test_panels_use_verl_names_and_skip_unmeasured():
@@ -51,7 +55,7 @@ def test_panels_use_verl_names_and_skip_unmeasured():
     assert m["rollout/spec_accept_rate"] == s.verl_accept_rate
     assert m["rollout/spec_accept_length"] == s.verl_accept_length
     assert m["spec/tpf"] == s.tpf
-    assert "spec/speedup" not in m and "critic/score/mean" not in m
+    assert "spec/speedup" not in m and "critic/score/mean" not in m and "spec/same_samples" not in m
     assert not any(k.startswith("spec/accept_by_depth") for k in m)
 
 
