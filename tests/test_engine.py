@@ -515,6 +515,27 @@ def test_ngram_drafter_proposes_ahead_with_identical_outputs(pair, overlap: bool
     assert (stats[0]["proposals"], stats[0]["gathers"]) == (stats[1]["proposals"], stats[1]["gathers"])
 
 
+def test_plain_steps_before_a_drafting_step_draft_it_ahead(pair) -> None:
+    """A budget that alternates plain and drafting steps: every drafting step follows a plain
+    one, which (knowing the next step drafts) feeds the drafter at its commit and starts that
+    proposal, so drafting steps find their trees drafted ahead; outputs as without."""
+    _, model = pair
+    prompts = mixed_prompts(4, seed=14)
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, seed=7)
+    runs, stats = [], []
+    for ahead in (True, False):
+        asked = itertools.count()
+        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=8,
+                     draft_budget=lambda _n: 4 if next(asked) % 2 else 0)
+        eng.drafter.proposes_ahead = ahead
+        outs = eng.generate(prompts, params, group_ids=list(range(4)))
+        runs.append([(o.token_ids, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
+        stats.append(eng.drafter.stats())
+    assert runs[0] == runs[1] and sum(r[1] for r in runs[0]) > 0
+    # About half of the ~24 decode steps draft, each after a plain step that drafted it ahead.
+    assert stats[0]["ahead_hits"] >= 8 and stats[1]["ahead_hits"] == 0
+
+
 def test_prompts_reach_the_drafter_before_the_prefill_is_read_back(pair, monkeypatch) -> None:
     """A prefill hands the drafter its prompts right after launching the forward, so the
     indexing overlaps the GPU; verification (whose readback waits for the GPU) comes after."""
