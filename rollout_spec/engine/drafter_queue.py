@@ -128,7 +128,8 @@ class DrafterFeed:
     """Gives the drafter the engine's committed tokens: right away, or deferred to the next proposal.
 
     After a step that drafted, the next one most likely drafts too, so its tokens go to the
-    drafter at once (the next proposal needs them). After a step without drafts, feeding is
+    drafter at once (the next proposal needs them); so do a plain step's when the budget has
+    already said that the next step drafts. After other steps without drafts, feeding is
     pure overhead unless speculation switches back on, so the tokens stay in the sequences
     (``Sequence.fed`` counts the output tokens the drafter has) and ``ready`` hands them over
     in one batch before the next proposal; ``flush`` does so when a ``generate`` ends. The drafter sees
