@@ -489,6 +489,22 @@ def test_ngram_drafter_indexes_in_the_background_with_identical_outputs(pair) ->
     assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted: the drafter's index was read
 
 
+def runs_with_and_without_ahead(model, prompts, params, period: int, **kw) -> tuple[list, list]:
+    """Outputs (tokens, logprobs, drafted, accepted) and drafter stats of two engines whose
+    budget drafts 4 nodes except every ``period``-th step, the first drafter proposing ahead
+    and the second not."""
+    runs, stats = [], []
+    for ahead in (True, False):
+        asked = itertools.count()
+        eng = engine(model, SpecConfig(num_draft_tokens=4), **kw,
+                     draft_budget=lambda _n: 4 if next(asked) % period else 0)
+        eng.drafter.proposes_ahead = ahead
+        outs = eng.generate(prompts, params, group_ids=list(range(len(prompts))))
+        runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
+        stats.append(eng.drafter.stats())
+    return runs, stats
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_ngram_drafter_proposes_ahead_with_identical_outputs(pair, overlap: bool) -> None:
     """After a drafting step's extend the engine starts the next step's proposal on the core's
@@ -497,17 +513,9 @@ def test_ngram_drafter_proposes_ahead_with_identical_outputs(pair, overlap: bool
     not. Samples outnumber the slots, so prefills come between some drafting steps: those
     proposals are dropped (the next step asks for other requests), the rest are used."""
     _, model = pair
-    prompts = mixed_prompts(6, seed=13)
     params = SamplingParams(n=3, temperature=0.8, max_new_tokens=24, seed=6)
-    runs, stats = [], []
-    for ahead in (True, False):
-        asked = itertools.count()
-        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=6, overlap_drafter=overlap,
-                     draft_budget=lambda _n: 4 if next(asked) % 3 else 0)
-        eng.drafter.proposes_ahead = ahead
-        outs = eng.generate(prompts, params, group_ids=list(range(6)))
-        runs.append([(o.token_ids, o.logprobs, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
-        stats.append(eng.drafter.stats())
+    runs, stats = runs_with_and_without_ahead(model, mixed_prompts(6, seed=13), params, 3,
+                                              num_slots=6, overlap_drafter=overlap)
     assert runs[0] == runs[1]
     assert sum(r[3] for r in runs[0]) > 0  # drafts were accepted
     assert stats[0]["ahead_hits"] > 0 and stats[0]["ahead_dropped"] > 0
@@ -520,18 +528,9 @@ def test_plain_steps_before_a_drafting_step_draft_it_ahead(pair) -> None:
     one, which (knowing the next step drafts) feeds the drafter at its commit and starts that
     proposal, so drafting steps find their trees drafted ahead; outputs as without."""
     _, model = pair
-    prompts = mixed_prompts(4, seed=14)
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, seed=7)
-    runs, stats = [], []
-    for ahead in (True, False):
-        asked = itertools.count()
-        eng = engine(model, SpecConfig(num_draft_tokens=4), num_slots=8,
-                     draft_budget=lambda _n: 4 if next(asked) % 2 else 0)
-        eng.drafter.proposes_ahead = ahead
-        outs = eng.generate(prompts, params, group_ids=list(range(4)))
-        runs.append([(o.token_ids, o.num_draft_tokens, o.num_accepted_tokens) for o in outs])
-        stats.append(eng.drafter.stats())
-    assert runs[0] == runs[1] and sum(r[1] for r in runs[0]) > 0
+    runs, stats = runs_with_and_without_ahead(model, mixed_prompts(4, seed=14), params, 2)
+    assert runs[0] == runs[1] and sum(r[2] for r in runs[0]) > 0
     # About half of the ~24 decode steps draft, each after a plain step that drafted it ahead.
     assert stats[0]["ahead_hits"] >= 8 and stats[1]["ahead_hits"] == 0
 
