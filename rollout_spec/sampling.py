@@ -128,14 +128,13 @@ class RowStats:
     temp: float | torch.Tensor  # effective temperature (1 for greedy): a float, or float32[R, 1]
     lse: torch.Tensor  # float32[R]: log-normaliser of the masked scaled logits
     thr: torch.Tensor | None  # float32[R]: smallest kept scaled logit; None when nothing is cut
-    argmax: torch.Tensor | None  # int64[R]: argmax of the raw logits; None unless asked
 
 
 def row_stats(
-    logits: torch.Tensor, table: SamplingTable, rows_per_request: np.ndarray, want_argmax: bool,
+    logits: torch.Tensor, table: SamplingTable, rows_per_request: np.ndarray,
     temp_rows: torch.Tensor | None = None,
 ) -> RowStats:
-    """Normalisers (and truncation thresholds, argmaxes) of every row's target distribution.
+    """Normalisers (and truncation thresholds) of every row's target distribution.
 
     Row r belongs to the request that ``rows_per_request`` (int64[B], summing to R) assigns it.
     ``temp_rows`` is float32[R] of effective temperatures on the device when the table is not
@@ -167,8 +166,7 @@ def row_stats(
         thr = _truncation_threshold(scores, k_rows, p_rows, min(cands, vocab))
         # Out of place: with float32 logits and T = 1, scores still aliases the caller's logits.
         scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
-    argmax = logits.argmax(dim=-1) if want_argmax else None
-    return RowStats(temp=temp, lse=torch.logsumexp(scores, dim=-1), thr=thr, argmax=argmax)
+    return RowStats(temp=temp, lse=torch.logsumexp(scores, dim=-1), thr=thr)
 
 
 def effective_temperature(table: SamplingTable) -> np.ndarray:

@@ -188,8 +188,7 @@ def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable, 
     uploads = [nodes.parent_row, nodes.tok, temps, table.temperature == 0] + (
         [temp_rows] if temp_rows is not None else [])
     dev_arrays = to_device(uploads, dev)
-    stats = row_stats(logits, table, rows_per_req, False,
-                      dev_arrays[4] if temp_rows is not None else None)
+    stats = row_stats(logits, table, rows_per_req, dev_arrays[4] if temp_rows is not None else None)
     child_logit = logits[dev_arrays[0], dev_arrays[1]].float()
     child_logit, lse, thr = _fetch([child_logit, stats.lse, stats.thr])
     logp = _node_logprobs(nodes, temps, child_logit, lse, thr)

@@ -121,7 +121,7 @@ def _exact_thresholds(logits: torch.Tensor, table: SamplingTable, batch: DraftBa
     if not table.uniform:
         temps = np.repeat(effective_temperature(table), rows_per_req)
         temp_rows = torch.from_numpy(temps).to(logits.device)
-    return row_stats(logits, table, rows_per_req, False, temp_rows).thr
+    return row_stats(logits, table, rows_per_req, temp_rows).thr
 
 
 def _unpack(got: np.ndarray, width: int) -> HostVerifyResult:
