@@ -457,11 +457,10 @@ class RolloutEngine:
         built while this step commits. The next ``_propose`` asks for exactly these trees (the
         requests that did not end here, with ``_budgets``' caps after this step's tokens); after
         a prefill in between it asks for others, and the drafter proposes afresh (same drafts)."""
-        asked = self._asked[1] if self._asked is not None else 0
-        if np.ndim(asked) != 0 or int(asked) <= 0 or not proposes_ahead(self._drafter):
+        if not self._next_step_drafts():
             return
         alive = reason == 0
-        budgets = self._capped(asked, run.room(self.max_model_len)[alive] - keep[alive])
+        budgets = self._capped(self._asked[1], run.room(self.max_model_len)[alive] - keep[alive])
         self._queue.submit(self._drafter.propose_ahead, run.req_id[alive].tolist(), budgets)
 
     def _checked(self, batch: DraftBatch, budgets: np.ndarray) -> DraftBatch:
