@@ -293,6 +293,7 @@ NB_MODULE(_core, m) {
   m.doc() = "rollout-spec native core: multi-scope n-gram chain index and draft-tree proposals";
   m.attr("ABI_VERSION") = 3;
   m.attr("KEY_LENGTHS") = nb::make_tuple(4, 2, 1);
+  m.attr("RACE_TAG") = rollout_spec::kRaceTag;
   bind_config(m);
   m.def("tree_inputs", &tree_inputs, "offsets"_a, "tokens"_a, "parents"_a, "root_tokens"_a,
         "root_positions"_a, "width"_a);
@@ -316,6 +317,12 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         c.finish(ids.data(), ids.shape(0));
       })
+      .def("set_noise", [](DrafterCore& c, Vec<int64_t> ids, Vec<int64_t> seeds, Vec<double> temps, uint32_t q) {
+        if (seeds.shape(0) != ids.shape(0) || temps.shape(0) != ids.shape(0))
+          throw std::invalid_argument("seeds and temperatures must have len(req_ids) entries");
+        nb::gil_scoped_release release;
+        c.set_noise(ids.data(), seeds.data(), temps.data(), ids.shape(0), q);
+      }, "ids"_a, "seeds"_a, "temperatures"_a, "q"_a)
       .def("propose", &propose, "ids"_a, "budgets"_a = nb::none())
       .def("propose_lists", &propose_lists, "ids"_a, "budgets"_a = nb::none())
       .def("propose_ahead", [](DrafterCore& c, Vec<int64_t> ids, std::optional<Vec<int32_t>> budgets) {

@@ -20,11 +20,23 @@
 
 namespace rollout_spec {
 
+// The verifier's noise for one request's draft (rollout_spec/noise.py): the row at the draft's
+// root races at `position` (a node at depth d at position + d) under key `seed`, at sampling
+// `temperature` (> 0); q is the column layout's quarter block. seed < 0: the request's noise is
+// not known (greedy, or not told).
+struct RaceKey {
+  int64_t seed = -1;
+  int64_t position = 0;
+  uint32_t q = 0;
+  double temperature = 1.0;
+};
+
 class DraftBuilder {
  public:
   // Append the request's tree (at most `budget` nodes) to `out`, including its offsets entry.
+  // With a key, siblings are ranked by what they would score in the verifier's race (below).
   void build(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
-             const CoreConfig& cfg, int32_t budget, DraftOutput& out);
+             const CoreConfig& cfg, int32_t budget, DraftOutput& out, const RaceKey& key = {});
 
  private:
   // Make `node`'s children from its member occurrences and queue them on the frontier.
@@ -42,6 +54,12 @@ class DraftBuilder {
 
   // Queue the children nodes_[first_child..] just made from `parent` (the best room_ of them).
   void queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth);
+
+  // With a race key: set ratio_ to the children's chances of winning the verifier's race at
+  // the parent's row, whose noise is known, in place of their evidence ratios.
+  void race_ratios(const TrieNode& parent, int32_t first_child);
+  std::vector<double> ratio_;       // per child of the node being expanded: its factor
+  RaceKey key_;                     // the current build's
 
   std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power

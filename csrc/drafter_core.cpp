@@ -396,6 +396,21 @@ void DrafterCore::drop_matches() {
   }
 }
 
+void DrafterCore::set_noise(const int64_t* ids, const int64_t* seeds, const double* temperatures,
+                            size_t n, uint32_t q) {
+  for (size_t i = 0; i < n; ++i)
+    if (seeds[i] >= 0 && !(temperatures[i] > 0.0 && temperatures[i] <= 1e6))
+      throw std::invalid_argument("temperatures of seeded requests must be in (0, 1e6]");
+  auto lock = lock_to_change();
+  check_ids(ids, n, /*must_exist=*/true);
+  noise_q_ = q;
+  for (size_t i = 0; i < n; ++i) {
+    RequestState& req = requests_.find(ids[i])->second;
+    req.noise_seed = seeds[i] < 0 ? -1 : seeds[i];
+    req.noise_temperature = seeds[i] < 0 ? 1.0 : temperatures[i];
+  }
+}
+
 void DrafterCore::finish(const int64_t* ids, size_t n) {
   auto lock = lock_idle();
   check_ids(ids, n, /*must_exist=*/true);

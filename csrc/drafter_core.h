@@ -44,6 +44,12 @@ class DrafterCore {
   void extend_in_background(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                             size_t n);
   void finish(const int64_t* ids, size_t n);
+  // The verifier's noise keys of live requests (rollout_spec/noise.py: a seed per request, -1
+  // for none, the temperatures (> 0) their tokens are sampled at, and the quarter block q of
+  // the vocabulary's column layout): their proposals rank siblings by the race they will meet
+  // (DraftBuilder::race_ratios).
+  void set_noise(const int64_t* ids, const int64_t* seeds, const double* temperatures, size_t n,
+                 uint32_t q);
   // Start the proposal for (ids, budgets) on the background thread, behind any pending
   // indexing, and return at once (the engine calls it right after a drafting step's extend, so
   // the next step's proposal is made while it commits). The next propose with the same ids and
@@ -106,6 +112,12 @@ class DrafterCore {
   void lookup_slots(const RequestState& req, Lookup& lk) const;
   void lookup_heads(Lookup& lk) const;
   void lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) const;
+  // The race key of req's next proposal (none without a seed).
+  RaceKey race_key(const RequestState& req) const {
+    if (req.noise_seed < 0) return {};
+    return RaceKey{req.noise_seed, static_cast<int64_t>(view_[req.slot].size) - 1, noise_q_,
+                   req.noise_temperature};
+  }
   // Whether req's match state is missing, too thin or stale for another proposal.
   bool needs_gather(const RequestState& req) const;
   // Record that req.occ was just searched afresh (state flags and the gathers counter).
@@ -168,6 +180,7 @@ class DrafterCore {
   std::unordered_map<int32_t, ChainIndex> groups_;     // group scope indexes by group_id
   ChainIndex global_;                                  // global scope index
   int64_t step_ = 0;                                   // current RL step
+  uint32_t noise_q_ = 0;                               // the noise keys' quarter block (set_noise)
   uint64_t next_order_ = 0;                            // creation counter for eviction ties
   int64_t stored_tokens_ = 0;                          // tokens over all alive sequences
   int64_t evictions_ = 0;                              // sequences evicted so far

@@ -11,9 +11,11 @@
 namespace rollout_spec {
 
 namespace {
-// "RSSPADR4": one log per index, positions indexed once their next token exists (version 3 had
-// one log per key length and also indexed each sequence's last position).
-constexpr uint64_t kMagic = 0x3452444150535352ULL;
+// "RSSPADR5": one log per index, positions indexed once their next token exists (version 3 had
+// one log per key length and also indexed each sequence's last position); version 5 adds the
+// requests' noise keys to version 4, which is still read (its requests have none).
+constexpr uint64_t kMagic = 0x3552444150535352ULL;
+constexpr char kVersion = '5', kOldestVersion = '4';
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -60,6 +62,7 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
   put(os, step_);
   put(os, next_order_);
   put(os, evictions_);
+  put(os, noise_q_);
   put<uint64_t>(os, seqs_.size());
   for (const Sequence& s : seqs_) {
     put_vec(os, s.tokens);
@@ -79,6 +82,8 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
     put_vec(os, req.occ);  // the match state, so that the next proposals are the same
     put(os, req.since_gather);
     put<uint8_t>(os, req.gathered);
+    put(os, req.noise_seed);
+    put(os, req.noise_temperature);
   }
   put<uint64_t>(os, groups_.size());
   for (const auto& [g, index] : groups_) {
@@ -95,14 +100,17 @@ std::string DrafterCore::load(std::istream& is) {
   // The low 7 bytes spell "RSSPADR", the top byte the format version.
   if ((magic & 0x00FFFFFFFFFFFFFFULL) != (kMagic & 0x00FFFFFFFFFFFFFFULL))
     throw std::runtime_error("not a rollout-spec drafter checkpoint");
-  if (magic != kMagic)
-    throw std::runtime_error("drafter checkpoint of another format version (" +
-                             std::string(1, static_cast<char>(magic >> 56)) + ", this build reads " +
-                             std::string(1, static_cast<char>(kMagic >> 56)) + ")");
+  const char version = static_cast<char>(magic >> 56);
+  if (version < kOldestVersion || version > kVersion)
+    throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
+                             ", this build reads " + std::string(1, kOldestVersion) + " to " +
+                             std::string(1, kVersion) + ")");
+  const bool has_noise = version >= '5';
   std::vector<char> meta = get_vec<char>(is);
   step_ = get<int64_t>(is);
   next_order_ = get<uint64_t>(is);
   evictions_ = get<int64_t>(is);
+  noise_q_ = has_noise ? get<uint32_t>(is) : 0;
   seqs_.assign(get<uint64_t>(is), Sequence{});
   stored_tokens_ = 0;
   for (Sequence& s : seqs_) {
@@ -140,6 +148,10 @@ std::string DrafterCore::load(std::istream& is) {
         throw std::runtime_error("drafter checkpoint is corrupt (occurrence out of range)");
     req.since_gather = get<int32_t>(is);
     req.gathered = get<uint8_t>(is) != 0;
+    req.noise_seed = has_noise ? get<int64_t>(is) : -1;
+    req.noise_temperature = has_noise ? get<double>(is) : 1.0;
+    if (req.noise_seed < -1 || !(req.noise_temperature > 0.0 && req.noise_temperature <= 1e6))
+      throw std::runtime_error("drafter checkpoint is corrupt (noise key)");
   }
   groups_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {

@@ -245,7 +245,7 @@ void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutp
                 lookup_walk(*lk, req.occ);
                 mark_gathered(req);
               }
-              builder_.build(req.occ, view_, cfg_, budget, out);
+              builder_.build(req.occ, view_, cfg_, budget, out, race_key(req));
               left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
             });
 }
@@ -312,7 +312,7 @@ void DrafterCore::draft_one(size_t i, int32_t budget, int w, const Lookup* lk) {
     occ = &fresh_[i];
     part.fresh = true;
   }
-  workers_[w].builder.build(*occ, view_, cfg_, budget, mine);
+  workers_[w].builder.build(*occ, view_, cfg_, budget, mine, race_key(req));
 }
 
 void DrafterCore::commit_parallel(const int32_t* budgets, size_t n, DraftOutput& out) {

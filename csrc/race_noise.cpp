@@ -53,4 +53,13 @@ void race_uniforms(const int64_t* seeds, const int64_t* positions, size_t num_ro
   }
 }
 
+float race_uniform(int64_t seed, int64_t position, int32_t column, uint32_t q, uint32_t tag) {
+  const uint64_t sd = static_cast<uint64_t>(seed), pos = static_cast<uint64_t>(position);
+  const uint32_t v = static_cast<uint32_t>(column), in_block = v % (4 * q);
+  const uint32_t counter = (v - in_block) / 4 + in_block % q;
+  const Words r = philox(counter, static_cast<uint32_t>(pos), static_cast<uint32_t>(pos >> 32), tag,
+                         static_cast<uint32_t>(sd), static_cast<uint32_t>(sd >> 32));
+  return to_uniform(r.w[in_block / q]);
+}
+
 }  // namespace rollout_spec

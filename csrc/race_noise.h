@@ -8,11 +8,17 @@
 
 namespace rollout_spec {
 
+constexpr uint32_t kRaceTag = 0x5EED0C0Fu;  // noise.NOISE_TAG
+
 // Fill out[a * vocab + v] (num_rows rows) with the uniform in [0, 1) of column v of the row keyed
 // (seeds[a], positions[a]): word (v mod 4q) / q of Philox-4x32-10 at counter
 // (v / 4q * q + v mod q, pos_lo, pos_hi, tag) under key (seed_lo, seed_hi), converted as triton's
 // uint_to_uniform_float does.
 void race_uniforms(const int64_t* seeds, const int64_t* positions, size_t num_rows, size_t vocab,
                    size_t q, uint32_t tag, float* out);
+
+// The uniform of one column of one such row: race_uniforms' out[v] for the row keyed (seed,
+// position). The drafter reads it for the few tokens it may propose at a place (draft_builder.h).
+float race_uniform(int64_t seed, int64_t position, int32_t column, uint32_t q, uint32_t tag);
 
 }  // namespace rollout_spec

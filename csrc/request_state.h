@@ -27,6 +27,8 @@ struct RequestState {
   int32_t since_gather = 0;     // tokens committed since the last gather
   bool gathered = false;        // occ is valid (false after start, eviction, end_step)
   uint64_t call = 0;            // last call that named this request (repeated-id check)
+  int64_t noise_seed = -1;      // the verifier's noise key of its samples, -1 when not known
+  double noise_temperature = 1.0;  // ... and the temperature its tokens are sampled at
 };
 
 }  // namespace rollout_spec

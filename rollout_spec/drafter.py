@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 
 from rollout_spec import _core
-from rollout_spec.config import SpecConfig, check_int
+from rollout_spec.config import SpecConfig, check_float, check_int
 from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.tree import DraftBatch
 
@@ -149,6 +149,12 @@ def proposes_ahead(drafter: object) -> bool:
     return getattr(drafter, "proposes_ahead", False) is True
 
 
+def takes_noise_keys(drafter: object) -> bool:
+    """Whether ``drafter`` has ``set_noise_keys(req_ids, seeds, vocab_size)``, said by a
+    ``takes_noise_keys`` attribute that is True (``NgramDrafter``)."""
+    return getattr(drafter, "takes_noise_keys", False) is True
+
+
 def background_kwargs(drafter: object, background: bool) -> dict[str, bool]:
     """What a wrapper passes on to ``drafter.extend_batch`` when asked for ``background``: the
     flag where the drafter indexes in the background, nothing otherwise (same result, at once)."""
@@ -166,6 +172,7 @@ class NgramDrafter:
 
     indexes_in_background = True  # ``extend_batch(..., background=True)``: see that method
     proposes_ahead = True  # ``propose_ahead``: see that method
+    takes_noise_keys = True  # ``set_noise_keys``: see that method
 
     def __init__(self, config: Optional[SpecConfig] = None, *, _load_from: Optional[str] = None):
         """Create an empty drafter; ``config.external_corpora`` .npy files go into the global scope.
@@ -208,6 +215,37 @@ class NgramDrafter:
         tokens, offsets = _flatten("prompts", prompts, len(ids))
         self._core.start(ids, groups, tokens, offsets)
         self._live.update(ids.tolist())
+
+    def set_noise_keys(self, req_ids: Sequence[int], seeds: Sequence[Optional[int]],
+                       temperatures: Sequence[float], vocab_size: int) -> None:
+        """Tell the drafter the verifier's noise keys (noise.py) of live requests: the seed each
+        samples with (None for greedy requests) and the temperature it samples at, over a
+        vocabulary of ``vocab_size``.
+
+        A sampled token is the winner of a race between ``log p(v)`` and noise keyed by (seed,
+        position, token), and that noise is known before the target's logits are: a request's
+        proposals then rank siblings by their chances in the race they will meet, not by their
+        evidence alone (docs/drafter.md, "Race-aware proposals"). What is sampled does not
+        change, only how much of it the drafts guess.
+
+        Raises:
+            ValueError: unknown or repeated ids, lengths differ, a seed outside [0, 2**63-1], a
+                seeded request's temperature outside (0, 1e6], vocab_size outside [1, 2**31-1].
+            TypeError: ids, seeds or vocab_size are not integers.
+        """
+        from rollout_spec.noise import quarter_block
+
+        ids = self._ids(req_ids, must_be_live=True)
+        for name, values in (("seeds", seeds), ("temperatures", temperatures)):
+            if len(values) != len(ids):
+                raise ValueError(f"{name} must have one entry per request ({len(ids)})")
+        keys = np.array([-1 if s is None else check_int(f"seeds[{i}]", s, 0, _MAX_REQ_ID)
+                         for i, s in enumerate(seeds)], np.int64)
+        # A greedy request races no noise: it has seed None, and its temperature is not read.
+        temps = np.array([1.0 if s is None else check_float(f"temperatures[{i}]", t, 0.0, 1e6, lo_open=True)
+                          for i, (s, t) in enumerate(zip(seeds, temperatures))], np.float64)
+        vocab = check_int("vocab_size", vocab_size, 1, _MAX_TOKEN)
+        self._core.set_noise(ids, keys, temps, quarter_block(vocab))
 
     def extend(self, req_id: int, token_ids: TokenIds) -> None:
         """Append newly committed tokens (accepted + bonus) to a live request."""
