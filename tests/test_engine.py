@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from rollout_spec import SamplingParams, SpecConfig
+from rollout_spec.drafter import NgramDrafter
 from rollout_spec.engine import RolloutEngine
 from rollout_spec.engine.weights import build_model
+from rollout_spec.noise import sample_seed
 from rollout_spec.tree import DraftBatch
 
 transformers = pytest.importorskip("transformers")
@@ -177,13 +179,44 @@ def test_sampling_speculation_is_token_identical(pair, params: SamplingParams) -
     alone = engine(model).generate(prompts, params, max_running=1)
     assert [o.token_ids for o in alone] == [o.token_ids for o in plain]
     truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain[::2])}
-    for mode in ("oracle", "corrupt", "random"):
-        outs = engine(model, ScriptedDrafter(mode, truth), draft_budget=lambda b: 12).generate(prompts, params)
+    drafters = {mode: ScriptedDrafter(mode, truth) for mode in ("oracle", "corrupt", "random")}
+    drafters["ngram, told the noise keys"] = SpecConfig(num_draft_tokens=12)
+    for mode, drafter in drafters.items():
+        outs = engine(model, drafter, draft_budget=lambda b: 12).generate(prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], mode
         for o, p in zip(outs, plain):
             np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-4)
         if mode == "oracle":
             assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+class KeyRecorder(NgramDrafter):
+    """An NgramDrafter that records the noise keys it is told."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        super().__init__(config)
+        self.keys: dict[int, tuple] = {}
+        self.vocab_sizes: set[int] = set()
+
+    def set_noise_keys(self, req_ids, seeds, temperatures, vocab_size) -> None:
+        super().set_noise_keys(req_ids, seeds, temperatures, vocab_size)
+        self.keys.update(zip(req_ids, zip(seeds, temperatures)))
+        self.vocab_sizes.add(vocab_size)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_engine_tells_the_drafter_each_samples_noise_key(pair, temperature: float) -> None:
+    """Every sample's seed (None for greedy ones, which race no noise), its temperature and the
+    model's vocabulary reach the drafter before its first proposal."""
+    _, model = pair
+    prompts = mixed_prompts(3, seed=2)
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=6, seed=11)
+    spy = KeyRecorder(SpecConfig(num_draft_tokens=4))
+    engine(model, spy, draft_budget=lambda b: 4).generate(prompts, params)
+    expected = [(None if temperature == 0 else sample_seed(11, p, i), temperature)
+                for p in range(3) for i in range(2)]
+    assert [spy.keys[r] for r in sorted(spy.keys)] == expected
+    assert spy.vocab_sizes == {VOCAB}
 
 
 def test_tpf_is_one_without_speculation(pair) -> None:

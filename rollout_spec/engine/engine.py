@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rollout_spec.config import SamplingParams, SpecConfig, check_int
-from rollout_spec.drafter import proposes_ahead
+from rollout_spec.drafter import proposes_ahead, takes_noise_keys
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
 from rollout_spec.engine.cuda_graphs import default_ladder
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
@@ -299,6 +299,10 @@ class RolloutEngine:
             self._queue.use_worker(num_running >= self.worker_min_batch)
             self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
                                [s.prompt for s in seqs], [s.group_id for s in seqs])
+            if takes_noise_keys(self._drafter):  # its drafts then aim at the race each row runs
+                self._queue.submit(self._drafter.set_noise_keys, [s.req_id for s in seqs],
+                                   [None if s.params.greedy else s.seed for s in seqs],
+                                   [s.params.temperature for s in seqs], self.model.config.vocab_size)
         rows, seeds, last = to_device([np.array([i for i, g in enumerate(groups) for _ in g]),
                                        np.array([s.seed for s in seqs], np.int64),
                                        np.array([len(s.prompt) - 1 for s in seqs], np.int64)],
