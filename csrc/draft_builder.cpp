@@ -93,17 +93,14 @@ void DraftBuilder::queue_children(const TrieNode& parent, int32_t first_child, i
   if (raced) race_ratios(parent, first_child);
   for (int32_t c = first_child; c < last; ++c) {
     TrieNode& n = nodes_[c];
-    if (raced) {
-      n.prob = prob * ratio_[c - first_child];
-      n.priority = priority * ratio_[c - first_child];
-    } else {
-      const double ratio = n.weight / weight;
-      // Count ratios overrate continuations seen once or twice; beta discounts thin evidence in
-      // the order of expansion (discount_[n] = n / (n + beta)), while the min_token_prob floor
-      // judges the plain ratio.
-      n.prob = prob * ratio;
-      n.priority = priority * ratio * discount_[n.count];
-    }
+    const double ratio = n.weight / weight;
+    // Count ratios overrate continuations seen once or twice; beta discounts thin evidence in
+    // the order of expansion (discount_[n] = n / (n + beta)), while the min_token_prob floor
+    // judges the plain ratio. A raced child's order follows its chance in the race instead; the
+    // floor still judges the evidence (it was tuned on it, and a chance below it can still pay
+    // where verification is cheap).
+    n.prob = prob * ratio;
+    n.priority = priority * (raced ? ratio_[c - first_child] : ratio * discount_[n.count]);
     // A node below the floor would be popped and dropped with its subtree: never queue it.
     if (n.prob < min_prob || n.priority <= 0.0) continue;
     Entry& e = frontier_.emplace_back();  // ties: the earlier occurrence, then shallower
@@ -135,15 +132,24 @@ void DraftBuilder::queue_children(const TrieNode& parent, int32_t first_child, i
 //   lambda 0.4 at T=1.0 and 0.2 at T=0.6: that blend is calibrated (T=1.0: Brier 0.176 against
 //   0.198 for r alone).
 // kappa and lambda go linearly from their T=0.6 to their T=1.0 values and stay there outside.
+void DraftBuilder::set_race(const RaceKey& key) {
+  key_ = key;
+  if (key.seed < 0) return;
+  const double t = key.temperature, warm = std::clamp((t - 0.6) / 0.4, 0.0, 1.0);
+  rank_power_ = static_cast<float>(1.5 / (t * t));
+  kappa_ = 1.0 - 0.5 * warm;
+  lambda_ = 0.2 + 0.2 * warm;
+}
+
 void DraftBuilder::race_ratios(const TrieNode& parent, int32_t first_child) {
   // The verifier draws the parent row's token as the argmax of log p(v) + G_v, with G_v known
   // here (keyed noise), so the children's chances are those of a race, not their evidence alone.
+  // Single precision for the ranking: it only orders the children.
   const int32_t n = static_cast<int32_t>(nodes_.size()) - first_child;
   ratio_.resize(n);
-  const double t = key_.temperature, warm = std::clamp((t - 0.6) / 0.4, 0.0, 1.0);
-  const double rank_power = 1.5 / (t * t), kappa = 1.0 - 0.5 * warm, lambda = 0.2 + 0.2 * warm;
   const int64_t position = key_.position + parent.depth;
-  double seen = 0.0, best = -std::numeric_limits<double>::infinity(), best_noise = 0.0;
+  double seen = 0.0;
+  float best = -std::numeric_limits<float>::infinity(), best_noise = 0.0f;
   int32_t leader = -1;
   for (int32_t c = 0; c < n; ++c) {
     const TrieNode& node = nodes_[first_child + c];
@@ -151,9 +157,9 @@ void DraftBuilder::race_ratios(const TrieNode& parent, int32_t first_child) {
     ratio_[c] = r;
     seen += r;
     if (r <= 0.0) continue;
-    const double u = race_uniform(key_.seed, position, node.token, key_.q, kRaceTag);
-    const double noise = -std::log(-std::log(u));
-    const double score = rank_power * std::log(r) + noise;
+    const float u = race_uniform(key_.seed, position, node.token, key_.q, kRaceTag);
+    const float noise = -std::log(-std::log(u));
+    const float score = rank_power_ * std::log(static_cast<float>(r)) + noise;
     if (score > best) {
       best = score;
       best_noise = noise;
@@ -161,10 +167,10 @@ void DraftBuilder::race_ratios(const TrieNode& parent, int32_t first_child) {
     }
   }
   if (leader < 0) return;
-  const double r = ratio_[leader], unseen = std::max(1.0 - kappa * seen, 0.0);
-  const double sharp = std::exp(-unseen * std::exp(-(std::log(kappa * r) + best_noise)));
-  for (int32_t c = 0; c < n; ++c) ratio_[c] *= kappa;
-  ratio_[leader] = (1.0 - lambda) * r + lambda * sharp;
+  const double r = ratio_[leader], unseen = std::max(1.0 - kappa_ * seen, 0.0);
+  const double sharp = std::exp(-unseen * std::exp(-(std::log(kappa_ * r) + best_noise)));
+  for (int32_t c = 0; c < n; ++c) ratio_[c] *= kappa_;
+  ratio_[leader] = (1.0 - lambda_) * r + lambda_ * sharp;
 }
 
 void DraftBuilder::queued(size_t was) {
@@ -229,10 +235,12 @@ void DraftBuilder::defer(int32_t node, int32_t max_depth) {
   if (n.depth >= max_depth) return;
   // No child can rank above this entry: a child has at most all of the node's weight and all of
   // its occurrences, and its tie value is at least this one (an occurrence of the child is one of
-  // the node's, one level deeper). A raced child's factor is at most 1. The last factor only
-  // makes the bound safe against rounding.
+  // the node's, one level deeper). A raced child's factor is at most (1 - lambda) d + lambda
+  // for the leader (its sharp chance is at most 1) and kappa d <= d for the others. The last
+  // factor only makes the bound safe against rounding.
+  const double d = discount_[n.count];
   Entry& e = frontier_.emplace_back();
-  e.priority = n.priority * (key_.seed >= 0 ? 1.0 : discount_[n.count]) * (1.0 + 1e-9);
+  e.priority = n.priority * (key_.seed >= 0 ? (1.0 - lambda_) * d + lambda_ : d) * (1.0 + 1e-9);
   e.tie = int64_t(n.first_occ) * (max_depth + 1) + n.depth + 1;
   e.node = ~node;
   queued(frontier_.size() - 1);
@@ -272,7 +280,7 @@ void DraftBuilder::build(const std::vector<Occurrence>& occ, const std::vector<S
                          const CoreConfig& cfg, int32_t budget, DraftOutput& out,
                          const RaceKey& key) {
   int32_t emitted = 0;
-  key_ = key;
+  set_race(key);
   if (budget > 0 && !occ.empty()) {
     const int32_t max_depth = std::min(budget, cfg.max_depth);
     const int32_t n_occ = static_cast<int32_t>(occ.size());

@@ -58,8 +58,12 @@ class DraftBuilder {
   // With a race key: set ratio_ to the children's chances of winning the verifier's race at
   // the parent's row, whose noise is known, in place of their evidence ratios.
   void race_ratios(const TrieNode& parent, int32_t first_child);
+  // The current build's race key and the constants race_ratios takes from its temperature.
+  void set_race(const RaceKey& key);
   std::vector<double> ratio_;       // per child of the node being expanded: its factor
-  RaceKey key_;                     // the current build's
+  RaceKey key_;
+  float rank_power_ = 1.5f;
+  double kappa_ = 1.0, lambda_ = 0.0;
 
   std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
