@@ -100,7 +100,7 @@ void DraftBuilder::queue_children(const TrieNode& parent, int32_t first_child, i
     // floor still judges the evidence (it was tuned on it, and a chance below it can still pay
     // where verification is cheap).
     n.prob = prob * ratio;
-    n.priority = priority * (raced ? ratio_[c - first_child] : ratio * discount_[n.count]);
+    n.priority = raced ? priority * ratio_[c - first_child] : priority * ratio * discount_[n.count];
     // A node below the floor would be popped and dropped with its subtree: never queue it.
     if (n.prob < min_prob || n.priority <= 0.0) continue;
     Entry& e = frontier_.emplace_back();  // ties: the earlier occurrence, then shallower
