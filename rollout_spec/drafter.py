@@ -150,8 +150,9 @@ def proposes_ahead(drafter: object) -> bool:
 
 
 def takes_noise_keys(drafter: object) -> bool:
-    """Whether ``drafter`` has ``set_noise_keys(req_ids, seeds, vocab_size)``, said by a
-    ``takes_noise_keys`` attribute that is True (``NgramDrafter``)."""
+    """Whether ``drafter`` has ``set_noise_keys(req_ids, seeds, temperatures, vocab_size)``, said
+    by a ``takes_noise_keys`` attribute that is True (``NgramDrafter``; a wrapper that forwards
+    unknown attributes, like ``SharingDrafter``, reports the drafter it wraps)."""
     return getattr(drafter, "takes_noise_keys", False) is True
 
 
