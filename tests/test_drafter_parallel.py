@@ -105,10 +105,13 @@ def test_random_operations_match_one_thread(cfg, ops, capacity):
     run_ops(*make_twins(cfg, min_requests=2, capacity=capacity), ops)
 
 
-@pytest.mark.parametrize("tree,cap", [(True, 1 << 20), (True, 700), (False, 700)])
-def test_engine_like_steps_at_batch_256_match_one_thread(tree, cap):
+@pytest.mark.parametrize("tree,cap,keyed", [(True, 1 << 20, False), (True, 700, False), (False, 700, False),
+                                            (True, 700, True)])
+def test_engine_like_steps_at_batch_256_match_one_thread(tree, cap, keyed):
     """256 live requests in groups of 8 with the default threshold: full calls on the pool with
-    uneven budgets (cap 700 binds part-way through every full call), and calls below it."""
+    uneven budgets (cap 700 binds part-way through every full call), and calls below it. Keyed:
+    race-aware trees (most of the requests told their noise keys) must be cut by the cap exactly
+    as on one thread, so their nodes too come out in one fixed order whatever the budget."""
     rng = np.random.default_rng(7)
     cfg = SpecConfig(tree=tree, num_draft_tokens=8, max_batch_draft_tokens=cap)
     one, many = make_twins(cfg, min_requests=64)
@@ -117,6 +120,9 @@ def test_engine_like_steps_at_batch_256_match_one_thread(tree, cap):
     prompts = [motifs[i // 8][: 10 + i % 8] for i in ids]
     for d in (one, many):
         d.start_batch(ids, prompts, [i // 8 for i in ids])
+        if keyed:
+            d.set_noise_keys(ids, [None if i % 5 == 0 else 1000 + i for i in ids],
+                             [0.6 + (i % 3) * 0.2 for i in ids], 40)
     cut = 0
     for step in range(40):
         budgets = rng.integers(0, 13, len(ids)) if step % 3 else None

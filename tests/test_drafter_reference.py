@@ -3,12 +3,15 @@
 ``RefDrafter`` restates docs/drafter.md's rules with plain lists (no hashing, no chains): scopes,
 newest-first occurrence search per key length, per-request match state (occurrences advanced by
 extend, searched again when too few survive or too many tokens passed), weighted continuation
-trie, best-first expansion, eviction by (step, creation order), aging at end_step. Proposals must
-match node for node.
+trie, best-first expansion (race-aware for requests told their noise keys), eviction by (step,
+creation order), aging at end_step. Proposals must match node for node.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import heapq
+import math
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -18,10 +21,46 @@ from rollout_spec import _core
 from rollout_spec import drafter as drafter_mod
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter, _core_config
+from rollout_spec.noise import NOISE_TAG, quarter_block
 from rollout_spec.tree import DraftBatch
 
 KEYS = (4, 2, 1)
 REQUEST_KEYS = (4, 1)  # a request's own index keeps no 2-gram chains
+VOCAB = 5  # every test's tokens are below it
+
+# The C library's single-precision log, which the core's ranking calls (numpy's may round its
+# last bit differently).
+_logf = ctypes.CDLL(ctypes.util.find_library("m")).logf
+_logf.restype, _logf.argtypes = ctypes.c_float, [ctypes.c_float]
+
+
+def logf(x) -> np.float32:
+    return np.float32(_logf(float(np.float32(x))))
+
+
+def race_chances(ratios: list[float], tokens: list[int], seed: int, position: int, temperature: float) -> list[float]:
+    """docs/drafter.md, "Race-aware proposals": the children's chances at a row racing at
+    ``position``, from their evidence ratios, in the core's precision and order of operations."""
+    warm = min(max((temperature - 0.6) / 0.4, 0.0), 1.0)
+    power, kappa, lam = np.float32(1.5 / (temperature * temperature)), 1.0 - 0.5 * warm, 0.2 + 0.2 * warm
+    u = _core.race_uniforms(np.array([seed], np.int64), np.array([position], np.int64), VOCAB,
+                            quarter_block(VOCAB), NOISE_TAG)[0]
+    seen, best, best_noise, leader = 0.0, np.float32(-np.inf), np.float32(0), -1
+    for c, (r, tok) in enumerate(zip(ratios, tokens)):
+        seen += r
+        if r <= 0.0:
+            continue
+        noise = -logf(-logf(u[tok]))
+        score = power * logf(r) + noise
+        if score > best:
+            best, best_noise, leader = score, noise, c
+    if leader < 0:
+        return ratios
+    r, unseen = ratios[leader], max(1.0 - kappa * seen, 0.0)
+    sharp = math.exp(-unseen * math.exp(-(math.log(kappa * r) + float(best_noise))))
+    chances = [x * kappa for x in ratios]
+    chances[leader] = (1.0 - lam) * r + lam * sharp
+    return chances
 
 
 class RefDrafter:
@@ -32,6 +71,7 @@ class RefDrafter:
         self.cfg, self.capacity, self.walk, self.global_unigram_walk = cfg, capacity, walk, global_unigram_walk
         self.regather_below, self.regather_every = regather
         self.match: dict[int, dict] = {}  # per live request: occ, since (tokens), gathered
+        self.keys: dict[int, tuple[int, float]] = {}  # per live request told one: (seed, temperature)
         self.weights = (cfg.request_weight, cfg.group_weight, cfg.global_weight)
         self.seqs: list[dict] = []
         self.free: list[int] = []
@@ -135,7 +175,15 @@ class RefDrafter:
             s = self.seqs[self.reqs.pop(rid)]
             s.update(live=False, step=self.step)
             del self.own[rid], self.match[rid]
+            self.keys.pop(rid, None)
         self._evict()
+
+    def set_keys(self, ids, seeds, temperatures):
+        for rid, seed, t in zip(ids, seeds, temperatures):
+            if seed is None:
+                self.keys.pop(rid, None)
+            else:
+                self.keys[rid] = (seed, t)
 
     def add(self, groups, seqs):
         for g, toks in zip(groups, seqs):
@@ -200,10 +248,11 @@ class RefDrafter:
                         lambda s: s != own and not (use_group and self._in_group(s, own, group)), occ)
         return occ
 
-    def _build(self, occ, budget):
+    def _build(self, occ, budget, key=None):
+        """key: (seed, root position, temperature) of a request told its noise keys, or None."""
         cfg = self.cfg
-        # node: [token, parent, weight, count, children, prob, out_index, priority]
-        nodes = [[-1, -1, 0.0, 0, [], 1.0, -1, 1.0]]
+        # node: [token, parent, weight, count, children, prob, out_index, priority, depth]
+        nodes = [[-1, -1, 0.0, 0, [], 1.0, -1, 1.0, 0]]
         depth = min(budget, cfg.max_depth)
         for seq, pos, m, scope in occ:
             w = self.weights[scope]
@@ -216,7 +265,7 @@ class RefDrafter:
                 nxt = next((c for c in nodes[cur][4] if nodes[c][0] == t), None)
                 if nxt is None:
                     nxt = len(nodes)
-                    nodes.append([t, cur, 0.0, 0, [], 0.0, -1, 0.0])
+                    nodes.append([t, cur, 0.0, 0, [], 0.0, -1, 0.0, nodes[cur][8] + 1])
                     nodes[cur][4].append(nxt)
                 nodes[nxt][2] += w
                 nodes[nxt][3] += 1
@@ -225,11 +274,20 @@ class RefDrafter:
         heap: list = []
 
         def push(i):
-            for c in nodes[i][4]:
+            kids = nodes[i][4]
+            if key is not None:  # the order follows the race at node i's row; the floor, the evidence
+                seed, position, temperature = key
+                ratios = [nodes[c][2] / nodes[i][2] * (nodes[c][3] / (nodes[c][3] + beta)) for c in kids]
+                chances = race_chances(ratios, [nodes[c][0] for c in kids], seed,
+                                       position + nodes[i][8], temperature)
+            for k, c in enumerate(kids):
                 n = float(nodes[c][3])
                 ratio = nodes[c][2] / nodes[i][2]
                 nodes[c][5] = nodes[i][5] * ratio
-                nodes[c][7] = nodes[i][7] * ratio * (n / (n + beta))
+                if key is not None:
+                    nodes[c][7] = nodes[i][7] * chances[k]
+                else:
+                    nodes[c][7] = nodes[i][7] * ratio * (n / (n + beta))
                 heapq.heappush(heap, (-nodes[c][7], c))
 
         out = []
@@ -254,7 +312,11 @@ class RefDrafter:
             if budget > 0 and (not m["gathered"] or m["since"] >= self.regather_every
                                or len(m["occ"]) < self.regather_below):
                 m.update(occ=self._gather(rid), since=0, gathered=True)
-            tree = self._build(m["occ"], budget) if budget > 0 else []
+            key = None
+            if rid in self.keys:
+                seed, temperature = self.keys[rid]
+                key = (seed, len(self.seqs[self.reqs[rid]]["tokens"]) - 1, temperature)
+            tree = self._build(m["occ"], budget, key) if budget > 0 else []
             left -= len(tree)
             trees.append(tree)
         return trees
@@ -310,6 +372,9 @@ op_st = st.one_of(
     st.tuples(st.just("accept"), st.integers(0, 7), st.integers(0, 4), st.integers(-1, 2)),
     st.tuples(st.just("add"), st.sampled_from([None, 0, 1, 3]), tokens_st),
     st.tuples(st.just("end_step")),
+    # the request's noise keys (None: forget them)
+    st.tuples(st.just("keys"), st.integers(0, 7), st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+              st.sampled_from([0.5, 0.6, 0.8, 1.0, 1.5])),
 )
 config_st = st.builds(
     SpecConfig,
@@ -368,6 +433,10 @@ def test_random_operations_match_reference(cfg, capacity, ops, regather, walk, g
         elif op[0] == "end_step":
             d.end_step()
             ref.end_step()
+        elif op[0] == "keys" and live:
+            rid = live[op[1] % len(live)]
+            d.set_noise_keys([rid], [op[2]], [op[3]], VOCAB)
+            ref.set_keys([rid], [op[2]], [op[3]])
         d.check_integrity()
         assert d.stats()["index_tokens"] == ref.stored
     if live:
@@ -404,10 +473,13 @@ def test_chain_walk_reads_exactly_the_newest_records():
                        min_size=1, max_size=30),
        prompts=st.lists(st.tuples(st.sampled_from([None, 0, 1]),
                                   st.lists(st.integers(0, 4), min_size=1, max_size=8)),
-                        min_size=1, max_size=3))
-def test_trees_over_random_corpora_match_reference(cfg, corpus, prompts):
+                        min_size=1, max_size=3),
+       keys=st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+                               st.sampled_from([0.5, 0.6, 0.8, 1.0, 1.5])), min_size=3, max_size=3))
+def test_trees_over_random_corpora_match_reference(cfg, corpus, prompts, keys):
     """Larger trees than the operation test makes: many stored sequences, budgets up to 24, so
-    that deep paths compete with wide ones in the best-first order."""
+    that deep paths compete with wide ones in the best-first order; requests with noise keys
+    (race-aware order) beside requests without."""
     d, ref = make_pair(cfg, 10**6, (drafter_mod.REGATHER_BELOW, drafter_mod.REGATHER_EVERY))
     groups = [g for g, _ in corpus]
     d.add_sequences(groups, [s for _, s in corpus])
@@ -415,5 +487,8 @@ def test_trees_over_random_corpora_match_reference(cfg, corpus, prompts):
     ids = list(range(len(prompts)))
     d.start_batch(ids, [p for _, p in prompts], [g for g, _ in prompts])
     ref.start(ids, [-1 if g is None else g for g, _ in prompts], [p for _, p in prompts])
+    seeds, temperatures = [k[0] for k in keys[:len(ids)]], [k[1] for k in keys[:len(ids)]]
+    d.set_noise_keys(ids, seeds, temperatures, VOCAB)
+    ref.set_keys(ids, seeds, temperatures)
     budgets = [cfg.num_draft_tokens] * len(ids)
     assert as_lists(d.propose(ids, budgets)) == ref.propose(ids, budgets)
