@@ -185,7 +185,9 @@ def run_replay(args: argparse.Namespace) -> int:
     steps = list(range(len(trace.steps) if args.max_steps is None
                        else min(args.max_steps, len(trace.steps))))
     widest = max((len(trace.steps[s]) for s in steps), default=1)
-    table = Table(title=f"{args.trace.name}: lock-step replay, draft budget {args.draft_tokens}",
+    keyed = trace.noise_keys(steps[0]) is not None if steps else False
+    table = Table(title=f"{args.trace.name}: lock-step replay, draft budget {args.draft_tokens}"
+                        + (", our drafter told the recorded noise keys" if keyed else ""),
                   title_justify="left")
     table.add_column("drafter")
     for s in steps:
@@ -315,7 +317,8 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
                                depths=_take_depths(engines.spec))
     engines.spec.end_step()
     if recorder is not None:
-        recorder.add_step(prompts, [(o.prompt_index, o.token_ids) for o in spec_out])
+        recorder.add_step(prompts, [(o.prompt_index, o.token_ids) for o in spec_out],
+                          seeds=[o.seed for o in spec_out])
     return stats
 
 
@@ -359,7 +362,8 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
                             fresh_each_step=args.fresh_prompts, max_steps=args.steps)
         _warm_up(engines, list(workload.batch(0)[0].prompt_ids), args)
     recorder = None if args.record is None else TraceRecorder(
-        args.model, vars(_sampling(args, 0)), getattr(tok, "eos_token_id", None))
+        args.model, vars(_sampling(args, 0)), getattr(tok, "eos_token_id", None),
+        vocab_size=engines.spec.model.config.vocab_size)
     sink = make_sink(args.wandb, args.wandb_project, _jsonable(vars(args)))
     history: list[SpecStats] = []
     with Progress(console=console, transient=True) as progress:

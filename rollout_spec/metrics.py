@@ -407,7 +407,7 @@ class DrafterProbe:
     ahead) counts only where a later call waits for it.
     """
 
-    TIMED = ("start_batch", "finish_batch", "start", "extend", "finish", "propose_ahead")
+    TIMED = ("start_batch", "finish_batch", "start", "extend", "finish", "propose_ahead", "set_noise_keys")
 
     def __init__(self, drafter: Any) -> None:
         if drafter is None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
+from rollout_spec.drafter import takes_noise_keys
 from rollout_spec.tree import DraftBatch
 
 Tree = tuple[Sequence[int], Sequence[int]]  # (tokens, parents) of one request's draft
@@ -28,16 +29,31 @@ Tree = tuple[Sequence[int], Sequence[int]]  # (tokens, parents) of one request's
 
 @dataclass
 class Trace:
-    """Recorded rollouts: prompts by ``group_id`` and, per RL step, ``(group_id, response_ids)``."""
+    """Recorded rollouts: prompts by ``group_id`` and, per RL step, ``(group_id, response_ids)``.
+
+    ``seeds``, when the recording has them (our engine's recordings do, the shared traces do
+    not): per step, per response, the seed it was sampled with (noise.py), or None.
+    """
 
     prompts: dict[int, list[int]]
     steps: list[list[tuple[int, list[int]]]]
     meta: dict[str, Any] = field(default_factory=dict)
+    seeds: Optional[list[list[Optional[int]]]] = None
 
     @property
     def num_tokens(self) -> int:
         """Response tokens over all steps."""
         return sum(len(r) for step in self.steps for _, r in step)
+
+    def noise_keys(self, step: int) -> Optional[tuple[list[Optional[int]], float, int]]:
+        """(seeds of the step's responses, temperature, vocab_size): what a drafter that takes
+        noise keys is told in a replay, so that it aims at the race that picked each recorded
+        token. None without recorded seeds, a sampling temperature > 0 and the vocabulary size."""
+        temperature = float((self.meta.get("sampling") or {}).get("temperature", 0.0) or 0.0)
+        vocab = self.meta.get("vocab_size")
+        if self.seeds is None or temperature <= 0.0 or not vocab:
+            return None
+        return self.seeds[step], temperature, int(vocab)
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -53,17 +69,23 @@ def load_trace(path: str | Path) -> Trace:
         if "group_id" not in p or "prompt_ids" not in p:
             raise ValueError(f"{path}: prompts[{i}] needs group_id and prompt_ids")
         prompts[int(p["group_id"])] = [int(t) for t in p["prompt_ids"]]
-    steps = []
+    steps, seeds = [], []
     for s, step in enumerate(raw["steps"]):
-        rows = []
+        rows, step_seeds = [], []
         for j, r in enumerate(step):
             if int(r["group_id"]) not in prompts:
                 raise ValueError(f"{path}: steps[{s}][{j}].group_id {r['group_id']} has no prompt")
             rows.append((int(r["group_id"]), [int(t) for t in r["response_ids"]]))
+            seed = r.get("seed")
+            if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
+                raise ValueError(f"{path}: steps[{s}][{j}].seed must be an integer in [0, 2**63), got {seed!r}")
+            step_seeds.append(seed)
         steps.append(rows)
+        seeds.append(step_seeds)
     meta = {k: v for k, v in raw.items() if k not in ("prompts", "steps")}
     meta["prompt_records"] = raw["prompts"]
-    return Trace(prompts=prompts, steps=steps, meta=meta)
+    recorded = any(x is not None for step in seeds for x in step)
+    return Trace(prompts=prompts, steps=steps, meta=meta, seeds=seeds if recorded else None)
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:
@@ -76,8 +98,15 @@ def save_trace(trace: Trace, path: str | Path) -> None:
         rec = dict(records.get(g, {"kind": "synthetic", "source": "", "text": "", "answer": None}))
         rec.update(group_id=g, prompt_ids=list(ids))
         prompts.append(rec)
-    raw = {**meta, "prompts": prompts,
-           "steps": [[{"group_id": g, "response_ids": list(r)} for g, r in step] for step in trace.steps]}
+    steps = []
+    for s, step in enumerate(trace.steps):
+        rows = [{"group_id": g, "response_ids": list(r)} for g, r in step]
+        if trace.seeds is not None:
+            for row, seed in zip(rows, trace.seeds[s]):
+                if seed is not None:
+                    row["seed"] = int(seed)
+        steps.append(rows)
+    raw = {**meta, "prompts": prompts, "steps": steps}
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt") as f:
         json.dump(raw, f)
@@ -163,10 +192,14 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
     engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
     drafter's calls: the calling thread's CPU time, or ``time.perf_counter`` for a drafter that
     works on other threads too. ``on_tree(tree, continuation)``, if given, sees every proposed
-    tree with the response tokens still to come (outside the timed calls).
+    tree with the response tokens still to come (outside the timed calls). Where the trace
+    recorded its samples' seeds, a drafter that takes noise keys is told them at start
+    (``Trace.noise_keys``).
     """
     rows = trace.steps[step]
     res = StepResult(step=step)
+    # A recording with seeds: a drafter that takes noise keys is told them, as the engine does.
+    keys = trace.noise_keys(step) if takes_noise_keys(drafter) else None
     waiting = list(range(len(rows)))[::-1]
     live: dict[int, int] = {}  # req id -> committed response tokens
     while waiting or live:
@@ -176,6 +209,8 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
         if admit:
             ids = [first_id + j for j in admit]
             drafter.start_batch(ids, [trace.prompts[rows[j][0]] for j in admit], [rows[j][0] for j in admit])
+            if keys is not None:
+                drafter.set_noise_keys(ids, [keys[0][j] for j in admit], [keys[1]] * len(ids), keys[2])
             live.update((i, 0) for i in ids)
         ids = list(live)
         t0 = clock()

@@ -45,6 +45,7 @@ class RolloutOutput:
     num_draft_tokens: int  # draft nodes verified
     num_accepted_tokens: int  # draft nodes accepted and kept
     error: Optional[str] = None  # why, when finish_reason == "error"
+    seed: Optional[int] = None  # the seed its noise was keyed by (noise.py): it reproduces the sample
 
     @staticmethod
     def of(seq: Sequence) -> "RolloutOutput":
@@ -52,7 +53,7 @@ class RolloutOutput:
         return RolloutOutput(
             seq.prompt_index, seq.sample_index, list(seq.output), list(seq.logprobs),
             seq.finish_reason or "error", seq.num_verify_steps, seq.num_draft_tokens,
-            seq.num_accepted_tokens, seq.error,
+            seq.num_accepted_tokens, seq.error, seq.seed,
         )
 
 

@@ -169,13 +169,21 @@ class TraceRecorder:
     """Collects prompts and per-step responses and writes them with ``rollout_spec.replay``'s
     writer, in the shared trace format (gzip JSON when the path ends in ``.gz``)."""
 
-    def __init__(self, model: str, sampling: dict, eos_token_id: Optional[int]) -> None:
+    def __init__(self, model: str, sampling: dict, eos_token_id: Optional[int],
+                 vocab_size: Optional[int] = None) -> None:
         self.meta = {"model": model, "sampling": dict(sampling), "eos_token_id": eos_token_id}
+        if vocab_size is not None:  # with the samples' seeds, a replay can key the drafter's noise
+            self.meta["vocab_size"] = check_int("vocab_size", vocab_size, 1, 2**31 - 1)
         self._prompts: dict[int, Prompt] = {}
         self._steps: list[list[tuple[int, list[int]]]] = []
+        self._seeds: list[list[Optional[int]]] = []
 
-    def add_step(self, prompts: Sequence[Prompt], responses: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """Record one RL step: ``responses`` are (index into ``prompts``, response token ids)."""
+    def add_step(self, prompts: Sequence[Prompt], responses: Sequence[tuple[int, Sequence[int]]],
+                 seeds: Optional[Sequence[Optional[int]]] = None) -> None:
+        """Record one RL step: ``responses`` are (index into ``prompts``, response token ids);
+        ``seeds``, one per response, the seeds they were sampled with (``RolloutOutput.seed``)."""
+        if seeds is not None and len(seeds) != len(responses):
+            raise ValueError(f"seeds must have one entry per response ({len(responses)}), got {len(seeds)}")
         for p in prompts:
             self._prompts.setdefault(p.group_id, p)
         rows = []
@@ -183,6 +191,8 @@ class TraceRecorder:
             check_int("prompt index", index, 0, len(prompts) - 1)
             rows.append((prompts[index].group_id, [int(t) for t in ids]))
         self._steps.append(rows)
+        self._seeds.append([None if s is None else check_int("seed", s, 0, 2**63 - 1) for s in seeds]
+                           if seeds is not None else [None] * len(rows))
 
     def to_trace(self) -> Any:
         """The recording as a ``rollout_spec.replay.Trace`` (prompt texts and answers in meta)."""
@@ -191,9 +201,11 @@ class TraceRecorder:
         ordered = sorted(self._prompts.values(), key=lambda p: p.group_id)
         records = [{"group_id": p.group_id, "kind": p.kind, "source": p.source, "text": p.text,
                     "answer": p.answer, "prompt_ids": list(p.prompt_ids)} for p in ordered]
+        recorded = any(s is not None for step in self._seeds for s in step)
         return Trace(prompts={p.group_id: list(p.prompt_ids) for p in ordered},
                      steps=[list(step) for step in self._steps],
-                     meta={**self.meta, "prompt_records": records})
+                     meta={**self.meta, "prompt_records": records},
+                     seeds=[list(step) for step in self._seeds] if recorded else None)
 
     def save(self, path: str | Path) -> Path:
         """Write the trace to ``path`` (parent folders created) and return it."""

@@ -59,6 +59,7 @@ class FakeOutput:
     num_verify_steps: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    seed: int = 0
 
 
 class FakeTokenizer:
@@ -80,6 +81,7 @@ class FakeEngine:
     def __init__(self, speculative: bool, answer: str):
         self.speculative, self.answer = speculative, answer
         self.tokenizer, self.calls, self.steps_ended = FakeTokenizer(), [], 0
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
 
     def generate(self, prompts, params, group_ids=None):
         self.calls.append((len(prompts), params, group_ids))

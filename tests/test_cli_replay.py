@@ -21,3 +21,15 @@ def test_replay_compares_drafters_on_a_recorded_trace(tmp_path, capsys):
     ours = [float(x) for x in rows["rollout-spec"].split("│")[2:4]]
     assert ours[1] > ours[0] >= 1.0  # history from step 0 makes step 1 cheaper
     assert ours[1] <= 5.0  # at most budget + 1 tokens per forward
+    assert "noise keys" not in out  # the recording has no seeds
+
+
+def test_replay_of_a_keyed_recording_says_it_tells_the_keys(tmp_path, capsys):
+    from rollout_spec.workloads import TraceRecorder, Workload
+
+    prompts = Workload("chain_sum", FakeTokenizer(), 1, seed=0).batch(0)
+    rec = TraceRecorder("fake", {"n": 2, "temperature": 1.0}, eos_token_id=3, vocab_size=128)
+    rec.add_step(prompts, [(0, [40, 41, 42]), (0, [40, 41, 43])], seeds=[5, 6])
+    path = rec.save(tmp_path / "t.json")
+    assert cli.main(["replay", str(path), "--draft-tokens", "2"]) == 0
+    assert "our drafter told the recorded noise keys" in " ".join(capsys.readouterr().out.split())

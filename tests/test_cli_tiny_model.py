@@ -75,4 +75,8 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())
     assert len(trace["steps"]) == 2 and all(len(s) == 4 for s in trace["steps"])
     assert trace["prompts"][0]["prompt_ids"][0] == 1  # chat template starts with <|im_start|>
+    # Each response with the seed it was sampled with, and the vocabulary: a replay of the
+    # recording tells the drafter the noise that picked every recorded token.
+    assert all(isinstance(r["seed"], int) for step in trace["steps"] for r in step)
+    assert len({r["seed"] for step in trace["steps"] for r in step}) == 8 and trace["vocab_size"] > 0
     assert (tmp_path / "d.png").stat().st_size > 10_000

@@ -72,6 +72,61 @@ def test_trace_round_trip(tmp_path):
         assert u.prompts == t.prompts and u.steps == t.steps and u.num_tokens == 20
 
 
+def keyed_trace(temperature: float = 1.0, vocab_size: int | None = 16) -> Trace:
+    """small_trace with every response's seed (one left unknown) and the sampling it came from."""
+    t = small_trace()
+    t.seeds = [[11, None, 13], [21, 22]]
+    t.meta = {"sampling": {"temperature": temperature}}
+    if vocab_size is not None:
+        t.meta["vocab_size"] = vocab_size
+    return t
+
+
+def test_recorded_seeds_round_trip(tmp_path):
+    t = keyed_trace()
+    save_trace(t, tmp_path / "k.json.gz")
+    u = load_trace(tmp_path / "k.json.gz")
+    assert u.seeds == t.seeds and u.steps == t.steps and u.noise_keys(1) == ([21, 22], 1.0, 16)
+    save_trace(small_trace(), tmp_path / "plain.json")
+    assert load_trace(tmp_path / "plain.json").seeds is None  # the shared traces have none
+
+
+def test_load_rejects_a_bad_seed(tmp_path):
+    (tmp_path / "bad.json").write_text('{"prompts": [{"group_id": 0, "prompt_ids": [1]}], '
+                                       '"steps": [[{"group_id": 0, "response_ids": [1], "seed": -4}]]}')
+    with pytest.raises(ValueError, match=r"steps\[0\]\[0\].seed must be an integer in \[0, 2\*\*63\)"):
+        load_trace(tmp_path / "bad.json")
+
+
+class KeyRecorder(NgramDrafter):
+    """An NgramDrafter that records the noise keys it is told."""
+
+    def __init__(self) -> None:
+        super().__init__(SpecConfig())
+        self.told: list[tuple] = []
+
+    def set_noise_keys(self, req_ids, seeds, temperatures, vocab_size) -> None:
+        super().set_noise_keys(req_ids, seeds, temperatures, vocab_size)
+        self.told += [(r, s, t, vocab_size) for r, s, t in zip(req_ids, seeds, temperatures)]
+
+
+def test_a_replay_tells_the_drafter_the_recorded_seeds():
+    """Requests get ids 0.. over the steps, and each its response's recorded seed, the
+    recording's temperature and vocabulary, as the engine would have told it."""
+    d = KeyRecorder()
+    replay(d, keyed_trace(temperature=0.7), budget=4)
+    assert sorted(d.told) == [(0, 11, 0.7, 16), (1, None, 0.7, 16), (2, 13, 0.7, 16),
+                              (3, 21, 0.7, 16), (4, 22, 0.7, 16)]
+
+
+@pytest.mark.parametrize("trace", [keyed_trace(temperature=0.0), keyed_trace(vocab_size=None), small_trace()],
+                         ids=["greedy", "no vocabulary", "no seeds"])
+def test_a_replay_without_usable_keys_tells_none(trace):
+    d = KeyRecorder()
+    replay(d, trace, budget=4)
+    assert d.told == []
+
+
 def test_load_rejects_unknown_group(tmp_path):
     (tmp_path / "bad.json").write_text('{"prompts": [], "steps": [[{"group_id": 3, "response_ids": [1]}]]}')
     with pytest.raises(ValueError, match="group_id"):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rollout_spec import workloads
+from rollout_spec.replay import load_trace
 from rollout_spec.workloads import TraceRecorder, Workload, extract_code, extract_final_answer
 
 
@@ -69,8 +70,6 @@ def test_answer_and_code_extraction():
 
 
 def test_trace_round_trip_in_shared_format(tmp_path):
-    from rollout_spec.replay import load_trace
-
     wl = Workload("chain_sum", CharTokenizer(), num_prompts=2, seed=3)
     prompts = wl.batch(0)
     rec = TraceRecorder("tiny", {"temperature": 1.0, "n": 2}, eos_token_id=2)
@@ -87,3 +86,17 @@ def test_trace_round_trip_in_shared_format(tmp_path):
     assert trace.steps[1] == [(0, [9])] and trace.prompts[1] == list(prompts[1].prompt_ids)
     with pytest.raises(ValueError, match="prompt index"):
         rec.add_step(prompts, [(5, [1])])
+    assert trace.seeds is None  # nothing recorded them
+
+
+def test_trace_recorder_keeps_the_samples_seeds(tmp_path):
+    """With the seeds and the vocabulary, a replay can tell the drafter the samples' noise keys."""
+    prompts = Workload("basic_arithmetic", CharTokenizer(), 2, seed=0).batch(0)
+    rec = TraceRecorder("tiny", {"temperature": 0.8}, eos_token_id=2, vocab_size=300)
+    rec.add_step(prompts, [(0, [5, 6, 2]), (1, [7])], seeds=[17, 2**62])
+    trace = load_trace(rec.save(tmp_path / "t.json"))
+    assert trace.seeds == [[17, 2**62]] and trace.noise_keys(0) == ([17, 2**62], 0.8, 300)
+    with pytest.raises(ValueError, match=r"seeds must have one entry per response \(2\), got 1"):
+        rec.add_step(prompts, [(0, [5]), (1, [7])], seeds=[3])
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 9223372036854775807\], got -1"):
+        rec.add_step(prompts, [(0, [5])], seeds=[-1])
