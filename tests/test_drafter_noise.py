@@ -7,11 +7,25 @@ import numpy as np
 import pytest
 import torch
 
+from rollout_spec import _core
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter, takes_noise_keys
-from rollout_spec.noise import race_uniforms
+from rollout_spec.noise import NOISE_TAG, race_uniforms
 
 VOCAB = 100
+
+
+class KeyRecorder(NgramDrafter):
+    """An NgramDrafter that records every noise key it is told: (req_id, seed, temperature,
+    vocab_size), in call order (the engine's and the replay's tests use it too)."""
+
+    def __init__(self, config: SpecConfig = SpecConfig()) -> None:
+        super().__init__(config)
+        self.told: list[tuple] = []
+
+    def set_noise_keys(self, req_ids, seeds, temperatures, vocab_size) -> None:
+        super().set_noise_keys(req_ids, seeds, temperatures, vocab_size)
+        self.told += [(r, s, t, vocab_size) for r, s, t in zip(req_ids, seeds, temperatures)]
 
 
 def race_noise(seed: int, position: int) -> np.ndarray:
@@ -139,3 +153,8 @@ def test_a_greedy_requests_temperature_is_not_read():
 
 def test_the_drafter_says_it_takes_noise_keys():
     assert takes_noise_keys(NgramDrafter()) and not takes_noise_keys(object())
+
+
+def test_the_core_races_the_verifiers_tag():
+    """The builder's own copy of the counter tag (csrc/race_noise.h) is noise.NOISE_TAG."""
+    assert _core.RACE_TAG == NOISE_TAG

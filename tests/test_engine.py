@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from rollout_spec import SamplingParams, SpecConfig
-from rollout_spec.drafter import NgramDrafter
 from rollout_spec.engine import RolloutEngine
 from rollout_spec.engine.weights import build_model
 from rollout_spec.noise import sample_seed
 from rollout_spec.tree import DraftBatch
+from test_drafter_noise import KeyRecorder  # noqa: E402  (tests/ is on sys.path under pytest)
 
 transformers = pytest.importorskip("transformers")
 
@@ -190,20 +190,6 @@ def test_sampling_speculation_is_token_identical(pair, params: SamplingParams) -
             assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
-class KeyRecorder(NgramDrafter):
-    """An NgramDrafter that records the noise keys it is told."""
-
-    def __init__(self, config: SpecConfig) -> None:
-        super().__init__(config)
-        self.keys: dict[int, tuple] = {}
-        self.vocab_sizes: set[int] = set()
-
-    def set_noise_keys(self, req_ids, seeds, temperatures, vocab_size) -> None:
-        super().set_noise_keys(req_ids, seeds, temperatures, vocab_size)
-        self.keys.update(zip(req_ids, zip(seeds, temperatures)))
-        self.vocab_sizes.add(vocab_size)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_the_engine_tells_the_drafter_each_samples_noise_key(pair, temperature: float) -> None:
     """Every sample's seed (None for greedy ones, which race no noise), its temperature and the
@@ -215,8 +201,8 @@ def test_the_engine_tells_the_drafter_each_samples_noise_key(pair, temperature: 
     engine(model, spy, draft_budget=lambda b: 4).generate(prompts, params)
     expected = [(None if temperature == 0 else sample_seed(11, p, i), temperature)
                 for p in range(3) for i in range(2)]
-    assert [spy.keys[r] for r in sorted(spy.keys)] == expected
-    assert spy.vocab_sizes == {VOCAB}
+    assert [(s, t) for _, s, t, _ in sorted(spy.told)] == expected
+    assert {v for *_, v in spy.told} == {VOCAB}
 
 
 def test_tpf_is_one_without_speculation(pair) -> None:

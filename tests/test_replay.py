@@ -15,6 +15,7 @@ from rollout_spec.tree import DraftBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from edit_trace import EditSpec, make_edit_trace  # noqa: E402
+from test_drafter_noise import KeyRecorder  # noqa: E402  (tests/ is on sys.path under pytest)
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
 
 
@@ -96,18 +97,6 @@ def test_load_rejects_a_bad_seed(tmp_path):
                                        '"steps": [[{"group_id": 0, "response_ids": [1], "seed": -4}]]}')
     with pytest.raises(ValueError, match=r"steps\[0\]\[0\].seed must be an integer in \[0, 2\*\*63\)"):
         load_trace(tmp_path / "bad.json")
-
-
-class KeyRecorder(NgramDrafter):
-    """An NgramDrafter that records the noise keys it is told."""
-
-    def __init__(self) -> None:
-        super().__init__(SpecConfig())
-        self.told: list[tuple] = []
-
-    def set_noise_keys(self, req_ids, seeds, temperatures, vocab_size) -> None:
-        super().set_noise_keys(req_ids, seeds, temperatures, vocab_size)
-        self.told += [(r, s, t, vocab_size) for r, s, t in zip(req_ids, seeds, temperatures)]
 
 
 def test_a_replay_tells_the_drafter_the_recorded_seeds():

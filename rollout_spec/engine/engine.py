@@ -296,11 +296,12 @@ class RolloutEngine:
         logits = self.runner.prefill(groups)
         seqs = [s for g in groups for s in g]
         if self._drafter is not None:
+            ids = [s.req_id for s in seqs]
             self._queue.use_worker(num_running >= self.worker_min_batch)
-            self._queue.submit(self._drafter.start_batch, [s.req_id for s in seqs],
-                               [s.prompt for s in seqs], [s.group_id for s in seqs])
+            self._queue.submit(self._drafter.start_batch, ids, [s.prompt for s in seqs],
+                               [s.group_id for s in seqs])
             if takes_noise_keys(self._drafter):  # its drafts then aim at the race each row runs
-                self._queue.submit(self._drafter.set_noise_keys, [s.req_id for s in seqs],
+                self._queue.submit(self._drafter.set_noise_keys, ids,
                                    [None if s.params.greedy else s.seed for s in seqs],
                                    [s.params.temperature for s in seqs], self.model.config.vocab_size)
         rows, seeds, last = to_device([np.array([i for i, g in enumerate(groups) for _ in g]),
