@@ -135,7 +135,8 @@ class ChainIndex {
   // The insertion log: every indexed position, oldest first.
   const std::vector<ChainRecord>& log() const { return log_; }
 
-  // Keep only the positions for which `keep(seq)` holds, in their original order.
+  // Keep only the positions for which `keep(seq)` holds, in their original order; a no-op when
+  // all of them stay (end_step asks every group, and most keep everything).
   void rebuild(const std::function<bool(int32_t)>& keep,
                const std::function<const int32_t*(int32_t)>& tokens_of);
 
@@ -143,10 +144,12 @@ class ChainIndex {
   void restore(const std::vector<ChainRecord>& log,
                const std::function<const int32_t*(int32_t)>& tokens_of);
 
-  // Size every key length's table for `n` keys up front (they grow past it as needed).
-  void reserve_keys(size_t n) {
+  // Size the tables up front for a text of `n` positions (they grow past it as needed): as
+  // many keys as positions, but half as many 1-grams (a request's prompt and response hold
+  // 36-46% distinct tokens on the shared traces; a table of positions was 2x too large).
+  void reserve_positions(size_t n) {
     for (int ki = 0; ki < kNumKeys; ++ki)
-      if (has_key(ki)) heads_[ki].reserve(n);
+      if (has_key(ki)) heads_[ki].reserve(kKeyLens[ki] == 1 ? n / 2 : n);
   }
 
   // Records over its key lengths (a position counts once per key length that fits).

@@ -141,7 +141,7 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     // Its own tables sized for the prompt and a response as long as recent ones: grown from
     // 16 slots, each was rehashed again every time the response doubled the keys, inside the
     // decode loop (extend 6-11% cheaper on the shared traces). Sizes change no lookup result.
-    req.own.reserve_keys(static_cast<size_t>(s.prompt_len) + static_cast<size_t>(mean_response_));
+    req.own.reserve_positions(static_cast<size_t>(s.prompt_len) + static_cast<size_t>(mean_response_));
     // A position is indexed once its next token exists: the prompt's last one at the first extend.
     for (int32_t p = 0; p + 1 < s.prompt_len; ++p) index_position(slot, &req, p);
   }

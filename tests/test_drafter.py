@@ -160,6 +160,39 @@ def test_history_steps_drop_old_group_entries():
     assert d.stats()["step"] == 3
 
 
+def test_end_step_rebuilds_only_groups_that_lose_sequences():
+    # Group 1 holds many positions over few distinct tokens; group 2 gets a new sequence each step.
+    d = NgramDrafter(SpecConfig(history_steps=1))
+    d.add_sequences([1], [[t % 5 for t in range(4000)]])
+    memory = d.stats()["memory_bytes"]
+    d.end_step()  # nothing is older than one step: no group changes, nor does its memory
+    assert d.stats()["memory_bytes"] == memory
+    group1 = d.stats()["group_records"]
+    d.add_sequences([2], [[7, 8, 9]])
+    group2 = d.stats()["group_records"] - group1
+    d.end_step()  # group 1's sequence ages out of its scope (it stays global), group 2's stays
+    s = d.stats()
+    assert s["num_groups"] == 1 and s["group_records"] == group2
+    d.check_integrity()
+
+
+def test_rebuilt_group_tables_are_sized_by_their_keys():
+    # A live request of 4000 positions over 5 distinct tokens stays in its group's scope while an
+    # ingested sequence leaves it: the rebuild used to size each key length's table for the 4000
+    # kept positions (3 x 8192 slots of 32 bytes), not for the few keys they hold.
+    d = NgramDrafter(SpecConfig(history_steps=0))
+    d.start(0, [1], group_id=1)
+    d.extend(0, [t % 5 for t in range(4000)])
+    live = d.stats()["group_records"]
+    d.add_sequences([1], [[7, 8, 9]])
+    before = d.stats()
+    d.end_step()
+    after = d.stats()
+    assert after["group_records"] == live  # the ingested sequence left, the live one stayed
+    assert after["memory_bytes"] <= before["memory_bytes"]
+    d.check_integrity()
+
+
 def test_add_sequences_feeds_group_and_global_scopes():
     d = NgramDrafter(SpecConfig(global_weight=0.0))
     d.add_sequences([4, None], [[1, 2, 30], [1, 2, 31]])
