@@ -23,7 +23,7 @@ constexpr int kGlobalScope = 2;
 }  // namespace
 
 DrafterCore::DrafterCore(const CoreConfig& cfg)
-    : cfg_(cfg), global_(std::max(cfg.chain_walk, cfg.global_unigram_walk)) {
+    : cfg_(cfg), global_(empty_global_index(cfg)) {
   // Chains keep only the records a search may read (ChainPool's classes go up to 4095).
   if (cfg.chain_walk < 1 || cfg.chain_walk > 4096)
     throw std::invalid_argument("chain_walk must be in [1, 4096], got " + std::to_string(cfg.chain_walk));
@@ -42,8 +42,12 @@ DrafterCore::DrafterCore(const CoreConfig& cfg)
 
 DrafterCore::~DrafterCore() = default;
 
+ChainIndex DrafterCore::empty_global_index(const CoreConfig& cfg) {
+  return ChainIndex(std::max(cfg.chain_walk, cfg.global_unigram_walk), kGlobalKeys);
+}
+
 ChainIndex& DrafterCore::group_index(int32_t group) {
-  return groups_.try_emplace(group, cfg_.chain_walk).first->second;
+  return groups_.try_emplace(group, cfg_.chain_walk, kGroupKeys).first->second;
 }
 
 void DrafterCore::check_ids(const int64_t* ids, size_t n, bool must_exist) const {

@@ -90,6 +90,8 @@ class DrafterCore {
   void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
   void index_extended(const int64_t* offsets, size_t n);
   int32_t new_slot();
+  // A new, empty global scope index: its chains keep what a search of either walk length reads.
+  static ChainIndex empty_global_index(const CoreConfig& cfg);
   // The group scope index of `group`, created empty if missing.
   ChainIndex& group_index(int32_t group);
   // Copy slot's hot fields into view_ (after any change to its tokens, step, liveness, group).

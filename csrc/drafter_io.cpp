@@ -158,7 +158,7 @@ std::string DrafterCore::load(std::istream& is) {
     int32_t g = get<int32_t>(is);
     get_index(is, group_index(g), seqs_);
   }
-  global_ = ChainIndex(std::max(cfg_.chain_walk, cfg_.global_unigram_walk));
+  global_ = empty_global_index(cfg_);
   get_index(is, global_, seqs_);
   return std::string(meta.begin(), meta.end());
 }

@@ -6,16 +6,9 @@
 
 #include "chain_index.h"
 #include "occurrence.h"
+#include "scope_keys.h"
 
 namespace rollout_spec {
-
-// Key lengths of a request's own index: 4 and 1 (bits of kAllKeys). A 1-gram record's match
-// is measured backwards, so within one request's text the 2-gram chain found nothing the
-// 1-gram chain did not (shared traces: TPF equal to the third decimal without it), while it
-// cost a third of the request scope's inserts (prompts included). The 4-gram chain stays: it
-// reaches a copied span anywhere in a long prompt, where the last token's 16 newest records
-// do not (a code-edit trace lost 18% TPF with the 1-gram key alone).
-constexpr uint32_t kRequestKeys = 0b101u;
 
 struct RequestState {
   int32_t slot = -1;            // its Sequence slot (prompt + output so far)

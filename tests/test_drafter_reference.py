@@ -25,7 +25,10 @@ from rollout_spec.noise import NOISE_TAG, quarter_block
 from rollout_spec.tree import DraftBatch
 
 KEYS = (4, 2, 1)
-REQUEST_KEYS = (4, 1)  # a request's own index keeps no 2-gram chains
+# The key lengths each scope's index keeps (csrc/scope_keys.h).
+REQUEST_KEYS = (4, 1)
+GROUP_KEYS = (4, 1)
+GLOBAL_KEYS = (2, 1)
 VOCAB = 5  # every test's tokens are below it
 
 # The C library's single-precision log, which the core's ranking calls (numpy's may round its
@@ -100,8 +103,8 @@ class RefDrafter:
         targets = [(own, REQUEST_KEYS)] if own is not None else []
         if pos >= s["prompt_len"] - 1:
             if s["group"] >= 0:
-                targets.append((self.groups.setdefault(s["group"], [[] for _ in KEYS]), KEYS))
-            targets.append((self.glob, KEYS))
+                targets.append((self.groups.setdefault(s["group"], [[] for _ in KEYS]), GROUP_KEYS))
+            targets.append((self.glob, GLOBAL_KEYS))
         for index, keys in targets:
             for ki, k in enumerate(KEYS):
                 if k in keys and pos + 1 >= k:
