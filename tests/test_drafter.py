@@ -161,7 +161,7 @@ def test_history_steps_drop_old_group_entries():
 
 
 def test_end_step_rebuilds_only_groups_that_lose_sequences():
-    # Group 1 holds many positions over few distinct tokens; group 2 gets a new sequence each step.
+    # Group 1's one sequence ages out at the second end_step; group 2's, added a step later, stays.
     d = NgramDrafter(SpecConfig(history_steps=1))
     d.add_sequences([1], [[t % 5 for t in range(4000)]])
     memory = d.stats()["memory_bytes"]
@@ -179,7 +179,7 @@ def test_end_step_rebuilds_only_groups_that_lose_sequences():
 def test_rebuilt_group_tables_are_sized_by_their_keys():
     # A live request of 4000 positions over 5 distinct tokens stays in its group's scope while an
     # ingested sequence leaves it: the rebuild used to size each key length's table for the 4000
-    # kept positions (3 x 8192 slots of 32 bytes), not for the few keys they hold.
+    # kept positions (8192 slots of 32 bytes each), not for the few keys they hold.
     d = NgramDrafter(SpecConfig(history_steps=0))
     d.start(0, [1], group_id=1)
     d.extend(0, [t % 5 for t in range(4000)])
