@@ -21,6 +21,7 @@ import argparse
 import glob
 import os
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
@@ -58,15 +59,18 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
     results: dict[str, list[StepResult]] = {}
     notes = []
     for name in names:
-        t0 = time.perf_counter()
+        t0, kernel0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
         drafter = make_drafter(name, budget)
         results[name] = replay(drafter, trace, budget=budget, max_live=max_live, clock=clock)
+        kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel0
         print(f"  [{label}] {name}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         if isinstance(drafter, NgramDrafter):
             st = drafter.stats()
             notes.append(f"{name}: chains searched for {st['gathers'] / max(st['proposals'], 1):.0%} of "
                          f"proposals (the rest reused the request's match state); "
-                         f"{st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token")
+                         f"{st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token; "
+                         f"{kernel:.2f} s of kernel time in the process during its replay (mostly "
+                         f"first touches of new memory, which a VM may make costly: docs/drafter.md)")
     live = "all" if max_live is None else str(max_live)
     print(f"\n## {label}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, "
           f"{trace.num_tokens} tokens; budget {budget}; live requests: {live}")
