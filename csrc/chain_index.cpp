@@ -74,13 +74,14 @@ void ChainIndex::clear() {
 void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,
                          const std::function<const int32_t*(int32_t)>& tokens_of) {
   // Records come in runs of one sequence, so `keep` is asked once per run.
-  size_t kept = 0;
   int32_t seq = -1;
   bool keeps = false;
-  for (const ChainRecord& r : log_) {
+  auto kept_record = [&](const ChainRecord& r) {
     if (r.seq != seq) keeps = keep(seq = r.seq);
-    kept += keeps;
-  }
+    return keeps;
+  };
+  size_t kept = 0;
+  for (const ChainRecord& r : log_) kept += kept_record(r);
   if (kept == log_.size()) return;  // nothing leaves: the index would come out the same
   // Each table gets room for the keys it held (an upper bound on the kept ones, unlike the
   // kept positions: on the shared T=0.6 trace a group's 1-gram table holds ~20x fewer keys than
@@ -93,10 +94,8 @@ void ChainIndex::rebuild(const std::function<bool(int32_t)>& keep,
   for (int ki = 0; ki < kNumKeys; ++ki)
     if (has_key(ki)) heads_[ki].reserve(keys[ki]);
   uint64_t hashes[kNumKeys];
-  seq = -1;
   for (const ChainRecord& r : old) {
-    if (r.seq != seq) keeps = keep(seq = r.seq);
-    if (!keeps) continue;
+    if (!kept_record(r)) continue;
     const int32_t* tokens = tokens_of(r.seq);
     ngram_keys(tokens, r.pos, hashes);
     insert(r.seq, r.pos, tokens, hashes);
