@@ -40,6 +40,11 @@ class Trace:
     meta: dict[str, Any] = field(default_factory=dict)
     seeds: Optional[list[list[Optional[int]]]] = None
 
+    def __post_init__(self) -> None:
+        """Seeds that name no seed at all are no seeds: ``noise_keys`` then has nothing to tell."""
+        if self.seeds is not None and all(x is None for step in self.seeds for x in step):
+            self.seeds = None
+
     @property
     def num_tokens(self) -> int:
         """Response tokens over all steps."""
@@ -84,8 +89,7 @@ def load_trace(path: str | Path) -> Trace:
         seeds.append(step_seeds)
     meta = {k: v for k, v in raw.items() if k not in ("prompts", "steps")}
     meta["prompt_records"] = raw["prompts"]
-    recorded = any(x is not None for step in seeds for x in step)
-    return Trace(prompts=prompts, steps=steps, meta=meta, seeds=seeds if recorded else None)
+    return Trace(prompts=prompts, steps=steps, meta=meta, seeds=seeds)
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:

@@ -201,11 +201,10 @@ class TraceRecorder:
         ordered = sorted(self._prompts.values(), key=lambda p: p.group_id)
         records = [{"group_id": p.group_id, "kind": p.kind, "source": p.source, "text": p.text,
                     "answer": p.answer, "prompt_ids": list(p.prompt_ids)} for p in ordered]
-        recorded = any(s is not None for step in self._seeds for s in step)
         return Trace(prompts={p.group_id: list(p.prompt_ids) for p in ordered},
                      steps=[list(step) for step in self._steps],
                      meta={**self.meta, "prompt_records": records},
-                     seeds=[list(step) for step in self._seeds] if recorded else None)
+                     seeds=[list(step) for step in self._seeds])
 
     def save(self, path: str | Path) -> Path:
         """Write the trace to ``path`` (parent folders created) and return it."""
