@@ -48,9 +48,18 @@ class DraftBuilder {
   // its leaves). The order of emission is exactly that of expanding at once.
   void defer(int32_t node, int32_t max_depth);
 
-  // Set weight_ (and plain_keys_) for the occurrences, link them all as the root's members, and
-  // return their total weight.
-  double weigh(const std::vector<Occurrence>& occ, const CoreConfig& cfg);
+  // The root's expansion: set weight_ (and plain_keys_) for the occurrences, the root's weight
+  // to their total, and make and queue its children (every occurrence is a member of the root).
+  void expand_root(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
+                   const CoreConfig& cfg, int32_t max_depth);
+
+  // Start an expansion: forget the last one's children (by a new stamp, returned).
+  uint32_t begin_children();
+  // Put occurrence `o`, whose next token is `tok`, into the child of `node` (at `depth`; the
+  // node's children are made from nodes_[first_child] on) for that token, making the child if
+  // it is new. `stamp` is begin_children's, `shift` 32 - slot_bits_.
+  void add_member(int32_t o, int32_t tok, int32_t node, int32_t depth, int32_t first_child,
+                  uint32_t stamp, int shift);
 
   // Queue the children nodes_[first_child..] just made from `parent` (the best room_ of them).
   void queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth);
@@ -68,7 +77,8 @@ class DraftBuilder {
   std::vector<TrieNode> nodes_;   // scratch trie; nodes_[0] is the root
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
   // Per occurrence: the next member (in gather order) of the same unexpanded node. A node's
-  // members are the list from its first_occ, count long; expanding it relinks them into its
+  // members (but the root's, which are all occurrences in order) are the list from its
+  // first_occ, count long; expanding it relinks them into its
   // children's lists. Unexpanded nodes share no occurrence, so one array holds all their lists,
   // and a child's list is made in the pass that finds its members, with no pass of its own.
   std::vector<int32_t> next_;
