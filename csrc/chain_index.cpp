@@ -45,9 +45,8 @@ inline void ChainIndex::insert_record(ChainHead& h, const ChainEntry& e) {
 
 void ChainIndex::insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys) {
   log_.push_back(ChainRecord{seq, pos});
-  const uint32_t mask = keys_at(pos);
   for (int ki = 0; ki < kNumKeys; ++ki) {
-    if (keys[ki] == 0 || !((mask >> ki) & 1u)) continue;
+    if (keys[ki] == 0 || !has_key(ki)) continue;
     const int32_t k = kKeyLens[ki];
     insert_record(heads_[ki].upsert(keys[ki]),
                   ChainEntry{seq, pos, pos >= k ? tokens[pos - k] : -1, tokens[pos + 1]});
@@ -57,9 +56,8 @@ void ChainIndex::insert(int32_t seq, int32_t pos, const int32_t* tokens, const u
 void ChainIndex::insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys,
                         const uint32_t* slots) {
   log_.push_back(ChainRecord{seq, pos});
-  const uint32_t mask = keys_at(pos);
   for (int ki = 0; ki < kNumKeys; ++ki) {
-    if (keys[ki] == 0 || !((mask >> ki) & 1u)) continue;
+    if (keys[ki] == 0 || !has_key(ki)) continue;
     const int32_t k = kKeyLens[ki];
     insert_record(heads_[ki].at(slots[ki], keys[ki]),
                   ChainEntry{seq, pos, pos >= k ? tokens[pos - k] : -1, tokens[pos + 1]});
@@ -134,8 +132,7 @@ bool ChainIndex::check(const std::function<const int32_t*(int32_t)>& tokens_of) 
     // The log's positions of every key, oldest first: the key's lookup view must list the newest.
     std::unordered_map<uint64_t, std::vector<ChainRecord>> expected;
     for (const ChainRecord& r : log_)
-      if (r.pos + 1 >= k && ((keys_at(r.pos) >> ki) & 1u))
-        expected[ngram_key(tokens_of(r.seq), r.pos, k)].push_back(r);
+      if (r.pos + 1 >= k) expected[ngram_key(tokens_of(r.seq), r.pos, k)].push_back(r);
     auto same = [&](const ChainEntry& e, const ChainRecord& r) {
       if (r.seq != e.seq || r.pos != e.pos) return false;
       const int32_t* t = tokens_of(e.seq);

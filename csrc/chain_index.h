@@ -1,8 +1,8 @@
 // Hash chains over stored positions, one chain per n-gram, for the key lengths in kKeyLens.
 //
 // Indexing position p of a sequence (once token p + 1 exists: a record is only useful with a
-// continuation) adds, for every key length k <= p + 1 that the index keeps for p (keys_at), a
-// record to the chain of the k tokens ending at p. A chain is walked newest first, so a lookup sees recent rollouts before old ones.
+// continuation) adds, for every key length k <= p + 1, a record to the chain of the k tokens
+// ending at p. A chain is walked newest first, so a lookup sees recent rollouts before old ones.
 // Two views of the same records are kept: the insertion log (one entry per indexed position,
 // shared by all key lengths; used by rebuild, checkpoints and the integrity check) and the
 // lookup view (ChainTable heads with the newest record inline, older records in blocks of a
@@ -13,8 +13,6 @@
 
 #include "prefetch.h"
 
-#include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -49,25 +47,16 @@ class ChainIndex {
   // Whether this index keeps chains of key length kKeyLens[ki].
   bool has_key(int ki) const { return (key_mask_ >> ki) & 1u; }
 
-  // Index positions from `from` on under the key lengths in `mask` only (a subset of the index's
-  // own): a request's index keeps its 4-gram chains for its prompt alone (csrc/scope_keys.h).
-  // Set before the first insert; rebuilds, restores and the integrity check follow it.
-  void narrow_keys_from(int32_t from, uint32_t mask) {
-    narrow_from_ = from;
-    narrow_mask_ = mask & key_mask_;
-  }
-  // The key lengths (bits of kAllKeys) under which position `pos` is indexed.
-  uint32_t keys_at(int32_t pos) const { return pos < narrow_from_ ? key_mask_ : narrow_mask_; }
-
   // Index position `pos` of sequence `seq` (whose tokens are `tokens`, holding pos + 1 at least),
   // given its keys from ngram_keys (computed once per position and shared by the request, group
   // and global indexes).
   void insert(int32_t seq, int32_t pos, const int32_t* tokens, const uint64_t* keys);
 
-  // Start loading the table slots that a lookup of these keys, or (given its position) an insert,
-  // will touch.
-  void prefetch(const uint64_t* keys) const { prefetch_keys(keys, key_mask_); }
-  void prefetch(const uint64_t* keys, int32_t pos) const { prefetch_keys(keys, keys_at(pos)); }
+  // Start loading the table slots that a lookup or insert of these keys will touch.
+  void prefetch(const uint64_t* keys) const {
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      if (keys[ki] != 0 && has_key(ki)) heads_[ki].prefetch(keys[ki]);
+  }
 
   // Start loading this index's own bookkeeping (its tables', pool's and log's fields), which
   // every insert reads: a request's or group's index is cold at each call.
@@ -87,10 +76,9 @@ class ChainIndex {
   // table slots should be cached by now: call prefetch first, a few positions earlier. The
   // insert then reuses the slots instead of probing the table a second time (each probe ends
   // on an equal or an empty key, an unpredictable branch: a third of extend's mispredictions).
-  void prepare(int32_t pos, const uint64_t* keys, uint32_t* slots) {
-    const uint32_t mask = keys_at(pos);
+  void prepare(const uint64_t* keys, uint32_t* slots) {
     for (int ki = 0; ki < kNumKeys; ++ki) {
-      if (keys[ki] == 0 || !((mask >> ki) & 1u)) continue;
+      if (keys[ki] == 0 || !has_key(ki)) continue;
       slots[ki] = heads_[ki].upsert_slot(keys[ki]);
       const ChainHead& h = heads_[ki].slots()[slots[ki]];
       const int32_t older = h.count - 1;  // the older record that insert writes
@@ -157,16 +145,11 @@ class ChainIndex {
                const std::function<const int32_t*(int32_t)>& tokens_of);
 
   // Size the tables up front for a text of `n` positions (they grow past it as needed): as
-  // many keys as positions indexed under the key length, but half as many 1-grams (a request's
-  // prompt and response hold 36-46% distinct tokens on the shared traces; a table of positions
-  // was 2x too large).
+  // many keys as positions, but half as many 1-grams (a request's prompt and response hold
+  // 36-46% distinct tokens on the shared traces; a table of positions was 2x too large).
   void reserve_positions(size_t n) {
-    const size_t wide = std::min<size_t>(n, static_cast<size_t>(std::max(narrow_from_, 0)));
-    for (int ki = 0; ki < kNumKeys; ++ki) {
-      if (!has_key(ki)) continue;
-      const size_t keyed = (narrow_mask_ >> ki) & 1u ? n : wide;
-      heads_[ki].reserve(kKeyLens[ki] == 1 ? keyed / 2 : keyed);
-    }
+    for (int ki = 0; ki < kNumKeys; ++ki)
+      if (has_key(ki)) heads_[ki].reserve(kKeyLens[ki] == 1 ? n / 2 : n);
   }
 
   // Records over its key lengths (a position counts once per key length that fits).
@@ -182,18 +165,12 @@ class ChainIndex {
  private:
   void insert_record(ChainHead& h, const ChainEntry& e);
   void clear();
-  void prefetch_keys(const uint64_t* keys, uint32_t mask) const {
-    for (int ki = 0; ki < kNumKeys; ++ki)
-      if (keys[ki] != 0 && ((mask >> ki) & 1u)) heads_[ki].prefetch(keys[ki]);
-  }
 
   ChainTable heads_[kNumKeys];                // per key length: n-gram key -> chain head
   ChainPool pool_;                            // older records of every chain
   std::vector<ChainRecord> log_;              // indexed positions in insertion order
   size_t records_ = 0;                        // records over its key lengths
   uint32_t key_mask_;                         // the key lengths it keeps (bits of kAllKeys)
-  int32_t narrow_from_ = INT32_MAX;           // positions from here on are indexed under ...
-  uint32_t narrow_mask_ = 0;                  // ... these key lengths only
 };
 
 }  // namespace rollout_spec

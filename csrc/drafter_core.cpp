@@ -46,13 +46,6 @@ ChainIndex DrafterCore::empty_global_index(const CoreConfig& cfg) {
   return ChainIndex(std::max(cfg.chain_walk, cfg.global_unigram_walk), kGlobalKeys);
 }
 
-ChainIndex DrafterCore::own_index(int32_t prompt_len) const {
-  ChainIndex own(cfg_.chain_walk, kRequestKeys);
-  // Position prompt_len - 1 is the first whose continuation is a response token.
-  own.narrow_keys_from(prompt_len - 1, kRequestResponseKeys);
-  return own;
-}
-
 ChainIndex& DrafterCore::group_index(int32_t group) {
   return groups_.try_emplace(group, cfg_.chain_walk, kGroupKeys).first->second;
 }
@@ -148,7 +141,7 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     refresh_view(slot);
     RequestState& req = requests_[ids[i]];
     req.slot = slot;
-    req.own = own_index(s.prompt_len);
+    req.own = ChainIndex(cfg_.chain_walk, kRequestKeys);
     // Its own tables sized for the prompt and a response as long as recent ones: grown from
     // 16 slots, each was rehashed again every time the response doubled the keys, inside the
     // decode loop (extend 6-11% cheaper on the shared traces). Sizes change no lookup result.
@@ -310,17 +303,17 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       if (local) {
         e.req->own.prefetch_log_end();
         if (e.group) e.group->prefetch_log_end();
-        e.req->own.prefetch(e.keys, e.pos);
-        if (e.group) e.group->prefetch(e.keys, e.pos);
+        e.req->own.prefetch(e.keys);
+        if (e.group) e.group->prefetch(e.keys);
       }
-      if (global && e.shared) global_.prefetch(e.keys, e.pos);
+      if (global && e.shared) global_.prefetch(e.keys);
     };
     auto tails = [&](Pending& e) {
       if (local) {
-        e.req->own.prepare(e.pos, e.keys, e.own_slots);
-        if (e.group) e.group->prepare(e.pos, e.keys, e.group_slots);
+        e.req->own.prepare(e.keys, e.own_slots);
+        if (e.group) e.group->prepare(e.keys, e.group_slots);
       }
-      if (global && e.shared) global_.prepare(e.pos, e.keys, e.global_slots);
+      if (global && e.shared) global_.prepare(e.keys, e.global_slots);
     };
     constexpr size_t kState = kAhead + 4;
     for (size_t j = 0; j < std::min(total, kState); ++j) state(j);

@@ -92,9 +92,6 @@ class DrafterCore {
   int32_t new_slot();
   // A new, empty global scope index: its chains keep what a search of either walk length reads.
   static ChainIndex empty_global_index(const CoreConfig& cfg);
-  // An empty index for a request whose prompt is `prompt_len` tokens long: every key length of
-  // the request scope for the prompt's positions, the response-scope ones after it.
-  ChainIndex own_index(int32_t prompt_len) const;
   // The group scope index of `group`, created empty if missing.
   ChainIndex& group_index(int32_t group);
   // Copy slot's hot fields into view_ (after any change to its tokens, step, liveness, group).

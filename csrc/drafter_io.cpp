@@ -133,10 +133,10 @@ std::string DrafterCore::load(std::istream& is) {
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
     int64_t id = get<int64_t>(is);
     RequestState& req = requests_[id];
+    req.own = ChainIndex(cfg_.chain_walk, kRequestKeys);
     req.slot = get<int32_t>(is);
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
-    req.own = own_index(seqs_[req.slot].prompt_len);
     get_index(is, req.own, seqs_);
     req.occ = get_vec<Occurrence>(is);
     for (const Occurrence& o : req.occ)

@@ -9,18 +9,12 @@
 
 namespace rollout_spec {
 
-// A request's own index: 4 and 1 for its prompt. A 1-gram record's match is measured backwards, so within one
+// A request's own index: 4 and 1. A 1-gram record's match is measured backwards, so within one
 // request's text the 2-gram chain found nothing the 1-gram chain did not (TPF equal to the third
 // decimal without it), while it cost a third of the request scope's inserts (prompts included).
 // The 4-gram chain stays: it reaches a copied span anywhere in a long prompt, where the last
 // token's 16 newest records do not (a code-edit trace lost 18% TPF with the 1-gram key alone).
 constexpr uint32_t kRequestKeys = 0b101u;
-// ... but past its prompt (from the prompt's last position, whose continuation is a response
-// token) the 1-gram alone. The response's 4-gram chains changed no figure: TPF 2.759 / 3.031 /
-// 3.114 and 1.500 / 1.558 without them against 2.761 / 3.029 / 3.115 and 1.500 / 1.558, and
-// 4.382 against 4.381 on the code-edit trace, whose long copies come from the prompt. They
-// cost one of a response position's six inserts, and the largest of a live request's tables.
-constexpr uint32_t kRequestResponseKeys = 0b100u;
 
 // A group's index: 4 and 1, for the same reason: without its 2-gram chains TPF moved by at most
 // 0.2% (2.763 / 3.038 / 3.129 and 1.501 / 1.561), and each position costs one insert less and

@@ -118,16 +118,6 @@ def test_prompt_lookup_reaches_a_span_far_back_behind_a_frequent_last_token():
     assert tree(d.propose([0]))[:3] == [(60, -1), (61, 0), (62, 1)]
 
 
-def test_request_index_keeps_its_4_grams_for_the_prompt_only():
-    # Positions 0..9 have a continuation. All ten get a 1-gram record; 4-gram records go to the
-    # prompt's positions 3 and 4 only (5, the prompt's last, is continued by a response token).
-    d = NgramDrafter()
-    d.start(0, [1, 2, 3, 4, 5, 6])
-    d.extend(0, [7, 8, 9, 10, 11])
-    assert d.stats()["request_records"] == 10 + 2
-    d.check_integrity()
-
-
 def test_group_scope_prefers_a_siblings_continuation():
     d = NgramDrafter()
     # A sibling in group 1 (finished) and, more recently, another group's response.

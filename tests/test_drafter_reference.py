@@ -26,8 +26,7 @@ from rollout_spec.tree import DraftBatch
 
 KEYS = (4, 2, 1)
 # The key lengths each scope's index keeps (csrc/scope_keys.h).
-REQUEST_KEYS = (4, 1)  # for prompt positions; past them, REQUEST_RESPONSE_KEYS
-REQUEST_RESPONSE_KEYS = (1,)
+REQUEST_KEYS = (4, 1)
 GROUP_KEYS = (4, 1)
 GLOBAL_KEYS = (2, 1)
 VOCAB = 5  # every test's tokens are below it
@@ -101,9 +100,8 @@ class RefDrafter:
 
     def _index(self, slot: int, own: list | None, pos: int) -> None:
         s = self.seqs[slot]
-        response = pos >= s["prompt_len"] - 1  # its continuation is a response token
-        targets = [(own, REQUEST_RESPONSE_KEYS if response else REQUEST_KEYS)] if own is not None else []
-        if response:
+        targets = [(own, REQUEST_KEYS)] if own is not None else []
+        if pos >= s["prompt_len"] - 1:
             if s["group"] >= 0:
                 targets.append((self.groups.setdefault(s["group"], [[] for _ in KEYS]), GROUP_KEYS))
             targets.append((self.glob, GLOBAL_KEYS))
