@@ -118,6 +118,16 @@ def test_prompt_lookup_reaches_a_span_far_back_behind_a_frequent_last_token():
     assert tree(d.propose([0]))[:3] == [(60, -1), (61, 0), (62, 1)]
 
 
+def test_a_response_repeating_its_own_span_far_back_gets_it_proposed():
+    # As above, but the span is the response's own: its 4-gram chain reaches it (prompt lookup
+    # searches the output too), where the last token's newest 1-gram records do not.
+    filler = [t for i in range(40) for t in (7, 100 + i)]
+    d = NgramDrafter()
+    d.start(0, [1, 2], group_id=3)
+    d.extend(0, [50, 51, 52, 7, 60, 61, 62] + filler + [50, 51, 52, 7])
+    assert tree(d.propose([0]))[:3] == [(60, -1), (61, 0), (62, 1)]
+
+
 def test_group_scope_prefers_a_siblings_continuation():
     d = NgramDrafter()
     # A sibling in group 1 (finished) and, more recently, another group's response.
