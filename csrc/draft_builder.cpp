@@ -30,32 +30,37 @@ uint32_t DraftBuilder::begin_children() {
 // Inlined into both expansions (a call per member cost about as much as its work). The caller
 // passes the fields it reads as values: the int stores below (slots, nodes) may alias members
 // as far as the compiler knows, so they were reloaded for every member.
-__attribute__((always_inline)) inline void DraftBuilder::add_member(
+__attribute__((always_inline)) inline int32_t DraftBuilder::add_member(
     int32_t o, int32_t tok, int32_t node, int32_t depth, int32_t first_child, uint32_t stamp,
-    int shift) {
-  const uint32_t mask = (1u << slot_bits_) - 1;
+    int shift, uint32_t mask) {
   uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> shift;
   while (slots_[h].stamp == stamp && slots_[h].token != tok) h = (h + 1) & mask;
   Slot& slot = slots_[h];
-  int32_t c;
   if (slot.stamp == stamp) {
-    c = slot.child;
-    next_[tail_[c]] = o;
-    tail_[c] = o;
-  } else {
-    c = static_cast<int32_t>(tail_.size());
-    slot.stamp = stamp;
-    slot.token = tok;
-    slot.child = c;
-    tail_.push_back(o);
-    // Filled field by field: a braced temporary is copied through the stack in pieces of
-    // other sizes than it was written in, which stalls store forwarding on every child.
-    TrieNode& n = nodes_.emplace_back();
-    n.token = tok;
-    n.parent = node;
-    n.depth = depth;
-    n.first_occ = o;
+    join_child(slot.child, o, first_child);
+    return slot.child;
   }
+  const int32_t c = static_cast<int32_t>(tail_.size());
+  slot.stamp = stamp;
+  slot.token = tok;
+  slot.child = c;
+  tail_.push_back(o);
+  // Filled field by field: a braced temporary is copied through the stack in pieces of other
+  // sizes than it was written in, which stalls store forwarding on every child.
+  TrieNode& n = nodes_.emplace_back();
+  n.token = tok;
+  n.parent = node;
+  n.depth = depth;
+  n.first_occ = o;
+  n.weight += weight_[o];  // from +0.0, as join_child adds (a -0.0 weight stays +0.0)
+  n.count = 1;
+  return c;
+}
+
+__attribute__((always_inline)) inline void DraftBuilder::join_child(int32_t c, int32_t o,
+                                                                    int32_t first_child) {
+  next_[tail_[c]] = o;
+  tail_[c] = o;
   TrieNode& n = nodes_[first_child + c];
   n.weight += weight_[o];
   n.count += 1;
@@ -82,12 +87,22 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
   // that scan was a third of the builder's instructions. Slots are stamped per expansion, so
   // the table is never cleared. Each member is linked behind its child's last one, so the
   // child's list is ready without a pass of its own (most children are never expanded).
+  // A member with the same next token as the one before joins its child without the table
+  // lookup: runs are common where siblings share a span (at T=0.6 half of the expansions have
+  // 5 or more members, and on average 3 children).
   const uint32_t stamp = begin_children();
   const int shift = 32 - slot_bits_;
+  const uint32_t mask = (1u << slot_bits_) - 1;
+  int32_t run_tok = -1, run_child = 0;
   for (int32_t j = 0; j < parent.count; ++j) {
     const int32_t tok = tok_[j];
     if (tok < 0) continue;  // the occurrence's sequence ends here
-    add_member(mem_[j], tok, node, parent.depth + 1, first_child, stamp, shift);
+    if (tok == run_tok) {
+      join_child(run_child, mem_[j], first_child);
+      continue;
+    }
+    run_tok = tok;
+    run_child = add_member(mem_[j], tok, node, parent.depth + 1, first_child, stamp, shift, mask);
   }
   queue_children(parent, first_child, max_depth);
 }
@@ -108,6 +123,8 @@ void DraftBuilder::expand_root(const std::vector<Occurrence>& occ, const std::ve
   bool plain = true;  // every weight >= 0 (not NaN): see plain_keys_
   const uint32_t stamp = begin_children();
   const int shift = 32 - slot_bits_;
+  const uint32_t mask = (1u << slot_bits_) - 1;
+  int32_t run_tok = -1, run_child = 0;  // as in expand
   for (int32_t i = 0; i < n_occ; ++i) {
     // Longer matches are more predictive: weight = scope prior * match_len ** match_power.
     // The default power 2 is spelled out (the same two products in the same order).
@@ -122,7 +139,13 @@ void DraftBuilder::expand_root(const std::vector<Occurrence>& occ, const std::ve
     plain &= w >= 0.0;
     total += w;
     const int32_t tok = next_token(occ[i], view, 0);
-    if (tok >= 0) add_member(i, tok, 0, 1, 1, stamp, shift);
+    if (tok < 0) continue;
+    if (tok == run_tok) {
+      join_child(run_child, i, 1);
+      continue;
+    }
+    run_tok = tok;
+    run_child = add_member(i, tok, 0, 1, 1, stamp, shift, mask);
   }
   plain_keys_ = plain && total > 0.0 && total <= std::numeric_limits<double>::max() &&
                 cfg.evidence_discount >= 0.0;

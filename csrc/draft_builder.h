@@ -57,9 +57,12 @@ class DraftBuilder {
   uint32_t begin_children();
   // Put occurrence `o`, whose next token is `tok`, into the child of `node` (at `depth`; the
   // node's children are made from nodes_[first_child] on) for that token, making the child if
-  // it is new. `stamp` is begin_children's, `shift` 32 - slot_bits_.
-  void add_member(int32_t o, int32_t tok, int32_t node, int32_t depth, int32_t first_child,
-                  uint32_t stamp, int shift);
+  // it is new; returns the child's number. `stamp` is begin_children's, `shift` and `mask`
+  // 32 - slot_bits_ and the table's size - 1.
+  int32_t add_member(int32_t o, int32_t tok, int32_t node, int32_t depth, int32_t first_child,
+                     uint32_t stamp, int shift, uint32_t mask);
+  // Put occurrence `o` into child number `c` (made from nodes_[first_child] on).
+  void join_child(int32_t c, int32_t o, int32_t first_child);
 
   // Queue the children nodes_[first_child..] just made from `parent` (the best room_ of them).
   void queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth);
