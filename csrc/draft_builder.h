@@ -81,9 +81,9 @@ class DraftBuilder {
   std::vector<double> weight_;    // per occurrence: scope prior * match_len ** match_power
   // Per occurrence: the next member (in gather order) of the same unexpanded node. A node's
   // members (but the root's, which are all occurrences in order) are the list from its
-  // first_occ, count long; expanding it relinks them into its
-  // children's lists. Unexpanded nodes share no occurrence, so one array holds all their lists,
-  // and a child's list is made in the pass that finds its members, with no pass of its own.
+  // first_occ, count long; expanding it relinks them into its children's lists. Unexpanded
+  // nodes share no occurrence, so one array holds all their lists, and a child's list is made
+  // in the pass that finds its members, with no pass of its own.
   std::vector<int32_t> next_;
   std::vector<int32_t> mem_;      // per member of the node being expanded: its occurrence
   std::vector<int32_t> tail_;     // per child of that node: its last member so far
