@@ -18,30 +18,46 @@ inline int32_t next_token(const Occurrence& o, const std::vector<SlotView>& view
 }
 }  // namespace
 
-uint32_t DraftBuilder::begin_children() {
+DraftBuilder::Expansion DraftBuilder::begin_children(int32_t node, int32_t depth) {
   tail_.clear();
   if (++stamp_ == 0) {  // the stamp wrapped: forget every slot
     for (Slot& s : slots_) s.stamp = 0;
     stamp_ = 1;
   }
-  return stamp_;
+  Expansion x;
+  x.node = node;
+  x.depth = depth;
+  x.first_child = static_cast<int32_t>(nodes_.size());
+  x.stamp = stamp_;
+  x.shift = 32 - slot_bits_;
+  x.mask = (1u << slot_bits_) - 1;
+  return x;
 }
 
-// Inlined into both expansions (a call per member cost about as much as its work). The caller
-// passes the fields it reads as values: the int stores below (slots, nodes) may alias members
-// as far as the compiler knows, so they were reloaded for every member.
-__attribute__((always_inline)) inline int32_t DraftBuilder::add_member(
-    int32_t o, int32_t tok, int32_t node, int32_t depth, int32_t first_child, uint32_t stamp,
-    int shift, uint32_t mask) {
-  uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> shift;
-  while (slots_[h].stamp == stamp && slots_[h].token != tok) h = (h + 1) & mask;
+// Inlined into both expansions (a call per member cost about as much as its work). The
+// expansion's fields are read from `x`, a local: the int stores below (slots, nodes) may alias
+// the builder's members as far as the compiler knows, so those were reloaded for every member.
+__attribute__((always_inline)) inline void DraftBuilder::add_member(Expansion& x, int32_t o,
+                                                                    int32_t tok) {
+  // A member with the same next token as the one before joins its child without the table
+  // lookup: runs are common where siblings share a span (at T=0.6 half of the expansions have
+  // 5 or more members, and on average 3 children).
+  if (tok == x.run_token) {
+    join_child(x, x.run_child, o);
+    return;
+  }
+  x.run_token = tok;
+  uint32_t h = (static_cast<uint32_t>(tok) * 0x9E3779B1u) >> x.shift;
+  while (slots_[h].stamp == x.stamp && slots_[h].token != tok) h = (h + 1) & x.mask;
   Slot& slot = slots_[h];
-  if (slot.stamp == stamp) {
-    join_child(slot.child, o, first_child);
-    return slot.child;
+  if (slot.stamp == x.stamp) {
+    x.run_child = slot.child;
+    join_child(x, slot.child, o);
+    return;
   }
   const int32_t c = static_cast<int32_t>(tail_.size());
-  slot.stamp = stamp;
+  x.run_child = c;
+  slot.stamp = x.stamp;
   slot.token = tok;
   slot.child = c;
   tail_.push_back(o);
@@ -49,19 +65,18 @@ __attribute__((always_inline)) inline int32_t DraftBuilder::add_member(
   // sizes than it was written in, which stalls store forwarding on every child.
   TrieNode& n = nodes_.emplace_back();
   n.token = tok;
-  n.parent = node;
-  n.depth = depth;
+  n.parent = x.node;
+  n.depth = x.depth;
   n.first_occ = o;
   n.weight += weight_[o];  // from +0.0, as join_child adds (a -0.0 weight stays +0.0)
   n.count = 1;
-  return c;
 }
 
-__attribute__((always_inline)) inline void DraftBuilder::join_child(int32_t c, int32_t o,
-                                                                    int32_t first_child) {
+__attribute__((always_inline)) inline void DraftBuilder::join_child(const Expansion& x, int32_t c,
+                                                                    int32_t o) {
   next_[tail_[c]] = o;
   tail_[c] = o;
-  TrieNode& n = nodes_[first_child + c];
+  TrieNode& n = nodes_[x.first_child + c];
   n.weight += weight_[o];
   n.count += 1;
 }
@@ -70,7 +85,6 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
                           const std::vector<SlotView>& view, int32_t max_depth) {
   const TrieNode parent = nodes_[node];  // copy: nodes_ grows below
   if (parent.depth >= max_depth) return;
-  const int32_t first_child = static_cast<int32_t>(nodes_.size());
   // Pass 0: walk the node's member list, noting every member and its next token. Tokens past an
   // occurrence's cached ones are in another sequence's memory; reading them all in a loop of
   // their own lets their misses overlap.
@@ -87,24 +101,12 @@ void DraftBuilder::expand(int32_t node, const std::vector<Occurrence>& occ,
   // that scan was a third of the builder's instructions. Slots are stamped per expansion, so
   // the table is never cleared. Each member is linked behind its child's last one, so the
   // child's list is ready without a pass of its own (most children are never expanded).
-  // A member with the same next token as the one before joins its child without the table
-  // lookup: runs are common where siblings share a span (at T=0.6 half of the expansions have
-  // 5 or more members, and on average 3 children).
-  const uint32_t stamp = begin_children();
-  const int shift = 32 - slot_bits_;
-  const uint32_t mask = (1u << slot_bits_) - 1;
-  int32_t run_tok = -1, run_child = 0;
+  Expansion x = begin_children(node, parent.depth + 1);
   for (int32_t j = 0; j < parent.count; ++j) {
     const int32_t tok = tok_[j];
-    if (tok < 0) continue;  // the occurrence's sequence ends here
-    if (tok == run_tok) {
-      join_child(run_child, mem_[j], first_child);
-      continue;
-    }
-    run_tok = tok;
-    run_child = add_member(mem_[j], tok, node, parent.depth + 1, first_child, stamp, shift, mask);
+    if (tok >= 0) add_member(x, mem_[j], tok);  // else the occurrence's sequence ends here
   }
-  queue_children(parent, first_child, max_depth);
+  queue_children(parent, x.first_child, max_depth);
 }
 
 void DraftBuilder::expand_root(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
@@ -121,10 +123,7 @@ void DraftBuilder::expand_root(const std::vector<Occurrence>& occ, const std::ve
   const int32_t power = cfg.match_power;
   const double scope_weight[3] = {cfg.scope_weight[0], cfg.scope_weight[1], cfg.scope_weight[2]};
   bool plain = true;  // every weight >= 0 (not NaN): see plain_keys_
-  const uint32_t stamp = begin_children();
-  const int shift = 32 - slot_bits_;
-  const uint32_t mask = (1u << slot_bits_) - 1;
-  int32_t run_tok = -1, run_child = 0;  // as in expand
+  Expansion x = begin_children(0, 1);
   for (int32_t i = 0; i < n_occ; ++i) {
     // Longer matches are more predictive: weight = scope prior * match_len ** match_power.
     // The default power 2 is spelled out (the same two products in the same order).
@@ -139,20 +138,14 @@ void DraftBuilder::expand_root(const std::vector<Occurrence>& occ, const std::ve
     plain &= w >= 0.0;
     total += w;
     const int32_t tok = next_token(occ[i], view, 0);
-    if (tok < 0) continue;
-    if (tok == run_tok) {
-      join_child(run_child, i, 1);
-      continue;
-    }
-    run_tok = tok;
-    run_child = add_member(i, tok, 0, 1, 1, stamp, shift, mask);
+    if (tok >= 0) add_member(x, i, tok);
   }
   plain_keys_ = plain && total > 0.0 && total <= std::numeric_limits<double>::max() &&
                 cfg.evidence_discount >= 0.0;
   TrieNode& root = nodes_[0];
   root.count = n_occ;
   root.weight = total;
-  if (max_depth > 0) queue_children(root, 1, max_depth);
+  if (max_depth > 0) queue_children(root, x.first_child, max_depth);
 }
 
 void DraftBuilder::queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth) {

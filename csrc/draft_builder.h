@@ -53,16 +53,25 @@ class DraftBuilder {
   void expand_root(const std::vector<Occurrence>& occ, const std::vector<SlotView>& view,
                    const CoreConfig& cfg, int32_t max_depth);
 
-  // Start an expansion: forget the last one's children (by a new stamp, returned).
-  uint32_t begin_children();
-  // Put occurrence `o`, whose next token is `tok`, into the child of `node` (at `depth`; the
-  // node's children are made from nodes_[first_child] on) for that token, making the child if
-  // it is new; returns the child's number. `stamp` is begin_children's, `shift` and `mask`
-  // 32 - slot_bits_ and the table's size - 1.
-  int32_t add_member(int32_t o, int32_t tok, int32_t node, int32_t depth, int32_t first_child,
-                     uint32_t stamp, int shift, uint32_t mask);
-  // Put occurrence `o` into child number `c` (made from nodes_[first_child] on).
-  void join_child(int32_t c, int32_t o, int32_t first_child);
+  // One expansion in progress: the node whose members are sorted into children, and what
+  // sorting a member reads (kept in a local, out of the builder's aliased fields).
+  struct Expansion {
+    int32_t node = 0;         // the node expanded
+    int32_t depth = 0;        // its children's depth
+    int32_t first_child = 0;  // its children are nodes_[first_child..]
+    uint32_t stamp = 0;       // the table slots of this expansion
+    int shift = 0;            // 32 - slot_bits_: a token's hash to its home slot
+    uint32_t mask = 0;        // the table's size - 1
+    int32_t run_token = -1;   // the last member's next token, and the child it went to
+    int32_t run_child = 0;
+  };
+  // Start expanding `node` (its children at `depth`): forget the last expansion's children.
+  Expansion begin_children(int32_t node, int32_t depth);
+  // Put occurrence `o`, whose next token is `tok`, into the child for that token, making the
+  // child if it is new.
+  void add_member(Expansion& x, int32_t o, int32_t tok);
+  // Put occurrence `o` into the expansion's child number `c`.
+  void join_child(const Expansion& x, int32_t c, int32_t o);
 
   // Queue the children nodes_[first_child..] just made from `parent` (the best room_ of them).
   void queue_children(const TrieNode& parent, int32_t first_child, int32_t max_depth);
