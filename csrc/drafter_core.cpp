@@ -118,7 +118,7 @@ void DrafterCore::index_position(int32_t slot, RequestState* req, int32_t pos) {
   const Sequence& s = seqs_[slot];
   uint64_t keys[kNumKeys];
   ngram_keys(s.tokens.data(), pos, keys);
-  if (req) req->own.insert(slot, pos, s.tokens.data(), keys);
+  if (req) req->own.insert(keys);  // positions come in order: pos == req->own.size()
   // Shared scopes only index positions whose continuation is a response token.
   if (pos < s.prompt_len - 1) return;
   if (s.group >= 0) group_index(s.group).insert(slot, pos, s.tokens.data(), keys);
@@ -141,7 +141,7 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     refresh_view(slot);
     RequestState& req = requests_[ids[i]];
     req.slot = slot;
-    req.own = ChainIndex(cfg_.chain_walk, kRequestKeys);
+    req.own = RequestIndex(kRequestKeys);
     // Its own tables sized for the prompt and a response as long as recent ones: grown from
     // 16 slots, each was rehashed again every time the response doubled the keys, inside the
     // decode loop (extend 6-11% cheaper on the shared traces). Sizes change no lookup result.
@@ -301,7 +301,7 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
     };
     auto slots = [&](const Pending& e) {
       if (local) {
-        e.req->own.prefetch_log_end();
+        e.req->own.prefetch_entries(e.pos);
         if (e.group) e.group->prefetch_log_end();
         e.req->own.prefetch(e.keys);
         if (e.group) e.group->prefetch(e.keys);
@@ -326,7 +326,7 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       const Pending& e = at(j);
       const int32_t* tokens = view_[e.req->slot].tokens;
       if (local) {
-        e.req->own.insert(e.req->slot, e.pos, tokens, e.keys, e.own_slots);
+        e.req->own.insert(e.keys, e.own_slots);
         if (e.group) e.group->insert(e.req->slot, e.pos, tokens, e.keys, e.group_slots);
       }
       if (global && e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys, e.global_slots);

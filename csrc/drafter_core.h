@@ -104,9 +104,12 @@ class DrafterCore {
   // A request's chain search, split in stages (keys and slot prefetches, heads and block
   // prefetches, the walk) so that propose can run the first two a request or two ahead.
   struct Lookup {
-    const ChainIndex* index[3];               // per scope; null: not searched
+    const RequestIndex* own_index;            // the request scope's; null: not searched
+    const ChainIndex* index[3];               // the group and global scopes' ([1], [2]; [0] stays
+                                              // null); null: not searched
     uint64_t keys[kNumKeys];
-    const ChainHead* heads[3][kNumKeys];      // filled by lookup_heads
+    int32_t own_newest[kNumKeys];             // filled by lookup_heads: the request scope's chains
+    const ChainHead* heads[3][kNumKeys];      // ... and the other scopes'
     int32_t own;                              // the request's slot
     int32_t group;
     bool use_group;
@@ -154,9 +157,19 @@ class DrafterCore {
   int32_t walk(int scope, int ki) const {
     return scope == 2 && kKeyLens[ki] == 1 ? cfg_.global_unigram_walk : cfg_.chain_walk;
   }
+  // One scope's part of a search: offers(ki, longer, take) hands the records of the scope's
+  // chain of key length kKeyLens[ki] to take, newest first, until take returns true (the scope
+  // is full; offers then returns true too); accept(seq) says whether a record's sequence is in
+  // the scope.
+  template <class Offers, class Accept>
+  void gather_scope(int scope, const SlotView& ctx, Offers offers, Accept accept,
+                    std::vector<Occurrence>& occ) const;
+  // The request scope's chains for gather_scope (records filtered to the context's n-gram).
+  void gather_own(const Lookup& lk, const SlotView& ctx, std::vector<Occurrence>& occ) const;
+  // A group or global scope's chains for gather_scope.
   template <class Accept>
-  void gather_scope(const ChainIndex& index, int scope, const SlotView& ctx,
-                    const ChainHead* const* heads, Accept accept, std::vector<Occurrence>& occ) const;
+  void gather_shared(const Lookup& lk, int scope, const SlotView& ctx, Accept accept,
+                     std::vector<Occurrence>& occ) const;
   // Inline: the search's global scope asks it for every record it reads.
   bool in_group_scope(int32_t seq, int32_t own_slot, int32_t group) const {
     return seq != own_slot && group >= 0 && view_[seq].scope_group == group;

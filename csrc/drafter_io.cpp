@@ -45,6 +45,28 @@ std::vector<T> get_vec(std::istream& is) {
 
 void put_index(std::ostream& os, const ChainIndex& index) { put_vec(os, index.log()); }
 
+// A request's own index as the log a ChainIndex of it would have: its positions in order.
+void put_own(std::ostream& os, const RequestIndex& own, int32_t slot) {
+  std::vector<ChainRecord> log(static_cast<size_t>(own.size()));
+  for (int32_t p = 0; p < own.size(); ++p) log[p] = ChainRecord{slot, p};
+  put_vec(os, log);
+}
+
+void get_own(std::istream& is, RequestIndex& own, int32_t slot, const Sequence& s) {
+  const std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
+  if (log.size() != std::max<size_t>(s.tokens.size(), 1) - 1)
+    throw std::runtime_error("drafter checkpoint is corrupt (request index out of range)");
+  for (size_t p = 0; p < log.size(); ++p)
+    if (log[p].seq != slot || log[p].pos != static_cast<int32_t>(p))
+      throw std::runtime_error("drafter checkpoint is corrupt (request index out of order)");
+  own.reserve_positions(log.size());
+  uint64_t keys[kNumKeys];
+  for (size_t p = 0; p < log.size(); ++p) {
+    ngram_keys(s.tokens.data(), static_cast<int32_t>(p), keys);
+    own.insert(keys);
+  }
+}
+
 void get_index(std::istream& is, ChainIndex& index, const std::vector<Sequence>& seqs) {
   std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
   for (const ChainRecord& r : log)
@@ -78,7 +100,7 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
   for (const auto& [id, req] : requests_) {
     put(os, id);
     put(os, req.slot);
-    put_index(os, req.own);
+    put_own(os, req.own, req.slot);
     put_vec(os, req.occ);  // the match state, so that the next proposals are the same
     put(os, req.since_gather);
     put<uint8_t>(os, req.gathered);
@@ -133,11 +155,11 @@ std::string DrafterCore::load(std::istream& is) {
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
     int64_t id = get<int64_t>(is);
     RequestState& req = requests_[id];
-    req.own = ChainIndex(cfg_.chain_walk, kRequestKeys);
+    req.own = RequestIndex(kRequestKeys);
     req.slot = get<int32_t>(is);
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
-    get_index(is, req.own, seqs_);
+    get_own(is, req.own, req.slot, seqs_[req.slot]);
     req.occ = get_vec<Occurrence>(is);
     for (const Occurrence& o : req.occ)
       if (o.seq < 0 || o.seq >= static_cast<int32_t>(seqs_.size()) || o.pos < 0 ||

@@ -19,22 +19,20 @@ inline int32_t match_back(const SlotView& ctx, const int32_t* seq, int32_t pos, 
 }
 }  // namespace
 
-template <class Accept>
-void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotView& ctx,
-                               const ChainHead* const* heads, Accept accept,
+template <class Offers, class Accept>
+void DrafterCore::gather_scope(int scope, const SlotView& ctx, Offers offers, Accept accept,
                                std::vector<Occurrence>& occ) const {
   const size_t first = occ.size();
   const size_t cap = static_cast<size_t>(scope == 2 ? cfg_.global_max_occurrences : cfg_.max_occurrences);
   const int32_t c = ctx.size - 1;
   for (int ki = 0; ki < kNumKeys; ++ki) {
     if (occ.size() - first >= static_cast<size_t>(cfg_.enough_occurrences)) break;
-    const ChainHead* h = heads[ki];
-    if (!h) continue;
     const int32_t k = kKeyLens[ki];
     const int32_t need = std::max(std::min(k, cfg_.max_match_len), cfg_.min_match_len);
     // True when the record's match goes on past the key: the token before its n-gram equals the
     // context's. Otherwise the match is exactly k tokens long, known without reading the record's
-    // sequence (the key's own tokens are trusted to the 64-bit hash). The context's token is read
+    // sequence (the key's own tokens are trusted to the 64-bit hash in the shared scopes, and
+    // checked by gather_own in the request scope). The context's token is read
     // once per key: the occurrence writes below may alias ctx.tokens as far as the compiler
     // knows, so it was reloaded for every record. Where the context is no longer than the key it
     // is -2, which no `before` equals (stored tokens are >= 0, checked at the bindings, and -1
@@ -70,11 +68,43 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
       if (pos + 1 + cached < v.size) prefetch_line(v.tokens + pos + 1 + cached);
       return occ.size() - first >= cap;
     };
-    if (take(h->newest)) return;
+    if (offers(ki, longer, take)) return;
+  }
+}
+
+void DrafterCore::gather_own(const Lookup& lk, const SlotView& ctx, std::vector<Occurrence>& occ) const {
+  const RequestIndex& own = *lk.own_index;
+  const int32_t* t = ctx.tokens;
+  const int32_t c = ctx.size - 1, slot = lk.own;
+  auto offers = [&](int ki, auto, auto take) {
+    const int32_t k = kKeyLens[ki], limit = walk(0, ki);
+    // A chain may also hold another key's positions (RequestIndex): only positions whose
+    // n-gram is the context's count. Every token read is the request's own.
+    int32_t n = 0;
+    for (int32_t p = lk.own_newest[ki]; p >= 0 && n < limit; p = own.older(ki, p)) {
+      bool same = true;
+      for (int32_t d = 0; d < k; ++d) same &= t[p - d] == t[c - d];
+      if (!same) continue;
+      ++n;
+      if (take(ChainEntry{slot, p, p >= k ? t[p - k] : -1, t[p + 1]})) return true;
+    }
+    return false;
+  };
+  gather_scope(0, ctx, offers, [](int32_t) { return true; }, occ);
+}
+
+template <class Accept>
+void DrafterCore::gather_shared(const Lookup& lk, int scope, const SlotView& ctx, Accept accept,
+                                std::vector<Occurrence>& occ) const {
+  const ChainIndex& index = *lk.index[scope];
+  auto offers = [&](int ki, auto longer, auto take) {
+    const ChainHead* h = lk.heads[scope][ki];
+    if (!h) return false;
+    if (take(h->newest)) return true;
     // The older records kept sit in one block, whose lines were prefetched with the heads.
     const ChainIndex::Older older = index.older(*h);
     const int32_t n = std::min(older.n, walk(scope, ki) - 1);
-    if (n <= 0) continue;
+    if (n <= 0) return false;
     // The t-th newest is base[(last - t) % cap]: one division per chain, then a step down that
     // wraps (a division per record was a long-latency instruction in both loops).
     const int32_t newest = older.last % older.cap;
@@ -83,8 +113,10 @@ void DrafterCore::gather_scope(const ChainIndex& index, int scope, const SlotVie
       if (longer(e.before)) prefetch_line(view_[e.seq].tokens + e.pos);
     }
     for (int32_t t = 0, at = newest; t < n; ++t, at = ChainIndex::ring_down(at, older.cap))
-      if (take(older.base[at])) return;
-  }
+      if (take(older.base[at])) return true;
+    return false;
+  };
+  gather_scope(scope, ctx, offers, accept, occ);
 }
 
 // A request's search looks up the context's keys in every scope at once, in waves (stages): all
@@ -98,25 +130,35 @@ void DrafterCore::lookup_slots(const RequestState& req, Lookup& lk) const {
   lk.own = req.slot;
   lk.group = seqs_[lk.own].group;
   lk.use_group = lk.group >= 0 && cfg_.scope_weight[1] > 0.0;
+  lk.own_index = nullptr;
   lk.index[0] = lk.index[1] = lk.index[2] = nullptr;
   const SlotView& ctx = view_[lk.own];
   if (ctx.size == 0) return;
-  if (cfg_.scope_weight[0] > 0.0) lk.index[0] = &req.own;
+  if (cfg_.scope_weight[0] > 0.0) lk.own_index = &req.own;
   if (lk.use_group) {
     auto it = groups_.find(lk.group);
     if (it != groups_.end()) lk.index[1] = &it->second;
   }
   if (cfg_.scope_weight[2] > 0.0) lk.index[2] = &global_;
   ngram_keys(ctx.tokens, ctx.size - 1, lk.keys);  // 0 where the context is shorter than the key
+  if (lk.own_index) lk.own_index->prefetch(lk.keys);
   for (const ChainIndex* ix : lk.index)
     if (ix) ix->prefetch(lk.keys);
 }
 
 // Stage 2: read the heads from their (by now loaded) slots, and prefetch the lines of their
-// blocks that the walk will read and the head records' tokens that a longer match reads.
+// blocks that the walk will read and the head records' tokens that a longer match reads (for
+// the request scope, its newest positions' tokens and chain entries).
 void DrafterCore::lookup_heads(Lookup& lk) const {
   const SlotView& ctx = view_[lk.own];
-  for (int sc = 0; sc < 3; ++sc)
+  for (int ki = 0; ki < kNumKeys; ++ki) {
+    const int32_t p = lk.own_index && lk.keys[ki] ? lk.own_index->newest(ki, lk.keys[ki]) : -1;
+    lk.own_newest[ki] = p;
+    if (p < 0) continue;
+    prefetch_line(ctx.tokens + p);
+    lk.own_index->prefetch_older(ki, p);
+  }
+  for (int sc = 1; sc < 3; ++sc)
     for (int ki = 0; ki < kNumKeys; ++ki) {
       const ChainHead* h = lk.index[sc] && lk.keys[ki] ? lk.index[sc]->head(ki, lk.keys[ki]) : nullptr;
       lk.heads[sc][ki] = h;
@@ -135,16 +177,13 @@ void DrafterCore::lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) co
   const SlotView& ctx = view_[lk.own];
   const int32_t own = lk.own, group = lk.group;
   const bool use_group = lk.use_group;
-  if (lk.index[0]) gather_scope(*lk.index[0], 0, ctx, lk.heads[0], [](int32_t) { return true; }, occ);
+  if (lk.own_index) gather_own(lk, ctx, occ);
   if (lk.index[1])
-    gather_scope(*lk.index[1], 1, ctx, lk.heads[1],
-                 [&](int32_t seq) { return in_group_scope(seq, own, group); }, occ);
+    gather_shared(lk, 1, ctx, [&](int32_t seq) { return in_group_scope(seq, own, group); }, occ);
   if (lk.index[2])
-    gather_scope(*lk.index[2], 2, ctx, lk.heads[2],
-                 [&](int32_t seq) {
-                   return seq != own && !(use_group && in_group_scope(seq, own, group));
-                 },
-                 occ);
+    gather_shared(lk, 2, ctx,
+                  [&](int32_t seq) { return seq != own && !(use_group && in_group_scope(seq, own, group)); },
+                  occ);
 }
 
 bool DrafterCore::needs_gather(const RequestState& req) const {

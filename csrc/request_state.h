@@ -4,15 +4,15 @@
 #include <cstdint>
 #include <vector>
 
-#include "chain_index.h"
 #include "occurrence.h"
+#include "request_index.h"
 #include "scope_keys.h"
 
 namespace rollout_spec {
 
 struct RequestState {
   int32_t slot = -1;            // its Sequence slot (prompt + output so far)
-  ChainIndex own;               // every position of prompt + output: prompt lookup and self-repetition
+  RequestIndex own;             // every position of prompt + output: prompt lookup and self-repetition
   // Match state: the occurrences found by the last gather, advanced by every extend (an
   // occurrence survives while its continuation equals the committed tokens). propose reuses
   // them instead of searching the chains again until too few survive or they grow stale.

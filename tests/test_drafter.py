@@ -128,6 +128,24 @@ def test_a_response_repeating_its_own_span_far_back_gets_it_proposed():
     assert tree(d.propose([0]))[:3] == [(60, -1), (61, 0), (62, 1)]
 
 
+# Two tokens whose 1-gram keys agree in the 32 hash bits a request's own index keeps (found by a
+# birthday search over the core's n-gram hash): their positions share one chain there.
+CHECK_TWINS = (16450, 68281)
+
+
+def test_a_request_index_chain_shared_by_two_keys_offers_only_the_contexts():
+    a, b = CHECK_TWINS
+    d = NgramDrafter()
+    # The chain of b's check lists a's position (newest) before b's. The token before a (5) is
+    # not the context's (6), so nothing else tells a's record apart: a search that trusted the
+    # check would propose a's continuation, 9, ahead of b's, 7.
+    d.start(0, [b, 7, 5, a, 9, 6, b])
+    drafted = tree(d.propose([0]))
+    assert drafted[0] == (7, -1)
+    assert all(token != 9 for token, parent in drafted if parent == -1)
+    d.check_integrity()
+
+
 def test_group_scope_prefers_a_siblings_continuation():
     d = NgramDrafter()
     # A sibling in group 1 (finished) and, more recently, another group's response.
@@ -257,6 +275,21 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path):
         new = [rng.integers(0, 20, 3) for _ in live]
         d.extend_batch(live, new)
         e.extend_batch(live, new)
+
+
+def test_load_rejects_a_request_index_out_of_order(tmp_path):
+    d = NgramDrafter()
+    d.start(0, [11, 12, 13, 14])
+    path = tmp_path / "drafter.bin"
+    d.save(path)
+    data = path.read_bytes()
+    # The request's own index is saved as its positions in order: (slot 0, position p), p < 3.
+    log = np.array([3, 0, 0, 0, 0, 1, 0, 2], np.int32).tobytes()  # count 3 as a uint64, then records
+    assert data.count(log) == 1
+    swapped = np.array([3, 0, 0, 1, 0, 0, 0, 2], np.int32).tobytes()
+    path.write_bytes(data.replace(log, swapped))
+    with pytest.raises(RuntimeError, match="request index out of order"):
+        NgramDrafter.load(path)
 
 
 def test_load_rejects_a_foreign_file(tmp_path):
