@@ -7,9 +7,9 @@
 // its key (8 bytes, against a ChainIndex's 32-byte head, 16-byte pooled records and 8-byte log
 // entry). The tokens a search reads around a record (the one before its n-gram, the one after)
 // are the request's own, read from its sequence instead of being copied into the record. On the
-// shared T=0.6 trace, 512 live requests held ~50 MB of own ChainIndexes, cold at every call and
-// mostly fresh memory (whose first touch a VM makes costly); this holds the same chains in a
-// quarter of that.
+// shared T=0.6 trace, 512 live requests held ~22 MB of own ChainIndexes, cold at every call and
+// mostly fresh memory (whose first touch a VM makes costly); this holds the same chains in 30%
+// of that (docs/drafter.md).
 //
 // A slot knows its key by 32 bits of the key's hash only (its home slot is taken from them,
 // so the table can grow without the keys), so two keys of a request may share a chain: a search
