@@ -66,9 +66,7 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
         print(f"  [{label}] {name}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         if isinstance(drafter, NgramDrafter):
             st = drafter.stats()
-            notes.append(f"{name}: chains searched for {st['gathers'] / max(st['proposals'], 1):.0%} of "
-                         f"proposals (the rest reused the request's match state); "
-                         f"{st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token; "
+            notes.append(f"{name}: {st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token; "
                          f"{kernel:.2f} s of kernel time in the process during its replay (mostly "
                          f"first touches of new memory, which a VM may make costly: docs/drafter.md)")
     live = "all" if max_live is None else str(max_live)

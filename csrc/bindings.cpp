@@ -181,7 +181,6 @@ nb::dict stats_dict(const DrafterCore& core) {
   d["global_records"] = s.global_records;
   d["evictions"] = s.evictions;
   d["proposals"] = s.proposals;
-  d["gathers"] = s.gathers;
   d["ahead_hits"] = s.ahead_hits;
   d["ahead_dropped"] = s.ahead_dropped;
   return d;
@@ -275,8 +274,6 @@ void bind_config(nb::module_& m) {
       .def_rw("global_unigram_walk", &CoreConfig::global_unigram_walk)
       .def_rw("enough_occurrences", &CoreConfig::enough_occurrences)
       .def_rw("match_power", &CoreConfig::match_power)
-      .def_rw("regather_below", &CoreConfig::regather_below)
-      .def_rw("regather_every", &CoreConfig::regather_every)
       .def_rw("evidence_discount", &CoreConfig::evidence_discount)
       .def_rw("propose_threads", &CoreConfig::propose_threads)
       .def_rw("parallel_min_requests", &CoreConfig::parallel_min_requests)

@@ -24,8 +24,6 @@ struct CoreConfig {
   int32_t enough_occurrences = 16;         // shorter key lengths are tried only below this count
   double evidence_discount = 1.0;          // beta: a node backed by n occurrences keeps n/(n+beta)
   int32_t match_power = 1;                 // occurrence weight grows as match_len ** match_power
-  int32_t regather_below = 4;              // search the chains again when fewer occurrences survive
-  int32_t regather_every = 16;             // ... or when this many tokens were committed since
   int32_t propose_threads = 0;             // threads per propose call: 0 = min(8, cores / 2), 1 = off
   int32_t parallel_min_requests = 64;      // smaller propose calls stay on the calling thread
 };

@@ -17,7 +17,6 @@ struct CoreStats {
   int64_t global_records = 0;   // chain records of the global index
   int64_t evictions = 0;        // sequences evicted so far
   int64_t proposals = 0;        // request proposals made (budget > 0)
-  int64_t gathers = 0;          // of those, the ones that searched the chains (no usable match state)
   int64_t ahead_hits = 0;       // propose calls served by a proposal drafted ahead
   int64_t ahead_dropped = 0;    // proposals drafted ahead and never used
 };

@@ -74,7 +74,7 @@ void DrafterCore::resolve(const int64_t* ids, size_t n) {
       throw std::invalid_argument("req_ids must not repeat a request id: " + std::to_string(ids[i]));
     it->second.call = call;
     reqs_[i] = &it->second;
-    // The call reads every line of each state (its own index's tables, its match state) once
+    // The call reads every line of each state (its own index's fields, its noise key) once
     // per request, in a later pass: start loading them now, so that those misses overlap here
     // rather than stall that pass one request at a time (the states of a call fit in L2).
     const char* p = reinterpret_cast<const char*>(&it->second);
@@ -332,14 +332,8 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       if (global && e.shared) global_.insert(e.req->slot, e.pos, tokens, e.keys, e.global_slots);
     }
   };
-  // Match states follow the new tokens (reads the sequences only, never an index).
-  auto advance_request = [&](size_t i) {
-    RequestState& req = *reqs_[i];
-    if (req.gathered) advance(req, view_[req.slot].size - static_cast<int32_t>(offsets[i + 1] - offsets[i]));
-  };
   if (!splits(n)) {
     insert_all(nullptr, true, true);
-    for (size_t i = 0; i < n; ++i) advance_request(i);
     return;
   }
   // Split over the pool: the caller inserts into the global index (3 of a response position's 8
@@ -362,42 +356,7 @@ void DrafterCore::index_appended(const int64_t* offsets, size_t n) {
       return;
     }
     insert_all(&parts[w], true, false);
-    for (size_t i = 0; i < n; ++i)
-      if (owner(*reqs_[i]) == w) advance_request(i);
   });
-}
-
-void DrafterCore::advance(RequestState& req, int32_t first) const {
-  const SlotView& me = view_[req.slot];
-  const int32_t* added = me.tokens + first;
-  const int32_t k = me.size - first;
-  size_t kept = 0;
-  for (const Occurrence& o : req.occ) {
-    // Compare with the cached continuation first: most occurrences diverge there, and reading
-    // it costs no cache miss on the other sequence.
-    const int32_t c = std::min(k, o.cached);
-    if (!same_tokens(added, o.next, c)) continue;
-    const SlotView& v = view_[o.seq];
-    // Survives only if it still has a continuation after the k confirmed tokens.
-    if (o.pos + k + 1 >= v.size) continue;
-    if (!same_tokens(added + c, v.tokens + o.pos + 1 + c, k - c)) continue;
-    Occurrence moved = o;  // req.occ[kept] may be o itself
-    moved.pos += k;
-    moved.match_len = std::min(o.match_len + k, cfg_.max_match_len);
-    moved.cached = o.cached - c;
-    std::copy(o.next + c, o.next + o.cached, moved.next);
-    req.occ[kept++] = moved;
-  }
-  req.occ.resize(kept);
-  req.since_gather += k;
-}
-
-void DrafterCore::drop_matches() {
-  drop_ahead();
-  for (auto& [id, req] : requests_) {
-    req.gathered = false;
-    req.occ.clear();
-  }
 }
 
 void DrafterCore::set_noise(const int64_t* ids, const int64_t* seeds, const double* temperatures,
@@ -456,7 +415,6 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
 void DrafterCore::end_step() {
   auto lock = lock_to_change();
   ++step_;
-  drop_matches();  // group scopes change below
   refresh_all_views();  // Aging: drop group records that fell out of the history window (they stay global).
   for (auto it = groups_.begin(); it != groups_.end();) {
     int32_t group = it->first;

@@ -83,10 +83,10 @@ class DrafterCore {
   std::unique_lock<std::mutex> lock_idle() const;
   // lock_idle for a call that changes what proposals read: it also drops a proposal drafted
   // ahead (finish, which changes nothing other requests' proposals read, drops it only when it
-  // evicts, through drop_matches).
+  // evicts).
   std::unique_lock<std::mutex> lock_to_change();
   void drop_ahead();
-  // extend's two halves: check ids and append tokens (into reqs_); index and advance them.
+  // extend's two halves: check ids and append tokens (into reqs_); index them.
   void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
   void index_extended(const int64_t* offsets, size_t n);
   int32_t new_slot();
@@ -98,8 +98,8 @@ class DrafterCore {
   void refresh_view(int32_t slot);
   void refresh_all_views();
   void index_position(int32_t slot, RequestState* req, int32_t pos);
-  // Index the positions extend just appended (all keys hashed and prefetched, then inserted)
-  // and advance the requests' match states; a call that splits() is spread over the pool.
+  // Index the positions extend just appended (all keys hashed and prefetched, then inserted);
+  // a call that splits() is spread over the pool.
   void index_appended(const int64_t* offsets, size_t n);
   // A request's chain search, split in stages (keys and slot prefetches, heads and block
   // prefetches, the walk) so that propose can run the first two a request or two ahead.
@@ -123,35 +123,26 @@ class DrafterCore {
     return RaceKey{req.noise_seed, static_cast<int64_t>(view_[req.slot].size) - 1, noise_q_,
                    req.noise_temperature};
   }
-  // Whether req's match state is missing, too thin or stale for another proposal.
-  bool needs_gather(const RequestState& req) const;
-  // Record that req.occ was just searched afresh (state flags and the gathers counter).
-  void mark_gathered(RequestState& req);
   // Calls draft(i, lookup) for the request indices next() yields, each request's search started
-  // two requests ahead (see drafter_propose.cpp); lookup is null when its match state is reused.
+  // two requests ahead (see drafter_propose.cpp).
   template <class Next, class Draft>
   void pipelined(Next next, Draft draft) const;
   // propose on the calling thread.
   void propose_sequential(const int32_t* budgets, size_t n, DraftOutput& out);
   // Every tree built with its own budget into the workers' outputs (on the pool when `parallel`,
   // else on the calling thread), reading the state only; commit_parallel then cuts them in
-  // request order and applies their match-state updates.
+  // request order.
   void draft_all(const int32_t* budgets, size_t n, bool parallel);
   // Whether a call of n requests is split over the pool.
   bool splits(size_t n) const {
     return threads_ > 1 && n >= static_cast<size_t>(cfg_.parallel_min_requests) && n > 1;
   }
-  // Walk request i's search (into fresh_[i]) if it has one, and build its tree into worker w's
-  // output.
-  void draft_one(size_t i, int32_t budget, int w, const Lookup* lk);
-  // Append requests' trees to out in order under the batch cap; commit their fresh matches.
+  // Walk request i's search and build its tree into worker w's output.
+  void draft_one(size_t i, int32_t budget, int w, const Lookup& lk);
+  // Append requests' trees to out in order under the batch cap.
   void commit_parallel(const int32_t* budgets, size_t n, DraftOutput& out);
   // The pool, made on first use (again in a forked child, which has no copy of its threads).
   ThreadPool& pool();
-  // Keep the occurrences whose continuation equals the tokens appended from `first` on.
-  void advance(RequestState& req, int32_t first) const;
-  // Forget every request's match state (slots were freed, or scopes changed).
-  void drop_matches();
   // Chain records a search reads per key length: chain_walk, but global_unigram_walk for the
   // global scope's 1-gram chains (at T=1.0 most evidence is a one-token match on other rollouts).
   int32_t walk(int scope, int ki) const {
@@ -200,34 +191,33 @@ class DrafterCore {
   int64_t stored_tokens_ = 0;                          // tokens over all alive sequences
   int64_t evictions_ = 0;                              // sequences evicted so far
   int64_t proposals_ = 0;                              // request proposals with budget > 0
-  int64_t gathers_ = 0;                                // proposals that searched the chains
   double mean_response_ = 0.0;                         // recent finished responses' mean length
   int64_t finished_ = 0;                               // responses finished (caps mean's window)
   mutable DraftBuilder builder_;                       // scratch trie and heap for propose
+  std::vector<Occurrence> occ_;                        // scratch: a search's occurrences
   std::vector<RequestState*> reqs_;                    // scratch: states of the current call's ids
   uint64_t call_ = 0;                                  // stamps reqs_ entries to catch repeated ids
   // Parallel propose: per-thread scratch, padded so that threads never write one cache line.
   struct alignas(64) Worker {
     DraftBuilder builder;
+    std::vector<Occurrence> occ;  // scratch: a search's occurrences
     DraftOutput out;  // the trees this worker built, one offsets entry per request it took
   };
   struct Part {       // where request i's tree of the current call is
     int32_t worker;
     int32_t entry;    // its offsets entry in that worker's output
-    bool fresh;       // built from a new gather held in fresh_[i], not yet committed
   };
   int threads_ = 1;                                    // resolved propose_threads
   std::unique_ptr<ThreadPool> pool_;                   // null until a call is split
   long pool_pid_ = 0;                                  // process that made pool_
   std::vector<Worker> workers_;
   std::vector<Part> parts_;                            // per request of the current call
-  std::vector<std::vector<Occurrence>> fresh_;         // per request: a gather not yet committed
   // A proposal drafted ahead (propose_ahead) and waiting for the propose call it was made for.
   struct Ahead {
     std::vector<int64_t> ids;
     std::vector<int32_t> budgets;
     bool has_budgets = false;
-    bool ready = false;  // parts_, fresh_ and workers_ hold its draft
+    bool ready = false;  // parts_ and workers_ hold its draft
   } ahead_;
   int64_t ahead_hits_ = 0;                             // proposals served from ahead_
   int64_t ahead_dropped_ = 0;                          // ahead proposals never used

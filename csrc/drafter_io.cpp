@@ -11,11 +11,13 @@
 namespace rollout_spec {
 
 namespace {
-// "RSSPADR5": one log per index, positions indexed once their next token exists (version 3 had
-// one log per key length and also indexed each sequence's last position); version 5 adds the
-// requests' noise keys to version 4, which is still read (its requests have none).
-constexpr uint64_t kMagic = 0x3552444150535352ULL;
-constexpr char kVersion = '5', kOldestVersion = '4';
+// "RSSPADR6": one log per index, positions indexed once their next token exists (version 3 had
+// one log per key length and also indexed each sequence's last position); version 5 added the
+// requests' noise keys to version 4, and version 6 drops their match states (occurrences kept
+// between proposals, no longer kept). Versions 4 and 5 are still read: their requests' match
+// states are skipped, and version 4's requests have no noise keys.
+constexpr uint64_t kMagic = 0x3652444150535352ULL;
+constexpr char kVersion = '6', kOldestVersion = '4';
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -101,9 +103,6 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
     put(os, id);
     put(os, req.slot);
     put_own(os, req.own, req.slot);
-    put_vec(os, req.occ);  // the match state, so that the next proposals are the same
-    put(os, req.since_gather);
-    put<uint8_t>(os, req.gathered);
     put(os, req.noise_seed);
     put(os, req.noise_temperature);
   }
@@ -127,7 +126,7 @@ std::string DrafterCore::load(std::istream& is) {
     throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
                              ", this build reads " + std::string(1, kOldestVersion) + " to " +
                              std::string(1, kVersion) + ")");
-  const bool has_noise = version >= '5';
+  const bool has_noise = version >= '5', has_match_state = version <= '5';
   std::vector<char> meta = get_vec<char>(is);
   step_ = get<int64_t>(is);
   next_order_ = get<uint64_t>(is);
@@ -160,16 +159,11 @@ std::string DrafterCore::load(std::istream& is) {
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
     get_own(is, req.own, req.slot, seqs_[req.slot]);
-    req.occ = get_vec<Occurrence>(is);
-    for (const Occurrence& o : req.occ)
-      if (o.seq < 0 || o.seq >= static_cast<int32_t>(seqs_.size()) || o.pos < 0 ||
-          o.pos + 1 >= static_cast<int32_t>(seqs_[o.seq].tokens.size()) || o.scope < 0 || o.scope > 2 ||
-          o.cached < 0 || o.cached > kCachedNext ||
-          o.pos + o.cached >= static_cast<int32_t>(seqs_[o.seq].tokens.size()) ||
-          !std::equal(o.next, o.next + o.cached, seqs_[o.seq].tokens.begin() + o.pos + 1))
-        throw std::runtime_error("drafter checkpoint is corrupt (occurrence out of range)");
-    req.since_gather = get<int32_t>(is);
-    req.gathered = get<uint8_t>(is) != 0;
+    if (has_match_state) {  // skipped: its occurrences, tokens since their search, a valid flag
+      get_vec<Occurrence>(is);
+      get<int32_t>(is);
+      get<uint8_t>(is);
+    }
     req.noise_seed = has_noise ? get<int64_t>(is) : -1;
     req.noise_temperature = has_noise ? get<double>(is) : 1.0;
     if (req.noise_seed < -1 || !(req.noise_temperature > 0.0 && req.noise_temperature <= 1e6))

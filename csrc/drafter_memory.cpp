@@ -30,7 +30,7 @@ void DrafterCore::maybe_evict() {
     ++evictions_;
   }
   if (freed.empty()) return;
-  drop_matches();  // their occurrences may point into freed (soon reused) slots
+  drop_ahead();  // its drafts may point into freed (soon reused) slots
   rebuild_shared();
   free_slots_.insert(free_slots_.end(), freed.begin(), freed.end());
 }
@@ -54,7 +54,6 @@ CoreStats DrafterCore::stats() const {
   st.num_groups = static_cast<int64_t>(groups_.size());
   st.evictions = evictions_;
   st.proposals = proposals_;
-  st.gathers = gathers_;
   st.ahead_hits = ahead_hits_;
   st.ahead_dropped = ahead_dropped_;
   int64_t mem = sizeof(*this) + seqs_.capacity() * sizeof(Sequence) +

@@ -1,4 +1,4 @@
-// Proposal path: reuse or rebuild each request's match state, then build its tree.
+// Proposal path: search each request's context in every scope, then build its tree.
 #include "prefetch.h"
 #include <algorithm>
 #include <atomic>
@@ -186,17 +186,6 @@ void DrafterCore::lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) co
                   occ);
 }
 
-bool DrafterCore::needs_gather(const RequestState& req) const {
-  return !req.gathered || req.since_gather >= cfg_.regather_every ||
-         static_cast<int32_t>(req.occ.size()) < cfg_.regather_below;
-}
-
-void DrafterCore::mark_gathered(RequestState& req) {
-  req.gathered = true;
-  req.since_gather = 0;
-  ++gathers_;
-}
-
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
   auto lock = lock_idle();
   if (ahead_.ready) {
@@ -227,17 +216,15 @@ void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, 
 // keys hashed and table slots prefetched, and the next one its heads read from its (by now
 // loaded) slots and their blocks and tokens prefetched; request i's walk then finds its lines
 // loaded. One request ahead per stage is enough (a request costs a few microseconds, far more
-// than a miss); 4 and 6 measured the same or worse. A request whose match state is reused skips
-// every stage; the lookups of a request that gets no draft (budget or batch cap) are dropped.
-// `next()` yields the request indices in order (-1 once there are no more); `draft(i, lk)` gets
-// request i's search with its first two stages run, or null when its match state is reused.
+// than a miss); 4 and 6 measured the same or worse. The lookups of a request that gets no draft
+// (budget or batch cap) are dropped. `next()` yields the request indices in order (-1 once there
+// are no more); `draft(i, lk)` gets request i's search with its first two stages run.
 template <class Next, class Draft>
 void DrafterCore::pipelined(Next next, Draft draft) const {
   constexpr int64_t kAhead = 2;  // stage 1 runs kAhead requests ahead, stage 2 one
   constexpr int64_t kRing = 4;   // > kAhead: the k-th request taken is in slot k % kRing
   int64_t req[kRing];
   Lookup ring[kRing];
-  bool search[kRing];
   int64_t taken = 0;
   bool more = true;
   auto stage1 = [&] {  // take the next request and start its search
@@ -248,11 +235,10 @@ void DrafterCore::pipelined(Next next, Draft draft) const {
     }
     const int64_t r = taken++ % kRing;
     req[r] = i;
-    search[r] = needs_gather(*reqs_[i]);
-    if (search[r]) lookup_slots(*reqs_[i], ring[r]);
+    lookup_slots(*reqs_[i], ring[r]);
   };
   auto stage2 = [&](int64_t k) {
-    if (k < taken && search[k % kRing]) lookup_heads(ring[k % kRing]);
+    if (k < taken) lookup_heads(ring[k % kRing]);
   };
   for (int64_t k = 0; k < kAhead; ++k) stage1();
   stage2(0);
@@ -260,7 +246,7 @@ void DrafterCore::pipelined(Next next, Draft draft) const {
     stage1();
     stage2(k + 1);
     const int64_t r = k % kRing;
-    draft(req[r], search[r] ? &ring[r] : nullptr);
+    draft(req[r], ring[r]);
   }
 }
 
@@ -271,7 +257,7 @@ void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutp
   int64_t next = 0;
   const int64_t end = static_cast<int64_t>(n);
   pipelined([&] { return next < end ? next++ : int64_t(-1); },
-            [&](int64_t i, const Lookup* lk) {
+            [&](int64_t i, const Lookup& lk) {
               const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
               const int32_t budget = static_cast<int32_t>(std::min<int64_t>(want, left));
               if (budget <= 0) {
@@ -279,12 +265,8 @@ void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutp
                 return;
               }
               ++proposals_;
-              RequestState& req = *reqs_[i];
-              if (lk) {
-                lookup_walk(*lk, req.occ);
-                mark_gathered(req);
-              }
-              builder_.build(req.occ, view_, cfg_, budget, out, race_key(req));
+              lookup_walk(lk, occ_);
+              builder_.build(occ_, view_, cfg_, budget, out, race_key(*reqs_[i]));
               left -= out.offsets.back() - out.offsets[out.offsets.size() - 2];
             });
 }
@@ -293,8 +275,6 @@ void DrafterCore::propose_sequential(const int32_t* budgets, size_t n, DraftOutp
 // nodes in one fixed order (distinct heap keys), and a smaller budget only drops heap entries
 // that could not come out within it (siblings beyond the room left, children deeper than the
 // budget), so the tree built with budget m is the first m nodes of the one built with b > m.
-// Match state is committed in request order too: a request the cap leaves without a draft keeps
-// its old state, as on one thread.
 void DrafterCore::draft_all(const int32_t* budgets, size_t n, bool parallel) {
   const size_t width = parallel ? static_cast<size_t>(pool().size()) : 1;
   if (workers_.size() < width) workers_.resize(width);
@@ -305,9 +285,8 @@ void DrafterCore::draft_all(const int32_t* budgets, size_t n, bool parallel) {
     w.out.probs.clear();
   }
   parts_.resize(n);
-  if (fresh_.size() < n) fresh_.resize(n);
   const int64_t cap = cfg_.max_batch_draft_tokens;
-  // Small chunks taken in turn balance requests of very different cost (a gather vs. a reuse).
+  // Small chunks taken in turn balance requests of very different cost.
   constexpr size_t kChunk = 4;
   std::atomic<size_t> next{0};
   auto work = [&](int w) {
@@ -321,7 +300,7 @@ void DrafterCore::draft_all(const int32_t* budgets, size_t n, bool parallel) {
       }
       return static_cast<int64_t>(at++);
     };
-    pipelined(mine, [&](int64_t i, const Lookup* lk) {
+    pipelined(mine, [&](int64_t i, const Lookup& lk) {
       const int64_t want = budgets ? budgets[i] : cfg_.num_draft_tokens;
       draft_one(static_cast<size_t>(i), static_cast<int32_t>(std::min<int64_t>(want, cap)), w, lk);
     });
@@ -333,25 +312,18 @@ void DrafterCore::draft_all(const int32_t* budgets, size_t n, bool parallel) {
   }
 }
 
-void DrafterCore::draft_one(size_t i, int32_t budget, int w, const Lookup* lk) {
-  DraftOutput& mine = workers_[w].out;
+void DrafterCore::draft_one(size_t i, int32_t budget, int w, const Lookup& lk) {
+  Worker& worker = workers_[w];
+  DraftOutput& mine = worker.out;
   Part& part = parts_[i];
   part.worker = w;
   part.entry = static_cast<int32_t>(mine.offsets.size()) - 1;
-  part.fresh = false;
   if (budget <= 0) {
     mine.offsets.push_back(mine.offsets.back());
     return;
   }
-  // Only read here: the request's state changes in commit_parallel, on the calling thread.
-  const RequestState& req = *reqs_[i];
-  const std::vector<Occurrence>* occ = &req.occ;
-  if (lk) {
-    lookup_walk(*lk, fresh_[i]);
-    occ = &fresh_[i];
-    part.fresh = true;
-  }
-  workers_[w].builder.build(*occ, view_, cfg_, budget, mine, race_key(req));
+  lookup_walk(lk, worker.occ);
+  worker.builder.build(worker.occ, view_, cfg_, budget, mine, race_key(*reqs_[i]));
 }
 
 void DrafterCore::commit_parallel(const int32_t* budgets, size_t n, DraftOutput& out) {
@@ -367,11 +339,6 @@ void DrafterCore::commit_parallel(const int32_t* budgets, size_t n, DraftOutput&
     }
     ++proposals_;
     const Part& part = parts_[i];
-    if (part.fresh) {
-      RequestState& req = *reqs_[i];
-      req.occ.swap(fresh_[i]);
-      mark_gathered(req);
-    }
     const DraftOutput& src = workers_[part.worker].out;
     const int32_t begin = src.offsets[part.entry];
     const int32_t size = static_cast<int32_t>(std::min<int64_t>(src.offsets[part.entry + 1] - begin, budget));

@@ -12,8 +12,9 @@ struct Occurrence {
   int32_t pos = 0;        // index of the last matched token; the continuation starts at pos + 1
   int32_t match_len = 0;  // matched tokens, counted backwards from pos, capped at max_match_len
   int32_t scope = 0;      // 0 request, 1 group, 2 global: selects the weight prior
-  // The first `cached` continuation tokens (stored tokens never change), so that extend can
-  // advance the occurrence without touching the sequence's memory.
+  // The first `cached` continuation tokens (stored tokens never change), copied by the search
+  // (a chain record holds the first; a longer match's line is loaded anyway), so that the tree
+  // reads them without touching the sequence.
   int32_t cached = 0;
   int32_t next[kCachedNext] = {};
 };

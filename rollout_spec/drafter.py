@@ -46,11 +46,6 @@ CHAIN_WALK = 16
 GLOBAL_UNIGRAM_WALK = 32
 MATCH_POWER = 2
 EVIDENCE_DISCOUNT = 1.0
-#: Match state: a request's occurrences are advanced by the tokens it commits and reused by the
-#: next proposal; the chains are searched again when fewer than REGATHER_BELOW survive or after
-#: REGATHER_EVERY committed tokens (to pick up siblings' new text).
-REGATHER_BELOW = 4
-REGATHER_EVERY = 16
 
 
 def _int_array(name: str, values: object) -> np.ndarray:
@@ -131,8 +126,6 @@ def _core_config(config: SpecConfig) -> "_core.CoreConfig":
     c.global_unigram_walk = GLOBAL_UNIGRAM_WALK
     c.match_power = MATCH_POWER
     c.evidence_discount = EVIDENCE_DISCOUNT
-    c.regather_below = REGATHER_BELOW
-    c.regather_every = REGATHER_EVERY
     return c
 
 

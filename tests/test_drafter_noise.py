@@ -109,7 +109,8 @@ def test_noise_keys_survive_a_checkpoint(tmp_path):
 
 
 def checkpointed_drafter() -> NgramDrafter:
-    """The drafter saved in tests/data/drafter_format4.bin by the format-4 build."""
+    """The drafter saved in tests/data/drafter_format4.bin by the format-4 build (and, told a
+    noise key, in drafter_format5.bin)."""
     d = NgramDrafter(SpecConfig(num_draft_tokens=6))
     d.add_sequences([3, 3, None], [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 2, 3, 4, 9]])
     d.start_batch([10, 11], [[5, 1, 2], [9, 2]], [3, None])
@@ -123,6 +124,19 @@ def test_a_format_4_checkpoint_still_loads_without_noise_keys():
     fresh = checkpointed_drafter()
     a, b = fresh.propose([10, 11]), loaded.propose([10, 11])
     assert a.offsets.tolist() == b.offsets.tolist() and a.tokens.tolist() == b.tokens.tolist()
+    assert a.num_nodes > 0
+    loaded.check_integrity()
+
+
+def test_a_format_5_checkpoint_still_loads_with_its_noise_keys():
+    """tests/data/drafter_format5.bin: checkpointed_drafter, request 10 told seed 5 at T=0.7 before
+    its proposal, saved by the format-5 build (which also wrote the requests' match states)."""
+    loaded = NgramDrafter.load(Path(__file__).parent / "data" / "drafter_format5.bin")
+    fresh = checkpointed_drafter()
+    fresh.set_noise_keys([10], [5], [0.7], 16)
+    a, b = fresh.propose([10, 11]), loaded.propose([10, 11])
+    assert a.offsets.tolist() == b.offsets.tolist() and a.tokens.tolist() == b.tokens.tolist()
+    np.testing.assert_array_equal(a.probs, b.probs)
     assert a.num_nodes > 0
     loaded.check_integrity()
 

@@ -1,8 +1,7 @@
 """Random operation sequences: the C++ drafter against a slow pure-Python model of its semantics.
 
 ``RefDrafter`` restates docs/drafter.md's rules with plain lists (no hashing, no chains): scopes,
-newest-first occurrence search per key length, per-request match state (occurrences advanced by
-extend, searched again when too few survive or too many tokens passed), weighted continuation
+newest-first occurrence search per key length (afresh at every proposal), weighted continuation
 trie, best-first expansion (race-aware for requests told their noise keys), eviction by (step,
 creation order), aging at end_step. Proposals must match node for node.
 """
@@ -69,11 +68,9 @@ def race_chances(ratios: list[float], tokens: list[int], seed: int, position: in
 class RefDrafter:
     """Pure-Python model of DrafterCore (exact same outputs, none of its speed)."""
 
-    def __init__(self, cfg: SpecConfig, capacity: int, regather: tuple[int, int],
+    def __init__(self, cfg: SpecConfig, capacity: int,
                  walk: int = drafter_mod.CHAIN_WALK, global_unigram_walk: int = drafter_mod.GLOBAL_UNIGRAM_WALK):
         self.cfg, self.capacity, self.walk, self.global_unigram_walk = cfg, capacity, walk, global_unigram_walk
-        self.regather_below, self.regather_every = regather
-        self.match: dict[int, dict] = {}  # per live request: occ, since (tokens), gathered
         self.keys: dict[int, tuple[int, float]] = {}  # per live request told one: (seed, temperature)
         self.weights = (cfg.request_weight, cfg.group_weight, cfg.global_weight)
         self.seqs: list[dict] = []
@@ -128,24 +125,10 @@ class RefDrafter:
             self.seqs[v] = dict(tokens=[], alive=False, live=False, pinned=False, group=-1, step=0, order=0)
             freed.append(v)
         if freed:
-            self._drop_matches()
             for index in [self.glob, *self.groups.values()]:
                 for ki in range(len(KEYS)):
                     index[ki] = [r for r in index[ki] if self.seqs[r[0]]["alive"]]
             self.free.extend(freed)
-
-    def _drop_matches(self) -> None:
-        for m in self.match.values():
-            m.update(occ=[], gathered=False)
-
-    def _advance(self, rid: int, new: list) -> None:
-        m, k = self.match[rid], len(new)
-        kept = []
-        for seq, pos, length, scope in m["occ"]:
-            toks = self.seqs[seq]["tokens"]
-            if pos + k + 1 < len(toks) and toks[pos + 1:pos + 1 + k] == new:
-                kept.append((seq, pos + k, min(length + k, self.cfg.max_match_len), scope))
-        m["occ"], m["since"] = kept, m["since"] + k
 
     # -- operations
     def start(self, ids, groups, prompts):
@@ -154,7 +137,6 @@ class RefDrafter:
             self.stored += len(p)
             self.reqs[rid] = slot
             self.own[rid] = [[] for _ in KEYS]
-            self.match[rid] = dict(occ=[], since=0, gathered=False)
             for pos in range(len(p) - 1):  # a position is indexed once its next token exists
                 self._index(slot, self.own[rid], pos)
         self._evict()
@@ -169,15 +151,13 @@ class RefDrafter:
             self.stored += len(toks)
             for pos in range(max(first - 1, 0), len(s["tokens"]) - 1):
                 self._index(slot, self.own[rid], pos)
-            if self.match[rid]["gathered"]:
-                self._advance(rid, list(toks))
         self._evict()
 
     def finish(self, ids):
         for rid in ids:
             s = self.seqs[self.reqs.pop(rid)]
             s.update(live=False, step=self.step)
-            del self.own[rid], self.match[rid]
+            del self.own[rid]
             self.keys.pop(rid, None)
         self._evict()
 
@@ -200,7 +180,6 @@ class RefDrafter:
 
     def end_step(self):
         self.step += 1
-        self._drop_matches()
         for g, index in self.groups.items():
             for ki in range(len(KEYS)):
                 index[ki] = [r for r in index[ki] if self._in_group(r[0], -1, g)]
@@ -311,35 +290,30 @@ class RefDrafter:
     def propose(self, ids, budgets):
         left, trees = self.cfg.max_batch_draft_tokens, []
         for rid, b in zip(ids, budgets):
-            budget, m = min(b, left), self.match[rid]
-            if budget > 0 and (not m["gathered"] or m["since"] >= self.regather_every
-                               or len(m["occ"]) < self.regather_below):
-                m.update(occ=self._gather(rid), since=0, gathered=True)
+            budget = min(b, left)
             key = None
             if rid in self.keys:
                 seed, temperature = self.keys[rid]
                 key = (seed, len(self.seqs[self.reqs[rid]]["tokens"]) - 1, temperature)
-            tree = self._build(m["occ"], budget, key) if budget > 0 else []
+            tree = self._build(self._gather(rid), budget, key) if budget > 0 else []
             left -= len(tree)
             trees.append(tree)
         return trees
 
 
-def make_pair(cfg: SpecConfig, capacity: int, regather: tuple[int, int],
+def make_pair(cfg: SpecConfig, capacity: int,
               walk: int = drafter_mod.CHAIN_WALK,
               global_unigram_walk: int = drafter_mod.GLOBAL_UNIGRAM_WALK) -> tuple[NgramDrafter, RefDrafter]:
-    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens), the
-    given match-state refresh rule (small values make reuse and refresh both happen often) and
-    chain walks (small values make the core's chains drop old records, and reuse their storage;
-    the global index keeps the longer of the two)."""
+    """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens) and the
+    given chain walks (small values make the core's chains drop old records, and reuse their
+    storage; the global index keeps the longer of the two)."""
     d = NgramDrafter(cfg)
     core_cfg = _core_config(cfg)
     core_cfg.capacity_tokens = capacity
-    core_cfg.regather_below, core_cfg.regather_every = regather
     core_cfg.chain_walk = walk
     core_cfg.global_unigram_walk = global_unigram_walk
     d._core = _core.DrafterCore(core_cfg)
-    return d, RefDrafter(cfg, capacity, regather, walk, global_unigram_walk)
+    return d, RefDrafter(cfg, capacity, walk, global_unigram_walk)
 
 
 def as_lists(batch) -> list[list[tuple[int, int, np.float32]]]:
@@ -362,8 +336,7 @@ def best_path(tree: list[tuple[int, int, np.float32]]) -> list[int]:
     return path
 
 
-# A 3-token vocabulary: matches are long and occurrences survive many extends, so reuse and
-# refresh of the match state are both exercised.
+# A 3-token vocabulary: matches are long, chains are long and keys repeat.
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=12)
 op_st = st.one_of(
     st.tuples(st.just("start"), st.lists(st.integers(0, 2), min_size=1, max_size=10), st.sampled_from([None, 0, 1, 2])),
@@ -397,11 +370,10 @@ config_st = st.builds(
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=config_st, capacity=st.integers(20, 80), ops=st.lists(op_st, min_size=1, max_size=40),
-       regather=st.tuples(st.integers(1, 4), st.integers(1, 12)),
        walk=st.sampled_from([1, 2, 3, 5, drafter_mod.CHAIN_WALK]),
        global_unigram_walk=st.sampled_from([1, 2, 4, drafter_mod.GLOBAL_UNIGRAM_WALK]))
-def test_random_operations_match_reference(cfg, capacity, ops, regather, walk, global_unigram_walk):
-    d, ref = make_pair(cfg, capacity, regather, walk, global_unigram_walk)
+def test_random_operations_match_reference(cfg, capacity, ops, walk, global_unigram_walk):
+    d, ref = make_pair(cfg, capacity, walk, global_unigram_walk)
     live: list[int] = []
     next_id = 0
     for op in ops:
@@ -452,7 +424,7 @@ def test_chain_walk_reads_exactly_the_newest_records():
     chains, so global_unigram_walk is the walk; chain_walk (the other chains') varies around it."""
     cfg = SpecConfig(adaptive_budget=False, num_draft_tokens=8)
     for other, walk in ((1, 1), (2, 2), (5, 3), (1, 4), (5, 5), (3, 8), (16, 8)):
-        d, ref = make_pair(cfg, 10**6, (1, 1), other, walk)
+        d, ref = make_pair(cfg, 10**6, other, walk)
         for n in (3, 10, 40):
             seqs = [[1, 100 + len(ref.seqs) + i] for i in range(n)]  # token 1, then a new token
             d.add_sequences([None] * n, seqs)
@@ -483,7 +455,7 @@ def test_trees_over_random_corpora_match_reference(cfg, corpus, prompts, keys):
     """Larger trees than the operation test makes: many stored sequences, budgets up to 24, so
     that deep paths compete with wide ones in the best-first order; requests with noise keys
     (race-aware order) beside requests without."""
-    d, ref = make_pair(cfg, 10**6, (drafter_mod.REGATHER_BELOW, drafter_mod.REGATHER_EVERY))
+    d, ref = make_pair(cfg, 10**6)
     groups = [g for g, _ in corpus]
     d.add_sequences(groups, [s for _, s in corpus])
     ref.add([-1 if g is None else g for g in groups], [s for _, s in corpus])
