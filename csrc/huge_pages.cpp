@@ -1,5 +1,6 @@
 #include "huge_pages.h"
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -37,10 +38,23 @@ int class_of(size_t bytes) {
   return c;
 }
 
+// Whether faulting in a huge page at first touch was cheap: `chunk` (fresh, 2 MB) is advised and
+// its first byte written, which faults the whole huge page in, and timed. Bare metal zeroes 2 MB
+// in ~0.1-0.3 ms; a VM whose host has taken the free 2 MB block back (free page reporting) must
+// back it again first: ~4 ms on the 2-CPU VM (where 2 MB in 4 KB pages cost ~0.8 ms), unless
+// the block was freed moments ago.
+bool huge_first_touch_is_cheap(char* chunk) {
+  advise_huge(chunk, kChunk);
+  const auto start = std::chrono::steady_clock::now();
+  *static_cast<volatile char*>(chunk) = 0;
+  return std::chrono::steady_clock::now() - start < std::chrono::milliseconds(1);
+}
+
 struct Arena {
   std::mutex mu;                       // drafters of several threads share the arena
   void* free[kMaxShift + 1] = {};      // per class: freed blocks, linked through their first word
-  char* chunk = nullptr;               // the newest chunk (not yet advised to be huge)
+  bool advise_early = true;            // chunks are advised as they come (until one was costly)
+  char* chunk = nullptr;               // the newest chunk
   char* cur = nullptr;                 // unused rest of the newest chunk
   size_t left = 0;                     // its bytes
 };
@@ -79,14 +93,18 @@ void* huge_alloc(size_t bytes) {
       a.cur += size_t(1) << r;
       a.left -= size_t(1) << r;
     }
-    // The chunk just used up is advised only now, when its blocks are mostly touched: khugepaged
-    // then collapses it into a huge page in the background. Advised from the start, each chunk
-    // was faulted in as a huge page by the array that first touched it, and on a VM that
-    // returns free 2 MB blocks to its host that first touch cost ~3 ms against ~0.8 ms in 4 KB
-    // pages (the bench's first T=0.6 replay: steps 1-2 15% dearer; a replay on warm memory 2%
-    // cheaper, which long runs get back once khugepaged has been by).
-    if (a.chunk) advise_huge(a.chunk, kChunk);
-    a.chunk = a.cur = static_cast<char*>(huge_pages(kChunk, false));
+    // Once a huge page was costly to fault in, a chunk is advised only when used up, its
+    // blocks mostly touched (in 4 KB pages): khugepaged then collapses it into a huge page in
+    // the background. On the 2-CPU VM that made the bench's first T=0.6 replay 15% cheaper at
+    // steps 1-2, while a replay on warm memory (huge pages) was 2% cheaper; on the Xeon host,
+    // where the fault is cheap, deferring cost 3-5%.
+    char* fresh = static_cast<char*>(huge_pages(kChunk, false));
+    if (a.advise_early) {
+      a.advise_early = huge_first_touch_is_cheap(fresh);
+    } else {
+      advise_huge(a.chunk, kChunk);
+    }
+    a.chunk = a.cur = fresh;
     a.left = kChunk;
   }
   void* p = a.cur;

@@ -7,9 +7,10 @@
 // hypervisor) costs about as much as the cache miss and overlaps poorly. Most of these arrays
 // are small (a request's own index, one sequence's tokens), so they cannot get huge pages of
 // their own: arrays up to 1 MB are carved from shared 2 MB chunks (power-of-two size classes,
-// freed blocks reused per class), larger ones get whole huge pages. A chunk is advised to be huge
-// only once it is used up, so that khugepaged collapses it later instead of its first touch
-// faulting in a huge page (see huge_pages.cpp). Chunks are never given back to the system;
+// freed blocks reused per class), larger ones get whole huge pages. Once faulting in a chunk's
+// huge page has been seen to be costly (a VM whose host takes free memory back), later chunks
+// are advised to be huge only when used up, so that khugepaged collapses them in the background
+// (see huge_pages.cpp). Chunks are never given back to the system;
 // freed blocks serve later arrays of their class (eviction frees and rebuilds reuse them).
 // Without THP (or with it disabled) this is plain memory.
 #pragma once
