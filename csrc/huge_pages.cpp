@@ -1,5 +1,6 @@
 #include "huge_pages.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -53,7 +54,8 @@ bool huge_first_touch_is_cheap(char* chunk) {
 struct Arena {
   std::mutex mu;                       // drafters of several threads share the arena
   void* free[kMaxShift + 1] = {};      // per class: freed blocks, linked through their first word
-  bool advise_early = true;            // chunks are advised as they come (until one was costly)
+  // Chunks and large arrays are advised as they come, until a huge page was costly to fault in.
+  std::atomic<bool> advise_early{true};
   char* chunk = nullptr;               // the newest chunk
   char* cur = nullptr;                 // unused rest of the newest chunk
   size_t left = 0;                     // its bytes
@@ -74,7 +76,16 @@ Arena& arena() {
 }  // namespace
 
 void* huge_alloc(size_t bytes) {
-  if (bytes > (size_t(1) << kMaxShift)) return huge_pages((bytes + kChunk - 1) & ~(kChunk - 1), true);
+  if (bytes > (size_t(1) << kMaxShift)) {
+    const size_t size = (bytes + kChunk - 1) & ~(kChunk - 1);
+    if (arena().advise_early.load(std::memory_order_relaxed)) return huge_pages(size, true);
+    // Its caller fills it at once (a table) or soon (a pool): its pages are faulted in here, 4 KB
+    // at a time, and only then is it advised, for khugepaged to collapse later.
+    char* p = static_cast<char*>(huge_pages(size, false));
+    for (size_t off = 0; off < size; off += 4096) p[off] = 0;
+    advise_huge(p, size);
+    return p;
+  }
   const int c = class_of(bytes);
   const size_t size = size_t(1) << c;
   Arena& a = arena();
@@ -99,8 +110,8 @@ void* huge_alloc(size_t bytes) {
     // steps 1-2, while a replay on warm memory (huge pages) was 2% cheaper; on the Xeon host,
     // where the fault is cheap, deferring cost 3-5%.
     char* fresh = static_cast<char*>(huge_pages(kChunk, false));
-    if (a.advise_early) {
-      a.advise_early = huge_first_touch_is_cheap(fresh);
+    if (a.advise_early.load(std::memory_order_relaxed)) {
+      a.advise_early.store(huge_first_touch_is_cheap(fresh), std::memory_order_relaxed);
     } else {
       advise_huge(a.chunk, kChunk);
     }
