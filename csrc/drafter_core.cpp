@@ -10,18 +10,6 @@
 
 namespace rollout_spec {
 
-namespace {
-constexpr int kRequestScope = 0;
-// a[0..n) == b[0..n) for the few tokens of one commit (std::equal becomes a memcmp call).
-inline bool same_tokens(const int32_t* a, const int32_t* b, int32_t n) {
-  for (int32_t i = 0; i < n; ++i)
-    if (a[i] != b[i]) return false;
-  return true;
-}
-constexpr int kGroupScope = 1;
-constexpr int kGlobalScope = 2;
-}  // namespace
-
 DrafterCore::DrafterCore(const CoreConfig& cfg)
     : cfg_(cfg), global_(empty_global_index(cfg)) {
   // Chains keep only the records a search may read (ChainPool's classes go up to 4095).
