@@ -1,6 +1,7 @@
 // Checkpoint format of DrafterCore: a versioned little-endian binary dump of the sequences and
-// of every chain index's insertion log (the chains are rebuilt on load by re-indexing the logged
-// positions in that order, which reproduces them exactly).
+// of every shared chain index's insertion log (the chains are rebuilt on load by re-indexing the
+// logged positions in that order, which reproduces them exactly; a request's own index is
+// rebuilt from its tokens).
 #include <algorithm>
 #include <istream>
 #include <ostream>
@@ -13,9 +14,10 @@ namespace rollout_spec {
 namespace {
 // "RSSPADR6": one log per index, positions indexed once their next token exists (version 3 had
 // one log per key length and also indexed each sequence's last position); version 5 added the
-// requests' noise keys to version 4, and version 6 drops their match states (occurrences kept
-// between proposals, no longer kept). Versions 4 and 5 are still read: their requests' match
-// states are skipped, and version 4's requests have no noise keys.
+// requests' noise keys to version 4, and version 6 drops the requests' match states (occurrences
+// kept between proposals, no longer kept) and own indexes' logs (a request's own index holds its
+// positions in order, so it is rebuilt from its tokens). Versions 4 and 5 are still read: their
+// requests' logs are checked and their match states skipped; version 4's have no noise keys.
 constexpr uint64_t kMagic = 0x3652444150535352ULL;
 constexpr char kVersion = '6', kOldestVersion = '4';
 
@@ -47,26 +49,25 @@ std::vector<T> get_vec(std::istream& is) {
 
 void put_index(std::ostream& os, const ChainIndex& index) { put_vec(os, index.log()); }
 
-// A request's own index as the log a ChainIndex of it would have: its positions in order.
-void put_own(std::ostream& os, const RequestIndex& own, int32_t slot) {
-  std::vector<ChainRecord> log(static_cast<size_t>(own.size()));
-  for (int32_t p = 0; p < own.size(); ++p) log[p] = ChainRecord{slot, p};
-  put_vec(os, log);
+// A request's own index, from its sequence: every position with a next token, in order.
+void index_own(RequestIndex& own, const Sequence& s) {
+  const size_t n = std::max<size_t>(s.tokens.size(), 1) - 1;
+  own.reserve_positions(n);
+  uint64_t keys[kNumKeys];
+  for (size_t p = 0; p < n; ++p) {
+    ngram_keys(s.tokens.data(), static_cast<int32_t>(p), keys);
+    own.insert(keys);
+  }
 }
 
-void get_own(std::istream& is, RequestIndex& own, int32_t slot, const Sequence& s) {
+// A version 4 or 5 request's own index log: it must list exactly index_own's positions.
+void check_own_log(std::istream& is, int32_t slot, const Sequence& s) {
   const std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
   if (log.size() != std::max<size_t>(s.tokens.size(), 1) - 1)
     throw std::runtime_error("drafter checkpoint is corrupt (request index out of range)");
   for (size_t p = 0; p < log.size(); ++p)
     if (log[p].seq != slot || log[p].pos != static_cast<int32_t>(p))
       throw std::runtime_error("drafter checkpoint is corrupt (request index out of order)");
-  own.reserve_positions(log.size());
-  uint64_t keys[kNumKeys];
-  for (size_t p = 0; p < log.size(); ++p) {
-    ngram_keys(s.tokens.data(), static_cast<int32_t>(p), keys);
-    own.insert(keys);
-  }
 }
 
 void get_index(std::istream& is, ChainIndex& index, const std::vector<Sequence>& seqs) {
@@ -102,7 +103,6 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
   for (const auto& [id, req] : requests_) {
     put(os, id);
     put(os, req.slot);
-    put_own(os, req.own, req.slot);
     put(os, req.noise_seed);
     put(os, req.noise_temperature);
   }
@@ -127,6 +127,7 @@ std::string DrafterCore::load(std::istream& is) {
                              ", this build reads " + std::string(1, kOldestVersion) + " to " +
                              std::string(1, kVersion) + ")");
   const bool has_noise = version >= '5', has_match_state = version <= '5';
+  const bool has_own_logs = version <= '5';
   std::vector<char> meta = get_vec<char>(is);
   step_ = get<int64_t>(is);
   next_order_ = get<uint64_t>(is);
@@ -158,7 +159,8 @@ std::string DrafterCore::load(std::istream& is) {
     req.slot = get<int32_t>(is);
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
-    get_own(is, req.own, req.slot, seqs_[req.slot]);
+    if (has_own_logs) check_own_log(is, req.slot, seqs_[req.slot]);
+    index_own(req.own, seqs_[req.slot]);
     if (has_match_state) {  // skipped: its occurrences, tokens since their search, a valid flag
       get_vec<Occurrence>(is);
       get<int32_t>(is);

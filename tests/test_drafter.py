@@ -1,6 +1,8 @@
 """NgramDrafter: golden trees on hand-built corpora, scopes, checkpoints, validation errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -277,16 +279,15 @@ def test_save_load_round_trip_gives_identical_proposals(tmp_path):
         e.extend_batch(live, new)
 
 
-def test_load_rejects_a_request_index_out_of_order(tmp_path):
-    d = NgramDrafter()
-    d.start(0, [11, 12, 13, 14])
-    path = tmp_path / "drafter.bin"
-    d.save(path)
-    data = path.read_bytes()
-    # The request's own index is saved as its positions in order: (slot 0, position p), p < 3.
-    log = np.array([3, 0, 0, 0, 0, 1, 0, 2], np.int32).tobytes()  # count 3 as a uint64, then records
+def test_load_rejects_a_format_5_request_index_out_of_order(tmp_path):
+    """Format 5 saved each request's own index as its positions in order (format 6 rebuilds it
+    from the tokens); a format-5 file whose log is not that is refused."""
+    data = (Path(__file__).parent / "data" / "drafter_format5.bin").read_bytes()
+    # Request 10 (slot 3, tokens 5 1 2 3): a uint64 count of 3, then (slot, position) records.
+    log = np.array([3, 0, 3, 0, 3, 1, 3, 2], np.int32).tobytes()
     assert data.count(log) == 1
-    swapped = np.array([3, 0, 0, 1, 0, 0, 0, 2], np.int32).tobytes()
+    swapped = np.array([3, 0, 3, 1, 3, 0, 3, 2], np.int32).tobytes()
+    path = tmp_path / "drafter.bin"
     path.write_bytes(data.replace(log, swapped))
     with pytest.raises(RuntimeError, match="request index out of order"):
         NgramDrafter.load(path)
