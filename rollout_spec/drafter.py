@@ -9,9 +9,9 @@ against three scopes -- its own prompt and output (prompt lookup), the other sam
 ``group_id`` (siblings in flight, finished ones, and the last ``history_steps`` RL steps) and all
 recent rollouts. Each scope yields up to 32 occurrences of the context's suffix (n-gram chains of
 length 4, 2, 1, newest first), weighted by ``scope_weight * match_len ** 2``; their continuations
-form a weighted trie that is expanded best first by estimated path probability. Each request
-keeps its occurrences between steps (advanced by the tokens it commits), so the chains are
-searched again only when too few of them survive.
+form a weighted trie that is expanded best first by estimated path probability. Every proposal
+searches the chains afresh (the context's last n-grams are hashed, so it never rescans the
+context).
 """
 from __future__ import annotations
 
