@@ -44,6 +44,7 @@ void DrafterCore::gather_scope(int scope, const SlotView& ctx, Offers offers, Ac
     if (occ.size() - first >= static_cast<size_t>(cfg_.enough_occurrences)) break;
     const int32_t k = kKeyLens[ki];
     const int32_t need = std::max(std::min(k, cfg_.max_match_len), cfg_.min_match_len);
+    const size_t earlier = occ.size();  // this scope's occurrences from longer keys end here
     // True when the record's match goes on past the key: the token before its n-gram equals the
     // context's. Otherwise the match is exactly k tokens long, known without reading the record's
     // sequence (the key's own tokens are trusted to the 64-bit hash in the shared scopes, and
@@ -61,8 +62,9 @@ void DrafterCore::gather_scope(int scope, const SlotView& ctx, Offers offers, Ac
       int32_t m = std::min(k, cfg_.max_match_len);
       int32_t cached = 1;
       if (longer(e.before)) {
-        // Only a match longer than k can have been taken already through a longer key.
-        for (size_t j = first; j < occ.size(); ++j)
+        // Only a match longer than k can have been taken already, through a longer key (a chain
+        // lists a position once, so this key's own occurrences need no check).
+        for (size_t j = first; j < earlier; ++j)
           if (occ[j].seq == seq && occ[j].pos == pos) return false;
         const SlotView& v = view_[seq];
         m = match_back(ctx, v.tokens, pos, cfg_.max_match_len);
