@@ -32,6 +32,7 @@ class RequestIndex {
   // An index of the key lengths in `key_mask` (a non-empty subset of kAllKeys).
   explicit RequestIndex(uint32_t key_mask = kAllKeys) : key_mask_(key_mask) {}
 
+  // Whether this index keeps chains of key length kKeyLens[ki].
   bool has_key(int ki) const { return (key_mask_ >> ki) & 1u; }
 
   // Positions indexed so far: positions 0 .. size() - 1 of the request's sequence.
@@ -109,6 +110,8 @@ class RequestIndex {
   // The slot of `key` in table ki, claimed (with no position) if missing; grows the table
   // first when it would pass half full.
   uint32_t upsert(int ki, uint64_t key);
+  // Move table ki's slots into a table of `cap` (a power of two) slots: a slot's home comes
+  // from its check, so no key is needed.
   void rehash(int ki, size_t cap);
   // Link the next position into the chain whose slot is `slot`.
   void link(int ki, Slot& slot);
@@ -116,9 +119,9 @@ class RequestIndex {
   std::vector<Slot, HugePageAllocator<Slot>> slots_[kNumKeys];      // per key length: open addressing
   std::vector<int32_t, HugePageAllocator<int32_t>> prev_[kNumKeys];  // per key length, per position
   size_t used_[kNumKeys] = {};  // occupied slots per table, kept <= half its size
-  size_t records_ = 0;
-  int32_t size_ = 0;
-  uint32_t key_mask_;
+  size_t records_ = 0;          // records over its key lengths
+  int32_t size_ = 0;            // positions indexed
+  uint32_t key_mask_;           // the key lengths it keeps (bits of kAllKeys)
 };
 
 }  // namespace rollout_spec
