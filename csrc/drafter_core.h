@@ -97,7 +97,8 @@ class DrafterCore {
   // Copy slot's hot fields into view_ (after any change to its tokens, step, liveness, group).
   void refresh_view(int32_t slot);
   void refresh_all_views();
-  void index_position(int32_t slot, RequestState* req, int32_t pos);
+  // Index position `pos` of an ingested sequence in its group and the global scope.
+  void index_shared(int32_t slot, int32_t pos);
   // Index the positions extend just appended (all keys hashed and prefetched, then inserted);
   // a call that splits() is spread over the pool.
   void index_appended(const int64_t* offsets, size_t n);

@@ -49,21 +49,10 @@ std::vector<T> get_vec(std::istream& is) {
 
 void put_index(std::ostream& os, const ChainIndex& index) { put_vec(os, index.log()); }
 
-// A request's own index, from its sequence: every position with a next token, in order.
-void index_own(RequestIndex& own, const Sequence& s) {
-  const size_t n = std::max<size_t>(s.tokens.size(), 1) - 1;
-  own.reserve_positions(n);
-  uint64_t keys[kNumKeys];
-  for (size_t p = 0; p < n; ++p) {
-    ngram_keys(s.tokens.data(), static_cast<int32_t>(p), keys);
-    own.insert(keys);
-  }
-}
-
-// A version 4 or 5 request's own index log: it must list exactly index_own's positions.
+// A version 4 or 5 request's own index log: it must list the positions with a next token, in order.
 void check_own_log(std::istream& is, int32_t slot, const Sequence& s) {
   const std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
-  if (log.size() != std::max<size_t>(s.tokens.size(), 1) - 1)
+  if (log.size() != static_cast<size_t>(s.positions_with_next()))
     throw std::runtime_error("drafter checkpoint is corrupt (request index out of range)");
   for (size_t p = 0; p < log.size(); ++p)
     if (log[p].seq != slot || log[p].pos != static_cast<int32_t>(p))
@@ -126,8 +115,8 @@ std::string DrafterCore::load(std::istream& is) {
     throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
                              ", this build reads " + std::string(1, kOldestVersion) + " to " +
                              std::string(1, kVersion) + ")");
-  const bool has_noise = version >= '5', has_match_state = version <= '5';
-  const bool has_own_logs = version <= '5';
+  // Versions 4 and 5 also hold each request's own index log and match state.
+  const bool has_noise = version >= '5', has_request_logs = version <= '5';
   std::vector<char> meta = get_vec<char>(is);
   step_ = get<int64_t>(is);
   next_order_ = get<uint64_t>(is);
@@ -159,9 +148,11 @@ std::string DrafterCore::load(std::istream& is) {
     req.slot = get<int32_t>(is);
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
-    if (has_own_logs) check_own_log(is, req.slot, seqs_[req.slot]);
-    index_own(req.own, seqs_[req.slot]);
-    if (has_match_state) {  // skipped: its occurrences, tokens since their search, a valid flag
+    const Sequence& s = seqs_[req.slot];
+    if (has_request_logs) check_own_log(is, req.slot, s);
+    req.own.reserve_positions(static_cast<size_t>(s.positions_with_next()));
+    req.own.insert_up_to(s.tokens.data(), s.positions_with_next());
+    if (has_request_logs) {  // the match state, skipped: occurrences, tokens since, a valid flag
       get_vec<Occurrence>(is);
       get<int32_t>(is);
       get<uint8_t>(is);

@@ -99,7 +99,7 @@ std::string DrafterCore::check_integrity() const {
     const Sequence& s = seqs_[req.slot];
     if (!s.alive || !s.live || s.req_id != id) return "request state points at a wrong sequence";
     // Every position with a next token is indexed, and no other.
-    if (req.own.size() != std::max<int32_t>(static_cast<int32_t>(s.tokens.size()) - 1, 0))
+    if (req.own.size() != s.positions_with_next())
       return "request index out of step with its own sequence";
     if (!req.own.check(s.tokens.data())) return "request index chains broken";
   }

@@ -62,6 +62,14 @@ void RequestIndex::insert(const uint64_t* keys) {
   ++size_;
 }
 
+void RequestIndex::insert_up_to(const int32_t* tokens, int32_t n) {
+  uint64_t keys[kNumKeys];
+  while (size_ < n) {
+    ngram_keys(tokens, size_, keys);
+    insert(keys);
+  }
+}
+
 void RequestIndex::prepare(const uint64_t* keys, uint32_t* slots) {
   for (int ki = 0; ki < kNumKeys; ++ki)
     if (keys[ki] != 0 && has_key(ki)) slots[ki] = upsert(ki, keys[ki]);

@@ -44,6 +44,8 @@ class RequestIndex {
 
   // Index the next position (size()), whose keys are `keys` (ngram_keys at that position).
   void insert(const uint64_t* keys);
+  // Index positions size() .. n - 1 of `tokens` (which hold n + 1 tokens at least).
+  void insert_up_to(const int32_t* tokens, int32_t n);
 
   // Start loading the table slots that a lookup or insert of these keys will touch.
   void prefetch(const uint64_t* keys) const {

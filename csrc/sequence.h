@@ -1,6 +1,7 @@
 // One stored token sequence: a live request's prompt + output, a finished response, or a corpus.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -18,6 +19,9 @@ struct Sequence {
   bool live = false;            // a request is still extending it (never evicted)
   bool alive = false;           // slot in use; false once evicted or never used
   bool pinned = false;          // external corpus: never evicted, never aged
+
+  // Positions with a next token: an index holds a position only once its continuation exists.
+  int32_t positions_with_next() const { return std::max(static_cast<int32_t>(tokens.size()) - 1, 0); }
 };
 
 }  // namespace rollout_spec
