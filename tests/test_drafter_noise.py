@@ -119,21 +119,17 @@ def checkpointed_drafter() -> NgramDrafter:
     return d
 
 
-def test_a_format_4_checkpoint_still_loads_without_noise_keys():
-    loaded = NgramDrafter.load(Path(__file__).parent / "data" / "drafter_format4.bin")
+@pytest.mark.parametrize("name, keys", [
+    ("drafter_format4.bin", None),  # format 4 had no noise keys
+    # request 10 told seed 5 at T=0.7 before its proposal; format 5 also wrote match states
+    ("drafter_format5.bin", ([10], [5], [0.7], 16)),
+])
+def test_an_older_format_checkpoint_still_loads(name, keys):
+    """tests/data: checkpointed_drafter saved by the format-4 and format-5 builds."""
+    loaded = NgramDrafter.load(Path(__file__).parent / "data" / name)
     fresh = checkpointed_drafter()
-    a, b = fresh.propose([10, 11]), loaded.propose([10, 11])
-    assert a.offsets.tolist() == b.offsets.tolist() and a.tokens.tolist() == b.tokens.tolist()
-    assert a.num_nodes > 0
-    loaded.check_integrity()
-
-
-def test_a_format_5_checkpoint_still_loads_with_its_noise_keys():
-    """tests/data/drafter_format5.bin: checkpointed_drafter, request 10 told seed 5 at T=0.7 before
-    its proposal, saved by the format-5 build (which also wrote the requests' match states)."""
-    loaded = NgramDrafter.load(Path(__file__).parent / "data" / "drafter_format5.bin")
-    fresh = checkpointed_drafter()
-    fresh.set_noise_keys([10], [5], [0.7], 16)
+    if keys is not None:
+        fresh.set_noise_keys(*keys)
     a, b = fresh.propose([10, 11]), loaded.propose([10, 11])
     assert a.offsets.tolist() == b.offsets.tolist() and a.tokens.tolist() == b.tokens.tolist()
     np.testing.assert_array_equal(a.probs, b.probs)
