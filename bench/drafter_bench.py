@@ -8,10 +8,14 @@ and a vLLM-style prompt-lookup n-gram (n in [2, 5]).
     python bench/drafter_bench.py                       # the shared traces, or a synthetic one
     python bench/drafter_bench.py --trace T.json.gz --max-live 512 --drafters ours,arctic
     python bench/drafter_bench.py --max-live 512 --drafters ours --propose-threads 1,4
+    python bench/drafter_bench.py --max-live 512 --drafters ours,arctic --repeat 5
 
 Cost is microseconds of propose + extend per live request per iteration, measured around the
 drafter's calls only: the calling thread's CPU time, or wall time when --propose-threads names
-any count but 1 (the pool's work is on other threads). Ours splits propose calls of >= 64
+any count but 1 (the pool's work is on other threads). On a shared machine one replay's cost can
+be 10-30% off the next; --repeat N replays every trace N times with fresh drafters, in turns
+(ours, arctic, ours, arctic, ...), and prints each row's median run with the range of all N (the
+drafts must be the same every time: a drafter whose TPF changes between runs is an error). Ours splits propose calls of >= 64
 requests over --propose-threads threads (a list runs ours once per count, rows side by side; the
 drafts are identical, so TPF is too). The other drafters run on one thread.
 """
@@ -53,41 +57,66 @@ def make_drafter(name: str, budget: int):
     raise ValueError(f"unknown drafter {name!r}; choose from ours, ours-full, arctic, prompt-lookup")
 
 
+def median_run(name: str, runs: list[StepResult]) -> StepResult:
+    """The run of one step whose cost is the median of ``runs`` (the upper one of an even count).
+
+    Raises RuntimeError if the runs drafted differently: a replay is deterministic, so they must
+    agree on every count but the timings."""
+    counts = {(r.tokens, r.verify_steps, r.drafted, r.accepted, r.request_iterations) for r in runs}
+    if len(counts) > 1:
+        raise RuntimeError(f"{name}: step {runs[0].step} drafted differently in {len(runs)} replays "
+                           f"(tokens, verify steps, drafted, accepted, request iterations: {sorted(counts)})")
+    ordered = sorted(runs, key=lambda r: r.us_per_request_iteration)
+    return ordered[len(ordered) // 2]
+
+
 def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None,
-              clock=time.thread_time) -> None:
-    """Replay ``trace`` with every drafter and print one table row per (step, drafter)."""
-    results: dict[str, list[StepResult]] = {}
-    notes = []
-    for name in names:
-        t0, kernel0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
-        drafter = make_drafter(name, budget)
-        results[name] = replay(drafter, trace, budget=budget, max_live=max_live, clock=clock)
-        kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel0
-        print(f"  [{label}] {name}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        if isinstance(drafter, NgramDrafter):
-            st = drafter.stats()
-            notes.append(f"{name}: {st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token; "
-                         f"{kernel:.2f} s of kernel time in the process during its replay (mostly "
-                         f"first touches of new memory, which a VM may make costly: docs/drafter.md)")
-    live = "all" if max_live is None else str(max_live)
-    print(f"\n## {label}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, "
-          f"{trace.num_tokens} tokens; budget {budget}; live requests: {live}")
-    print(f"| step | drafter | TPF | TPF / arctic | accept rate | us / request / iteration | propose + extend |")
-    print("|---|---|---|---|---|---|---|")
-    for s in range(len(trace.steps)):
-        ref = results["arctic"][s].tpf if "arctic" in results else None
+              clock=time.thread_time, repeat: int = 1) -> None:
+    """Replay ``trace`` ``repeat`` times with every drafter (in turns) and print one table row
+    per (step, drafter): its median run, and with ``repeat`` > 1 the range of all runs' costs."""
+    runs: dict[str, list[list[StepResult]]] = {name: [] for name in names}
+    notes: dict[str, str] = {}
+    for r in range(repeat):
         for name in names:
-            r = results[name][s]
+            t0, kernel0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
+            drafter = make_drafter(name, budget)
+            runs[name].append(replay(drafter, trace, budget=budget, max_live=max_live, clock=clock))
+            kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel0
+            turn = f" (run {r + 1}/{repeat})" if repeat > 1 else ""
+            print(f"  [{label}] {name}{turn}: replayed in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            if isinstance(drafter, NgramDrafter):
+                st = drafter.stats()
+                notes[name] = (f"{name}: {st['memory_bytes'] / max(st['index_tokens'], 1):.0f} bytes per stored token; "
+                               f"{kernel:.2f} s of kernel time in the process during its last replay (mostly "
+                               f"first touches of new memory, which a VM may make costly: docs/drafter.md)")
+    live = "all" if max_live is None else str(max_live)
+    ranged = repeat > 1
+    print(f"\n## {label}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, "
+          f"{trace.num_tokens} tokens; budget {budget}; live requests: {live}"
+          + (f"; median of {repeat} runs" if ranged else ""))
+    print("| step | drafter | TPF | TPF / arctic | accept rate | us / request / iteration | propose + extend |"
+          + (" range of runs |" if ranged else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if ranged else ""))
+    for s in range(len(trace.steps)):
+        step_runs = {name: [run[s] for run in runs[name]] for name in names}
+        best = {name: median_run(name, step_runs[name]) for name in names}
+        ref = best["arctic"].tpf if "arctic" in best else None
+        for name in names:
+            r = best[name]
             ratio = f"{r.tpf / ref:.2f}x" if ref else "n/a"
             rate = r.accepted / max(r.drafted, 1)
             split = (f"{r.propose_us_per_request_iteration:.2f} + "
                      f"{r.us_per_request_iteration - r.propose_us_per_request_iteration:.2f}")
-            print(f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} | {split} |")
-    for note in notes:
+            row = f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} | {split} |"
+            if ranged:
+                costs = [x.us_per_request_iteration for x in step_runs[name]]
+                row += f" {min(costs):.2f}-{max(costs):.2f} |"
+            print(row)
+    for note in notes.values():
         print(f"\n{note}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Parse options, pick traces, run the drafters, print the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", action="append", help="trace file(s); default: shared traces, else synthetic")
@@ -97,8 +126,15 @@ def main() -> None:
     ap.add_argument("--drafters", default="ours,ours-full,arctic,prompt-lookup")
     ap.add_argument("--propose-threads", default="1",
                     help="comma-separated thread counts for ours/ours-full (0 = auto); default 1")
-    args = ap.parse_args()
-    counts = [int(c) for c in args.propose_threads.split(",") if c.strip()]
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="replays of every trace per drafter, in turns; rows show the median run (default 1)")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    try:
+        counts = [int(c) for c in args.propose_threads.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--propose-threads must be comma-separated integers, got {args.propose_threads!r}")
     names = []
     for n in (n.strip() for n in args.drafters.split(",") if n.strip()):
         ours = n in ("ours", "ours-full")
@@ -109,17 +145,27 @@ def main() -> None:
               "failed); its column is skipped.", file=sys.stderr)
         names.remove("arctic")
     for n in names:
-        make_drafter(n, args.budget)  # fail fast on a bad name
+        try:
+            make_drafter(n, args.budget)  # fail fast on a bad name, budget or thread count
+        except ValueError as e:
+            ap.error(str(e))
     paths = args.trace or sorted(glob.glob(SHARED))
+    traces = []
+    for path in paths:
+        try:
+            traces.append((Path(path).name, load_trace(path)))
+        except (OSError, ValueError) as e:  # JSON errors are ValueErrors
+            ap.error(f"--trace {path}: {e}")
     # Thread time misses the pool's work: with more than one thread every row is timed by the wall.
     clock = time.thread_time if counts == [1] else time.perf_counter
     print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs), propose threads {args.propose_threads}, "
           f"{'thread' if clock is time.thread_time else 'wall'} time, {time.strftime('%Y-%m-%d %H:%M')}")
-    for path in paths:
-        run_trace(Path(path).name, load_trace(path), names, args.budget, args.max_live, clock)
+    for label, trace in traces:
+        run_trace(label, trace, names, args.budget, args.max_live, clock, args.repeat)
     if args.synthetic or not paths:
-        run_trace("synthetic (seed 0)", make_synthetic_trace(), names, args.budget, args.max_live, clock)
+        run_trace("synthetic (seed 0)", make_synthetic_trace(), names, args.budget, args.max_live, clock,
+                  args.repeat)
 
 
 if __name__ == "__main__":

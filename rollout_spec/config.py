@@ -80,8 +80,8 @@ class SpecConfig:
     history_steps: int = 4
     """How many earlier RL steps of a group stay in its group scope."""
     capacity_tokens: int = 4_000_000
-    """Memory bound of the shared indexes, in stored tokens (about 250-350 bytes each with their
-    hash chains); least-recently-used steps go first."""
+    """Memory bound of the shared indexes, in stored tokens (66 and 148 bytes each, indexes
+    included, on the shared T=0.6 and T=1.0 traces); least-recently-used steps go first."""
     external_corpora: tuple[str, ...] = field(default_factory=tuple)
     """Token files (one int32 array per file, .npy) added to the global scope at start."""
     shared_index: Optional[str] = None

@@ -1,0 +1,84 @@
+"""CPU smoke runs of ``bench/drafter_bench.py``: its table, the median of repeated replays, and its
+flag errors."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import drafter_bench  # noqa: E402
+from rollout_spec.replay import StepResult, save_trace  # noqa: E402
+from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The data rows of the printed markdown tables, cells stripped."""
+    rows = [line.strip().strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in r] for r in rows if r[0].strip() != "step"]
+
+
+def small_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "t.json.gz"
+    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=5)), path)
+    return path
+
+
+def test_repeated_replays_print_the_median_run_and_the_range(tmp_path, capsys) -> None:
+    drafter_bench.main(["--trace", str(small_trace(tmp_path)), "--drafters", "ours,prompt-lookup",
+                        "--max-live", "8", "--repeat", "3"])
+    out = capsys.readouterr().out
+    assert "median of 3 runs" in out
+    rows = table_rows(out)
+    assert [(r[0], r[1]) for r in rows] == [("0", "ours"), ("0", "prompt-lookup"), ("1", "ours"), ("1", "prompt-lookup")]
+    for r in rows:
+        cost = float(r[5])
+        low, high = (float(x) for x in r[7].split("-"))
+        assert low <= cost <= high
+        propose, extend = (float(x) for x in r[6].split("+"))
+        assert propose + extend == pytest.approx(cost, abs=0.011)
+    assert float(rows[0][2]) > 1.0  # ours drafts accepted tokens on a trace whose siblings share spans
+
+
+def test_a_single_run_has_no_range_column(tmp_path, capsys) -> None:
+    drafter_bench.main(["--trace", str(small_trace(tmp_path)), "--drafters", "ours", "--max-live", "8"])
+    out = capsys.readouterr().out
+    assert "median" not in out and all(len(r) == 7 for r in table_rows(out))
+
+
+def step(cost_seconds: float, accepted: int = 5) -> StepResult:
+    return StepResult(step=1, tokens=30, verify_steps=10, drafted=40, accepted=accepted,
+                      request_iterations=10, drafter_seconds=cost_seconds)
+
+
+def test_median_run_is_the_middle_cost_and_the_upper_middle_of_an_even_count() -> None:
+    runs = [step(3e-5), step(1e-5), step(2e-5)]
+    assert drafter_bench.median_run("ours", runs) is runs[2]
+    assert drafter_bench.median_run("ours", runs + [step(4e-5)]).drafter_seconds == 3e-5
+
+
+def test_replays_that_drafted_differently_are_an_error() -> None:
+    with pytest.raises(RuntimeError, match="ours: step 1 drafted differently in 2 replays"):
+        drafter_bench.median_run("ours", [step(1e-5), step(1e-5, accepted=6)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--drafters", "nope"], "unknown drafter 'nope'"),
+    (["--propose-threads", "two"], "--propose-threads must be comma-separated integers"),
+    (["--budget", "-1", "--drafters", "ours"], "num_draft_tokens must be in [0, 1024], got -1"),
+])
+def test_bad_flags_exit_with_a_message_naming_them(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        drafter_bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_trace_that_is_not_json_exits_with_a_message_naming_it(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(SystemExit):
+        drafter_bench.main(["--trace", str(bad), "--drafters", "ours"])
+    assert f"--trace {bad}:" in capsys.readouterr().err
