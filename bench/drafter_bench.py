@@ -12,12 +12,14 @@ and a vLLM-style prompt-lookup n-gram (n in [2, 5]).
 
 Cost is microseconds of propose + extend per live request per iteration, measured around the
 drafter's calls only: the calling thread's CPU time, or wall time when --propose-threads names
-any count but 1 (the pool's work is on other threads). On a shared machine one replay's cost can
-be 10-30% off the next; --repeat N replays every trace N times with fresh drafters, in turns
-(ours, arctic, ours, arctic, ...), and prints each row's median run with the range of all N (the
-drafts must be the same every time: a drafter whose TPF changes between runs is an error). Ours splits propose calls of >= 64
+any count but 1 (the pool's work is on other threads). Ours splits propose calls of >= 64
 requests over --propose-threads threads (a list runs ours once per count, rows side by side; the
 drafts are identical, so TPF is too). The other drafters run on one thread.
+
+On a shared machine one replay's cost can be 10-30% off the next: --repeat N replays every trace
+N times with fresh drafters, in turns (ours, arctic, ours, arctic, ...), and prints each row's
+median run with the range of all N. The drafts must be the same every time: a drafter whose
+counts change between replays is an error.
 """
 from __future__ import annotations
 
@@ -99,10 +101,10 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
     print("|---|---|---|---|---|---|---|" + ("---|" if ranged else ""))
     for s in range(len(trace.steps)):
         step_runs = {name: [run[s] for run in runs[name]] for name in names}
-        best = {name: median_run(name, step_runs[name]) for name in names}
-        ref = best["arctic"].tpf if "arctic" in best else None
+        median = {name: median_run(name, step_runs[name]) for name in names}
+        ref = median["arctic"].tpf if "arctic" in median else None
         for name in names:
-            r = best[name]
+            r = median[name]
             ratio = f"{r.tpf / ref:.2f}x" if ref else "n/a"
             rate = r.accepted / max(r.drafted, 1)
             split = (f"{r.propose_us_per_request_iteration:.2f} + "
