@@ -38,7 +38,7 @@ void RequestIndex::rehash(int ki, size_t cap) {
   const size_t mask = cap - 1;
   for (const Slot& s : old) {
     if (s.check == 0) continue;
-    size_t i = s.check & mask;
+    size_t i = home(s.check, ki);
     while (slots_[ki][i].check != 0) i = (i + 1) & mask;
     slots_[ki][i] = s;
   }
@@ -51,15 +51,9 @@ inline void RequestIndex::link(int ki, Slot& slot) {
 }
 
 void RequestIndex::insert(const uint64_t* keys) {
-  for (int ki = 0; ki < kNumKeys; ++ki) {
-    if (!has_key(ki)) continue;
-    if (keys[ki] == 0) {  // the key does not fit before this position
-      prev_[ki].push_back(-1);
-      continue;
-    }
-    link(ki, slots_[ki][upsert(ki, keys[ki])]);
-  }
-  ++size_;
+  uint32_t slots[kNumKeys];
+  prepare(keys, slots);
+  insert(keys, slots);
 }
 
 void RequestIndex::insert_up_to(const int32_t* tokens, int32_t n) {
@@ -78,7 +72,7 @@ void RequestIndex::prepare(const uint64_t* keys, uint32_t* slots) {
 void RequestIndex::insert(const uint64_t* keys, const uint32_t* slots) {
   for (int ki = 0; ki < kNumKeys; ++ki) {
     if (!has_key(ki)) continue;
-    if (keys[ki] == 0) {
+    if (keys[ki] == 0) {  // the key does not fit before this position
       prev_[ki].push_back(-1);
       continue;
     }

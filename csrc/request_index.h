@@ -42,7 +42,8 @@ class RequestIndex {
   // many keys as positions, half as many 1-grams (see ChainIndex::reserve_positions).
   void reserve_positions(size_t n);
 
-  // Index the next position (size()), whose keys are `keys` (ngram_keys at that position).
+  // Index the next position (size()), whose keys are `keys` (ngram_keys at that position):
+  // prepare and insert below at once.
   void insert(const uint64_t* keys);
   // Index positions size() .. n - 1 of `tokens` (which hold n + 1 tokens at least).
   void insert_up_to(const int32_t* tokens, int32_t n);
