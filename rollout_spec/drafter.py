@@ -7,8 +7,10 @@ the conversion of native results into ``DraftBatch``. The core does the work wit
 How a draft is made (docs/drafter.md has the full story): the request's context is matched
 against three scopes -- its own prompt and output (prompt lookup), the other samples of its
 ``group_id`` (siblings in flight, finished ones, and the last ``history_steps`` RL steps) and all
-recent rollouts. Each scope yields up to 32 occurrences of the context's suffix (n-gram chains of
-length 4, 2, 1, newest first), weighted by ``scope_weight * match_len ** 2``; their continuations
+recent rollouts. Each scope yields occurrences of the context's suffix (up to MAX_OCCURRENCES,
+GLOBAL_MAX_OCCURRENCES for the global scope; n-gram chains of length 4 and 1 for the request and
+its group, 2 and 1 globally, newest first, each match measured backwards), weighted by
+``scope_weight * match_len ** 2``; their continuations
 form a weighted trie that is expanded best first by estimated path probability. Every proposal
 searches the chains afresh (the context's last n-grams are hashed, so it never rescans the
 context).
