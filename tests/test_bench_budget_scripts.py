@@ -15,13 +15,8 @@ import draft_size_yield  # noqa: E402
 import engine_bench  # noqa: E402
 import idle_overhead  # noqa: E402
 from rollout_spec.replay import save_trace  # noqa: E402
+from markdown_table import table_rows  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
-
-
-def table_rows(out: str) -> list[list[str]]:
-    """The data rows of the printed markdown table, cells stripped."""
-    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
-    return [[c.strip() for c in r] for r in rows if not r[0].strip().startswith(("B", "trace"))]
 
 
 def test_draft_size_yield_prints_three_estimates_per_size(tmp_path, capsys) -> None:

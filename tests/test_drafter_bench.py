@@ -11,13 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import drafter_bench  # noqa: E402
 from rollout_spec.replay import StepResult, save_trace  # noqa: E402
+from markdown_table import table_rows  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
-
-
-def table_rows(out: str) -> list[list[str]]:
-    """The data rows of the printed markdown tables, cells stripped."""
-    rows = [line.strip().strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
-    return [[c.strip() for c in r] for r in rows if r[0].strip() != "step"]
 
 
 def small_trace(tmp_path: Path) -> Path:
