@@ -11,10 +11,12 @@ and a vLLM-style prompt-lookup n-gram (n in [2, 5]).
     python bench/drafter_bench.py --max-live 512 --drafters ours,arctic --repeat 5
 
 Cost is microseconds of propose + extend per live request per iteration, measured around the
-drafter's calls only: the calling thread's CPU time, or wall time when --propose-threads names
-any count but 1 (the pool's work is on other threads). Ours splits propose calls of >= 64
-requests over --propose-threads threads (a list runs ours once per count, rows side by side; the
-drafts are identical, so TPF is too). The other drafters run on one thread.
+drafter's calls only: the process's CPU time when every drafter runs on one thread (the
+default: "ours" is made with propose_threads=1, whatever the machine), or wall time when
+--propose-threads names any other count ("ours@N": propose calls of >= 64 requests, and the
+indexing of extends as large, split over N threads, 0 = auto; a list runs ours once per count,
+rows side by side; the drafts are identical, so TPF is too). The other drafters run on one
+thread.
 
 On a shared machine one replay's cost can be 10-30% off the next: --repeat N replays every trace
 N times with fresh drafters, in turns (ours, arctic, ours, arctic, ...), and prints each row's
@@ -44,9 +46,10 @@ SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json
 
 
 def make_drafter(name: str, budget: int):
-    """Fresh drafter by bench name (``ours@4``: ours with propose calls split over 4 threads)."""
+    """Fresh drafter by bench name: ``ours`` runs on one thread (SpecConfig's default, 0, would
+    pick half the machine's hardware threads), ``ours@4`` splits its calls over 4 threads."""
     base, _, threads = name.partition("@")
-    extra = {"propose_threads": int(threads)} if threads else {}
+    extra = {"propose_threads": int(threads) if threads else 1}
     if base == "ours":
         return NgramDrafter(SpecConfig(num_draft_tokens=budget, max_batch_draft_tokens=1 << 24, **extra))
     if base == "ours-full":
@@ -73,7 +76,7 @@ def median_run(name: str, runs: list[StepResult]) -> StepResult:
 
 
 def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None,
-              clock=time.thread_time, repeat: int = 1) -> None:
+              clock=time.process_time, repeat: int = 1) -> None:
     """Replay ``trace`` ``repeat`` times with every drafter (in turns) and print one table row
     per (step, drafter): its median run, and with ``repeat`` > 1 the range of all runs' costs."""
     runs: dict[str, list[list[StepResult]]] = {name: [] for name in names}
@@ -158,11 +161,11 @@ def main(argv: list[str] | None = None) -> None:
             traces.append((Path(path).name, load_trace(path)))
         except (OSError, ValueError) as e:  # JSON errors are ValueErrors
             ap.error(f"--trace {path}: {e}")
-    # Thread time misses the pool's work: with more than one thread every row is timed by the wall.
-    clock = time.thread_time if counts == [1] else time.perf_counter
+    # One thread each: CPU time. With a pool, every row is timed by the wall (its latency).
+    clock = time.process_time if counts == [1] else time.perf_counter
     print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs), propose threads {args.propose_threads}, "
-          f"{'thread' if clock is time.thread_time else 'wall'} time, {time.strftime('%Y-%m-%d %H:%M')}")
+          f"{'CPU' if clock is time.process_time else 'wall'} time, {time.strftime('%Y-%m-%d %H:%M')}")
     for label, trace in traces:
         run_trace(label, trace, names, args.budget, args.max_live, clock, args.repeat)
     if args.synthetic or not paths:

@@ -178,7 +178,8 @@ class StepResult:
 
     @property
     def us_per_request_iteration(self) -> float:
-        """CPU microseconds (thread time) of propose + extend per live request per iteration."""
+        """CPU microseconds of propose + extend per live request per iteration (every thread's,
+        with the default clock: a drafter's own pool included)."""
         return 1e6 * self.drafter_seconds / max(self.request_iterations, 1)
 
     @property
@@ -188,14 +189,15 @@ class StepResult:
 
 
 def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, first_id: int,
-                max_live: Optional[int] = None, clock: Callable[[], float] = time.thread_time,
+                max_live: Optional[int] = None, clock: Callable[[], float] = time.process_time,
                 on_tree: Optional[Callable[[Tree, Sequence[int]], None]] = None) -> StepResult:
     """Replay one step lock-step; requests get ids ``first_id, first_id + 1, ...``.
 
     ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
     engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
-    drafter's calls: the calling thread's CPU time, or ``time.perf_counter`` for a drafter that
-    works on other threads too. ``on_tree(tree, continuation)``, if given, sees every proposed
+    drafter's calls: by default the process's CPU time, which counts every thread's work (a
+    drafter that splits its calls over a pool of threads is charged for all of them; the calling
+    thread's time alone would miss the pool's share), or ``time.perf_counter`` for wall time. ``on_tree(tree, continuation)``, if given, sees every proposed
     tree with the response tokens still to come (outside the timed calls). Where the trace
     recorded its samples' seeds, a drafter that takes noise keys is told them at start
     (``Trace.noise_keys``).
@@ -250,7 +252,7 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
 
 def replay(drafter: ReplayDrafter, trace: Trace, budget: int = 8,
            max_live: Optional[int] = None, steps: Optional[Sequence[int]] = None,
-           clock: Callable[[], float] = time.thread_time,
+           clock: Callable[[], float] = time.process_time,
            on_tree: Optional[Callable[[Tree, Sequence[int]], None]] = None) -> list[StepResult]:
     """Replay the trace's steps in order (index kept across them); one StepResult per step.
     ``clock``, ``on_tree``: as in ``replay_step``."""

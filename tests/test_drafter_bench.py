@@ -43,6 +43,13 @@ def test_a_single_run_has_no_range_column(tmp_path, capsys) -> None:
     assert "median" not in out and all(len(r) == 7 for r in table_rows(out))
 
 
+@pytest.mark.parametrize("name, threads", [("ours", 1), ("ours-full", 1), ("ours@4", 4), ("ours@0", 0)])
+def test_ours_runs_on_the_threads_its_name_says(name, threads) -> None:
+    # The plain name is the one-thread row, timed by CPU time: SpecConfig's default (0, auto)
+    # would split its calls over half the machine's hardware threads (8 on a 16-core host).
+    assert drafter_bench.make_drafter(name, 8).config.propose_threads == threads
+
+
 def step(cost_seconds: float, accepted: int = 5) -> StepResult:
     return StepResult(step=1, tokens=30, verify_steps=10, drafted=40, accepted=accepted,
                       request_iterations=10, drafter_seconds=cost_seconds)

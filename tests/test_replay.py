@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +150,33 @@ def test_replay_with_an_oracle_takes_one_verify_per_budget_plus_one():
     # 4-token responses with 1 drafted + 1 bonus per verify: 2 verifies each
     assert [r.verify_steps for r in res] == [6, 4] and [r.tpf for r in res] == [2.0, 2.0]
     assert res[0].accepted == 6
+
+
+class PoolDrafter(NullDrafter):
+    """Does its proposing on another thread, as a drafter with a thread pool does."""
+
+    def __init__(self, cpu_seconds: float):
+        self.cpu_seconds, self.calls = cpu_seconds, 0
+
+    def propose(self, ids, budgets):
+        self.calls += 1
+
+        def burn() -> None:
+            start = time.thread_time()
+            while time.thread_time() - start < self.cpu_seconds:
+                pass
+
+        worker = threading.Thread(target=burn)
+        worker.start()
+        worker.join()
+        return super().propose(ids, budgets)
+
+
+def test_replay_cost_counts_the_work_of_a_drafters_other_threads():
+    # Timing by the calling thread alone would charge this drafter next to nothing.
+    drafter = PoolDrafter(cpu_seconds=0.01)
+    res = replay(drafter, small_trace(), budget=8, steps=[1])
+    assert drafter.calls > 0 and res[0].propose_seconds >= 0.99 * drafter.calls * drafter.cpu_seconds
 
 
 def test_max_live_admits_requests_as_others_finish():
