@@ -197,10 +197,10 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
     engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
     drafter's calls: by default the process's CPU time, which counts every thread's work (a
     drafter that splits its calls over a pool of threads is charged for all of them; the calling
-    thread's time alone would miss the pool's share), or ``time.perf_counter`` for wall time. ``on_tree(tree, continuation)``, if given, sees every proposed
-    tree with the response tokens still to come (outside the timed calls). Where the trace
-    recorded its samples' seeds, a drafter that takes noise keys is told them at start
-    (``Trace.noise_keys``).
+    thread's time alone would miss the pool's share), or ``time.perf_counter`` for wall time.
+    ``on_tree(tree, continuation)``, if given, sees every proposed tree with the response tokens
+    still to come (outside the timed calls). Where the trace recorded its samples' seeds, a
+    drafter that takes noise keys is told them at start (``Trace.noise_keys``).
     """
     rows = trace.steps[step]
     res = StepResult(step=step)
