@@ -37,6 +37,7 @@ class ShadowOnlyBudget:
         return 0
 
     def observe_plain(self, accepted: np.ndarray) -> None:
+        """Count the plain rows the engine reports (the engine calls this only if it exists)."""
         self.rows += len(accepted)
 
 

@@ -201,9 +201,11 @@ def wandb_metrics(stats: SpecStats) -> dict[str, float]:
 class MetricsSink(Protocol):
     """Where per-step metrics go (wandb, a test double, nothing)."""
 
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record one RL step's metrics under that step's number."""
 
-    def finish(self) -> None: ...
+    def finish(self) -> None:
+        """Flush and close the sink at the end of a run."""
 
 
 class NullSink:

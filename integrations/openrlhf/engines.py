@@ -117,9 +117,11 @@ class _InjectKwargs:
         self._num_engines, self._started = num_engines, started if started is not None else [0]
 
     def options(self, **options: Any) -> "_InjectKwargs":
+        """Ray's ``options``: the same stand-in, holding the options for ``remote``."""
         return _InjectKwargs(self._cls, self._kwargs, options, self._num_engines, self._started)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Ray's ``remote``: start the actor with our engine arguments added."""
         target = self._cls.options(**self._options) if self._options is not None else self._cls
         ours = self._kwargs
         if self._num_engines is not None:

@@ -43,6 +43,7 @@ class _Pending:
     extends: list = field(default_factory=list)  # (drafter id, new tokens)
 
     def flush(self, drafter: Any) -> None:
+        """Send the held starts, then the held extends, to ``drafter`` as two batch calls."""
         if self.starts:
             ids, prompts, groups = zip(*self.starts)
             drafter.start_batch(list(ids), list(prompts), list(groups))
