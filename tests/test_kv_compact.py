@@ -1,25 +1,19 @@
 """The device KV compaction kernel against the host path's moves (KVCache.move).
 
-Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
-(TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed.
+Runs on a GPU when one is present, otherwise on CPU through triton's interpreter (set up by
+triton_device.py before triton is imported). Skips when triton is not installed.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch wheels ship it)")
+from triton_device import DEVICE  # first: it sets up triton's backend
 
-from rollout_spec.engine.kv_cache import KVCache  # noqa: E402
-from rollout_spec.engine.kv_compact import compact_accepted_kv  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from rollout_spec.engine.kv_cache import KVCache
+from rollout_spec.engine.kv_compact import compact_accepted_kv
 
 
 def random_paths(rng: np.random.Generator, num_req: int, width: int) -> list[list[int]]:

@@ -1,23 +1,18 @@
 """The Triton tree-attention kernel against SDPA with an explicit mask.
 
-Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
-(TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed.
+Runs on a GPU when one is present, otherwise on CPU through triton's interpreter (set up by
+triton_device.py before triton is imported). Skips when triton is not installed.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch wheels ship it)")
+from triton_device import DEVICE  # first: it sets up triton's backend
 
-from rollout_spec.engine import triton_attention as ta  # noqa: E402
+from rollout_spec.engine import triton_attention as ta
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = 2e-2 if DEVICE == "cuda" else 1e-4
 

@@ -3,32 +3,27 @@
 Given the same uniforms (injected in place of the keyed draws, or the keyed draws themselves),
 the kernel must take every decision the reference takes: same accepted nodes, bonus tokens and
 logprobs, for greedy, sampling, truncation and mixed per-request parameters, duplicate siblings
-and race winners no child carries. Runs on a GPU when one is present, otherwise on CPU through triton's interpreter
-(TRITON_INTERPRET=1, set here before triton is imported). Skips when triton is not installed
-(CI's .venv has no triton). The law of the Philox draws is tested by test_verify_law.py with
+and race winners no child carries. Runs on a GPU when one is present, otherwise on CPU through
+triton's interpreter (set up by triton_device.py before triton is imported). Skips when triton is
+not installed (CI's .venv has no triton). The law of the Philox draws is tested by test_verify_law.py with
 ROLLOUT_SPEC_TEST_DEVICE=cuda.
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed")
+from triton_device import DEVICE  # first: it sets up triton's backend
 
-from rollout_spec import verify_fused as fused  # noqa: E402
-from rollout_spec.config import SamplingParams  # noqa: E402
-from rollout_spec.noise import NoiseKeys  # noqa: E402
-from rollout_spec.sampling import SamplingTable  # noqa: E402
-from rollout_spec.tree import DraftBatch, build_tree_inputs  # noqa: E402
-from rollout_spec.verify import verify, verify_torch  # noqa: E402
-from test_tree import random_batch  # noqa: E402
+from rollout_spec import verify_fused as fused
+from rollout_spec.config import SamplingParams
+from rollout_spec.noise import NoiseKeys
+from rollout_spec.sampling import SamplingTable
+from rollout_spec.tree import DraftBatch, build_tree_inputs
+from rollout_spec.verify import verify, verify_torch
+from test_tree import random_batch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("accepted_offsets", "accepted_nodes", "bonus", "emitted_offsets", "emitted_tokens",
           "num_accepted")
 MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
