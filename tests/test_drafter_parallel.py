@@ -19,23 +19,16 @@ from hypothesis import strategies as st
 
 from rollout_spec import _core
 from rollout_spec.config import SpecConfig
-from rollout_spec.drafter import NgramDrafter, _core_config
+from rollout_spec.drafter import NgramDrafter
 from rollout_spec.tree import DraftBatch
-from test_drafter_reference import as_lists, best_path, config_st, op_st  # noqa: E402  (tests/ is on sys.path)
+from test_drafter_reference import as_lists, best_path, config_st, drafter_with_core, op_st  # noqa: E402  (tests/ is on sys.path)
 
 
 def make_twins(cfg: SpecConfig, min_requests: int, capacity: int = 1 << 20) -> tuple[NgramDrafter, NgramDrafter]:
     """(one-thread drafter, 4-thread drafter splitting calls of >= min_requests requests)."""
-    twins = []
-    for threads in (1, 4):
-        d = NgramDrafter(cfg)
-        core_cfg = _core_config(cfg)
-        core_cfg.propose_threads = threads
-        core_cfg.parallel_min_requests = min_requests
-        core_cfg.capacity_tokens = capacity
-        d._core = _core.DrafterCore(core_cfg)
-        twins.append(d)
-    return twins[0], twins[1]
+    one, many = (drafter_with_core(cfg, propose_threads=threads, parallel_min_requests=min_requests,
+                                   capacity_tokens=capacity) for threads in (1, 4))
+    return one, many
 
 
 def assert_same(a: DraftBatch, b: DraftBatch) -> None:

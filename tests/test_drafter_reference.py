@@ -301,18 +301,26 @@ class RefDrafter:
         return trees
 
 
+def drafter_with_core(cfg: SpecConfig, **core_fields: int) -> NgramDrafter:
+    """A facade whose core takes ``core_fields`` (CoreConfig's names) over what ``cfg`` gives it:
+    the core's knobs that SpecConfig does not expose or bounds above what a test can fill (thread
+    counts, test-sized capacities, chain walks)."""
+    d = NgramDrafter(cfg)
+    core_cfg = _core_config(cfg)
+    for name, value in core_fields.items():
+        setattr(core_cfg, name, value)  # an unknown name raises AttributeError
+    d._core = _core.DrafterCore(core_cfg)
+    return d
+
+
 def make_pair(cfg: SpecConfig, capacity: int,
               walk: int = drafter_mod.CHAIN_WALK,
               global_unigram_walk: int = drafter_mod.GLOBAL_UNIGRAM_WALK) -> tuple[NgramDrafter, RefDrafter]:
     """A facade whose core has a test-sized capacity (SpecConfig's floor is 1024 tokens) and the
     given chain walks (small values make the core's chains drop old records, and reuse their
     storage; the global index keeps the longer of the two)."""
-    d = NgramDrafter(cfg)
-    core_cfg = _core_config(cfg)
-    core_cfg.capacity_tokens = capacity
-    core_cfg.chain_walk = walk
-    core_cfg.global_unigram_walk = global_unigram_walk
-    d._core = _core.DrafterCore(core_cfg)
+    d = drafter_with_core(cfg, capacity_tokens=capacity, chain_walk=walk,
+                          global_unigram_walk=global_unigram_walk)
     return d, RefDrafter(cfg, capacity, walk, global_unigram_walk)
 
 
