@@ -5,10 +5,8 @@ stays cheap for adapters that only need the drafter.
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
 from rollout_spec.config import SamplingParams, SpecConfig
+from rollout_spec.lazy_imports import lazy_attributes
 from rollout_spec.tree import DraftBatch
 
 __version__ = "0.1.0"
@@ -22,8 +20,4 @@ _LAZY = {
 
 __all__ = ["DraftBatch", "SamplingParams", "SpecConfig", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'rollout_spec' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -5,11 +5,9 @@ rollout-spec[ray]``).
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
 from rollout_spec.distributed.keys import group_key, group_keys
 from rollout_spec.distributed.router import GroupRouter
+from rollout_spec.lazy_imports import lazy_attributes
 
 _LAZY = {
     "IndexCoordinator": "rollout_spec.distributed.coordinator",
@@ -28,8 +26,4 @@ _LAZY = {
 
 __all__ = ["GroupRouter", "group_key", "group_keys", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'rollout_spec.distributed' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
