@@ -303,8 +303,8 @@ class RefDrafter:
 
 def drafter_with_core(cfg: SpecConfig, **core_fields: int) -> NgramDrafter:
     """A facade whose core takes ``core_fields`` (CoreConfig's names) over what ``cfg`` gives it:
-    the core's knobs that SpecConfig does not expose or bounds above what a test can fill (thread
-    counts, test-sized capacities, chain walks)."""
+    knobs that SpecConfig does not expose (thread counts, chain walks) or keeps out of a test's
+    reach (capacity's floor of 1024 tokens)."""
     d = NgramDrafter(cfg)
     core_cfg = _core_config(cfg)
     for name, value in core_fields.items():
