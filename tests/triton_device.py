@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch wheels ship it)")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
