@@ -21,7 +21,8 @@ from rollout_spec import _core
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
 from rollout_spec.tree import DraftBatch
-from test_drafter_reference import as_lists, best_path, config_st, drafter_with_core, op_st  # noqa: E402  (tests/ is on sys.path)
+from test_drafter_reference import (  # noqa: E402  (tests/ is on sys.path)
+    as_lists, best_path, config_st, drafter_with_core, op_st)
 
 
 def make_twins(cfg: SpecConfig, min_requests: int, capacity: int = 1 << 20) -> tuple[NgramDrafter, NgramDrafter]:

@@ -5,8 +5,8 @@ the kernel must take every decision the reference takes: same accepted nodes, bo
 logprobs, for greedy, sampling, truncation and mixed per-request parameters, duplicate siblings
 and race winners no child carries. Runs on a GPU when one is present, otherwise on CPU through
 triton's interpreter (set up by triton_device.py before triton is imported). Skips when triton is
-not installed (CI's .venv has no triton). The law of the Philox draws is tested by test_verify_law.py with
-ROLLOUT_SPEC_TEST_DEVICE=cuda.
+not installed (CI's .venv has no triton). The law of the Philox draws is tested by
+test_verify_law.py with ROLLOUT_SPEC_TEST_DEVICE=cuda.
 """
 from __future__ import annotations
 
