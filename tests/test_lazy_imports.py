@@ -8,6 +8,7 @@ import pytest
 
 import rollout_spec
 import rollout_spec.distributed
+import rollout_spec.engine
 
 
 def test_importing_the_packages_loads_no_heavy_module_until_a_lazy_name_is_used() -> None:
@@ -24,7 +25,8 @@ assert "rollout_spec.drafter" in sys.modules and "torch" not in sys.modules
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("package", [rollout_spec, rollout_spec.distributed], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("package", [rollout_spec, rollout_spec.distributed, rollout_spec.engine],
+                         ids=lambda p: p.__name__)
 def test_every_exported_name_resolves_and_an_unknown_one_is_an_attribute_error(package) -> None:
     assert all(getattr(package, name) is not None for name in package.__all__)
     with pytest.raises(AttributeError, match=f"module '{package.__name__}' has no attribute 'no_such_name'"):

@@ -4,14 +4,10 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from rollout_spec.lazy_imports import lazy_attributes
 
-__all__ = ["RolloutEngine"]
+_LAZY = {"RolloutEngine": "rollout_spec.engine.engine"}
 
+__all__ = [*_LAZY]
 
-def __getattr__(name: str) -> Any:
-    if name == "RolloutEngine":
-        from rollout_spec.engine.engine import RolloutEngine
-
-        return RolloutEngine
-    raise AttributeError(f"module 'rollout_spec.engine' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
