@@ -18,8 +18,6 @@ Routing ``sticky``: groups are placed by ``GroupRouter.assign`` (verl/OpenRLHF h
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import time
 from pathlib import Path
 
@@ -29,19 +27,19 @@ import ray
 from rollout_spec.config import SpecConfig
 from rollout_spec.distributed import GroupRouter, SharedIndexClient, SharedIndexConfig, create_coordinators
 from rollout_spec.drafter import NgramDrafter
+from rollout_spec.replay import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "grpo_smollm2_t0.6.json.gz"  # shared/ sits beside the checkout
 NAME = "bench-index"
 
 
-def load_trace(path: Path) -> list[dict[int, list[list[int]]]]:
-    """Per recorded step: group id -> its responses."""
-    data = json.loads(gzip.open(path).read())
+def responses_by_group(path: Path) -> list[dict[int, list[list[int]]]]:
+    """Per recorded step of the trace at ``path``: group id -> its responses."""
     steps = []
-    for step in data["steps"]:
+    for step in load_trace(path).steps:
         groups: dict[int, list[list[int]]] = {}
-        for rec in step:
-            groups.setdefault(rec["group_id"], []).append(rec["response_ids"])
+        for group_id, response in step:
+            groups.setdefault(group_id, []).append(response)
         steps.append(groups)
     return steps
 
@@ -71,7 +69,7 @@ class SimHost:
 
     def __init__(self, replica_ids: list[int], num_replicas: int, affinity_k: int, shards: int, trace: str,
                  sink: str) -> None:
-        self.trace = load_trace(Path(trace))
+        self.trace = responses_by_group(Path(trace))
         self.keys = [sorted(s) for s in self.trace]
         spec = SpecConfig(capacity_tokens=8_000_000, history_steps=2)
         self.reps = {}

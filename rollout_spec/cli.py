@@ -8,16 +8,21 @@ panels, a PNG dashboard and a recorded trace.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import re
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from rollout_spec.config import SamplingParams, check_float, check_int
 from rollout_spec.metrics import DrafterProbe, SpecStats, step_table, stats_from_outputs
+
+if TYPE_CHECKING:
+    from rollout_spec.replay import Trace
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -116,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                            description=__doc__.split("\n\n")[1])
     _add_bench_args(bench)
     replay = sub.add_parser("replay", help="compare drafters in lock-step on a recorded trace")
-    replay.add_argument("trace", type=Path, metavar="TRACE.json")
-    replay.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=8)
+    replay.add_argument("trace", type=Path, metavar="TRACE.json",
+                        help="a recorded trace in the shared format (gzip JSON when it ends in .gz)")
+    replay.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=8,
+                        help="draft budget per request and iteration (default 8)")
     replay.add_argument("--max-steps", type=_int_arg("max_steps", 1, 1 << 20), default=None,
                         help="replay only the first RL steps of the trace")
     return parser
@@ -141,13 +148,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.draft_tokens = 32 if on_cuda else 8
         if args.record is not None and args.record.suffix not in (".json", ".gz"):
             parser.error(f"--record must end in .json or .json.gz, got {str(args.record)!r}")
+        if args.plot is not None and args.plot.suffix.lower() != ".png":
+            parser.error(f"--plot must end in .png, got {str(args.plot)!r}")
+        if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib: pip install 'rollout-spec[dashboards]'")
+        for flag, path in (("--plot", args.plot), ("--record", args.record), ("--json", args.json)):
+            problem = None if path is None else _unwritable(path)
+            if problem:
+                parser.error(f"{flag} {path}: {problem}")
         history = run_bench(args)
         if args.json is not None:
             args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))
         return 0
     if not args.trace.is_file():
         parser.error(f"trace file not found: {args.trace}")
-    return run_replay(args)
+    from rollout_spec.replay import load_trace
+
+    try:
+        trace = load_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    return run_replay(args, trace)
+
+
+def _unwritable(path: Path) -> Optional[str]:
+    """Why a file could not be written at ``path``, or None: the bench writes its outputs only
+    at the end, so they are checked before its steps run, not after."""
+    if path.is_dir():
+        return "is a directory"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder} is not writable"
+    return None
 
 
 def replay_drafters(budget: int, widest_step: int) -> dict[str, Callable[[], Any]]:
@@ -174,14 +208,14 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run_replay(args: argparse.Namespace) -> int:
-    """``rollout-spec replay``: every drafter replays the trace lock-step; TPF per step, cost."""
+def run_replay(args: argparse.Namespace, trace: Trace) -> int:
+    """``rollout-spec replay``: every drafter replays ``trace`` (loaded from ``args.trace``)
+    lock-step; TPF per step, cost."""
     from rich.console import Console
     from rich.table import Table
 
     from rollout_spec import replay as rp
 
-    trace = rp.load_trace(args.trace)
     steps = list(range(len(trace.steps) if args.max_steps is None
                        else min(args.max_steps, len(trace.steps))))
     widest = max((len(trace.steps[s]) for s in steps), default=1)

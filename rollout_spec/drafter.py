@@ -31,7 +31,7 @@ from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.tree import DraftBatch
 
 TokenIds = Union[Sequence[int], np.ndarray]
-_MAX_TOKEN = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1  # the largest token id the core stores (int32)
 _MAX_REQ_ID = 2**63 - 1
 
 #: Search constants (tuned on the shared GRPO traces, see docs/drafter.md): occurrences gathered
@@ -81,9 +81,19 @@ def _budget_array(budgets: object, count: int) -> Optional[np.ndarray]:
 def _token_array(name: str, values: object) -> np.ndarray:
     """Validated int32 token ids from a list or integer array."""
     arr = _int_array(name, values)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
-        raise ValueError(f"{name} must hold token ids in [0, {_MAX_TOKEN}]")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise ValueError(f"{name} must hold token ids in [0, {MAX_TOKEN_ID}]")
     return arr.astype(np.int32, copy=False)
+
+
+def _load_corpus(index: int, path: str) -> np.ndarray:
+    """The array in ``external_corpora[index]``'s .npy file; a file that is not one (or holds
+    pickled objects, never loaded) is a ValueError naming the entry. A missing file stays an
+    OSError, which names the path."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as exc:
+        raise ValueError(f"external_corpora[{index}]: {path} is not a .npy array of token ids ({exc})") from None
 
 
 def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,7 +185,8 @@ class NgramDrafter:
 
         Raises:
             TypeError: config is not a SpecConfig, or a corpus file is not a 1-D integer array.
-            ValueError: a corpus holds token ids outside [0, 2**31-1].
+            ValueError: a corpus file is not a .npy array, or holds token ids outside [0, 2**31-1].
+            OSError: a corpus file cannot be read.
         """
         if config is None:
             config = SpecConfig()
@@ -185,8 +196,8 @@ class NgramDrafter:
         self._core = _core.DrafterCore(_core_config(config))
         self._live: set[int] = set()
         if _load_from is None:
-            for path in config.external_corpora:
-                self._add(np.array([-1], np.int32), *_flatten(f"corpus {path}", [np.load(path)], 1),
+            for i, path in enumerate(config.external_corpora):
+                self._add(np.array([-1], np.int32), *_flatten(f"corpus {path}", [_load_corpus(i, path)], 1),
                           pinned=True)
 
     # ----------------------------------------------------------------- request lifecycle
@@ -240,7 +251,7 @@ class NgramDrafter:
         # A greedy request races no noise: it has seed None, and its temperature is not read.
         temps = np.array([1.0 if s is None else check_float(f"temperatures[{i}]", t, 0.0, 1e6, lo_open=True)
                           for i, (s, t) in enumerate(zip(seeds, temperatures))], np.float64)
-        vocab = check_int("vocab_size", vocab_size, 1, _MAX_TOKEN)
+        vocab = check_int("vocab_size", vocab_size, 1, MAX_TOKEN_ID)
         self._core.set_noise(ids, keys, temps, quarter_block(vocab))
 
     def extend(self, req_id: int, token_ids: TokenIds) -> None:

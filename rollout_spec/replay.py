@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from rollout_spec.drafter import takes_noise_keys
+from rollout_spec.drafter import MAX_TOKEN_ID, takes_noise_keys
+from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.tree import DraftBatch
 
 Tree = tuple[Sequence[int], Sequence[int]]  # (tokens, parents) of one request's draft
@@ -62,34 +63,73 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a trace (gzip JSON when the name ends in .gz); ValueError names a malformed field."""
+    """Read a trace (gzip JSON when the name ends in .gz).
+
+    Raises:
+        ValueError: the file is not (gzip) JSON, or a field is missing or malformed; the message
+            names the file and the field (e.g. ``steps[1][4].response_ids[7]``).
+    """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        raw = json.load(f)
+    try:
+        with opener(path, "rt") as f:
+            raw = json.load(f)
+    except (ValueError, EOFError, gzip.BadGzipFile) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise ValueError(f"{path}: not a {'gzip ' if path.suffix == '.gz' else ''}JSON trace ({exc})") from None
     if not isinstance(raw, dict) or "prompts" not in raw or "steps" not in raw:
         raise ValueError(f"{path}: a trace needs 'prompts' and 'steps'")
-    prompts = {}
-    for i, p in enumerate(raw["prompts"]):
-        if "group_id" not in p or "prompt_ids" not in p:
+    prompts: dict[int, list[int]] = {}
+    for i, p in enumerate(_list_field(raw["prompts"], "prompts", path)):
+        if not isinstance(p, dict) or "group_id" not in p or "prompt_ids" not in p:
             raise ValueError(f"{path}: prompts[{i}] needs group_id and prompt_ids")
-        prompts[int(p["group_id"])] = [int(t) for t in p["prompt_ids"]]
+        g = _group_id(p["group_id"], f"prompts[{i}].group_id", path)
+        if g in prompts:
+            raise ValueError(f"{path}: prompts[{i}].group_id {g} repeats an earlier prompt's")
+        prompts[g] = _token_ids(p["prompt_ids"], f"prompts[{i}].prompt_ids", path)
     steps, seeds = [], []
-    for s, step in enumerate(raw["steps"]):
+    for s, step in enumerate(_list_field(raw["steps"], "steps", path)):
         rows, step_seeds = [], []
-        for j, r in enumerate(step):
-            if int(r["group_id"]) not in prompts:
-                raise ValueError(f"{path}: steps[{s}][{j}].group_id {r['group_id']} has no prompt")
-            rows.append((int(r["group_id"]), [int(t) for t in r["response_ids"]]))
+        for j, r in enumerate(_list_field(step, f"steps[{s}]", path)):
+            where = f"steps[{s}][{j}]"
+            if not isinstance(r, dict) or "group_id" not in r or "response_ids" not in r:
+                raise ValueError(f"{path}: {where} needs group_id and response_ids")
+            g = _group_id(r["group_id"], f"{where}.group_id", path)
+            if g not in prompts:
+                raise ValueError(f"{path}: {where}.group_id {g} has no prompt")
+            rows.append((g, _token_ids(r["response_ids"], f"{where}.response_ids", path)))
             seed = r.get("seed")
-            if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
-                raise ValueError(f"{path}: steps[{s}][{j}].seed must be an integer in [0, 2**63), got {seed!r}")
+            if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+                raise ValueError(f"{path}: {where}.seed must be an integer in [0, 2**63), got {seed!r}")
             step_seeds.append(seed)
         steps.append(rows)
         seeds.append(step_seeds)
     meta = {k: v for k, v in raw.items() if k not in ("prompts", "steps")}
     meta["prompt_records"] = raw["prompts"]
     return Trace(prompts=prompts, steps=steps, meta=meta, seeds=seeds)
+
+
+def _list_field(value: Any, where: str, path: Path) -> list:
+    """``value`` if it is a list, else a ValueError naming the field."""
+    if not isinstance(value, list):
+        raise ValueError(f"{path}: {where} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _group_id(value: Any, where: str, path: Path) -> int:
+    """A group id: an integer in [0, 2**31) (the drafter's range; JSON booleans and floats are
+    not integers)."""
+    if type(value) is not int or not 0 <= value <= GROUP_ID_MAX:
+        raise ValueError(f"{path}: {where} must be an integer in [0, 2**31), got {value!r}")
+    return value
+
+
+def _token_ids(value: Any, where: str, path: Path) -> list[int]:
+    """A token list: integers in [0, 2**31) (the drafter's range), else ValueError naming the
+    first bad entry."""
+    for i, t in enumerate(_list_field(value, where, path)):
+        if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{path}: {where}[{i}] must be a token id in [0, 2**31), got {t!r}")
+    return value
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:

@@ -134,9 +134,10 @@ def test_cached_cost_model_measures_once(tmp_path):
     a = cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
     b = cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
     assert a == b and len(calls) == 1
-    next(tmp_path.iterdir()).write_text("{not json")
-    with pytest.raises(ValueError, match="corrupt"):
-        cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
+    for text in ("{not json", '{"widths": [1]}', "[1, 2]", '{"batch_sizes": 3, "widths": [1], "seconds": []}'):
+        next(tmp_path.iterdir()).write_text(text)
+        with pytest.raises(ValueError, match="corrupt"):
+            cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
 
 
 def test_measure_cost_model_times_each_cell():

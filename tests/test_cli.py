@@ -34,9 +34,26 @@ def _error(capsys, argv) -> str:
     (["bench", "--record", "trace.txt", "--wandb", "disabled"], "--record must end in .json"),
     ([], "the following arguments are required: command"),
     (["replay", "/no/such/trace.json"], "trace file not found"),
+    (["bench", "--plot", "dash.svg"], "--plot must end in .png, got 'dash.svg'"),
+    (["bench", "--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: folder /no/such/dir does not exist"),
+    (["bench", "--record", "/no/such/dir/t.json.gz"], "--record /no/such/dir/t.json.gz: folder /no/such/dir does not exist"),
+    (["bench", "--json", "/"], "--json /: is a directory"),
 ])
 def test_argument_errors(capsys, argv, needle):
     assert needle in _error(capsys, argv)
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("notes.json", b"# not json", "notes.json: not a JSON trace"),
+    ("plain.json.gz", b'{"prompts": []}', "plain.json.gz: not a gzip JSON trace"),
+    ("neg.json", b'{"prompts": [{"group_id": 1, "prompt_ids": [3, -2]}], "steps": []}',
+     "prompts[0].prompt_ids[1] must be a token id in [0, 2**31), got -2"),
+])
+def test_replay_names_what_is_wrong_with_a_trace(capsys, tmp_path, name, content, needle):
+    """A file that is not a valid trace is an argument error naming the file and field, not a
+    traceback."""
+    (tmp_path / name).write_bytes(content)
+    assert needle in _error(capsys, ["replay", str(tmp_path / name)])
 
 
 def test_cuda_requested_without_a_gpu(capsys, monkeypatch):
@@ -181,3 +198,13 @@ def test_warm_up_uses_the_steps_sampling_then_starts_the_drafter_empty():
     assert isinstance(fresh, cli.DrafterProbe) and fresh is not old
     assert fresh.config == old.config and fresh.stats()["index_tokens"] == 0
     assert old.stats()["index_tokens"] == 3
+
+
+def test_plot_without_matplotlib_is_refused_before_the_bench(capsys, monkeypatch, tmp_path):
+    """The dashboards extra is optional: --plot without it fails at once, not after every step."""
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(cli, "run_bench", lambda args: pytest.fail("the bench ran"))
+    err = _error(capsys, ["bench", "--plot", str(tmp_path / "d.png"), "--wandb", "disabled"])
+    assert "--plot needs matplotlib: pip install 'rollout-spec[dashboards]'" in err

@@ -74,6 +74,18 @@ def test_corpus_file_must_hold_token_ids(tmp_path):
         NgramDrafter(SpecConfig(external_corpora=(str(path),)))
 
 
+@pytest.mark.parametrize("content", [b"not an array", np.array(["a"], object)], ids=["garbage", "pickled"])
+def test_corpus_file_must_be_a_npy_array(tmp_path, content):
+    good, bad = tmp_path / "good.npy", tmp_path / "bad.npy"
+    np.save(good, np.array([1, 2, 3]))
+    if isinstance(content, bytes):
+        bad.write_bytes(content)
+    else:
+        np.save(bad, content, allow_pickle=True)
+    with pytest.raises(ValueError, match=r"external_corpora\[1\]: .*bad.npy is not a .npy array of token ids"):
+        NgramDrafter(SpecConfig(external_corpora=(str(good), str(bad))))
+
+
 def test_finished_request_id_can_be_reused(drafter):
     drafter.finish(0)
     assert not drafter.is_live(0)

@@ -118,6 +118,36 @@ def test_a_replay_without_usable_keys_tells_none(trace):
     assert d.told == []
 
 
+PROMPT = '{"group_id": 0, "prompt_ids": [1, 2]}'
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[1, 2]', "a trace needs 'prompts' and 'steps'"),
+    ('{"prompts": {}, "steps": []}', "prompts must be a list, got dict"),
+    ('{"prompts": [7], "steps": []}', "prompts[0] needs group_id and prompt_ids"),
+    ('{"prompts": [{"group_id": "a", "prompt_ids": []}], "steps": []}',
+     "prompts[0].group_id must be an integer in [0, 2**31), got 'a'"),
+    ('{"prompts": [{"group_id": true, "prompt_ids": []}], "steps": []}',
+     "prompts[0].group_id must be an integer in [0, 2**31), got True"),
+    (f'{{"prompts": [{PROMPT}, {PROMPT}], "steps": []}}',
+     "prompts[1].group_id 0 repeats an earlier prompt's"),
+    ('{"prompts": [{"group_id": 0, "prompt_ids": "12"}], "steps": []}',
+     "prompts[0].prompt_ids must be a list, got str"),
+    ('{"prompts": [{"group_id": 0, "prompt_ids": [1, 2.5]}], "steps": []}',
+     "prompts[0].prompt_ids[1] must be a token id in [0, 2**31), got 2.5"),
+    (f'{{"prompts": [{PROMPT}], "steps": [{{"group_id": 0}}]}}', "steps[0] must be a list, got dict"),
+    (f'{{"prompts": [{PROMPT}], "steps": [[{{"group_id": 0}}]]}}',
+     "steps[0][0] needs group_id and response_ids"),
+    (f'{{"prompts": [{PROMPT}], "steps": [[], [{{"group_id": 0, "response_ids": [4, 2147483648]}}]]}}',
+     "steps[1][0].response_ids[1] must be a token id in [0, 2**31), got 2147483648"),
+])
+def test_load_names_the_malformed_field(tmp_path, text, needle):
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(ValueError) as got:
+        load_trace(tmp_path / "bad.json")
+    assert str(got.value) == f"{tmp_path / 'bad.json'}: {needle}"
+
+
 def test_load_rejects_unknown_group(tmp_path):
     (tmp_path / "bad.json").write_text('{"prompts": [], "steps": [[{"group_id": 3, "response_ids": [1]}]]}')
     with pytest.raises(ValueError, match="group_id"):

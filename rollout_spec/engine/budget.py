@@ -89,8 +89,11 @@ class CostModel:
     def from_json(text: str) -> "CostModel":
         """Inverse of ``to_json``; raises ValueError on a malformed or inconsistent file."""
         raw = json.loads(text)
-        return CostModel(tuple(raw["batch_sizes"]), tuple(raw["widths"]),
-                         tuple(tuple(r) for r in raw["seconds"]))
+        try:
+            return CostModel(tuple(raw["batch_sizes"]), tuple(raw["widths"]),
+                             tuple(tuple(r) for r in raw["seconds"]))
+        except (KeyError, TypeError) as err:  # a field missing, or not a list
+            raise ValueError(f"not a cost model: {err!r}") from None
 
 
 def measure_cost_model(step: Callable[[int, int], None], sync: Callable[[], None],
@@ -123,7 +126,7 @@ def cached_cost_model(cache_dir: str | Path, key: str, measure: Callable[[], Cos
     if path.exists():
         try:
             return CostModel.from_json(path.read_text())
-        except (ValueError, KeyError, TypeError) as err:
+        except ValueError as err:
             raise ValueError(f"cost model cache {path} is corrupt ({err}); delete it to re-measure")
     model = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
