@@ -38,6 +38,17 @@ def check_float(
     return value
 
 
+def parse_bool(name: str, text: str) -> bool:
+    """A yes/no setting given as text (an environment variable, a command-line value): 1/0,
+    true/false, yes/no or on/off in any case; anything else raises naming ``name``."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off, got {text!r}")
+
+
 def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a sequence of token ids, got {type(value).__name__}")
@@ -95,29 +106,34 @@ class SpecConfig:
     count (docs/drafter.md)."""
 
     def __post_init__(self) -> None:
-        check_int("num_draft_tokens", self.num_draft_tokens, 0, 1024)
-        check_int("max_batch_draft_tokens", self.max_batch_draft_tokens, 0, 1 << 24)
-        check_int("max_depth", self.max_depth, 1, 1024)
-        check_int("max_match_len", self.max_match_len, 1, 1024)
-        check_int("min_match_len", self.min_match_len, 1, self.max_match_len)
-        check_float("min_token_prob", self.min_token_prob, 0.0, 1.0)
+        """Check every field; numbers are stored as plain int/float (a numpy scalar would not
+        survive the JSON that carries a config to a framework's workers)."""
+        ints = {"num_draft_tokens": (0, 1024), "max_batch_draft_tokens": (0, 1 << 24),
+                "max_depth": (1, 1024), "max_match_len": (1, 1024), "history_steps": (0, 1 << 20),
+                "capacity_tokens": (1024, 1 << 40), "propose_threads": (0, 256)}
+        for name, (lo, hi) in ints.items():
+            _store(self, name, check_int(name, getattr(self, name), lo, hi))
+        _store(self, "min_match_len", check_int("min_match_len", self.min_match_len, 1, self.max_match_len))
+        _store(self, "min_token_prob", check_float("min_token_prob", self.min_token_prob, 0.0, 1.0))
         for name in ("tree", "adaptive_budget"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("request_weight", "group_weight", "global_weight"):
-            check_float(name, getattr(self, name), 0.0, 1e6)
-        check_int("history_steps", self.history_steps, 0, 1 << 20)
-        check_int("capacity_tokens", self.capacity_tokens, 1024, 1 << 40)
-        check_int("propose_threads", self.propose_threads, 0, 256)
-        if isinstance(self.external_corpora, str) or not all(
-            isinstance(p, str) for p in self.external_corpora
-        ):
-            raise TypeError("external_corpora must be a sequence of file paths (str)")
-        object.__setattr__(self, "external_corpora", tuple(self.external_corpora))
+            _store(self, name, check_float(name, getattr(self, name), 0.0, 1e6))
+        corpora = self.external_corpora
+        if not isinstance(corpora, (list, tuple)) or not all(isinstance(p, str) for p in corpora):
+            raise TypeError("external_corpora must be a list or tuple of file paths (str), "
+                            f"got {type(corpora).__name__} {corpora!r}")
+        _store(self, "external_corpora", tuple(corpora))
         if self.shared_index is not None and (
             not isinstance(self.shared_index, str) or not 1 <= len(self.shared_index) <= 128
         ):
             raise ValueError(f"shared_index must be None or a name of 1 to 128 characters, got {self.shared_index!r}")
+
+
+def _store(config: object, name: str, value: object) -> None:
+    """Set a field of a frozen config to its checked, normalised value."""
+    object.__setattr__(config, name, value)
 
 
 @dataclass(frozen=True)
@@ -141,18 +157,17 @@ class SamplingParams:
     the same (prompt, sample) at every step."""
 
     def __post_init__(self) -> None:
-        check_int("n", self.n, 1, 1 << 16)
-        check_float("temperature", self.temperature, 0.0, 100.0)
-        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if check_int("top_k", self.top_k, -1, 1 << 31) == 0:
+        _store(self, "n", check_int("n", self.n, 1, 1 << 16))
+        _store(self, "temperature", check_float("temperature", self.temperature, 0.0, 100.0))
+        _store(self, "top_p", check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        _store(self, "top_k", check_int("top_k", self.top_k, -1, 1 << 31))
+        if self.top_k == 0:
             raise ValueError("top_k must be -1 (keep all) or in [1, 2147483648], got 0")
-        check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 24)
+        _store(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 24))
         if self.stop_token_ids is not None:
-            object.__setattr__(
-                self, "stop_token_ids", _check_token_ids("stop_token_ids", self.stop_token_ids)
-            )
+            _store(self, "stop_token_ids", _check_token_ids("stop_token_ids", self.stop_token_ids))
         if self.seed is not None:
-            check_int("seed", self.seed, 0, 2**63 - 1)
+            _store(self, "seed", check_int("seed", self.seed, 0, 2**63 - 1))
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,8 @@
 """SpecConfig and SamplingParams reject bad input with errors that name the field."""
+import json
+from dataclasses import asdict
+
+import numpy as np
 import pytest
 
 from rollout_spec.config import SamplingParams, SpecConfig
@@ -14,6 +18,8 @@ from rollout_spec.config import SamplingParams, SpecConfig
         ({"capacity_tokens": 10}, "capacity_tokens"),
         ({"group_weight": -0.1}, "group_weight"),
         ({"history_steps": 2.5}, "history_steps"),
+        ({"external_corpora": None}, "external_corpora must be a list or tuple of file paths"),
+        ({"external_corpora": {"a.npy": 1}}, "external_corpora must be a list or tuple of file paths"),
     ],
 )
 def test_spec_config_errors_name_the_field(kwargs, field):
@@ -44,3 +50,13 @@ def test_configs_are_frozen_and_normalised():
     with pytest.raises(AttributeError):
         sp.n = 3  # type: ignore[misc]
     assert SpecConfig(external_corpora=["a.npy"]).external_corpora == ("a.npy",)
+
+
+def test_numpy_numbers_are_stored_as_python_numbers():
+    """A config built from numpy scalars must still travel as JSON (the adapters' env/config)."""
+    spec = SpecConfig(num_draft_tokens=np.int64(8), group_weight=np.float32(0.5))
+    sp = SamplingParams(n=np.int32(4), temperature=np.float64(0.6), top_k=np.int16(20), seed=np.uint8(3))
+    assert type(spec.num_draft_tokens) is int and type(spec.group_weight) is float
+    assert type(sp.n) is int and type(sp.temperature) is float and type(sp.top_k) is int and type(sp.seed) is int
+    assert json.loads(json.dumps(asdict(spec)))["num_draft_tokens"] == 8
+    assert json.loads(json.dumps(asdict(sp)))["n"] == 4
