@@ -195,6 +195,12 @@ def test_bad_calls_name_the_problem():
         corpus(match_type="DFS")
     with pytest.raises(ValueError, match="draft_token_num"):
         corpus(draft_token_num=0)
+    with pytest.raises(ValueError, match=r"external_corpus_max_tokens must be in \[0, inf\], got -5"):
+        corpus(external_corpus_max_tokens=-5)
+    with pytest.raises(TypeError, match="max_trie_depth must be an integer, got str 'x'"):
+        RolloutSpecCorpus(max_trie_depth="x")
+    with pytest.raises(TypeError, match="spec must be a SpecConfig, got dict"):
+        corpus(spec={"num_draft_tokens": 4})
     with pytest.raises(NotImplementedError, match="cannot remove"):
         c.remove_external_corpus("x")
 
@@ -237,8 +243,12 @@ def test_spec_travels_in_env_and_server_args():
         server_args(SpecConfig(num_draft_tokens=0))
     with pytest.raises(ValueError, match=ENV_VAR):
         spec_from_env({ENV_VAR: "{not json"})
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ValueError, match=f"^{ENV_VAR} has unknown key"):
         spec_from_env({ENV_VAR: json.dumps({"num_draft_token": 3})})
+    with pytest.raises(TypeError, match=f"^{ENV_VAR} must be a dict of SpecConfig fields, got list"):
+        spec_from_env({ENV_VAR: "[1]"})
+    with pytest.raises(ValueError, match=f"^{ENV_VAR}: max_depth must be in"):
+        spec_from_env({ENV_VAR: json.dumps({"max_depth": 0})})
 
 
 def test_corpus_reads_spec_from_env(monkeypatch):
@@ -315,8 +325,24 @@ def test_replay_walks_trees_and_siblings_speed_up_later_steps():
     answer = list(range(100, 140))
     c = corpus()
     prompts = {0: [1, 2, 3]}
-    first = replay_step(c, 0, prompts, [{"group_id": 0, "response_ids": answer}], tail=16)
-    again = replay_step(c, 1, prompts, [{"group_id": 0, "response_ids": answer}], tail=16)
+    first = replay_step(c, 0, prompts, [(0, answer)], tail=16)
+    again = replay_step(c, 1, prompts, [(0, answer)], tail=16)
     assert first["generated"] == again["generated"] == len(answer) - 1
     assert first["verifies"] == len(answer) - 1  # nothing to draft from yet
     assert again["verifies"] <= -(-(len(answer) - 1) // D) + 1  # the previous step's response is drafted
+
+
+def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):
+    from rollout_spec.integrations.sglang.replay import main as replay_main
+    from rollout_spec.replay import Trace, save_trace
+
+    path = tmp_path / "t.json.gz"
+    answer = list(range(100, 130))
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, answer)], [(0, answer), (0, answer)]]), path)
+    for flag, value in (("--tail", "0"), ("--num-draft-tokens", "0"), ("--max-responses", "-1")):
+        with pytest.raises(SystemExit) as exc:
+            replay_main([str(path), flag, value])
+        assert exc.value.code == 2 and f"{flag}: " in capsys.readouterr().err
+    replay_main([str(path), "--max-responses", "1"])
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.split()[:3] for r in rows] == [["0", "1", str(len(answer) - 1)], ["1", "1", str(len(answer) - 1)]]

@@ -52,7 +52,7 @@ def test_flag_on_validates_options_into_specconfig():
         (rollout({"speculative": "eagle"}), ValueError, "must be 'rollout_spec'"),
         (rollout({"rollout_spec": {"num_draft_tokens": 4}}), ValueError, "speculative is not"),
         (rollout({"speculative": "rollout_spec", "rollout_spec": {"draft_len": 4}}), ValueError,
-         r"custom\.rollout_spec: .*unknown key"),
+         r"custom\.rollout_spec has unknown key\(s\) \['draft_len'\]"),
         (rollout({"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": -1}}), ValueError,
          r"custom\.rollout_spec: num_draft_tokens must be in \[0, 1024\]"),
         (rollout({"speculative": "rollout_spec"}, name="trtllm"), ValueError, "rollout.name must be one of"),
@@ -61,6 +61,15 @@ def test_flag_on_validates_options_into_specconfig():
         (rollout({"speculative": "rollout_spec"}, disaggregation={"enabled": True}), ValueError,
          "disaggregation"),
         (rollout(["not", "a", "dict"]), TypeError, "custom must be a dict"),
+        (rollout(""), TypeError, "custom must be a dict, got str"),
+        (rollout({"speculative": "rollout_spec", "rollout_spec": ""}), TypeError,
+         r"custom\.rollout_spec must be a dict of SpecConfig fields, got str"),
+        (rollout({"speculative": "rollout_spec", "rollout_spec": []}), TypeError,
+         r"custom\.rollout_spec must be a dict of SpecConfig fields, got list"),
+        (rollout({"speculative": "rollout_spec", "rollout_spec": False}), TypeError,
+         r"custom\.rollout_spec must be a dict of SpecConfig fields, got bool"),
+        (rollout({"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": 0}}), ValueError,
+         r"custom\.rollout_spec\.num_draft_tokens is 0 \(speculation off\)"),
     ],
 )
 def test_bad_configs_name_the_key(cfg, error, match):
@@ -82,6 +91,8 @@ def test_engine_kwargs_for_each_backend_and_conflicts():
         merged_engine_kwargs({"speculative_algorithm": "EAGLE"}, sg, "sglang")
     with pytest.raises(ValueError, match="backend must be"):
         backend_engine_kwargs(spec, "trtllm")
+    with pytest.raises(TypeError, match=r"engine_kwargs\.vllm must be a dict, got str"):
+        install_engine_kwargs(SimpleNamespace(engine_kwargs={"vllm": "abc"}), spec, "vllm")
 
 
 # ---------------------------------------------------------------- metrics through verl's function

@@ -111,8 +111,10 @@ def test_config_errors_name_the_field():
         speculative_config(SpecConfig(num_draft_tokens=0))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['typo'\]"):
         spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {"typo": 1}}))
-    with pytest.raises(ValueError, match="max_depth must be in"):
+    with pytest.raises(ValueError, match=r"^additional_config\['rollout_spec'\]: max_depth must be in"):
         spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {"max_depth": 0}}))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['a', 1\]"):  # keys of mixed types
+        spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {1: 2, "a": 3}}))
 
 
 def test_best_chain_follows_first_children_and_stops_at_the_cap():
@@ -276,10 +278,19 @@ def test_vllm_builds_our_proposer_only_where_the_plugin_patched_the_runner(monke
     assert isinstance(VllmProposer(vllm_config()), RolloutSpecProposer)
 
 
-def test_register_keeps_vllm_usable_when_it_cannot_patch(monkeypatch):
-    monkeypatch.setenv(plugin.DISABLE_ENV, "0")
+@pytest.mark.parametrize("value", ["0", "false", " Off ", "NO"])
+def test_register_keeps_vllm_usable_when_it_cannot_patch(monkeypatch, value):
+    monkeypatch.setenv(plugin.DISABLE_ENV, value)
+    monkeypatch.setattr(plugin, "install", lambda *a: pytest.fail("patched although disabled"))
     plugin.register()
-    assert plugin._install_error == f"{plugin.DISABLE_ENV}=0 in this process"
+    assert plugin._install_error == f"{plugin.DISABLE_ENV}={value} in this process"
+
+
+def test_register_refuses_a_plugin_switch_that_is_not_yes_or_no(monkeypatch):
+    monkeypatch.setenv(plugin.DISABLE_ENV, "disable")
+    with pytest.raises(ValueError, match="ROLLOUT_SPEC_VLLM_PLUGIN must be one of 1/0, true/false, "
+                                         "yes/no, on/off, got 'disable'"):
+        plugin.register()
 
 
 def test_register_without_vllm_logs_instead_of_raising(monkeypatch):

@@ -12,19 +12,19 @@ import argparse
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from rollout_spec.config import SpecConfig
+from rollout_spec.config import SpecConfig, parse_bool
+from rollout_spec.integrations.vllm.config import speculative_config
 
 FLAG = "--rollout_spec"
 PREFIX = "rollout_spec."
 
 
 def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+    """argparse's type for a bool option: a bad value is reported with its allowed spellings."""
+    try:
+        return parse_bool("value", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +53,9 @@ def spec_from_args(args: argparse.Namespace) -> Optional[tuple[SpecConfig, Optio
     """``(SpecConfig, num_speculative_tokens or None)`` when ``--rollout_spec`` is on, else None.
 
     Raises:
-        ValueError: a ``--rollout_spec.*`` option was given without ``--rollout_spec``, or a value
-            is out of range (named by ``SpecConfig``).
+        ValueError: a ``--rollout_spec.*`` option was given without ``--rollout_spec``, a value
+            is out of range (named by ``SpecConfig``), ``num_draft_tokens`` is 0 (speculation
+            off: drop ``--rollout_spec``) or ``num_speculative_tokens`` is outside [1, 1024].
     """
     values = {k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}
     given = sorted(k for k, v in values.items() if v is not None)
@@ -67,7 +68,9 @@ def spec_from_args(args: argparse.Namespace) -> Optional[tuple[SpecConfig, Optio
     fields.setdefault("tree", False)  # vLLM verifies one chain: spend the whole budget on it
     if "external_corpora" in fields:
         fields["external_corpora"] = tuple(fields["external_corpora"])
-    return SpecConfig(**fields), k
+    spec = SpecConfig(**fields)
+    speculative_config(spec, k)  # num_draft_tokens 0 or k outside [1, 1024]: fail at launch
+    return spec, k
 
 
 def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -29,7 +29,8 @@ def spec_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[SpecC
     """The SpecConfig stored by ``spec_to_env``, or None when the variable is unset.
 
     Raises:
-        ValueError: the variable is not a JSON object, or names an unknown/invalid field.
+        ValueError: the variable is not JSON, or names an unknown/invalid field.
+        TypeError: the JSON is not an object, or a field has the wrong type.
     """
     text = (os.environ if environ is None else environ).get(ENV_VAR)
     if text is None:
@@ -38,7 +39,7 @@ def spec_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[SpecC
         options = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{ENV_VAR} must hold a JSON object of SpecConfig fields: {exc}") from exc
-    return spec_from_dict(options)
+    return spec_from_dict(options, source=ENV_VAR)
 
 
 def server_args(spec: SpecConfig) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from rollout_spec.config import SpecConfig
+from rollout_spec.config import SpecConfig, check_int
 from rollout_spec.integrations.sglang.config import spec_from_env
 from rollout_spec.integrations.sglang.rid import group_from_rid
 from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask
@@ -79,12 +79,15 @@ class RolloutSpecCorpus:
         spec: Optional[SpecConfig] = None,
         drafter: Any = None,
     ) -> None:
-        if isinstance(draft_token_num, bool) or not isinstance(draft_token_num, int) or draft_token_num < 1:
-            raise ValueError(f"draft_token_num must be an integer in [1, inf], got {draft_token_num!r}")
+        draft_token_num = check_int("draft_token_num", draft_token_num, 1)
+        max_trie_depth = check_int("max_trie_depth", max_trie_depth, 1)
+        external_corpus_max_tokens = check_int("external_corpus_max_tokens", external_corpus_max_tokens, 0)
         if match_type not in MATCH_TYPES:
             raise ValueError(f"match_type must be one of {MATCH_TYPES}, got {match_type!r}")
         if spec is None:
             spec = spec_from_env() or SpecConfig()
+        if not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec must be a SpecConfig, got {type(spec).__name__}")
         if drafter is None:
             from rollout_spec.drafter import NgramDrafter
 

@@ -10,15 +10,14 @@ Each RL step ends with ``reset()`` (verl's ``flush_cache``). Prints, per step, t
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import time
 
 import numpy as np
 
-from rollout_spec.config import SpecConfig
+from rollout_spec.config import SpecConfig, check_int
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.rid import rid_with_group
+from rollout_spec.replay import load_trace
 
 
 def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
@@ -35,13 +34,15 @@ def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
     return n
 
 
-def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict, responses: list, tail: int) -> dict:
-    """One RL step of lock-step decoding; returns its totals and the adapter's seconds."""
+def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[int]],
+                responses: list[tuple[int, list[int]]], tail: int) -> dict:
+    """One RL step of lock-step decoding of ``(group_id, response_ids)`` pairs (a ``Trace`` step);
+    returns its totals and the adapter's seconds."""
     d = corpus.draft_token_num
     live = {}
-    for i, r in enumerate(responses):
-        prompt = prompts[r["group_id"]]
-        live[rid_with_group(f"s{step}-{i}", prompt)] = (prompt, r["response_ids"], [1])  # token 0 from prefill
+    for i, (group_id, response) in enumerate(responses):
+        prompt = prompts[group_id]
+        live[rid_with_group(f"s{step}-{i}", prompt)] = (prompt, response, [1])  # token 0 from prefill
     verifies = accepted = generated = 0
     adapter_s = 0.0
     while live:
@@ -74,22 +75,29 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict, responses: 
 def main(argv: list[str] | None = None) -> None:
     """Replay a trace file and print one row per RL step."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", help="gzip JSON trace (shared/traces format)")
-    ap.add_argument("--num-draft-tokens", type=int, default=8)
-    ap.add_argument("--tail", type=int, default=64, help="speculative_ngram_max_trie_depth")
+    ap.add_argument("trace", help="trace in the shared format (gzip JSON when it ends in .gz)")
+    ap.add_argument("--num-draft-tokens", type=int, default=8, help="draft budget, >= 1")
+    ap.add_argument("--tail", type=int, default=64, help="speculative_ngram_max_trie_depth, >= 1")
     ap.add_argument("--max-responses", type=int, default=0, help="first N responses per step (0: all)")
     args = ap.parse_args(argv)
-    trace = json.load(gzip.open(args.trace))
-    prompts = {p["group_id"]: p["prompt_ids"] for p in trace["prompts"]}
+    for name, lo in (("num_draft_tokens", 1), ("tail", 1), ("max_responses", 0)):
+        try:
+            check_int(name, getattr(args, name), lo)
+        except ValueError as exc:
+            ap.error(f"--{name.replace('_', '-')}: {exc}")
+    try:
+        trace = load_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens)
     corpus = RolloutSpecCorpus(draft_token_num=args.num_draft_tokens + 1, spec=spec)
     print(f"{'step':>4} {'responses':>9} {'tokens':>8} {'TPF':>6} {'accept/slot':>11} {'us/req/step':>11}")
-    for step, responses in enumerate(trace["steps"]):
+    for step, responses in enumerate(trace.steps):
         responses = responses[: args.max_responses] if args.max_responses else responses
-        r = replay_step(corpus, step, prompts, responses, args.tail)
-        print(f"{step:>4} {len(responses):>9} {r['generated']:>8} {r['generated'] / r['verifies']:>6.2f} "
-              f"{r['accepted'] / (r['verifies'] * args.num_draft_tokens):>11.3f} "
-              f"{1e6 * r['adapter_s'] / r['verifies']:>11.1f}")
+        r = replay_step(corpus, step, trace.prompts, responses, args.tail)
+        print(f"{step:>4} {len(responses):>9} {r['generated']:>8} {r['generated'] / max(r['verifies'], 1):>6.2f} "
+              f"{r['accepted'] / max(r['verifies'] * args.num_draft_tokens, 1):>11.3f} "
+              f"{1e6 * r['adapter_s'] / max(r['verifies'], 1):>11.1f}")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,13 @@ def spec_from_rollout_config(rollout: Any) -> Optional[SpecConfig]:
 
     Raises:
         ValueError: the flag has another value, an option is unknown or out of range, the
-            backend is not sglang/vllm, or the config also enables verl's MTP rollout or PD
-            disaggregation (both change the speculative path this hook owns).
+            options set num_draft_tokens 0, the backend is not sglang/vllm, or the config also
+            enables verl's MTP rollout or PD disaggregation (both change the speculative path
+            this hook owns).
+        TypeError: ``custom``, its options or an option's value has the wrong type.
     """
-    custom = _plain(_get(rollout, "custom")) or {}
+    custom = _plain(_get(rollout, "custom"))
+    custom = {} if custom is None else custom
     if not isinstance(custom, Mapping):
         raise TypeError(f"actor_rollout_ref.rollout.custom must be a dict, got {type(custom).__name__}")
     flag = custom.get("speculative")
@@ -62,11 +65,11 @@ def spec_from_rollout_config(rollout: Any) -> Optional[SpecConfig]:
     pd = _get(rollout, "disaggregation")
     if pd is not None and _get(pd, "enabled"):
         raise ValueError(f"{FLAG_PATH}={FLAG_VALUE} does not support actor_rollout_ref.rollout.disaggregation yet")
-    options = custom.get("rollout_spec") or {}
-    try:
-        return spec_from_dict(options)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{OPTIONS_PATH}: {exc}") from exc
+    options = custom.get("rollout_spec")
+    spec = spec_from_dict({} if options is None else options, source=OPTIONS_PATH)
+    if spec.num_draft_tokens == 0:
+        raise ValueError(f"{OPTIONS_PATH}.num_draft_tokens is 0 (speculation off): unset {FLAG_PATH} instead")
+    return spec
 
 
 def merged_engine_kwargs(user: Optional[Mapping[str, Any]], ours: Mapping[str, Any], backend: str) -> dict[str, Any]:
@@ -74,8 +77,12 @@ def merged_engine_kwargs(user: Optional[Mapping[str, Any]], ours: Mapping[str, A
 
     Raises:
         ValueError: naming the conflicting ``actor_rollout_ref.rollout.engine_kwargs`` key.
+        TypeError: the user's ``engine_kwargs.<backend>`` is not a dict.
     """
-    merged = dict(_plain(user) or {})
+    user = _plain(user)
+    if user is not None and not isinstance(user, Mapping):
+        raise TypeError(f"actor_rollout_ref.rollout.engine_kwargs.{backend} must be a dict, got {type(user).__name__}")
+    merged = dict(user or {})
     for key, value in ours.items():
         if key in merged and merged[key] is not None and merged[key] != value:
             raise ValueError(

@@ -54,29 +54,29 @@ def spec_to_dict(spec: SpecConfig) -> dict[str, Any]:
     return out
 
 
-def spec_from_dict(options: Mapping[str, Any]) -> SpecConfig:
+def spec_from_dict(options: Any, source: str = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]") -> SpecConfig:
     """Rebuild a validated ``SpecConfig`` from ``spec_to_dict`` output or hand-written options.
 
+    ``source`` names where the options came from (vLLM's additional_config by default; an
+    environment variable or a framework's config path otherwise); every error starts with it.
+
     Raises:
-        TypeError / ValueError: an unknown key (named, with the known ones) or a bad value
-            (``SpecConfig`` names the field and its range).
+        TypeError / ValueError: not a dict, an unknown key (named, with the known ones) or a bad
+            value (``SpecConfig`` names the field and its range).
     """
     if not isinstance(options, Mapping):
-        raise TypeError(
-            f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict of SpecConfig fields, "
-            f"got {type(options).__name__}"
-        )
+        raise TypeError(f"{source} must be a dict of SpecConfig fields, got {type(options).__name__}")
     known = {f.name for f in dataclasses.fields(SpecConfig)}
-    unknown = sorted(set(options) - known)
+    unknown = sorted(map(repr, set(options) - known))
     if unknown:
-        raise ValueError(
-            f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] has unknown key(s) {unknown}; "
-            f"allowed: {sorted(known)}"
-        )
+        raise ValueError(f"{source} has unknown key(s) [{', '.join(unknown)}]; allowed: {sorted(known)}")
     kwargs = dict(options)
     if "external_corpora" in kwargs and isinstance(kwargs["external_corpora"], list):
         kwargs["external_corpora"] = tuple(kwargs["external_corpora"])
-    return SpecConfig(**kwargs)
+    try:
+        return SpecConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{source}: {exc}") from None
 
 
 def engine_kwargs(

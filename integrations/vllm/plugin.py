@@ -17,12 +17,13 @@ import logging
 import os
 from typing import Any
 
+from rollout_spec.config import parse_bool
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer
 
 TESTED_VLLM = ("0.29.0", "0.33.0")
 """vLLM releases whose runner source this patch was checked against (OpenRLHF 0.11 pins 0.29)."""
 DISABLE_ENV = "ROLLOUT_SPEC_VLLM_PLUGIN"
-"""Set to 0 to keep the plugin from touching vLLM in a process."""
+"""Set to 0 (or false/no/off) to keep the plugin from touching vLLM in a process."""
 _EXPECTED_PARAMS = ("self", "scheduler_output", "sampled_token_ids")
 _MARK = "_rollout_spec_wrapped"
 logger = logging.getLogger(__name__)
@@ -37,11 +38,12 @@ def register() -> None:
 
     vLLM loads every installed general plugin, also for engines that never use our proposer, so
     a failure here (a CPU/TPU build without the GPU runner, a changed vLLM) is logged and kept,
-    not raised: ``VllmProposer`` raises it if and when an engine asks for our proposer.
+    not raised: ``VllmProposer`` raises it if and when an engine asks for our proposer. Only a
+    ``ROLLOUT_SPEC_VLLM_PLUGIN`` that is not a yes/no value raises (ValueError naming it).
     """
     global _install_error
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        _install_error = f"{DISABLE_ENV}=0 in this process"
+    if not parse_bool(DISABLE_ENV, os.environ.get(DISABLE_ENV, "1")):
+        _install_error = f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} in this process"
         return
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
