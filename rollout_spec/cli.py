@@ -10,60 +10,24 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from rollout_spec.config import SamplingParams, check_float, check_int
+from rollout_spec.cli_args import check_output, device_arg, float_arg, int_arg
+from rollout_spec.config import SamplingParams
 from rollout_spec.metrics import DrafterProbe, SpecStats, step_table, stats_from_outputs
 
 if TYPE_CHECKING:
     from rollout_spec.replay import Trace
 
-DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
-
-def _int_arg(name: str, lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi], with an error naming the option and range."""
-
-    def parse(text: str) -> int:
-        try:
-            return check_int(name, int(text), lo, hi)
-        except ValueError as exc:  # int() failures and range failures read the same way
-            msg = str(exc) if "must be" in str(exc) else f"{name} must be an integer, got {text!r}"
-            raise argparse.ArgumentTypeError(msg) from None
-
-    return parse
-
-
-def _float_arg(name: str, lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a float inside the stated interval."""
-
-    def parse(text: str) -> float:
-        try:
-            return check_float(name, float(text), lo, hi, lo_open=lo_open)
-        except ValueError as exc:
-            msg = str(exc) if "must be" in str(exc) else f"{name} must be a number, got {text!r}"
-            raise argparse.ArgumentTypeError(msg) from None
-
-    return parse
-
-
 def _top_k_arg(text: str) -> int:
-    value = _int_arg("top_k", -1)(text)
+    value = int_arg("top_k", -1)(text)
     if value == 0:
         raise argparse.ArgumentTypeError("top_k must be -1 (keep all) or >= 1, got 0")
     return value
-
-
-def _device_arg(text: str) -> str:
-    if not DEVICE_RE.match(text):
-        raise argparse.ArgumentTypeError(f"device must be auto, cpu, mps, cuda or cuda:N, got {text!r}")
-    return text
 
 
 def _task_arg(text: str) -> str:
@@ -81,25 +45,25 @@ def _task_arg(text: str) -> str:
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="'smollm2-135m', a .gguf file or a safetensors model directory")
-    p.add_argument("--device", type=_device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
+    p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=_task_arg, default="gsm_symbolic",
                    help="a reasoning-gym task name, or 'humaneval'")
-    p.add_argument("--steps", type=_int_arg("steps", 1, 100_000), default=2, help="RL steps")
-    p.add_argument("--prompts", type=_int_arg("prompts", 1, 100_000), default=4, help="prompts per step")
-    p.add_argument("--n", type=_int_arg("n", 1, 1024), default=4, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=_int_arg("max_new_tokens", 1, 1 << 20), default=128)
-    p.add_argument("--temperature", type=_float_arg("temperature", 0.0, 100.0), default=1.0,
+    p.add_argument("--steps", type=int_arg("steps", 1, 100_000), default=2, help="RL steps")
+    p.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=4, help="prompts per step")
+    p.add_argument("--n", type=int_arg("n", 1, 1024), default=4, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int_arg("max_new_tokens", 1, 1 << 20), default=128)
+    p.add_argument("--temperature", type=float_arg("temperature", 0.0, 100.0), default=1.0,
                    help="0 means greedy")
-    p.add_argument("--top-p", type=_float_arg("top_p", 0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--top-p", type=float_arg("top_p", 0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--top-k", type=_top_k_arg, default=-1, help="-1 keeps all tokens")
-    p.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=None,
+    p.add_argument("--draft-tokens", type=int_arg("draft_tokens", 1, 1024), default=None,
                    help="most draft nodes per request per verify step (default: 32 on CUDA, where "
                         "the batch-aware budget picks a size up to it each step; 8 elsewhere, "
                         "where every step drafts that many)")
-    p.add_argument("--seed", type=_int_arg("seed", 0, 2**62), default=0)
+    p.add_argument("--seed", type=int_arg("seed", 0, 2**62), default=0)
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every step (default: the same pool each step, like epochs)")
-    p.add_argument("--max-batch", type=_int_arg("max_batch", 1, 1 << 16), default=256,
+    p.add_argument("--max-batch", type=int_arg("max_batch", 1, 1 << 16), default=256,
                    help="most requests decoded at once (KV slots); default min(prompts x n, 256)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the speculation-off pass (no speedup figure)")
@@ -123,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="compare drafters in lock-step on a recorded trace")
     replay.add_argument("trace", type=Path, metavar="TRACE.json",
                         help="a recorded trace in the shared format (gzip JSON when it ends in .gz)")
-    replay.add_argument("--draft-tokens", type=_int_arg("draft_tokens", 1, 1024), default=8,
+    replay.add_argument("--draft-tokens", type=int_arg("draft_tokens", 1, 1024), default=8,
                         help="draft budget per request and iteration (default 8)")
-    replay.add_argument("--max-steps", type=_int_arg("max_steps", 1, 1 << 20), default=None,
+    replay.add_argument("--max-steps", type=int_arg("max_steps", 1, 1 << 20), default=None,
                         help="replay only the first RL steps of the trace")
     return parser
 
@@ -153,9 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib: pip install 'rollout-spec[dashboards]'")
         for flag, path in (("--plot", args.plot), ("--record", args.record), ("--json", args.json)):
-            problem = None if path is None else _unwritable(path)
-            if problem:
-                parser.error(f"{flag} {path}: {problem}")
+            check_output(parser, flag, path)
         history = run_bench(args)
         if args.json is not None:
             args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))
@@ -169,19 +131,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     return run_replay(args, trace)
-
-
-def _unwritable(path: Path) -> Optional[str]:
-    """Why a file could not be written at ``path``, or None: the bench writes its outputs only
-    at the end, so they are checked before its steps run, not after."""
-    if path.is_dir():
-        return "is a directory"
-    folder = path.parent
-    if not folder.is_dir():
-        return f"folder {folder} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"folder {folder} is not writable"
-    return None
 
 
 def replay_drafters(budget: int, widest_step: int) -> dict[str, Callable[[], Any]]:

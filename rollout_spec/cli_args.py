@@ -1,0 +1,124 @@
+"""Argument types and up-front checks shared by ``rollout-spec`` and the bench/example scripts.
+
+Every command-line number is range-checked as it is parsed, with an error naming the option and
+its range; devices, output paths and trace files are checked before any work starts, so that a
+long run never fails at its end over something it could have refused at once.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from rollout_spec.config import check_float, check_int
+
+if TYPE_CHECKING:
+    from rollout_spec.replay import Trace
+
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def int_arg(name: str, lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], with an error naming the option and range."""
+
+    def parse(text: str) -> int:
+        try:
+            return check_int(name, int(text), lo, hi)
+        except ValueError as exc:  # int() failures and range failures read the same way
+            msg = str(exc) if "must be" in str(exc) else f"{name} must be an integer, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def float_arg(name: str, lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a float inside the stated interval."""
+
+    def parse(text: str) -> float:
+        try:
+            return check_float(name, float(text), lo, hi, lo_open=lo_open)
+        except ValueError as exc:
+            msg = str(exc) if "must be" in str(exc) else f"{name} must be a number, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def numbers_arg(name: str, kind: type, lo: float, hi: float) -> Callable[[str], list]:
+    """An argparse type: one or more comma-separated ``kind`` (int or float) values in [lo, hi]."""
+    noun = "integers" if kind is int else "numbers"
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be comma-separated {noun}, got {text!r}") from None
+        bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
+        if bad:
+            raise argparse.ArgumentTypeError(f"every {name} value must be in [{lo}, {hi}], got {bad[0]}")
+        return values
+
+    return parse
+
+
+def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: one or more comma-separated names, each one of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",")]
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every {name} value must be one of {', '.join(allowed)}; "
+                                             f"got {bad[0]!r}")
+        return values
+
+    return parse
+
+
+def device_arg(text: str) -> str:
+    """An argparse type: a torch device name rollout-spec runs on (auto, cpu, mps, cuda[:N])."""
+    if not DEVICE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"device must be auto, cpu, mps, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--device") -> None:
+    """Refuse a CUDA device where torch sees none (before any model is built)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"{flag} {device}: no CUDA device is visible here (use cpu)")
+
+
+def unwritable(path: Path) -> Optional[str]:
+    """Why a file could not be written at ``path``, or None."""
+    if path.is_dir():
+        return "is a directory"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder} is not writable"
+    return None
+
+
+def check_output(parser: argparse.ArgumentParser, flag: str, path: Optional[Path]) -> None:
+    """Refuse an output path that could not be written, before the work that would fill it."""
+    problem = None if path is None else unwritable(Path(path))
+    if problem:
+        parser.error(f"{flag} {path}: {problem}")
+
+
+def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path) -> "Trace":
+    """The trace at ``path``; a missing or malformed file is an argument error naming it."""
+    from rollout_spec.replay import load_trace
+
+    if not Path(path).is_file():
+        parser.error(f"{flag} {path}: trace file not found")
+    try:
+        return load_trace(path)
+    except (OSError, ValueError) as exc:
+        parser.error(f"{flag} {exc}")

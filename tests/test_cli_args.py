@@ -1,0 +1,61 @@
+"""The shared argument types and up-front checks: errors name the option and its range."""
+import argparse
+
+import pytest
+
+from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, load_trace_arg,
+                                   names_arg, numbers_arg)
+
+
+@pytest.mark.parametrize("parse, text, needle", [
+    (int_arg("steps", 1, 10), "0", "steps must be in [1, 10], got 0"),
+    (int_arg("steps", 1), "x", "steps must be an integer, got 'x'"),
+    (float_arg("top_p", 0.0, 1.0, lo_open=True), "0", "top_p must be in (0.0, 1.0]"),
+    (float_arg("temperature", 0.0, 2.0), "nan", "temperature must be in [0.0, 2.0], got nan"),
+    (numbers_arg("batch_sizes", int, 1, 64), "1,0", "every batch_sizes value must be in [1, 64], got 0"),
+    (numbers_arg("batch_sizes", int, 1, 64), "1,a", "batch_sizes must be comma-separated integers, got '1,a'"),
+    (numbers_arg("temperatures", float, 0.0, 2.0), "nan", "every temperatures value must be in [0.0, 2.0]"),
+    (names_arg("modes", ("chain", "tree")), "chain,bush", "every modes value must be one of chain, tree; got 'bush'"),
+    (device_arg, "gpu", "device must be auto, cpu, mps, cuda or cuda:N, got 'gpu'"),
+])
+def test_types_name_the_option_and_range(parse, text, needle):
+    with pytest.raises(argparse.ArgumentTypeError) as got:
+        parse(text)
+    assert needle in str(got.value)
+
+
+def test_types_return_the_parsed_values():
+    assert int_arg("n", 1, 8)("8") == 8 and numbers_arg("b", int, 1, 64)("1,64") == [1, 64]
+    assert names_arg("m", ("a", "b"))("b, a") == ["b", "a"] and device_arg("cuda:1") == "cuda:1"
+
+
+class Refused(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise Refused(message)
+
+
+def test_outputs_and_traces_are_checked_before_work(tmp_path):
+    check_output(Parser(), "--out", tmp_path / "ok.json")
+    check_output(Parser(), "--out", None)
+    with pytest.raises(Refused, match="--out .*: folder .*missing does not exist"):
+        check_output(Parser(), "--out", tmp_path / "missing" / "x.json")
+    with pytest.raises(Refused, match="is a directory"):
+        check_output(Parser(), "--out", tmp_path)
+    with pytest.raises(Refused, match="--trace .*nope.json: trace file not found"):
+        load_trace_arg(Parser(), "--trace", tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(Refused, match="--trace .*bad.json: a trace needs 'prompts' and 'steps'"):
+        load_trace_arg(Parser(), "--trace", tmp_path / "bad.json")
+
+
+def test_a_cuda_device_is_refused_where_torch_sees_none(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(Refused, match="--device cuda:0: no CUDA device is visible here"):
+        check_device(Parser(), "cuda:0")
+    check_device(Parser(), "cpu")
