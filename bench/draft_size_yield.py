@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout_spec.cli_args import int_arg, load_trace_arg
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
-from rollout_spec.replay import Trace, accepted_path, load_trace, replay
+from rollout_spec.replay import Trace, accepted_path, replay
 
 SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
 SIZES = (1, 2, 4, 8)
@@ -50,24 +51,27 @@ def main(argv: list[str] | None = None) -> None:
     """Print the table for each trace."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", action="append", help="trace file (default: the shared traces)")
-    ap.add_argument("--steps", type=int, default=2, help="RL steps replayed (default 2)")
-    ap.add_argument("--max-live", type=int, default=256, help="concurrent requests (default 256)")
+    ap.add_argument("--steps", type=int_arg("steps", 1), default=None,
+                    help="RL steps replayed; at most the trace's step count (default: the first 2, or 1 "
+                         "on a one-step trace)")
+    ap.add_argument("--max-live", type=int_arg("max_live", 1), default=256, help="concurrent requests (default 256)")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.max_live < 1:
-        ap.error("--steps and --max-live must be >= 1")
     paths = args.trace or sorted(glob.glob(SHARED))
     if not paths:
         ap.error(f"no trace given and none found at {SHARED}")
-    missing = [p for p in paths if not Path(p).is_file()]
-    if missing:
-        ap.error(f"--trace: no such file: {', '.join(missing)}")
+    traces = [(path, load_trace_arg(ap, "--trace", path)) for path in paths]
+    for path, trace in traces:
+        if not trace.steps or not all(trace.steps):
+            ap.error(f"--trace {path}: every step must hold responses (it has {len(trace.steps)} steps)")
+        if args.steps is not None and args.steps > len(trace.steps):
+            ap.error(f"--steps {args.steps}: trace {path} has only {len(trace.steps)} steps")
     print("| trace | E(k) | " + " | ".join(f"k={k}" for k in SIZES) + " |\n|---|---|" + "---|" * len(SIZES))
-    for path in paths:
-        trace = load_trace(path)
-        kept, depth = replay_sizes(trace, max(SIZES), args.steps, args.max_live)
+    for path, trace in traces:
+        steps = args.steps or min(2, len(trace.steps))
+        kept, depth = replay_sizes(trace, max(SIZES), steps, args.max_live)
         rates = depth[1:, 1] / np.maximum(depth[1:, 0], 1)
         rows = {
-            "proposed at k": [1 + replay_sizes(trace, k, args.steps, args.max_live)[0][:, k].mean() for k in SIZES],
+            "proposed at k": [1 + replay_sizes(trace, k, steps, args.max_live)[0][:, k].mean() for k in SIZES],
             "prefix of 8-node trees": [1 + kept[:, k].mean() for k in SIZES],
             "per-depth model": [1 + np.cumprod(rates[:k]).sum() for k in SIZES],
         }

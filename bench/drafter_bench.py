@@ -36,10 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rollout_spec.cli_args import int_arg, load_trace_arg, names_arg, numbers_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
 from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult, Trace,  # noqa: E402
-                                 arctic_available, load_trace, replay)
+                                 arctic_available, replay)
 from synthetic_trace import make_synthetic_trace  # noqa: E402
 
 SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
@@ -121,50 +122,64 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
         print(f"\n{note}")
 
 
+DRAFTERS = ("ours", "ours-full", "arctic", "prompt-lookup")
+
+
+def drafter_names(ap: argparse.ArgumentParser, drafters: list[str], counts: list[int] | None) -> list[str]:
+    """Table names of the drafters to run: ``ours``/``ours-full`` once per thread count (``ours@N``);
+    arctic is dropped, with a note, where it is not importable. Refuses (``ap.error``) repeated
+    names or counts, thread counts with no ours drafter, and a list left empty."""
+    for flag, values in (("--drafters", drafters), ("--propose-threads", counts or [])):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            ap.error(f"{flag} names {', '.join(twice)} more than once")
+    ours = [n for n in drafters if n in ("ours", "ours-full")]
+    if counts is not None and not ours:
+        ap.error("--propose-threads sets the threads of ours and ours-full, and --drafters names neither")
+    names = []
+    for n in drafters:
+        # One thread keeps the plain name (and the tables of earlier runs comparable).
+        names += [n if c == 1 else f"{n}@{c}" for c in counts or [1]] if n in ours else [n]
+    if "arctic" in names and not arctic_available():
+        why = "arctic-inference is not installed (import arctic_inference.suffix_decoding failed)"
+        if names == ["arctic"]:
+            ap.error(f"--drafters arctic: {why}, and no other drafter was named")
+        print(f"NOTE: {why}; its column is skipped.", file=sys.stderr)
+        names.remove("arctic")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse options, pick traces, run the drafters, print the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", action="append", help="trace file(s); default: shared traces, else synthetic")
     ap.add_argument("--synthetic", action="store_true", help="also replay a synthetic trace")
-    ap.add_argument("--budget", type=int, default=8)
-    ap.add_argument("--max-live", type=int, default=None, help="cap on concurrent requests")
-    ap.add_argument("--drafters", default="ours,ours-full,arctic,prompt-lookup")
-    ap.add_argument("--propose-threads", default="1",
+    ap.add_argument("--budget", type=int_arg("budget", 1, 1024), default=8, help="draft tokens per request")
+    ap.add_argument("--max-live", type=int_arg("max_live", 1), default=None,
+                    help="cap on concurrent requests (default: all of a step's requests)")
+    ap.add_argument("--drafters", type=names_arg("drafters", DRAFTERS), default=list(DRAFTERS),
+                    help=f"comma-separated, from {', '.join(DRAFTERS)} (default: all)")
+    ap.add_argument("--propose-threads", type=numbers_arg("propose_threads", int, 0, 256), default=None,
                     help="comma-separated thread counts for ours/ours-full (0 = auto); default 1")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=int_arg("repeat", 1, 1000), default=1,
                     help="replays of every trace per drafter, in turns; rows show the median run (default 1)")
     args = ap.parse_args(argv)
-    if args.repeat < 1:
-        ap.error(f"--repeat must be >= 1, got {args.repeat}")
-    try:
-        counts = [int(c) for c in args.propose_threads.split(",") if c.strip()]
-    except ValueError:
-        ap.error(f"--propose-threads must be comma-separated integers, got {args.propose_threads!r}")
-    names = []
-    for n in (n.strip() for n in args.drafters.split(",") if n.strip()):
-        ours = n in ("ours", "ours-full")
-        # One thread keeps the plain name (and the tables of earlier runs comparable).
-        names += [n if c == 1 else f"{n}@{c}" for c in counts] if ours else [n]
-    if "arctic" in names and not arctic_available():
-        print("NOTE: arctic-inference is not installed (import arctic_inference.suffix_decoding "
-              "failed); its column is skipped.", file=sys.stderr)
-        names.remove("arctic")
+    counts = args.propose_threads or [1]
+    names = drafter_names(ap, args.drafters, args.propose_threads)
     for n in names:
         try:
             make_drafter(n, args.budget)  # fail fast on a bad name, budget or thread count
         except ValueError as e:
             ap.error(str(e))
     paths = args.trace or sorted(glob.glob(SHARED))
-    traces = []
-    for path in paths:
-        try:
-            traces.append((Path(path).name, load_trace(path)))
-        except (OSError, ValueError) as e:  # JSON errors are ValueErrors
-            ap.error(f"--trace {path}: {e}")
+    traces = [(Path(path).name, load_trace_arg(ap, "--trace", path)) for path in paths]
+    for path, (_, trace) in zip(paths, traces):
+        if not trace.steps or not all(trace.steps):
+            ap.error(f"--trace {path}: every step must hold responses (it has {len(trace.steps)} steps)")
     # One thread each: CPU time. With a pool, every row is timed by the wall (its latency).
     clock = time.process_time if counts == [1] else time.perf_counter
     print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs), propose threads {args.propose_threads}, "
+          f"{os.cpu_count()} CPUs), propose threads {','.join(map(str, counts))}, "
           f"{'CPU' if clock is time.process_time else 'wall'} time, {time.strftime('%Y-%m-%d %H:%M')}")
     for label, trace in traces:
         run_trace(label, trace, names, args.budget, args.max_live, clock, args.repeat)

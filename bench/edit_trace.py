@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from rollout_spec.cli_args import check_output, int_arg
 from rollout_spec.replay import Trace, save_trace
 
 
@@ -60,17 +62,16 @@ def make_edit_trace(spec: EditSpec = EditSpec()) -> Trace:
     return Trace(prompts=prompts, steps=[rows], meta=meta)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """CLI: write one code-edit trace."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--file-tokens", type=int, default=1500)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    for name, value in (("prompts", args.prompts), ("file-tokens", args.file_tokens)):
-        if value < 1:
-            ap.error(f"--{name} must be >= 1, got {value}")
+    ap.add_argument("out", type=Path, help="trace file to write (gzip JSON when it ends in .gz)")
+    ap.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=64)
+    ap.add_argument("--file-tokens", type=int_arg("file_tokens", 1, 1 << 20), default=1500,
+                    help="tokens of the file each prompt holds")
+    ap.add_argument("--seed", type=int_arg("seed", 0), default=0)
+    args = ap.parse_args(argv)
+    check_output(ap, "out", args.out)
     trace = make_edit_trace(EditSpec(prompts=args.prompts, file_tokens=args.file_tokens, seed=args.seed))
     save_trace(trace, args.out)
     print(f"wrote {args.out}: {len(trace.prompts)} prompts, {trace.num_tokens} tokens")

@@ -24,19 +24,20 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from rollout_spec.cli_args import int_arg, load_trace_arg
 from rollout_spec.config import SpecConfig
 from rollout_spec.distributed import GroupRouter, SharedIndexClient, SharedIndexConfig, create_coordinators
 from rollout_spec.drafter import NgramDrafter
-from rollout_spec.replay import load_trace
+from rollout_spec.replay import Trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "grpo_smollm2_t0.6.json.gz"  # shared/ sits beside the checkout
 NAME = "bench-index"
 
 
-def responses_by_group(path: Path) -> list[dict[int, list[list[int]]]]:
-    """Per recorded step of the trace at ``path``: group id -> its responses."""
+def responses_by_group(trace: Trace) -> list[dict[int, list[list[int]]]]:
+    """Per recorded step of ``trace``: group id -> its responses."""
     steps = []
-    for step in load_trace(path).steps:
+    for step in trace.steps:
         groups: dict[int, list[list[int]]] = {}
         for group_id, response in step:
             groups.setdefault(group_id, []).append(response)
@@ -67,9 +68,9 @@ class CountingSink:
 class SimHost:
     """Several simulated replicas in one process, each with its own drafter and index client."""
 
-    def __init__(self, replica_ids: list[int], num_replicas: int, affinity_k: int, shards: int, trace: str,
-                 sink: str) -> None:
-        self.trace = responses_by_group(Path(trace))
+    def __init__(self, replica_ids: list[int], num_replicas: int, affinity_k: int, shards: int,
+                 trace: list[dict[int, list[list[int]]]], sink: str) -> None:
+        self.trace = trace  # responses_by_group of the recorded trace
         self.keys = [sorted(s) for s in self.trace]
         spec = SpecConfig(capacity_tokens=8_000_000, history_steps=2)
         self.reps = {}
@@ -179,28 +180,40 @@ def print_table(rows: list[dict[str, float]]) -> None:
         print("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c]) for c in cols) + " |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Parse options, start a local Ray cluster, run the steps, print one row per step."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--replicas", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=512, help="requests per replica per step")
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--hosts", type=int, default=2, help="Ray actors carrying the simulated replicas")
-    ap.add_argument("--affinity-k", type=int, default=2)
-    ap.add_argument("--shards", type=int, default=1, help="coordinator actors")
-    ap.add_argument("--retain-steps", type=int, default=2)
+    ap.add_argument("--replicas", type=int_arg("replicas", 1, 1 << 16), default=64)
+    ap.add_argument("--requests", type=int_arg("requests", 1), default=512, help="requests per replica per step")
+    ap.add_argument("--n", type=int_arg("n", 1), default=8,
+                    help="samples per prompt (group size; at most the trace's smallest group)")
+    ap.add_argument("--steps", type=int_arg("steps", 1), default=4,
+                    help="RL steps (the trace's recorded steps repeat if it has fewer)")
+    ap.add_argument("--hosts", type=int_arg("hosts", 1), default=2,
+                    help="Ray actors carrying the simulated replicas (at most --replicas)")
+    ap.add_argument("--affinity-k", type=int_arg("affinity_k", 1, 1 << 16), default=2)
+    ap.add_argument("--shards", type=int_arg("shards", 1, 4096), default=1, help="coordinator actors")
+    ap.add_argument("--retain-steps", type=int_arg("retain_steps", 1, 1 << 20), default=2)
     ap.add_argument("--routing", choices=("sticky", "scattered"), default="sticky")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--sink", choices=("drafter", "count"), default="drafter",
                     help="ingest into real NgramDrafters, or only count tokens (transport cost alone)")
-    args = ap.parse_args()
-    if args.requests % args.n or min(args.replicas, args.requests, args.n, args.steps, args.hosts) < 1:
-        ap.error("--requests must be a positive multiple of --n; counts must be >= 1")
+    args = ap.parse_args(argv)
+    if args.requests % args.n:
+        ap.error(f"--requests {args.requests} must be a multiple of --n {args.n}")
+    if args.hosts > args.replicas:
+        ap.error(f"--hosts {args.hosts} must be at most --replicas {args.replicas} (a host carries replicas)")
+    recorded = responses_by_group(load_trace_arg(ap, "--trace", args.trace))
+    if not all(recorded):  # no steps, or a step without responses
+        ap.error(f"--trace {args.trace}: every recorded step must hold responses (it has {len(recorded)} steps)")
+    smallest = min((len(r) for step in recorded for r in step.values()), default=0)
+    if args.n > smallest:
+        ap.error(f"--n {args.n}: the groups of trace {args.trace} hold as few as {smallest} responses")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     coords = create_coordinators(NAME, args.shards, args.retain_steps)
+    recorded_ref = ray.put(recorded)
     hosts = [SimHost.remote([r for r in range(args.replicas) if r % args.hosts == h], args.replicas,
-                            args.affinity_k, args.shards, str(args.trace), args.sink) for h in range(args.hosts)]
+                            args.affinity_k, args.shards, recorded_ref, args.sink) for h in range(args.hosts)]
     num_groups = args.replicas * args.requests // args.n
     rng = np.random.default_rng(0)
     rows = []

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from rollout_spec.cli_args import check_output, int_arg
 from rollout_spec.replay import Trace, save_trace
 
 
@@ -95,15 +97,16 @@ def make_synthetic_trace(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
     return Trace(prompts=prompts, steps=steps, meta=meta)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """CLI: write one synthetic trace."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument("out", type=Path, help="trace file to write (gzip JSON when it ends in .gz)")
+    ap.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=64, help="groups per step")
+    ap.add_argument("--n", type=int_arg("n", 1, 1024), default=8, help="samples per prompt")
+    ap.add_argument("--steps", type=int_arg("steps", 1, 1000), default=3, help="RL steps")
+    ap.add_argument("--seed", type=int_arg("seed", 0), default=0)
+    args = ap.parse_args(argv)
+    check_output(ap, "out", args.out)
     trace = make_synthetic_trace(SyntheticSpec(prompts=args.prompts, n=args.n, steps=args.steps, seed=args.seed))
     save_trace(trace, args.out)
     print(f"wrote {args.out}: {len(trace.prompts)} prompts, {len(trace.steps)} steps, {trace.num_tokens} tokens")

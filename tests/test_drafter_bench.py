@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import drafter_bench  # noqa: E402
-from rollout_spec.replay import StepResult, save_trace  # noqa: E402
+from rollout_spec.replay import StepResult, Trace, save_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
 
@@ -67,20 +67,52 @@ def test_replays_that_drafted_differently_are_an_error() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--repeat", "0"], "--repeat must be >= 1, got 0"),
-    (["--drafters", "nope"], "unknown drafter 'nope'"),
-    (["--propose-threads", "two"], "--propose-threads must be comma-separated integers"),
-    (["--budget", "-1", "--drafters", "ours"], "num_draft_tokens must be in [0, 1024], got -1"),
+    (["--repeat", "0"], "argument --repeat: repeat must be in [1, 1000], got 0"),
+    (["--drafters", "nope"], "every drafters value must be one of ours, ours-full, arctic, prompt-lookup; got 'nope'"),
+    (["--drafters", ","], "every drafters value must be one of"),  # an empty list ran no drafter
+    (["--drafters", "ours,ours"], "--drafters names ours more than once"),
+    (["--propose-threads", "two"], "propose_threads must be comma-separated integers"),
+    (["--propose-threads", ","], "propose_threads must be comma-separated integers"),  # dropped every ours row
+    (["--propose-threads", "1,300"], "every propose_threads value must be in [0, 256], got 300"),
+    (["--propose-threads", "4", "--drafters", "prompt-lookup"], "--propose-threads sets the threads of ours"),
+    (["--budget", "-1", "--drafters", "prompt-lookup"], "argument --budget: budget must be in [1, 1024], got -1"),
+    (["--max-live", "0"], "argument --max-live: max_live must be in [1, inf], got 0"),  # hung forever
+    (["--max-live", "-5"], "argument --max-live: max_live must be in [1, inf], got -5"),
 ])
 def test_bad_flags_exit_with_a_message_naming_them(argv, message, capsys) -> None:
-    with pytest.raises(SystemExit):
-        drafter_bench.main(argv)
-    assert message in capsys.readouterr().err
+    # A missing trace as well: a flag that slipped through would exit on the trace instead (or hang).
+    with pytest.raises(SystemExit) as exc:
+        drafter_bench.main(argv + ["--trace", "/nonexistent/t.json.gz"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_arctic_alone_when_it_is_not_installed_is_an_error(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(drafter_bench, "arctic_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        drafter_bench.main(["--drafters", "arctic"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--drafters arctic: arctic-inference is not installed" in err
+
+
+def test_arctic_beside_others_when_it_is_not_installed_is_skipped_with_a_note(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(drafter_bench, "arctic_available", lambda: False)
+    drafter_bench.main(["--trace", str(small_trace(tmp_path)), "--drafters", "ours,arctic", "--max-live", "8"])
+    out, err = capsys.readouterr()
+    assert "NOTE: arctic-inference is not installed" in err
+    assert {r[1] for r in table_rows(out)} == {"ours"}
+
+
+def test_a_trace_without_responses_is_an_error(tmp_path, capsys) -> None:
+    path = tmp_path / "empty.json.gz"
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[]], meta={}), path)
+    with pytest.raises(SystemExit) as exc:
+        drafter_bench.main(["--trace", str(path), "--drafters", "ours"])
+    assert exc.value.code == 2 and f"--trace {path}: every step must hold responses" in capsys.readouterr().err
 
 
 def test_a_trace_that_is_not_json_exits_with_a_message_naming_it(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         drafter_bench.main(["--trace", str(bad), "--drafters", "ours"])
-    assert f"--trace {bad}:" in capsys.readouterr().err
+    assert exc.value.code == 2 and f"--trace {bad}: not a JSON trace" in capsys.readouterr().err
