@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg
 from rollout_spec.config import SamplingParams, SpecConfig
 from rollout_spec.metrics import (DrafterProbe, make_sink, resolve_wandb_mode, stats_from_outputs,
                                   wandb_metrics)
@@ -38,28 +40,63 @@ class Rollouts:
     """Wall time of the engine's generate call alone (scoring excluded)."""
 
 
+def _task_arg(text: str) -> str:
+    """An argparse type: a task name the workloads accept (reasoning-gym's registry or humaneval)."""
+    from rollout_spec.workloads import task_names
+
+    if text not in task_names():
+        raise argparse.ArgumentTypeError(
+            f"task must be a reasoning-gym task or 'humaneval' (e.g. basic_arithmetic, chain_sum), "
+            f"got {text!r}")
+    return text
+
+
+def _model_problem(name: str) -> Optional[str]:
+    """Why ``name`` is no model the engine can load (checked without loading it), or None."""
+    from rollout_spec.engine.weights import KNOWN_MODELS
+
+    path = Path(name).expanduser()
+    if name in KNOWN_MODELS or (path / "config.json").is_file():
+        return None
+    if path.is_file() and path.suffix == ".gguf":
+        return None
+    return f"must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a directory with config.json"
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Command-line options of the example."""
+    """Command-line options of the example, every one checked before any model is built."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--task", default="basic_arithmetic")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--draft-tokens", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--format-bonus", type=float, default=0.1,
+    p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
+    p.add_argument("--task", type=_task_arg, default="basic_arithmetic")
+    p.add_argument("--steps", type=int_arg("steps", 1, 100_000), default=10)
+    p.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=8)
+    p.add_argument("--n", type=int_arg("n", 2, 1024), default=8,
+                   help="samples per prompt (>= 2: a group of one has no advantage signal)")
+    p.add_argument("--max-new-tokens", type=int_arg("max_new_tokens", 1, 1 << 20), default=192)
+    p.add_argument("--temperature", type=float_arg("temperature", 0.0, 100.0, lo_open=True), default=1.0,
+                   help="> 0: greedy samples of a group agree, so they carry no advantage signal")
+    p.add_argument("--draft-tokens", type=int_arg("draft_tokens", 1, 1024), default=8)
+    p.add_argument("--lr", type=float_arg("lr", 0.0, 1.0, lo_open=True), default=1e-6)
+    p.add_argument("--micro-batch", type=int_arg("micro_batch", 1, 1 << 16), default=8)
+    p.add_argument("--format-bonus", type=float_arg("format_bonus", 0.0, 10.0), default=0.1,
                    help="reward added when the reply states a final answer ('#### ...')")
-    p.add_argument("--max-batch", type=int, default=256, help="most requests decoded at once")
+    p.add_argument("--max-batch", type=int_arg("max_batch", 1, 1 << 16), default=256,
+                   help="most requests decoded at once")
     p.add_argument("--no-baseline", action="store_true", help="skip the speculation-off pass")
     p.set_defaults(fresh_prompts=False)  # the same prompt pool every step, as in epochs
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=int_arg("seed", 0, 2**62), default=0)
+    args = p.parse_args(argv)
+    problem = _model_problem(args.model)
+    if problem:
+        p.error(f"--model {args.model!r}: {problem}")
+    check_device(p, args.device)
+    try:
+        args.wandb = resolve_wandb_mode(args.wandb)
+    except ValueError as exc:
+        p.error(f"--wandb: {exc}")
+    return args
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Optional[Any], torch.nn.Module]:

@@ -52,3 +52,61 @@ def test_one_grpo_step_changes_and_syncs_weights(tmp_path_factory):
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the engine has new weights
     assert torch.equal(after["layers.0.mlp.up_proj.weight"],
                        policy.state_dict()["model.layers.0.mlp.up_proj.weight"])
+
+
+BAD_OPTIONS = [
+    (["--micro-batch", "-1"], "micro_batch must be in [1,"),
+    (["--micro-batch", "0"], "micro_batch must be in [1,"),
+    (["--n", "0"], "n must be in [2,"),
+    (["--n", "1"], "n must be in [2,"),
+    (["--prompts", "0"], "prompts must be in [1,"),
+    (["--steps", "0"], "steps must be in [1,"),
+    (["--steps", "-1"], "steps must be in [1,"),
+    (["--max-batch", "0"], "max_batch must be in [1,"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be in [1,"),
+    (["--temperature", "-1"], "temperature must be in (0.0,"),
+    (["--temperature", "0"], "temperature must be in (0.0,"),
+    (["--draft-tokens", "-1"], "draft_tokens must be in [1,"),
+    (["--lr", "0"], "lr must be in (0.0,"),
+    (["--lr", "nan"], "lr must be in (0.0,"),
+    (["--format-bonus", "-1"], "format_bonus must be in [0.0,"),
+    (["--seed", "-1"], "seed must be in [0,"),
+    (["--device", "foo"], "device must be auto, cpu, mps, cuda or cuda:N"),
+    (["--task", "nosuch"], "task must be a reasoning-gym task"),
+    (["--model", "/no/such/model"], "--model '/no/such/model': must be one of"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_OPTIONS)
+def test_bad_options_are_argument_errors(argv, message, capsys):
+    grpo = _example()
+    with pytest.raises(SystemExit) as exc:
+        grpo.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_an_argument_error(monkeypatch, capsys):
+    grpo = _example()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        grpo.main(["--device", "cuda", "--steps", "1"])
+    assert exc.value.code == 2 and "--device cuda: no CUDA device" in capsys.readouterr().err
+
+
+def test_wandb_mode_is_checked_up_front(monkeypatch, capsys):
+    grpo = _example()
+
+    def no_wandb(mode):
+        raise ValueError("no wandb")
+
+    monkeypatch.setattr(grpo, "resolve_wandb_mode", no_wandb)
+    with pytest.raises(SystemExit) as exc:
+        grpo.parse_args(["--wandb", "online"])
+    assert exc.value.code == 2 and "--wandb: no wandb" in capsys.readouterr().err
+
+
+def test_good_options_parse(tmp_path):
+    grpo = _example()
+    (tmp_path / "config.json").write_text("{}")
+    args = grpo.parse_args(["--model", str(tmp_path), "--device", "cpu", "--micro-batch", "1", "--n", "2"])
+    assert args.micro_batch == 1 and args.n == 2 and args.device == "cpu" and args.lr == 1e-6

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GRPO on gsm8k-style data with verl, rollouts drafted by rollout-spec (one GPU).
 #   pip install "rollout-spec[verl,sglang]"        # or [verl,vllm] with ROLLOUT=vllm
-#   python examples/verl/make_gsm_data.py --out "$DATA"
+#   python examples/verl/make_gsm_data.py --out ~/data/gsm_symbolic   # the default $DATA
+#   (another folder: `export DATA=/that/folder` first and pass --out "$DATA" above)
 #   bash examples/verl/run_grpo_smollm2.sh [extra hydra overrides]
 # The two `custom` lines are the whole integration; drop them to compare against plain decoding.
 # With several rollout replicas, add `shared_index: my-job` inside custom.rollout_spec: every

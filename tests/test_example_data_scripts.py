@@ -1,0 +1,101 @@
+"""Argument checks of the example data writers: errors before any file is touched, atomic writes."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(relpath: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / relpath)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fails(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture
+def prompts():
+    pytest.importorskip("reasoning_gym")
+    return _load("openrlhf/make_prompts.py", "make_prompts")
+
+
+@pytest.fixture
+def gsm():
+    return _load("verl/make_gsm_data.py", "make_gsm_data")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--size", "0"], "size must be in [1,"),
+    (["--size", "-3"], "size must be in [1,"),
+    (["--tasks", "basic_arithmetic", "nosuch"], "every --tasks value must be a reasoning-gym task"),
+    (["--seed", "-1"], "seed must be in [0,"),
+])
+def test_make_prompts_refuses_bad_options_and_keeps_the_old_file(prompts, tmp_path, capsys, argv, message):
+    out = tmp_path / "p.jsonl"
+    out.write_text('{"prompt": "good", "label": "1"}\n')
+    assert message in _fails(prompts.main, ["--out", str(out), *argv], capsys)
+    assert out.read_text() == '{"prompt": "good", "label": "1"}\n'
+
+
+def test_make_prompts_failure_midway_leaves_no_truncated_file(prompts, tmp_path, monkeypatch):
+    out = tmp_path / "p.jsonl"
+    out.write_text("old\n")
+    real = prompts.reasoning_gym.create_dataset
+
+    def flaky(task, size, seed):
+        if task == "chain_sum":
+            raise RuntimeError("boom")
+        return real(task, size=size, seed=seed)
+
+    monkeypatch.setattr(prompts.reasoning_gym, "create_dataset", flaky)
+    with pytest.raises(RuntimeError):
+        prompts.main(["--out", str(out), "--size", "2", "--tasks", "basic_arithmetic", "chain_sum"])
+    assert out.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+
+
+def test_make_prompts_writes_every_task(prompts, tmp_path, capsys):
+    out = tmp_path / "sub" / "p.jsonl"
+    assert prompts.main(["--out", str(out), "--size", "2", "--tasks", "basic_arithmetic", "chain_sum"]) == 0
+    assert len(out.read_text().splitlines()) == 4 and "wrote 4 prompts" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train-size", "0"], "train_size must be in [1,"),
+    (["--train-size", "3", "--test-size", "-1"], "test_size must be in [1,"),
+])
+def test_make_gsm_data_refuses_bad_sizes_before_writing(gsm, tmp_path, capsys, argv, message):
+    (tmp_path / "train.parquet").write_text("old train")
+    assert message in _fails(gsm.main, ["--out", str(tmp_path), *argv], capsys)
+    assert (tmp_path / "train.parquet").read_text() == "old train"
+
+
+def test_make_gsm_data_names_the_missing_packages(gsm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else object())
+    err = _fails(gsm.main, ["--out", str(tmp_path / "d"), "--train-size", "2"], capsys)
+    assert "needs pyarrow: pip install 'rollout-spec[verl]'" in err and not (tmp_path / "d").exists()
+
+
+def test_make_gsm_data_writes_nothing_unless_both_splits_build(gsm, tmp_path, monkeypatch):
+    pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("reasoning_gym")
+    (tmp_path / "train.parquet").write_text("old train")
+    real = gsm.rows
+    monkeypatch.setattr(gsm, "rows", lambda split, size, seed: real(split, size, seed) if split == "train"
+                        else (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError):
+        gsm.main(["--out", str(tmp_path), "--train-size", "2", "--test-size", "2"])
+    assert (tmp_path / "train.parquet").read_text() == "old train"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.parquet"]
