@@ -16,9 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollout_spec.cli_args import int_arg, numbers_arg  # noqa: E402
 from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost, draft_sizes  # noqa: E402
 
 MAX_DRAFT = 32  # the engine bench's default draft budget
+MAX_BATCH = 1 << 20  # the largest max_batch budget_from_cost takes
 
 
 def make_budget(max_batch: int) -> DraftBudget:
@@ -40,14 +42,11 @@ def per_step_us(fn, steps: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     """CLI: one row per batch size."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--batch-sizes", default="8,128,256")
+    ap.add_argument("--steps", type=int_arg("--steps", 1, 10**9), default=20000)
+    ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, MAX_BATCH), default="8,128,256")
     args = ap.parse_args(argv)
-    sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    if args.steps < 1 or not sizes or min(sizes) < 1:
-        ap.error("--steps and every --batch-sizes entry must be >= 1")
     print("| B | record_step, plain us | record_step, drafting us | decision us |\n|---|---|---|---|")
-    for b in sizes:
+    for b in args.batch_sizes:
         budget = make_budget(max(256, b))
         plain = per_step_us(lambda: budget.record_step(b, 0, 0, 1, 4.7e-3, tokens=b), args.steps)
         drafting = per_step_us(lambda: budget.record_step(b, 4 * b, 3 * b, 5, 6.0e-3, tokens=2 * b), args.steps)

@@ -37,8 +37,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from rollout_spec.cli_args import check_device, device_arg, int_arg, numbers_arg
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
+from rollout_spec.engine.engine import pick_device
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import ModelConfig, StepContext, Transformer
 
@@ -225,6 +227,7 @@ def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: tor
 
 
 N_SAMPLES = 8  # GRPO's n: samples per prompt whatever the batch size
+RANDOM_PROMPT_LEN = 128  # ids per prompt of the --random-weights workload
 WARM_GROUP_BASE = 1 << 30  # group ids of the warm-up prompts, far from every timed prompt's
 HISTORY = {"cold": "every timed prompt is new to the spec engine",
            "warm": "an untimed spec call + end_step on the same prompts before each timed one"}
@@ -333,8 +336,8 @@ def gsm_prompts(tokenizer: object, count: int) -> Prompts:
 def make_engines(args: argparse.Namespace) -> tuple[object, object, PromptPool, Prompts, tuple | None]:
     """Speculative and plain engines sharing one model, the timed pool, warm-up prompts, stops.
 
-    ``--random-weights``: SmolLM2-135M shapes, random prompts of 128 ids, no stop tokens (every
-    sample runs to max_new_tokens); otherwise the named model on gsm_symbolic chat prompts. The
+    ``--random-weights``: SmolLM2-135M shapes, random prompts of ``RANDOM_PROMPT_LEN`` ids, no stop
+    tokens (every sample runs to max_new_tokens); otherwise the named model on gsm_symbolic chat prompts. The
     warm-up prompts are not in the timed pool, so warming up never shows the drafter a timed one.
     """
     from rollout_spec.config import SpecConfig
@@ -350,7 +353,7 @@ def make_engines(args: argparse.Namespace) -> tuple[object, object, PromptPool, 
         spec_eng = RolloutEngine(model, None, spec, **kw)
         gen = torch.Generator().manual_seed(0)
         hi = min(20000, model.config.vocab_size)
-        prompts = torch.randint(3, hi, (timed + warm, 128), generator=gen).tolist()
+        prompts = torch.randint(3, hi, (timed + warm, RANDOM_PROMPT_LEN), generator=gen).tolist()
         stop: tuple | None = ()
     else:
         spec_eng = RolloutEngine.from_pretrained(args.model, device=dev, spec=spec, **kw)
@@ -434,6 +437,7 @@ def engine_rows(args: argparse.Namespace) -> None:
     """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
     t0 = time.perf_counter()
     spec_eng, base_eng, pool, warm, stop = make_engines(args)
+    check_prompts(build_parser(), args, pool, warm)
     print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)")
     budget = spec_eng.draft_budget
     if hasattr(budget, "cost"):  # the engine's own batch-aware budget: show what it measured
@@ -594,80 +598,93 @@ def steps_mode(args: argparse.Namespace) -> None:
           f"| {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |")
 
 
-def _numbers(kind: type, lo: float, hi: float) -> Callable[[str], list]:
-    """An argparse type: comma-separated ``kind`` values in [lo, hi] (argparse names the flag on
-    error)."""
-    noun = "integers" if kind is int else "numbers"
-
-    def parse(text: str) -> list:
-        try:
-            values = [kind(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated {noun}, got {text!r}") from None
-        bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
-        if bad:
-            raise argparse.ArgumentTypeError(f"every value must be in [{lo}, {hi}], got {bad[0]}")
-        return values
-    return parse
-
-
-def _int(lo: int, hi: int) -> Callable[[str], int]:
-    """An argparse type: one integer in [lo, hi]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Every option; numbers are range-checked as they are parsed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batch-sizes", type=_numbers(int, 1, 4096), default="1,8,32,64,128,256",
+    ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 4096),
+                    default="1,8,32,64,128,256",
                     help="samples decoded at once (engine mode: max_running; n=8 samples per prompt)")
-    ap.add_argument("--max-new-tokens", type=_int(1, 1 << 16), default=256)
-    ap.add_argument("--max-model-len", type=_int(2, 1 << 20), default=1024)
-    ap.add_argument("--ctx", type=_int(1, 1 << 20), default=384, help="cached context of the timed steps")
-    ap.add_argument("--temperatures", type=_numbers(float, 0.0, 100.0), default="0.6,1.0")
+    ap.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 16), default=256)
+    ap.add_argument("--max-model-len", type=int_arg("--max-model-len", 2, 1 << 20), default=1024)
+    ap.add_argument("--ctx", type=int_arg("--ctx", 1, 1 << 20), default=384,
+                    help="cached context of the timed steps")
+    ap.add_argument("--temperatures", type=numbers_arg("--temperatures", float, 0.0, 100.0), default="0.6,1.0")
     ap.add_argument("--history", choices=tuple(HISTORY), default="cold",
                     help="engine mode: " + "; ".join(f"{k} = {v}" for k, v in HISTORY.items()))
-    ap.add_argument("--repeats", type=_int(1, 1000), default=3,
+    ap.add_argument("--repeats", type=int_arg("--repeats", 1, 1000), default=3,
                     help="engine mode: rounds of (plain call, spec call) per row, interleaved")
-    ap.add_argument("--queue", type=_int(1, 64), default=4,
+    ap.add_argument("--queue", type=int_arg("--queue", 1, 64), default=4,
                     help="engine mode: samples per call as a multiple of B (the rest wait for a slot)")
-    ap.add_argument("--min-samples", type=_int(1, 1 << 20), default=16,
+    ap.add_argument("--min-samples", type=int_arg("--min-samples", 1, 1 << 20), default=16,
                     help="engine mode: a round makes calls on other prompts until it has this many samples")
     ap.add_argument("--random-weights", action="store_true",
                     help="engine mode without a checkpoint: SmolLM2-135M shapes, random prompts")
     ap.add_argument("--reference", action="store_true",
                     help="engine mode: also time transformers' generate at the largest B")
-    ap.add_argument("--draft-tokens", type=_int(1, 256), default=32,
+    ap.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 256), default=32,
                     help="engine mode: most draft nodes per request (SpecConfig.num_draft_tokens); "
                          "the batch-aware budget picks a power of two up to it at each step")
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--overlap-drafter", choices=("auto", "on", "off"), default="auto",
                     help="engine mode: the drafter on a worker thread (auto: on for CUDA)")
-    ap.add_argument("--profile", type=_numbers(int, 1, 4096), default=[],
-                    help="engine mode: cProfile one spec generate at these B")
+    ap.add_argument("--profile", type=numbers_arg("--profile", int, 1, 4096), default=[],
+                    help="engine mode: cProfile one spec generate at these B (at most the largest "
+                         "--batch-sizes value: the engines have that many slots)")
     ap.add_argument("--quick", action="store_true",
                     help="defaults for a CPU smoke run: B in {1, 8}, 8 new tokens, ctx 64, 2 rounds, "
                          ">= 8 samples per round (flags given explicitly still win)")
     return ap
 
 
+def check_length(ap: argparse.ArgumentParser, prompt_len: int, max_new: int, max_model_len: int,
+                 what: str = "prompt length") -> None:
+    """Refuse a prompt plus ``--max-new-tokens`` longer than ``--max-model-len``: the engine would
+    cut every sample short (or make none) instead of generating the tokens asked for."""
+    if prompt_len + max_new > max_model_len:
+        ap.error(f"--max-new-tokens {max_new}: {what} {prompt_len} + {max_new} new tokens exceeds "
+                 f"--max-model-len {max_model_len} (raise it to at least {prompt_len + max_new})")
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What parsing alone cannot see, refused before any model is built: the device, the Triton
+    backend, --profile against the engines' slots, the random-weight prompts' length (the
+    checkpoint's prompts are checked once drawn, ``check_prompts``)."""
+    check_device(ap, args.device)
+    if args.verify_backend == "triton" and not triton_attention.is_available():
+        ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")
+    if args.profile and args.mode != "engine":
+        ap.error("--profile is an engine-mode option (add --mode engine)")
+    too_big = [b for b in args.profile if b > max(args.batch_sizes)]
+    if too_big:
+        ap.error(f"every --profile value must be in [1, {max(args.batch_sizes)}] (the largest --batch-sizes "
+                 f"value: the engines' slots), got {too_big[0]}")
+    if args.mode == "engine" and args.random_weights:
+        limit = SMOLLM2_135M["max_position_embeddings"]
+        if args.max_model_len > limit:
+            ap.error(f"--max-model-len must be in [2, {limit}] with --random-weights, got {args.max_model_len}")
+        check_length(ap, RANDOM_PROMPT_LEN, args.max_new_tokens, args.max_model_len)
+
+
+def check_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace, pool: "PromptPool",
+                  warm: Prompts) -> None:
+    """Refuse a workload whose longest prompt plus ``--max-new-tokens`` exceeds ``--max-model-len``
+    (before any timed call)."""
+    longest = max(len(p) for p in pool.prompts + warm)
+    check_length(ap, longest, args.max_new_tokens, args.max_model_len, "longest prompt")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options; a bad number exits with a message naming its flag and range."""
+    """Command-line options; a bad value exits with a message naming its flag and range."""
     ap = build_parser()
     if ap.parse_known_args(argv)[0].quick:
         ap.set_defaults(batch_sizes="1,8", max_new_tokens=8, ctx=64, repeats=2, min_samples=8, queue=1)
     args = ap.parse_args(argv)
+    args.device = str(pick_device(args.device))
+    check_args(ap, args)
     args.overlap_drafter = {"auto": None, "on": True, "off": False}[args.overlap_drafter]
     return args
 

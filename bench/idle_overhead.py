@@ -22,9 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_bench import random_model  # noqa: E402
+from engine_bench import SMOLLM2_135M, random_model  # noqa: E402
 from rollout_spec import SamplingParams, SpecConfig  # noqa: E402
+from rollout_spec.cli_args import check_device, device_arg, int_arg  # noqa: E402
 from rollout_spec.engine import RolloutEngine  # noqa: E402
+from rollout_spec.engine.engine import pick_device  # noqa: E402
+
+PROMPT_LEN = 128  # random ids per prompt
+# each engine's max_model_len is PROMPT_LEN + --new-tokens + 16, at most the model's positions
+MAX_NEW_TOKENS = SMOLLM2_135M["max_position_embeddings"] - PROMPT_LEN - 16
 
 
 class ShadowOnlyBudget:
@@ -44,21 +50,22 @@ class ShadowOnlyBudget:
 def main(argv: list[str] | None = None) -> None:
     """Build the three engines and print the table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--slots", type=int, default=256, help="KV slots per engine (default 256)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--new-tokens", type=int, default=256, help="tokens per sample (default 256)")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per row, the first a warm-up")
+    ap.add_argument("--device", type=device_arg, default="cuda", help="cpu, cuda, cuda:N, mps or auto")
+    ap.add_argument("--slots", type=int_arg("--slots", 1, 1 << 20), default=256,
+                    help="KV slots per engine (default 256)")
+    ap.add_argument("--batch-sizes", type=int_arg("--batch-sizes", 1, 1 << 20), nargs="+", default=[1, 64, 256])
+    ap.add_argument("--new-tokens", type=int_arg("--new-tokens", 1, MAX_NEW_TOKENS), default=256,
+                    help="tokens per sample (default 256)")
+    ap.add_argument("--rounds", type=int_arg("--rounds", 2, 1000), default=4,
+                    help="rounds per row, the first a warm-up")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device here (use --device cpu)")
-    if min(args.batch_sizes) < 1 or max(args.batch_sizes) > args.slots:
-        ap.error(f"--batch-sizes must be in [1, --slots={args.slots}]")
-    if args.new_tokens < 1 or args.rounds < 2:
-        ap.error("--new-tokens must be >= 1 and --rounds >= 2")
+    args.device = str(pick_device(args.device))
+    check_device(ap, args.device)
+    if max(args.batch_sizes) > args.slots:
+        ap.error(f"every --batch-sizes value must be in [1, --slots={args.slots}], got {max(args.batch_sizes)}")
     dev = torch.device(args.device)
     model, _ = random_model(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    kw = dict(num_slots=args.slots, max_model_len=128 + args.new_tokens + 16)
+    kw = dict(num_slots=args.slots, max_model_len=PROMPT_LEN + args.new_tokens + 16)
     spec = SpecConfig(num_draft_tokens=8)
     engines = {
         "plain": RolloutEngine(model, None, None, **kw),
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| B | engine | ms per decode step, median (range) | generate s, median |\n|---|---|---|---|")
     for b in args.batch_sizes:
         n = 2 if b == 1 else 8  # GRPO's n; at B=1 two samples run one after the other
-        prompts = [rng.integers(0, 49152, 128).tolist() for _ in range(max(1, b // n))]
+        prompts = [rng.integers(0, 49152, PROMPT_LEN).tolist() for _ in range(max(1, b // n))]
         params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.new_tokens, seed=1)
         got: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in engines}
         for r in range(args.rounds):

@@ -27,6 +27,8 @@ from typing import Any, Iterator
 import torch
 
 import engine_bench as eb
+from rollout_spec.cli_args import device_arg, float_arg, int_arg
+from rollout_spec.engine.engine import pick_device
 
 WAIT = "Tensor.cpu"  # the host's wait for the GPU (verification's readback) ends here
 REPLAY = "GraphLadder.replay"  # the GPU starts a step's forward
@@ -159,38 +161,53 @@ def print_table(args: argparse.Namespace, plain: tuple, spec: tuple) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options (numbers range-checked by engine_bench's parsers)."""
+    """The options, each range-checked as it is parsed (errors name this script's flags)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--random-weights", action="store_true")
-    ap.add_argument("--batch-size", type=eb._int(1, 4096), default=8)
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--rounds", type=eb._int(1, 100), default=2, help="(plain, spec) rounds; the last is shown")
-    ap.add_argument("--max-new-tokens", type=eb._int(1, 1 << 16), default=256)
-    ap.add_argument("--draft-tokens", type=eb._int(1, 256), default=32)
-    ap.add_argument("--min-ms", type=float, default=0.005, help="hide functions under this many ms per step")
-    ap.add_argument("--fixed-budget", type=eb._int(1, 256), default=None,
+    ap.add_argument("--batch-size", type=int_arg("--batch-size", 1, 4096), default=8)
+    ap.add_argument("--temperature", type=float_arg("--temperature", 0.0, 100.0), default=0.6)
+    ap.add_argument("--rounds", type=int_arg("--rounds", 1, 100), default=2,
+                    help="(plain, spec) rounds; the last is shown")
+    ap.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 16), default=256)
+    ap.add_argument("--max-model-len", type=int_arg("--max-model-len", 2, 1 << 20), default=1024,
+                    help="most tokens (prompt + output) of one request")
+    ap.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 256), default=32)
+    ap.add_argument("--min-ms", type=float_arg("--min-ms", 0.0, 1e6), default=0.005,
+                    help="hide functions under this many ms per step")
+    ap.add_argument("--fixed-budget", type=int_arg("--fixed-budget", 1, 256), default=None,
                     help="draft nodes per request on every spec step instead of the batch-aware budget: "
                          "what drafting costs and yields where the budget would not draft")
     return ap
 
 
+def bench_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``engine_bench``'s options for this run (its defaults elsewhere), checked with ``ap`` so that
+    an error names this script's flags."""
+    out = eb.build_parser().parse_args([])
+    out.__dict__.update(device=str(pick_device(args.device)), model=args.model, batch_sizes=[args.batch_size],
+                        temperatures=[args.temperature], repeats=args.rounds, max_new_tokens=args.max_new_tokens,
+                        max_model_len=args.max_model_len, draft_tokens=args.draft_tokens,
+                        random_weights=args.random_weights, overlap_drafter=None)
+    eb.check_args(ap, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: build both engines, warm up, time ``--rounds`` rounds, print the last."""
-    args = build_parser().parse_args(argv)
-    bench_args = eb.parse_args(
-        ["--device", args.device, "--model", args.model, "--batch-sizes", str(args.batch_size),
-         "--temperatures", str(args.temperature), "--repeats", str(args.rounds),
-         "--max-new-tokens", str(args.max_new_tokens), "--draft-tokens", str(args.draft_tokens)]
-        + (["--random-weights"] if args.random_weights else []))
-    spec_eng, base_eng, pool, warm, stop = eb.make_engines(bench_args)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    bench = bench_args(ap, args)
+    spec_eng, base_eng, pool, warm, stop = eb.make_engines(bench)
+    eb.check_prompts(ap, bench, pool, warm)
     if args.fixed_budget is not None:
         spec_eng.draft_budget = lambda _num_running: args.fixed_budget
     eb.warm_up((spec_eng, base_eng), warm, args.batch_size, args.temperature, args.max_new_tokens, stop)
     timeline = Timeline()
     with installed(timeline):
-        per_call, count = eb.row_shape(args.batch_size, bench_args.min_samples, bench_args.queue)
+        per_call, count = eb.row_shape(args.batch_size, bench.min_samples, bench.queue)
         for _ in range(args.rounds):  # both engines on the same new prompts, as engine_bench does
             calls = [pool.take(per_call) for _ in range(count)]
             plain = measure(args, base_eng, calls, stop, timeline, False)

@@ -36,7 +36,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, names_arg, numbers_arg
 from rollout_spec.config import SamplingParams
+from rollout_spec.engine import triton_attention
+from rollout_spec.engine.engine import pick_device
 from rollout_spec.tree import DraftBatch, build_tree_inputs
 from rollout_spec.verify import verify
 
@@ -115,39 +118,71 @@ def forward_ms(model, ti, context: int, device, reps: int, warmup: int) -> float
     return median_ms(step, device, reps, warmup, stat=min)
 
 
-def main() -> None:
-    """Parse arguments, run the grid, print one table."""
+BACKENDS = ("torch", "auto", "triton")
+MAX_POSITIONS = 8192  # the model's max_position_embeddings: context + W must fit
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option, each typed and range-checked as it is parsed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch-sizes", default=None, help="default 1,64,256 (CUDA), 1,64 (CPU)")
-    ap.add_argument("--budgets", default=None, help="default 4,8,16 (CUDA), 4,8 (CPU)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {list(MODES)}")
-    ap.add_argument("--backends", default=None, help="default torch,auto (CUDA), torch (CPU)")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 CUDA, 3 CPU)")
+    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
+    ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1024), default=None,
+                    help="default 1,64,256 (CUDA), 1,64 (CPU)")
+    ap.add_argument("--budgets", type=numbers_arg("--budgets", int, 1, 256), default=None,
+                    help="default 4,8,16 (CUDA), 4,8 (CPU)")
+    ap.add_argument("--modes", type=names_arg("--modes", tuple(MODES)), default=list(MODES),
+                    help=f"subset of {','.join(MODES)}")
+    ap.add_argument("--backends", type=names_arg("--backends", BACKENDS), default=None,
+                    help="subset of torch,auto,triton; default torch,auto (CUDA), torch (CPU)")
+    ap.add_argument("--context", type=int_arg("--context", 1, MAX_POSITIONS - 2), default=512,
+                    help=f"cached tokens per request before the tree (context + budget + 1 <= {MAX_POSITIONS})")
+    ap.add_argument("--reps", type=int_arg("--reps", 1, 100000), default=None,
+                    help="timed repetitions (default 20 CUDA, 3 CPU)")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
     ap.add_argument("--deep", action="store_true",
                     help="logits that accept the drafts: the walk reads whole paths")
-    ap.add_argument("--step-ms", type=float, default=4.5, help="engine verify step to compare with")
+    ap.add_argument("--step-ms", type=float_arg("--step-ms", 0.0, 1e6, lo_open=True), default=4.5,
+                    help="engine verify step to compare with")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler tables of build and verify at B=64, budget 8 instead")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options with the device's defaults filled in; what cannot run here is refused now."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    args.device = str(pick_device(args.device))
+    check_device(ap, args.device)
+    gpu = args.device.startswith("cuda")
+    if "triton" in (args.backends or ()) and not triton_attention.is_available():
+        ap.error("--backends triton: the triton package is not installed (use torch or auto)")
+    args.batch_sizes = args.batch_sizes or ([1, 64, 256] if gpu else [1, 64])
+    args.budgets = args.budgets or ([4, 8, 16] if gpu else [4, 8])
+    args.backends = args.backends or (["torch", "auto"] if gpu else ["torch"])
+    args.reps = args.reps or (20 if gpu else 3)
+    if args.context + max(args.budgets) + 1 > MAX_POSITIONS:
+        ap.error(f"--context {args.context} + the largest --budgets value {max(args.budgets)} + 1 exceeds the "
+                 f"model's {MAX_POSITIONS} positions")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the grid, print one table."""
+    args = parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    reps = args.reps or (20 if gpu else 3)
     warmup = 3 if gpu else 1
-    sizes = args.batch_sizes or ("1,64,256" if gpu else "1,64")
-    budgets = args.budgets or ("4,8,16" if gpu else "4,8")
-    variants = [(m, b) for m in args.modes.split(",")
-                for b in (args.backends or ("torch,auto" if gpu else "torch")).split(",")]
+    variants = [(m, b) for m in args.modes for b in args.backends]
     if args.profile:
         profile(variants, device)
         return
     model = None if args.no_forward else make_model(device)
     print_header(device, args.step_ms)
-    for num_req in map(int, sizes.split(",")):
-        for budget in map(int, budgets.split(",")):
-            for row in bench_point(num_req, budget, variants, model, args.context, device, reps,
+    for num_req in args.batch_sizes:
+        for budget in args.budgets:
+            for row in bench_point(num_req, budget, variants, model, args.context, device, args.reps,
                                    warmup, args.deep):
                 print_row(row, args.step_ms)
 
@@ -168,7 +203,7 @@ def bench_point(num_req, budget, variants, model, context, device, reps, warmup,
     logits = step_logits(batch, device, deep)
     gen = torch.Generator(device=device).manual_seed(0)
     fwd = float("nan") if model is None else forward_ms(
-        model, ti, context, device, reps // 2 if device.type == "cuda" else 1, warmup)
+        model, ti, context, device, max(1, reps // 2) if device.type == "cuda" else 1, warmup)
     out = []
     for mode, backend in variants:
         sp = MODES[mode]

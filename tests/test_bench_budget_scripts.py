@@ -51,10 +51,27 @@ def test_draft_size_yield_bad_flags(argv, message, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
-def test_idle_overhead_bad_flags(capsys) -> None:
-    with pytest.raises(SystemExit):
-        idle_overhead.main(["--device", "cpu", "--slots", "4", "--batch-sizes", "8"])
-    assert "--batch-sizes" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--slots", "4", "--batch-sizes", "8"], "every --batch-sizes value must be in [1, --slots=4]"),
+    (["--device", "cpu", "--new-tokens", "20000000"], "argument --new-tokens: --new-tokens must be in [1, 8048]"),
+    (["--device", "cpu", "--batch-sizes", "abc"], "argument --batch-sizes: --batch-sizes must be an integer"),
+    (["--device", "cpu", "--rounds", "1"], "argument --rounds: --rounds must be in [2, 1000], got 1"),
+    (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N"),
+])
+def test_idle_overhead_bad_flags(argv, message, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(idle_overhead, "random_model", lambda *_: pytest.fail("model built before the error"))
+    with pytest.raises(SystemExit) as exit_info:
+        idle_overhead.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_idle_overhead_cuda_without_a_gpu(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(idle_overhead.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        idle_overhead.main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
 
 
 def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
@@ -64,8 +81,15 @@ def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
     assert all(float(x) > 0 for r in rows for x in r[1:])
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--batch-sizes", "0,8"], ["--batch-sizes", ","]])
-def test_budget_overhead_bad_flags(argv, capsys) -> None:
-    with pytest.raises(SystemExit):
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: --steps must be in [1, 1000000000], got 0"),
+    (["--batch-sizes", "0,8"], "argument --batch-sizes: every --batch-sizes value must be in [1, 1048576], got 0"),
+    (["--batch-sizes", ","], "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
+    (["--batch-sizes", "abc"], "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
+    (["--batch-sizes", "2000000"], "every --batch-sizes value must be in [1, 1048576], got 2000000"),
+])
+def test_budget_overhead_bad_flags(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
         budget_overhead.main(argv)
-    assert "--steps and every --batch-sizes entry must be >= 1" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

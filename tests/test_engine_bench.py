@@ -158,17 +158,73 @@ def test_budget_decisions_are_counted_per_row_and_round(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--queue", "0", "argument --queue: must be in [1, 64], got 0"),
-    ("--batch-sizes", "1,0", "argument --batch-sizes: every value must be in [1, 4096], got 0"),
-    ("--batch-sizes", "eight", "argument --batch-sizes: must be comma-separated integers"),
-    ("--repeats", "0", "argument --repeats: must be in [1, 1000], got 0"),
-    ("--min-samples", "-3", "argument --min-samples: must be in [1, 1048576], got -3"),
-    ("--repeats", "2.5", "argument --repeats: must be an integer, got '2.5'"),
-    ("--temperatures", "0.6,nan", "argument --temperatures: every value must be in [0.0, 100.0]"),
+    ("--queue", "0", "argument --queue: --queue must be in [1, 64], got 0"),
+    ("--batch-sizes", "1,0", "argument --batch-sizes: every --batch-sizes value must be in [1, 4096], got 0"),
+    ("--batch-sizes", "eight", "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
+    ("--repeats", "0", "argument --repeats: --repeats must be in [1, 1000], got 0"),
+    ("--min-samples", "-3", "argument --min-samples: --min-samples must be in [1, 1048576], got -3"),
+    ("--repeats", "2.5", "argument --repeats: --repeats must be an integer, got '2.5'"),
+    ("--temperatures", "0.6,nan", "argument --temperatures: every --temperatures value must be in [0.0, 100.0]"),
     ("--history", "hot", "argument --history: invalid choice: 'hot'"),
+    ("--device", "foo", "argument --device: device must be auto, cpu, mps, cuda or cuda:N, got 'foo'"),
 ])
 def test_bad_flags_exit_naming_the_flag(flag: str, value: str, message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         eb.main([flag, value])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a model or an engine fails the test: the argument errors below come first."""
+    def refuse(*_args, **_kw):
+        raise AssertionError("a model was built before the argument error")
+
+    monkeypatch.setattr(eb, "random_model", refuse)
+    monkeypatch.setattr(eb, "make_engines", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile", "16", "--batch-sizes", "1"],
+     "every --profile value must be in [1, 1] (the largest --batch-sizes value"),
+    (["--profile", "2", "--mode", "steps", "--device", "cpu"], "--profile is an engine-mode option"),
+    (["--random-weights", "--device", "cpu", "--quick", "--max-model-len", "100"],
+     "--max-new-tokens 8: prompt length 128 + 8 new tokens exceeds --max-model-len 100"),
+    (["--random-weights", "--device", "cpu", "--max-new-tokens", "8", "--max-model-len", "130"],
+     "exceeds --max-model-len 130 (raise it to at least 136)"),
+    (["--random-weights", "--device", "cpu", "--max-model-len", "9000"],
+     "--max-model-len must be in [2, 8192] with --random-weights, got 9000"),
+])
+def test_inconsistent_flags_exit_before_any_model(argv: list[str], message: str, no_model, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        eb.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_triton_backend_without_triton_exits(monkeypatch: pytest.MonkeyPatch, no_model, capsys) -> None:
+    monkeypatch.setattr(eb.triton_attention, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        eb.main(["--verify-backend", "triton", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "--verify-backend triton: the triton package is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["engine", "steps"])
+def test_cuda_without_a_gpu_exits(mode: str, monkeypatch: pytest.MonkeyPatch, no_model, capsys) -> None:
+    monkeypatch.setattr(eb.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        eb.main(["--mode", mode, "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+
+
+def test_long_checkpoint_prompts_exit_before_timing(capsys) -> None:
+    """A checkpoint's prompts are only known once drawn: checked before any timed call."""
+    args = eb.parse_args(["--max-new-tokens", "8", "--max-model-len", "100", "--device", "cpu"])
+    pool = eb.PromptPool([[1] * 50, [1] * 95])
+    with pytest.raises(SystemExit) as exit_info:
+        eb.check_prompts(eb.build_parser(), args, pool, [[1] * 20])
+    assert exit_info.value.code == 2
+    assert "longest prompt 95 + 8 new tokens exceeds --max-model-len 100" in capsys.readouterr().err

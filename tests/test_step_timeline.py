@@ -60,3 +60,32 @@ def test_bad_batch_size_names_the_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         st.main(["--batch-size", "0"])
     assert "--batch-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "argument --temperature: --temperature must be in [0.0, 100.0], got -1.0"),
+    (["--min-ms", "-1"], "argument --min-ms: --min-ms must be in [0.0, 1000000.0]"),
+    (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N"),
+    (["--device", "cpu", "--random-weights", "--max-new-tokens", "1000"],
+     "--max-new-tokens 1000: prompt length 128 + 1000 new tokens exceeds --max-model-len 1024"),
+])
+def test_errors_name_this_scripts_flags(argv, message, monkeypatch, capsys) -> None:
+    """Its own usage and flags, never engine_bench's (--temperatures, --batch-sizes), and no model."""
+    monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
+    with pytest.raises(SystemExit) as exit_info:
+        st.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err
+    assert "[--batch-size BATCH_SIZE]" in err  # its own usage
+    assert "--temperatures" not in err and "--batch-sizes" not in err
+
+
+def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
+    with pytest.raises(SystemExit) as exit_info:
+        st.main(["--device", "cuda", "--random-weights"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err

@@ -1,0 +1,58 @@
+"""``bench/verify_bench.py``'s flag errors: every option is typed and range-checked at parse time,
+before any model is built, and a short CPU run of the grid."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import verify_bench as vb  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "0"], "every --batch-sizes value must be in [1, 1024], got 0"),
+    (["--batch-sizes", "abc"], "--batch-sizes must be comma-separated integers, got 'abc'"),
+    (["--budgets", "-1"], "every --budgets value must be in [1, 256], got -1"),
+    (["--modes", "foo"], "every --modes value must be one of t1.0, greedy, t0.7_k50_p0.9; got 'foo'"),
+    (["--backends", "foo"], "every --backends value must be one of torch, auto, triton; got 'foo'"),
+    (["--reps", "-1"], "argument --reps: --reps must be in [1, 100000], got -1"),
+    (["--reps", "0"], "argument --reps: --reps must be in [1, 100000], got 0"),
+    (["--step-ms", "0"], "argument --step-ms: --step-ms must be in (0.0, 1000000.0], got 0.0"),
+    (["--context", "-1"], "argument --context: --context must be in [1, 8190], got -1"),
+    (["--context", "8000", "--budgets", "256"], "--context 8000 + the largest --budgets value 256 + 1 exceeds"),
+    (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N, got 'foo'"),
+])
+def test_bad_flags_exit_naming_the_flag(argv, message, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(vb, "make_model", lambda *_: pytest.fail("model built before the error"))
+    with pytest.raises(SystemExit) as exit_info:
+        vb.main(["--device", "cpu"] + argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_triton_backend_without_triton_exits(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(vb.triton_attention, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        vb.main(["--device", "cpu", "--backends", "torch,triton"])
+    assert exit_info.value.code == 2
+    assert "--backends triton: the triton package is not installed" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(vb.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        vb.main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+
+
+def test_cpu_defaults_and_a_tiny_grid(capsys) -> None:
+    args = vb.parse_args(["--device", "cpu"])
+    assert (args.batch_sizes, args.budgets, args.backends, args.reps) == ([1, 64], [4, 8], ["torch"], 3)
+    vb.main(["--device", "cpu", "--batch-sizes", "2", "--budgets", "3", "--modes", "greedy", "--reps", "1",
+             "--no-forward"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("   2 ")]
+    assert [r[:5] for r in rows] == [["2", "3", "4", "greedy", "torch"]]
