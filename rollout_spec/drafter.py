@@ -28,10 +28,10 @@ import numpy as np
 from rollout_spec import _core
 from rollout_spec.config import SpecConfig, check_float, check_int
 from rollout_spec.groups import GROUP_ID_MAX
+from rollout_spec.token_ids import MAX_TOKEN_ID, token_array
 from rollout_spec.tree import DraftBatch
 
 TokenIds = Union[Sequence[int], np.ndarray]
-MAX_TOKEN_ID = 2**31 - 1  # the largest token id the core stores (int32)
 _MAX_REQ_ID = 2**63 - 1
 
 #: Search constants (tuned on the shared GRPO traces, see docs/drafter.md): occurrences gathered
@@ -78,14 +78,6 @@ def _budget_array(budgets: object, count: int) -> Optional[np.ndarray]:
     return arr.astype(np.int32)
 
 
-def _token_array(name: str, values: object) -> np.ndarray:
-    """Validated int32 token ids from a list or integer array."""
-    arr = _int_array(name, values)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
-        raise ValueError(f"{name} must hold token ids in [0, {MAX_TOKEN_ID}]")
-    return arr.astype(np.int32, copy=False)
-
-
 def _load_corpus(index: int, path: str) -> np.ndarray:
     """The array in ``external_corpora[index]``'s .npy file; a file that is not one (or holds
     pickled objects, never loaded) is a ValueError naming the entry. A missing file stays an
@@ -115,7 +107,7 @@ def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarr
         flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     else:  # short Python lists (the decode hot path): one conversion for the whole batch
         flat = list(chain.from_iterable(lists))
-    return _token_array(name, flat), offsets
+    return token_array(name, flat), offsets
 
 
 def _group_id(name: str, value: Optional[int]) -> int:

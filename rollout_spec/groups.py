@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rollout_spec.token_ids import token_array
+
 GROUP_ID_MAX = (1 << 31) - 1
 
 
@@ -22,5 +24,10 @@ def hashed_group_id(data: bytes) -> int:
 
 def prompt_group_id(prompt_ids: np.ndarray | Sequence[int]) -> int:
     """The group id of a prompt's token ids (hashed as int32), shared by its n samples and by the
-    same prompt in later RL steps, whichever engine, adapter or replica computes it."""
-    return hashed_group_id(np.ascontiguousarray(np.asarray(prompt_ids, dtype=np.int32)).tobytes())
+    same prompt in later RL steps, whichever engine, adapter or replica computes it.
+
+    ``prompt_ids`` must be a 1-D sequence or array of integer token ids in [0, 2**31 - 1]:
+    TypeError for floats, bools, strings or other shapes, ValueError out of range (never
+    truncated or wrapped into another prompt's id).
+    """
+    return hashed_group_id(np.ascontiguousarray(token_array("prompt_ids", prompt_ids)).tobytes())

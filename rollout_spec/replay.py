@@ -21,8 +21,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from rollout_spec.drafter import MAX_TOKEN_ID, takes_noise_keys
+from rollout_spec.drafter import takes_noise_keys
 from rollout_spec.groups import GROUP_ID_MAX
+from rollout_spec.token_ids import MAX_TOKEN_ID
 from rollout_spec.tree import DraftBatch
 
 Tree = tuple[Sequence[int], Sequence[int]]  # (tokens, parents) of one request's draft

@@ -1,12 +1,15 @@
 """Draft trees in CSR form (DESIGN.md's DraftBatch) and what one verify forward needs from them."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rollout_spec import _core
+from rollout_spec.config import check_int
+from rollout_spec.token_ids import int_array, token_array
 
 if TYPE_CHECKING:  # torch is imported lazily: the drafter side of the package must not need it
     import torch
@@ -50,7 +53,8 @@ class DraftBatch:
 
     @staticmethod
     def empty(num_requests: int) -> "DraftBatch":
-        """A batch in which no request has a draft."""
+        """A batch in which no request has a draft (``num_requests`` in [0, 2**31 - 2])."""
+        num_requests = check_int("num_requests", num_requests, 0, 2**31 - 2)
         return DraftBatch(
             offsets=np.zeros(num_requests + 1, np.int32),
             tokens=np.zeros(0, np.int32),
@@ -70,19 +74,32 @@ class DraftBatch:
 
     @staticmethod
     def from_lists(
-        trees: list[list[tuple[int, int]]], probs: list[list[float]] | None = None
+        trees: Sequence[Sequence[tuple[int, int]]], probs: Sequence[Sequence[float]] | None = None
     ) -> "DraftBatch":
-        """Build a batch from per-request lists of ``(token, parent)`` pairs (tests, adapters)."""
-        sizes = [len(t) for t in trees]
+        """Build a batch from per-request lists of ``(token, parent)`` pairs (tests, adapters).
+
+        ``probs``, if given, holds one list per tree with one confidence in [0, 1] per node
+        (default 1.0). Tokens must be integer ids in [0, MAX_TOKEN_ID] and parents integers (no
+        floats, strings or bools are converted); anything else raises TypeError/ValueError
+        naming the field.
+        """
+        if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
+            raise TypeError(f"trees must be a list of per-request node lists, got {type(trees).__name__}")
+        try:
+            sizes = [len(t) for t in trees]
+            flat = [node for tree in trees for node in tree]
+            tokens = [t for t, _ in flat]
+            parents = [p for _, p in flat]
+        except (TypeError, ValueError):
+            raise ValueError("trees must be per-request lists of (token, parent) pairs") from None
+        parent_arr = int_array("parents", parents, -1, _INT32_MAX)  # checked before the int32 cast
         offsets = np.zeros(len(trees) + 1, np.int32)
         offsets[1:] = np.cumsum(sizes)
-        flat = [node for tree in trees for node in tree]
-        flat_probs = [p for ps in probs for p in ps] if probs is not None else [1.0] * len(flat)
         batch = DraftBatch(
             offsets=offsets,
-            tokens=np.array([t for t, _ in flat], np.int32).reshape(-1),
-            parents=np.array([p for _, p in flat], np.int32).reshape(-1),
-            probs=np.array(flat_probs, np.float32).reshape(-1),
+            tokens=token_array("tokens", tokens),
+            parents=parent_arr.astype(np.int32),
+            probs=np.ones(len(flat), np.float32) if probs is None else _flat_probs(probs, sizes),
         )
         batch.validate()
         return batch
@@ -104,7 +121,8 @@ class DraftBatch:
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
                 raise ValueError(f"DraftBatch.{name} must be a 1-D int32 numpy array")
-        if not isinstance(self.probs, np.ndarray) or self.probs.dtype != np.float32:
+        probs = self.probs
+        if not isinstance(probs, np.ndarray) or probs.dtype != np.float32 or probs.ndim != 1:
             raise ValueError("DraftBatch.probs must be a 1-D float32 numpy array")
         if len(self.offsets) < 1 or self.offsets[0] != 0:
             raise ValueError("DraftBatch.offsets must start with 0 and have B+1 entries")
@@ -119,12 +137,35 @@ class DraftBatch:
                 )
         if (self.tokens < 0).any():
             raise ValueError("DraftBatch.tokens must be non-negative token ids")
+        if n and not (probs.min() >= 0.0 and probs.max() <= 1.0):  # NaN fails both
+            raise ValueError("DraftBatch.probs must be confidences in [0, 1] (finite, not NaN)")
         local = np.arange(n, dtype=np.int64) - np.repeat(self.offsets[:-1].astype(np.int64), sizes)
         if ((self.parents < -1) | (self.parents >= local)).any():
-            raise ValueError(
-                "DraftBatch.parents[i] must be -1 or in [0, i) within its request's slice "
-                "(topological order)"
-            )
+            raise ValueError(_PARENTS_RULE)
+
+
+_INT32_MAX = 2**31 - 1
+_PARENTS_RULE = ("DraftBatch.parents[i] must be -1 or in [0, i) within its request's slice "
+                 "(topological order)")
+
+
+def _flat_probs(probs: object, sizes: list[int]) -> np.ndarray:
+    """from_lists' per-tree confidences as float32[N], after checking there is one list per tree
+    and one number per node (their range is checked by ``validate``)."""
+    try:
+        shaped = not isinstance(probs, (str, bytes)) and [len(ps) for ps in probs] == sizes
+    except TypeError:
+        shaped = False
+    if not shaped:
+        raise ValueError(f"probs must hold one list per tree ({len(sizes)}) with one entry per node")
+    try:
+        arr = np.asarray([p for ps in probs for p in ps])
+    except ValueError:  # ragged nested entries
+        arr = np.asarray(None)
+    if arr.ndim != 1 or arr.dtype.kind not in "fiu":
+        raise TypeError(f"probs must hold numbers (one per node), got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):  # 1e300 becomes inf, which validate rejects
+        return arr.astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from rollout_spec.config import check_int
+from rollout_spec.token_ids import MAX_TOKEN_ID, token_array
 
 HUMANEVAL = "humaneval"
 MATH_INSTRUCTION = "Think step by step, then give the final answer after '####'."
@@ -53,22 +54,25 @@ def task_names() -> list[str]:
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
-    """Token ids of ``text`` as a user turn through the tokenizer's chat template."""
+    """Token ids of ``text`` (a str) as a user turn through the tokenizer's chat template; ids the
+    tokenizer returns outside [0, MAX_TOKEN_ID] or as non-integers raise naming ``prompt_ids``."""
+    _check_text("text", text)
     messages = [{"role": "user", "content": text}]
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     else:  # base models without a template see the plain question
         ids = tokenizer(text)["input_ids"]
-    return tuple(int(t) for t in ids)
+    return tuple(token_array("prompt_ids", ids).tolist())
 
 
 class Workload:
     """A fixed pool of prompts for one task, and the task's own reward function.
 
-    Prompts are drawn deterministically from ``seed``; ``batch(step)`` returns the prompts of an
-    RL step: the same pool every step (several epochs over a small dataset, which is what lets the
-    drafter reuse earlier steps' responses) unless ``fresh_each_step`` asks for new ones.
+    Prompts are drawn deterministically from ``seed`` (an int in [0, 2**63 - 1]);
+    ``batch(step)`` returns the prompts of an RL step: the same pool every step (several epochs
+    over a small dataset, which is what lets the drafter reuse earlier steps' responses) unless
+    ``fresh_each_step`` (a bool) asks for new ones, ``max_steps`` pools of them.
     """
 
     def __init__(
@@ -77,6 +81,9 @@ class Workload:
     ) -> None:
         check_int("num_prompts", num_prompts, 1, 1 << 20)
         check_int("max_steps", max_steps, 1, 1 << 20)
+        check_int("seed", seed, 0, 2**63 - 1)
+        if not isinstance(fresh_each_step, bool):
+            raise TypeError(f"fresh_each_step must be a bool, got {fresh_each_step!r}")
         if task not in task_names():
             raise ValueError(f"task must be a reasoning-gym task name or {HUMANEVAL!r}, got {task!r}")
         self.task = task
@@ -99,16 +106,17 @@ class Workload:
                       str(entry["answer"]), entry)
 
     def batch(self, step: int) -> list[Prompt]:
-        """The prompts of RL step ``step`` (0-based)."""
+        """The prompts of RL step ``step`` (0-based; below ``max_steps`` with ``fresh_each_step``)."""
         if not self.fresh_each_step:
+            check_int("step", step, 0)
             return list(self.prompts)
+        check_int("step", step, 0, len(self.prompts) // self.num_prompts - 1)
         start = step * self.num_prompts
-        if start + self.num_prompts > len(self.prompts):
-            raise ValueError(f"step must be < max_steps={len(self.prompts) // self.num_prompts}, got {step}")
         return self.prompts[start : start + self.num_prompts]
 
     def score(self, prompt: Prompt, response: str) -> float:
-        """The task's own reward for ``response`` to ``prompt``, in [0, 1]."""
+        """The task's own reward for ``response`` (a str) to ``prompt``, in [0, 1]."""
+        _check_text("response", response)
         if prompt.kind == "code":
             return _humaneval_reward(prompt.entry, response)
         answer = extract_final_answer(response)
@@ -118,6 +126,8 @@ class Workload:
 
     def score_many(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
         """Rewards for pairs of prompts and responses; code checks run a few at a time."""
+        if isinstance(responses, str):
+            raise TypeError("responses must be a sequence of str, got one str")
         if len(prompts) != len(responses):
             raise ValueError(f"responses must match prompts in length, got {len(responses)} != {len(prompts)}")
         with ThreadPoolExecutor(max_workers=4 if self.task == HUMANEVAL else 1) as pool:
@@ -126,6 +136,7 @@ class Workload:
 
 def extract_final_answer(response: str) -> Optional[str]:
     """The text after the last ``####`` (first line, stripped), or None when there is none."""
+    _check_text("response", response)
     matches = _FINAL_ANSWER.findall(response)
     if not matches:
         return None
@@ -135,8 +146,14 @@ def extract_final_answer(response: str) -> Optional[str]:
 
 def extract_code(response: str) -> str:
     """The first fenced code block of a reply, else the reply itself."""
+    _check_text("response", response)
     match = _CODE_BLOCK.search(response)
     return match.group(1) if match else response
+
+
+def _check_text(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
 
 
 def _humaneval_reward(problem: dict, response: str) -> float:
@@ -171,28 +188,41 @@ class TraceRecorder:
 
     def __init__(self, model: str, sampling: dict, eos_token_id: Optional[int],
                  vocab_size: Optional[int] = None) -> None:
-        self.meta = {"model": model, "sampling": dict(sampling), "eos_token_id": eos_token_id}
+        """``eos_token_id``: None or a token id in [0, MAX_TOKEN_ID] (below ``vocab_size`` when
+        that is given)."""
         if vocab_size is not None:  # with the samples' seeds, a replay can key the drafter's noise
-            self.meta["vocab_size"] = check_int("vocab_size", vocab_size, 1, 2**31 - 1)
+            vocab_size = check_int("vocab_size", vocab_size, 1, MAX_TOKEN_ID)
+        if eos_token_id is not None:
+            eos_token_id = check_int("eos_token_id", eos_token_id, 0,
+                                     MAX_TOKEN_ID if vocab_size is None else vocab_size - 1)
+        self.meta = {"model": model, "sampling": dict(sampling), "eos_token_id": eos_token_id}
+        if vocab_size is not None:
+            self.meta["vocab_size"] = vocab_size
         self._prompts: dict[int, Prompt] = {}
         self._steps: list[list[tuple[int, list[int]]]] = []
         self._seeds: list[list[Optional[int]]] = []
 
     def add_step(self, prompts: Sequence[Prompt], responses: Sequence[tuple[int, Sequence[int]]],
                  seeds: Optional[Sequence[Optional[int]]] = None) -> None:
-        """Record one RL step: ``responses`` are (index into ``prompts``, response token ids);
-        ``seeds``, one per response, the seeds they were sampled with (``RolloutOutput.seed``)."""
+        """Record one RL step: ``responses`` are (index into ``prompts``, response token ids in
+        [0, MAX_TOKEN_ID]); ``seeds``, one per response, the seeds they were sampled with
+        (``RolloutOutput.seed``). Everything is checked before anything is recorded."""
         if seeds is not None and len(seeds) != len(responses):
             raise ValueError(f"seeds must have one entry per response ({len(responses)}), got {len(seeds)}")
+        rows = []
+        for k, response in enumerate(responses):
+            try:
+                index, ids = response
+            except (TypeError, ValueError):
+                raise ValueError(f"responses[{k}] must be a (prompt index, token_ids) pair") from None
+            check_int("prompt index", index, 0, len(prompts) - 1)
+            rows.append((prompts[index].group_id, token_array(f"responses[{k}] token_ids", ids).tolist()))
+        step_seeds = ([None if s is None else check_int("seed", s, 0, 2**63 - 1) for s in seeds]
+                      if seeds is not None else [None] * len(rows))
         for p in prompts:
             self._prompts.setdefault(p.group_id, p)
-        rows = []
-        for index, ids in responses:
-            check_int("prompt index", index, 0, len(prompts) - 1)
-            rows.append((prompts[index].group_id, [int(t) for t in ids]))
         self._steps.append(rows)
-        self._seeds.append([None if s is None else check_int("seed", s, 0, 2**63 - 1) for s in seeds]
-                           if seeds is not None else [None] * len(rows))
+        self._seeds.append(step_seeds)
 
     def to_trace(self) -> Any:
         """The recording as a ``rollout_spec.replay.Trace`` (prompt texts and answers in meta)."""

@@ -108,7 +108,7 @@ def test_pack_roundtrip_and_split_by_destination() -> None:
     assert unpack(buckets[2]) == ([7, 8], [[1, 2, 3], []])
     with pytest.raises(ValueError, match="differ in length"):
         pack([1], [])
-    with pytest.raises(ValueError, match="groups must be in"):
+    with pytest.raises(ValueError, match="groups must hold integers in"):
         pack([2**31], [np.arange(2)])
     broken = pack(groups, seqs)
     broken[4] += 1  # a length that no longer matches the tokens

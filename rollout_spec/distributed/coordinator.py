@@ -18,7 +18,8 @@ from typing import Any, Optional
 import numpy as np
 
 from rollout_spec.config import check_int
-from rollout_spec.distributed.packing import Bucket, bucket_tokens
+from rollout_spec.distributed.packing import MAX_REPLICA, Bucket, bucket_tokens
+from rollout_spec.token_ids import int_array
 
 
 @dataclass(frozen=True)
@@ -69,22 +70,33 @@ class IndexCoordinator:
 
     def publish(self, src: int, step: int, dests: list[int], lengths: list[int], payload: np.ndarray) -> int:
         """Keep a copy of bucket i (the i-th ``lengths[i]`` elements of ``payload``) for
-        replica ``dests[i]``; return the new head seq."""
+        replica ``dests[i]``; return the new head seq.
+
+        Raises:
+            TypeError, ValueError: naming the bad argument (``dests`` in [0, 65535], ``lengths`` in
+                [1, len(payload)], a corrupt bucket), before anything is kept.
+        """
         t0 = time.perf_counter()
-        check_int("src", src, 0)
-        check_int("step", step, 0)
-        if len(dests) != len(lengths):
-            raise ValueError(f"dests ({len(dests)}) and lengths ({len(lengths)}) differ in length")
-        flat = np.asarray(payload)
-        if flat.dtype != np.int32 or flat.ndim != 1 or int(np.sum(lengths, dtype=np.int64)) != len(flat):
-            raise ValueError("payload must be a 1-D int32 array of sum(lengths) elements")
+        src = check_int("src", src, 0, MAX_REPLICA)
+        step = check_int("step", step, 0)
+        flat = payload
+        if not isinstance(flat, np.ndarray) or flat.dtype != np.int32 or flat.ndim != 1:
+            raise TypeError(f"payload must be a 1-D int32 array, got {type(payload).__name__} "
+                            f"{getattr(payload, 'dtype', '')}")
+        dest_arr = int_array("dests", dests, 0, MAX_REPLICA)
+        sizes = int_array("lengths", lengths, 1, len(flat))
+        if len(dest_arr) != len(sizes):
+            raise ValueError(f"dests ({len(dest_arr)}) and lengths ({len(sizes)}) differ in length")
+        bounds = np.cumsum(sizes, dtype=np.int64).tolist()
+        if (bounds[-1] if bounds else 0) != len(flat):
+            raise ValueError(f"payload must be a 1-D int32 array of sum(lengths) elements ({len(flat)} given)")
+        buckets = [flat[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
+        tokens = [bucket_tokens(b) for b in buckets]  # raises on a corrupt bucket: nothing kept yet
         self._seq += 1
-        at = 0
-        for dest, length in zip(dests, lengths):
-            bucket = flat[at : at + length].copy()  # own the bytes: the sender's buffer may go away
-            at += length
-            entry = Entry(self._seq, src, step, bucket_tokens(bucket), int(length))
-            self._by_dest.setdefault(int(dest), deque()).append((entry, bucket))
+        for dest, bucket, count in zip(dest_arr.tolist(), buckets, tokens):
+            entry = Entry(self._seq, src, step, count, len(bucket))
+            # own the bytes: the sender's buffer may go away
+            self._by_dest.setdefault(dest, deque()).append((entry, bucket.copy()))
         self._latest_step = max(self._latest_step, step)
         self._evict()
         self._count(publish_s=time.perf_counter() - t0, publishes=1)
@@ -97,13 +109,18 @@ class IndexCoordinator:
 
         ``dest``'s own publications are left out unless ``own_steps`` is given (a restarted
         replica catching up): then those of steps not in it come back. Under ``budget_tokens``
-        the newest entries are kept; the others are counted in ``over_budget``.
+        (None: no limit, else an int >= 0) the newest entries are kept; the others are counted in
+        ``over_budget``.
         """
         t0 = time.perf_counter()
-        skip = None if own_steps is None else set(own_steps)
-        got = [(e, b) for e, b in self._by_dest.get(int(dest), ()) if e.seq > cursor
+        dest = check_int("dest", dest, 0, MAX_REPLICA)
+        cursor = check_int("cursor", cursor, -1)
+        budget = float("inf") if budget_tokens is None else check_int("budget_tokens", budget_tokens, 0)
+        if own_steps is not None and (isinstance(own_steps, (str, bytes)) or not isinstance(own_steps, Collection)):
+            raise TypeError(f"own_steps must be None or a collection of steps, got {type(own_steps).__name__}")
+        skip = None if own_steps is None else set(int_array("own_steps", list(own_steps), 0, 2**63 - 1).tolist())
+        got = [(e, b) for e, b in self._by_dest.get(dest, ()) if e.seq > cursor
                and (e.src != dest or (skip is not None and e.step not in skip))]
-        budget = float("inf") if budget_tokens is None else budget_tokens
         chosen = []
         for e, b in reversed(got):  # newest first under the budget
             if e.tokens <= budget:

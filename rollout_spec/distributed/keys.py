@@ -10,6 +10,7 @@ from numbers import Integral
 
 import numpy as np
 
+from rollout_spec.token_ids import token_array
 from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id, prompt_group_id
 
 
@@ -17,12 +18,13 @@ def group_key(group: object) -> int:
     """Map a group identity to an int in ``[0, 2**31)`` (the drafter's group ids), the same in every process.
 
     Ints in that range are returned unchanged, so a framework's integer group ids keep their
-    meaning for the drafter; str and bytes are hashed; a sequence of ints (the prompt's token
-    ids, which identify a prompt across RL steps) gets :func:`rollout_spec.groups.prompt_group_id`, the id the engine and every adapter use.
+    meaning for the drafter; str and bytes are hashed; a 1-D sequence or array of token ids in
+    ``[0, 2**31)`` (the prompt, which identifies it across RL steps) gets
+    :func:`rollout_spec.groups.prompt_group_id`, the id the engine and every adapter use.
 
     Raises:
-        TypeError: for None, bool or any other type.
-        ValueError: for a negative int or one of 2**31 or more.
+        TypeError: for None, bool, any other type, or tokens that are not 1-D integers.
+        ValueError: for a negative int or one of 2**31 or more, or a token id out of range.
     """
     if isinstance(group, bool) or group is None:
         raise TypeError(f"group id must be an int, str, bytes or token sequence, got {group!r}")
@@ -36,7 +38,7 @@ def group_key(group: object) -> int:
     elif isinstance(group, (bytes, bytearray, memoryview)):
         data = bytes(group)
     elif isinstance(group, (Sequence, np.ndarray)):
-        return prompt_group_id(group)
+        return prompt_group_id(token_array("group id token sequence", group))
     else:
         raise TypeError(f"group id must be an int, str, bytes or token sequence, got {type(group).__name__}")
     return hashed_group_id(data)

@@ -11,6 +11,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from rollout_spec.groups import GROUP_ID_MAX
+from rollout_spec.token_ids import int_array, token_array
+
+MAX_REPLICA = (1 << 16) - 1
+"""Largest replica index (the router takes at most 65536 replicas)."""
 
 Bucket = np.ndarray
 """One int32 array: ``[S, groups[S], lengths[S], tokens[sum(lengths)]]``; group -1 means none.
@@ -20,36 +24,49 @@ sizes, and one array serialises on Ray's fastest path."""
 
 
 def pack(groups: Sequence[int] | np.ndarray, sequences: Sequence[np.ndarray]) -> Bucket:
-    """Concatenate ``sequences`` (1-D int arrays) with their group ids into one :data:`Bucket`."""
-    if len(groups) != len(sequences):
-        raise ValueError(f"groups ({len(groups)}) and sequences ({len(sequences)}) differ in length")
-    gids = np.asarray(groups, np.int64).reshape(-1)
-    if len(gids) and (gids.min() < -1 or gids.max() > GROUP_ID_MAX):
-        raise ValueError(f"groups must be in [-1, {GROUP_ID_MAX}] (-1: no group)")
+    """Concatenate ``sequences`` (1-D int arrays of token ids) with their group ids (-1: none)
+    into one :data:`Bucket`; raises naming the bad argument before building anything."""
+    gids = int_array("groups", groups, -1, GROUP_ID_MAX)
+    if len(gids) != len(sequences):
+        raise ValueError(f"groups ({len(gids)}) and sequences ({len(sequences)}) differ in length")
     num = len(sequences)
-    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=num)
-    out = np.empty(1 + 2 * num + int(lengths.sum()), np.int32)
+    try:
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=num)
+        parts = [s for s, n in zip(sequences, lengths) if n]  # an empty [] would make the rest float
+        joined = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    except (TypeError, ValueError):  # a scalar, a str, a mix of 1-D and 2-D arrays
+        joined = None
+    if joined is None or joined.ndim != 1 or len(joined) != lengths.sum():
+        raise TypeError("sequences must be 1-D integer arrays of token ids")
+    tokens = token_array("sequences' tokens", joined)
+    out = np.empty(1 + 2 * num + len(tokens), np.int32)
     out[0] = num
     out[1 : 1 + num] = gids
     out[1 + num : 1 + 2 * num] = lengths
-    if num:
-        out[1 + 2 * num :] = np.concatenate(sequences)
+    out[1 + 2 * num :] = tokens
     return out
 
 
 def _header(bucket: Bucket) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    if bucket.dtype != np.int32 or bucket.ndim != 1 or len(bucket) < 1:
+    if not isinstance(bucket, np.ndarray) or bucket.dtype != np.int32 or bucket.ndim != 1 or len(bucket) < 1:
         raise ValueError("corrupt bucket: expected a 1-D int32 array")
     num = int(bucket[0])
     lengths = bucket[1 + num : 1 + 2 * num]
     tokens = bucket[1 + 2 * num :]
+    groups = bucket[1 : 1 + num]
     if num < 0 or len(lengths) != num or int(lengths.sum(dtype=np.int64)) != len(tokens):
         raise ValueError("corrupt bucket: groups, lengths and tokens do not agree")
-    return num, bucket[1 : 1 + num], lengths, tokens
+    if (num and (int(groups.min()) < -1 or int(lengths.min()) < 0)) or (len(tokens) and int(tokens.min()) < 0):
+        raise ValueError(f"corrupt bucket: groups must be in [-1, {GROUP_ID_MAX}], lengths and tokens non-negative")
+    return num, groups, lengths, tokens
 
 
 def unpack(bucket: Bucket) -> tuple[list[int | None], list[list[int]]]:
-    """The inverse of :func:`pack`, as the lists ``Drafter.add_sequences`` takes."""
+    """The inverse of :func:`pack`, as the lists ``Drafter.add_sequences`` takes.
+
+    Raises:
+        ValueError: "corrupt bucket" when the header and the tokens do not agree.
+    """
     num, groups, lengths, tokens = _header(bucket)
     bounds = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     seqs = [tokens[bounds[i] : bounds[i + 1]].tolist() for i in range(num)]
@@ -57,7 +74,7 @@ def unpack(bucket: Bucket) -> tuple[list[int | None], list[list[int]]]:
 
 
 def bucket_tokens(bucket: Bucket) -> int:
-    """Tokens held by a bucket."""
+    """Tokens held by a bucket (checking it as :func:`unpack` does)."""
     return len(_header(bucket)[3])
 
 
@@ -68,11 +85,14 @@ def split_by_destination(
 
     Args:
         groups: int[S] group ids in [0, 2**31) (-1 for none).
-        sequences: S 1-D int arrays.
-        destinations: int32[S, k] replicas that should hold each sequence.
+        sequences: S 1-D int arrays of token ids.
+        destinations: int[S, k] replicas in [0, MAX_REPLICA] that should hold each sequence.
     """
-    if destinations.ndim != 2 or destinations.shape[0] != len(sequences):
-        raise ValueError("destinations must be int[S, k] with one row per sequence")
+    groups = int_array("groups", groups, -1, GROUP_ID_MAX)
+    destinations = int_array("destinations", destinations, 0, MAX_REPLICA, ndim=2)
+    if len(groups) != len(sequences) or destinations.shape[0] != len(sequences):
+        raise ValueError(f"groups ({len(groups)}) and destinations (shape {destinations.shape}) must have "
+                         f"one entry (row) per sequence ({len(sequences)})")
     rows = np.repeat(np.arange(len(sequences)), destinations.shape[1])
     dests = destinations.reshape(-1)
     order = np.argsort(dests, kind="stable")

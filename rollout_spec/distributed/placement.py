@@ -28,8 +28,9 @@ class ReplicaPlacement:
     num_replicas: int
 
     def __post_init__(self) -> None:
-        check_int("num_replicas", self.num_replicas, 1, 1 << 16)
-        check_int("replica_id", self.replica_id, 0, self.num_replicas - 1)
+        # frozen: store the checked plain ints (an np.int64 would not serialise to JSON)
+        object.__setattr__(self, "num_replicas", check_int("num_replicas", self.num_replicas, 1, 1 << 16))
+        object.__setattr__(self, "replica_id", check_int("replica_id", self.replica_id, 0, self.num_replicas - 1))
 
     def as_dict(self) -> dict[str, int]:
         """Plain form for vLLM's additional_config and JSON."""
@@ -53,7 +54,8 @@ def placement_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[
     """The placement stored by :meth:`ReplicaPlacement.to_env`, or None when neither variable is set.
 
     Raises:
-        ValueError: only one of the two is set, or a value is not an integer in range.
+        ValueError: only one of the two is set, or a value is not plain decimal digits (no sign,
+            space, underscore or non-ASCII digit) of an integer in range.
     """
     env = os.environ if environ is None else environ
     rid, num = env.get(ENV_REPLICA_ID), env.get(ENV_NUM_REPLICAS)
@@ -61,6 +63,9 @@ def placement_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[
         return None
     if rid is None or num is None:
         raise ValueError(f"set both {ENV_REPLICA_ID} and {ENV_NUM_REPLICAS}, or neither")
+    for var, text in ((ENV_REPLICA_ID, rid), (ENV_NUM_REPLICAS, num)):
+        if not (text.isascii() and text.isdigit()):
+            raise ValueError(f"{var} must be plain decimal digits, got {text!r}")
     try:
         return ReplicaPlacement(int(rid), int(num))
     except ValueError as exc:

@@ -15,9 +15,12 @@ import numpy as np
 
 from rollout_spec.config import check_float, check_int
 from rollout_spec.distributed.keys import group_key, group_keys, rendezvous_scores
+from rollout_spec.token_ids import int_array
+from rollout_spec.groups import GROUP_ID_MAX
 
 _CANDIDATES = 8  # preferences examined before falling back to the least-loaded replica
 _FULL = np.int64(1) << 60  # the load an unavailable replica is treated as having
+_MAX_LOAD = 1 << 32  # per group weight and per replica base load: sums stay far below _FULL
 
 
 class GroupRouter:
@@ -69,7 +72,8 @@ class GroupRouter:
         return np.take_along_axis(part, order, axis=1).astype(np.int32)
 
     def capacity(self, total_load: int) -> int:
-        """Most requests one replica may hold when ``total_load`` are spread over all replicas."""
+        """Most requests one replica may hold when ``total_load`` (an int >= 0) are spread over all replicas."""
+        total_load = check_int("total_load", total_load, 0)
         return math.ceil(self.load_factor * total_load / self.num_replicas) + self.slack
 
     def assign(
@@ -81,19 +85,22 @@ class GroupRouter:
         """Place a batch of groups: replica index per group, int32[G].
 
         ``weights`` (default 1 each) is the number of requests a group brings, e.g. its n;
-        ``base_load`` (default 0) is what each replica already runs. Heavy groups are placed
-        first; each takes its first preference with room, else the least-loaded replica, so no
-        replica ends above ``capacity(total)`` unless its base load alone exceeds it.
+        ``base_load`` (default 0) is what each replica already runs; both are ints in
+        ``[0, 2**32]``. Heavy groups are placed first; each takes its first preference with room,
+        else the least-loaded replica, so no replica ends above ``capacity(total)`` unless its
+        base load alone exceeds it.
         """
         keys = _as_keys(groups)
-        w = np.ones(len(keys), np.int64) if weights is None else np.asarray(weights, np.int64)
-        if w.shape != keys.shape or (w < 0).any():
-            raise ValueError("weights must hold one non-negative int per group")
+        w = np.ones(len(keys), np.int64) if weights is None else int_array("weights", weights, 0, _MAX_LOAD)
+        if w.shape != keys.shape:
+            raise ValueError(f"weights must hold one int per group ({len(keys)}), got {len(w)}")
+        base = np.zeros(self.num_replicas, np.int64) if base_load is None else int_array(
+            "base_load", base_load, 0, _MAX_LOAD)
+        if base.shape != (self.num_replicas,):
+            raise ValueError(f"base_load must hold one int per replica ({self.num_replicas}), got {len(base)}")
+        w, base = w.astype(np.int64, copy=False), base.astype(np.int64, copy=False)
         if self._down.all():
             raise RuntimeError("no replica is available")
-        base = np.zeros(self.num_replicas, np.int64) if base_load is None else np.asarray(base_load, np.int64)
-        if base.shape != (self.num_replicas,) or (base < 0).any():
-            raise ValueError(f"base_load must hold one non-negative int per replica ({self.num_replicas})")
         cap = max(self.capacity(int(w.sum() + base.sum())), int(w.max(initial=0)))
         prefs = self.preferences(keys, _CANDIDATES)
         load = np.where(self._down, _FULL, base)
@@ -141,6 +148,8 @@ class GroupRouter:
     def set_available(self, replica: int, available: bool) -> None:
         """Take a replica out of (or back into) service; its groups move to their next choices."""
         replica = check_int("replica", replica, 0, self.num_replicas - 1)
+        if not isinstance(available, (bool, np.bool_)):
+            raise TypeError(f"available must be a bool, got {type(available).__name__} {available!r}")
         self._down[replica] = not available
 
     def grow(self, count: int) -> None:
@@ -170,8 +179,7 @@ class GroupRouter:
 
 
 def _as_keys(groups: Sequence[object] | np.ndarray) -> np.ndarray:
-    if isinstance(groups, np.ndarray) and groups.dtype == np.int64 and groups.ndim == 1:
-        if (groups < 0).any():
-            raise ValueError("group ids must be non-negative")
-        return groups
+    """Group keys, int64[G]: a 1-D integer array is taken as keys (range-checked, vectorised)."""
+    if isinstance(groups, np.ndarray) and groups.dtype.kind in "iu" and groups.ndim == 1:
+        return int_array("group ids", groups, 0, GROUP_ID_MAX).astype(np.int64, copy=False)
     return group_keys(groups)

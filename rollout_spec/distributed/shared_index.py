@@ -22,6 +22,7 @@ import numpy as np
 from rollout_spec.config import check_float, check_int
 from rollout_spec.distributed.coordinator import Pulled, coordinator_handles
 from rollout_spec.distributed.packing import split_by_destination, unpack
+from rollout_spec.token_ids import token_array
 from rollout_spec.distributed.router import GroupRouter
 from rollout_spec.groups import GROUP_ID_MAX
 
@@ -69,20 +70,28 @@ class SharedIndexConfig:
     """How long a starting replica waits for the driver to create the coordinators."""
 
     def __post_init__(self) -> None:
-        check_int("num_replicas", self.num_replicas, 1, 1 << 16)
-        check_int("replica_id", self.replica_id, 0, self.num_replicas - 1)
-        check_int("affinity_k", self.affinity_k, 1, 1 << 16)  # above num_replicas means all
-        check_int("ingest_budget_tokens", self.ingest_budget_tokens, 1, 1 << 40)
-        check_float("poll_interval_s", self.poll_interval_s, 0.0, 3600.0)
-        check_float("max_poll_interval_s", self.max_poll_interval_s, self.poll_interval_s, 3600.0)
-        check_int("num_shards", self.num_shards, 1, 4096)
-        check_int("router_seed", self.router_seed, 0, 2**63 - 1)
-        check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0)
-        check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20)
+        def put(field: str, value: object) -> None:  # frozen: store the checked (plain int/float) value
+            object.__setattr__(self, field, value)
+
+        put("num_replicas", check_int("num_replicas", self.num_replicas, 1, 1 << 16))
+        put("replica_id", check_int("replica_id", self.replica_id, 0, self.num_replicas - 1))
+        put("affinity_k", check_int("affinity_k", self.affinity_k, 1, 1 << 16))  # above num_replicas: all
+        put("ingest_budget_tokens", check_int("ingest_budget_tokens", self.ingest_budget_tokens, 1, 1 << 40))
+        put("poll_interval_s", check_float("poll_interval_s", self.poll_interval_s, 0.0, 3600.0))
+        put("max_poll_interval_s",
+            check_float("max_poll_interval_s", self.max_poll_interval_s, self.poll_interval_s, 3600.0))
+        put("num_shards", check_int("num_shards", self.num_shards, 1, 4096))
+        put("router_seed", check_int("router_seed", self.router_seed, 0, 2**63 - 1))
+        put("lookup_timeout_s", check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0))
+        put("apply_chunk_sequences", check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20))
         if not isinstance(self.apply_in_thread, bool):
             raise TypeError(f"apply_in_thread must be a bool, got {self.apply_in_thread!r}")
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError("name must be a non-empty str")
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {self.name!r}")
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise TypeError(f"namespace must be a str or None, got {self.namespace!r}")
+        if not self.name or self.namespace == "":
+            raise ValueError("name and namespace must be non-empty strs (namespace None: the caller's)")
 
 
 class SharedIndexClient:
@@ -122,15 +131,19 @@ class SharedIndexClient:
             self.start()
 
     def record(self, group_id: Optional[int], token_ids: Sequence[int] | np.ndarray) -> None:
-        """Note one finished response generated here; groupless ones (None) are not shared."""
+        """Note one finished response generated here; groupless ones (None) are not shared.
+
+        ``group_id`` is an int in [0, 2**31); ``token_ids`` a 1-D integer sequence or array of
+        token ids in [0, 2**31).
+        """
         if group_id is None:
             return
-        check_int("group_id", group_id, 0, GROUP_ID_MAX)
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if tokens.size and (tokens.min() < 0 or tokens.max() > 2**31 - 1):
-            raise ValueError("token_ids must be in [0, 2147483647]")
-        self._recorded[0].append(int(group_id))
-        self._recorded[1].append(tokens.astype(np.int32))
+        group_id = check_int("group_id", group_id, 0, GROUP_ID_MAX)
+        tokens = token_array("token_ids", token_ids)
+        if tokens is token_ids:  # keep our own copy: the caller may reuse its buffer
+            tokens = tokens.copy()
+        self._recorded[0].append(group_id)
+        self._recorded[1].append(tokens)
 
     def publish(self, step: int) -> dict[str, float]:
         """Send what was recorded since the last publish, as step ``step``; returns at once.
@@ -204,7 +217,10 @@ class SharedIndexClient:
         """Ingest staged responses into the drafter on the calling thread; never waits on Ray.
 
         Call it between decode steps or at a step boundary (with ``apply_in_thread=False``).
+        ``max_sequences`` (None: all staged) is an int >= 0; returns the sequences ingested.
         """
+        if max_sequences is not None:
+            max_sequences = check_int("max_sequences", max_sequences, 0)
         done, chunk = 0, self.config.apply_chunk_sequences
         while max_sequences is None or done < max_sequences:
             take = chunk if max_sequences is None else min(chunk, max_sequences - done)
