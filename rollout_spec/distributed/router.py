@@ -15,8 +15,8 @@ import numpy as np
 
 from rollout_spec.config import check_float, check_int
 from rollout_spec.distributed.keys import group_key, group_keys, rendezvous_scores
-from rollout_spec.token_ids import int_array
 from rollout_spec.groups import GROUP_ID_MAX
+from rollout_spec.token_ids import int_array
 
 _CANDIDATES = 8  # preferences examined before falling back to the least-loaded replica
 _FULL = np.int64(1) << 60  # the load an unavailable replica is treated as having
