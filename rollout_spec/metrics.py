@@ -8,15 +8,23 @@ our curves sit beside a verl run's.
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol
 
+from rollout_spec.config import check_float, check_int
 from rollout_spec.drafter import background_kwargs
 from rollout_spec.replay import accepted_length
 
 WANDB_MODES = ("offline", "online", "disabled")
+DRAFTER_FIGURES = ("us_per_request", "index_tokens", "index_bytes")
+"""The keys ``stats_from_outputs`` reads from its ``drafter`` dict."""
+_OPTIONAL = ("base_tokens", "base_seconds", "mean_reward", "drafter_us_per_request",
+             "index_tokens", "index_bytes", "same_samples")
+"""SpecStats fields that may be None (not measured)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,33 @@ class SpecStats:
     same_samples: Optional[int] = None
     """Samples whose tokens equal the baseline's sample of the same (prompt, sample): with keyed
     noise every one of them, except where the two forwards round a near-tie differently."""
+
+    def __post_init__(self) -> None:
+        """Check every field (an error names it and its allowed range); numbers are stored as
+        plain int/float and the depth counters as tuples, so the frozen instance hashes."""
+        for name in ("step", "num_requests", "spec_tokens", "verify_steps", "draft_tokens",
+                     "draft_budget", "base_tokens", "index_tokens", "index_bytes"):
+            self._check(name, check_int, 0)
+        for name in ("spec_seconds", "base_seconds", "drafter_us_per_request", "verl_accept_length"):
+            self._check(name, check_float, 0.0, math.inf, hi_open=True)
+        self._check("accepted_tokens", check_int, 0, self.draft_tokens)
+        self._check("same_samples", check_int, 0, self.num_requests)
+        self._check("verl_accept_rate", check_float, 0.0, 1.0)
+        self._check("mean_reward", check_float, -math.inf, math.inf, lo_open=True, hi_open=True)
+        drafted, accepted = self.depth_drafted, self.depth_accepted
+        if (drafted is None) != (accepted is None):
+            raise ValueError("depth_drafted and depth_accepted must both be given or both be None")
+        if drafted is not None:
+            drafted = _depth_tuple("depth_drafted", drafted)
+            accepted = _depth_tuple("depth_accepted", accepted, drafted)
+            object.__setattr__(self, "depth_drafted", drafted)
+            object.__setattr__(self, "depth_accepted", accepted)
+
+    def _check(self, name: str, check: Callable[..., Any], *bounds: Any, **kw: Any) -> None:
+        """Store field ``name`` as ``check`` returns it (None stays None: not measured)."""
+        value = getattr(self, name)
+        if value is not None or name not in _OPTIONAL:
+            object.__setattr__(self, name, check(name, value, *bounds, **kw))
 
     @property
     def spec_tokens_per_s(self) -> float:
@@ -110,8 +145,22 @@ class SpecStats:
         return out
 
 
+def _depth_tuple(name: str, counts: Any, highs: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """``counts`` as a tuple of ints >= 0; with ``highs``, one per entry of it and each at most
+    its entry (accepted at a depth <= drafted at that depth)."""
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of counts, got {type(counts).__name__}")
+    counts = tuple(counts)
+    if highs is not None and len(counts) != len(highs):
+        raise ValueError(f"{name} must have one count per depth of depth_drafted ({len(highs)}), "
+                         f"got {len(counts)}")
+    return tuple(check_int(f"{name}[{d}]", c, 0, None if highs is None else highs[d])
+                 for d, c in enumerate(counts))
+
+
 def _sum_attr(outputs: Sequence[Any], name: str) -> int:
-    return int(sum(int(getattr(o, name)) for o in outputs))
+    return sum(check_int(f"spec_outputs[{i}].{name}", getattr(o, name), 0)
+               for i, o in enumerate(outputs))
 
 
 def _depth_counts(outputs: Sequence[Any], name: str) -> Optional[tuple[int, ...]]:
@@ -119,8 +168,11 @@ def _depth_counts(outputs: Sequence[Any], name: str) -> Optional[tuple[int, ...]
     rows = [getattr(o, name, None) for o in outputs]
     if not rows or any(r is None for r in rows):
         return None
-    width = max((len(r) for r in rows), default=0)
-    return tuple(int(sum(int(r[d]) for r in rows if d < len(r))) for d in range(width))
+    totals = [0] * max(len(r) for r in rows)
+    for i, row in enumerate(rows):
+        for d, count in enumerate(row):
+            totals[d] += check_int(f"spec_outputs[{i}].{name}[{d}]", count, 0)
+    return tuple(totals)
 
 
 def _verl_ratios(outputs: Sequence[Any]) -> tuple[float, float]:
@@ -141,24 +193,43 @@ def stats_from_outputs(
 ) -> SpecStats:
     """Aggregate one step's ``RolloutOutput`` lists (with and without speculation) into SpecStats.
 
-    ``drafter`` is a dict with optional ``us_per_request``, ``index_tokens`` and ``index_bytes``;
-    ``depths`` the (drafted, accepted) per-depth counters of a ``DrafterProbe``, else they are
-    read from the outputs when the engine reports them.
+    ``base_outputs`` and ``rewards``, when given, hold one entry per spec output (same order);
+    ``drafter`` is a dict with optional keys DRAFTER_FIGURES (``us_per_request``,
+    ``index_tokens``, ``index_bytes``); ``depths`` the (drafted, accepted) per-depth counters of a
+    ``DrafterProbe``, else they are read from the outputs when the engine reports them.
+
+    Raises:
+        ValueError/TypeError naming the argument or SpecStats field that is out of range.
     """
+    for name, other in (("base_outputs", base_outputs), ("rewards", rewards)):
+        if other is not None and len(other) != len(spec_outputs):
+            raise ValueError(f"{name} must have one entry per spec output ({len(spec_outputs)}), "
+                             f"got {len(other)}")
+    if drafter is None:
+        drafter = {}
+    elif not isinstance(drafter, Mapping):
+        raise TypeError(f"drafter must be a dict with keys among {DRAFTER_FIGURES}, "
+                        f"got {type(drafter).__name__}")
+    unknown = sorted(map(str, set(drafter) - set(DRAFTER_FIGURES)))
+    if unknown:
+        raise ValueError(f"drafter has unknown keys {unknown}; allowed: {DRAFTER_FIGURES}")
+    if depths is None:
+        depths = tuple(_depth_counts(spec_outputs, n) for n in ("num_drafted_by_depth",
+                                                                 "num_accepted_by_depth"))
+    elif not isinstance(depths, Sequence) or len(depths) != 2:
+        raise ValueError("depths must be a (drafted, accepted) pair of per-depth counters")
+    # Counters first: they check each output's (whole, non-negative) counts by name.
+    counters = {name: _sum_attr(spec_outputs, f"num_{name}")
+                for name in ("verify_steps", "draft_tokens", "accepted_tokens")}
     rate, length = _verl_ratios(spec_outputs)
-    drafter = drafter or {}
     return SpecStats(
         step=step, num_requests=len(spec_outputs),
-        spec_tokens=sum(len(o.token_ids) for o in spec_outputs), spec_seconds=float(spec_seconds),
-        verify_steps=_sum_attr(spec_outputs, "num_verify_steps"),
-        draft_tokens=_sum_attr(spec_outputs, "num_draft_tokens"),
-        accepted_tokens=_sum_attr(spec_outputs, "num_accepted_tokens"),
-        verl_accept_rate=rate, verl_accept_length=length, draft_budget=int(draft_budget),
+        spec_tokens=sum(len(o.token_ids) for o in spec_outputs), spec_seconds=spec_seconds,
+        **counters, verl_accept_rate=rate, verl_accept_length=length, draft_budget=draft_budget,
         base_tokens=None if base_outputs is None else sum(len(o.token_ids) for o in base_outputs),
-        base_seconds=None if base_seconds is None else float(base_seconds),
-        mean_reward=None if not rewards else float(sum(rewards) / len(rewards)),
-        depth_drafted=depths[0] if depths else _depth_counts(spec_outputs, "num_drafted_by_depth"),
-        depth_accepted=depths[1] if depths else _depth_counts(spec_outputs, "num_accepted_by_depth"),
+        base_seconds=base_seconds,
+        mean_reward=None if rewards is None or not len(rewards) else sum(rewards) / len(rewards),
+        depth_drafted=depths[0], depth_accepted=depths[1],
         drafter_us_per_request=drafter.get("us_per_request"),
         index_tokens=drafter.get("index_tokens"), index_bytes=drafter.get("index_bytes"),
         same_samples=None if base_outputs is None else sum(
@@ -270,15 +341,24 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
     """Write a PNG: acceptance and TPF per step, speedup per step, acceptance by draft depth.
 
     Panels whose figures were not measured say so in the panel instead of drawing zeros.
+    ``history`` is a non-empty sequence of SpecStats, ``path`` a file path ending in .png.
     """
+    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
+        raise TypeError(f"history must be a sequence (list, tuple) of SpecStats, "
+                        f"got {type(history).__name__}")
+    bad = next((i for i, s in enumerate(history) if not isinstance(s, SpecStats)), None)
+    if bad is not None:
+        raise TypeError(f"history[{bad}] must be SpecStats, got {type(history[bad]).__name__}")
+    if not history:
+        raise ValueError("history must hold at least one step to plot")
+    if not isinstance(path, (str, Path)) or Path(path).suffix.lower() != ".png":
+        raise ValueError(f"path must be a file path ending in .png, got {path!r}")
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on CI or GPU hosts
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    if not history:
-        raise ValueError("history must hold at least one step to plot")
     steps = [s.step for s in history]
     fig, (ax_acc, ax_speed, ax_depth) = plt.subplots(1, 3, figsize=(15, 4.2))
     ax_acc.plot(steps, [s.accept_rate for s in history], "o-", label="accept rate")
@@ -296,7 +376,7 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
 

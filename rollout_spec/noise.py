@@ -20,11 +20,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rollout_spec.config import check_int
+
 NOISE_TAG = 0x5EED0C0F  # counter word 3: sets these draws apart from other uses of Philox
+MAX_VERIFY_VOCAB = 2**24 - 1
+"""Largest vocabulary a verify step races over (verify.py: token ids exact in float32)."""
+MAX_SEED = 2**63 - 1
+"""Largest seed, prompt or sample index (``SamplingParams.seed``; int64 on the device)."""
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def quarter_block(vocab: int) -> int:
-    """Q of the column layout: the smallest power of two >= V / 4, within [16, 1024]."""
+    """Q of the column layout: the smallest power of two >= V / 4, within [16, 1024];
+    ``vocab`` in [1, 2**31 - 1] (int32 token ids, as the drafter stores them)."""
+    vocab = check_int("vocab", vocab, 1, 2**31 - 1)
     need = max(1, -(-vocab // 4))
     return max(16, min(1024, 1 << (need - 1).bit_length()))
 
@@ -42,24 +51,36 @@ class NoiseKeys:
               device: torch.device) -> "NoiseKeys":
         """Independent keys for one call that has none of its own: seeds drawn from
         ``generator`` (seeded calls reproduce), positions 0."""
+        num_requests = check_int("num_requests", num_requests, 0, 2**31 - 1)
         gen_device = generator.device if generator is not None else torch.device("cpu")
         seeds = torch.randint(0, 2**62, (num_requests,), generator=generator, device=gen_device)
         return NoiseKeys(seeds.to(device), torch.zeros(num_requests, dtype=torch.int64, device=device))
 
-    def check(self, num_requests: int, device: torch.device) -> None:
-        """ValueError naming the field unless both are int64[num_requests] on ``device``."""
+    def check(self, num_requests: int, device: torch.device | str) -> None:
+        """Raise naming the field and what differs (dtype, shape, device) unless both are
+        int64[num_requests] tensors on ``device`` (a torch.device or its name, e.g. "cuda:0")."""
+        num_requests = check_int("num_requests", num_requests, 0)
+        device = torch.device(device) if isinstance(device, str) else device
         for name in ("seeds", "positions"):
             t = getattr(self, name)
-            if (not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != (num_requests,)
-                    or t.device != device):
-                got = (f"{t.dtype}{list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
-                       else type(t).__name__)
-                raise ValueError(f"keys.{name} must be int64[{num_requests}] on {device}, got {got}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"keys.{name} must be an int64[{num_requests}] tensor on {device}, "
+                                f"got {type(t).__name__}")
+            if t.dtype == torch.int64 and t.shape == (num_requests,) and t.device == device:
+                continue
+            fields = (("dtype", t.dtype, torch.int64), ("shape", tuple(t.shape), (num_requests,)),
+                      ("device", t.device, device))
+            got = ", ".join(f"{what} {have}" for what, have, want in fields if have != want)
+            raise ValueError(f"keys.{name} must be int64[{num_requests}] on {device}, got {got}")
 
 
 def sample_seed(call_seed: int, prompt_index: int, sample_index: int) -> int:
     """The seed of sample ``sample_index`` of prompt ``prompt_index`` in a call seeded
-    ``call_seed``: splitmix64's finaliser over the three, in [0, 2**63)."""
+    ``call_seed``: splitmix64's finaliser over the three, in [0, 2**63). Each argument is an
+    integer (numpy integers included) in [0, MAX_SEED]; anything else raises naming it."""
+    call_seed = check_int("call_seed", call_seed, 0, MAX_SEED)
+    prompt_index = check_int("prompt_index", prompt_index, 0, MAX_SEED)
+    sample_index = check_int("sample_index", sample_index, 0, MAX_SEED)
     z = (call_seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9
          + sample_index * 0x94D049BB133111EB + 0x632BE59BD9B4E019) & (2**64 - 1)
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
@@ -69,8 +90,18 @@ def sample_seed(call_seed: int, prompt_index: int, sample_index: int) -> int:
 
 def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32[A, V] on the keys' device: the uniforms of rows keyed (seeds[a], positions[a]),
-    every column (computed by the native core on the host)."""
+    every column (computed by the native core on the host). ``seeds`` and ``positions`` are 1-D
+    integer tensors of one length, ``vocab`` in [1, MAX_VERIFY_VOCAB]; anything else raises."""
     from rollout_spec import _core
+
+    vocab = check_int("vocab", vocab, 1, MAX_VERIFY_VOCAB)
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INT_DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be an integer torch tensor (int8 to int64, uint8), got {got}")
+    if seeds.ndim != 1 or positions.shape != seeds.shape:
+        raise ValueError(f"seeds and positions must be 1-D tensors of one length, got shapes "
+                         f"{list(seeds.shape)} and {list(positions.shape)}")
 
     host = [np.ascontiguousarray(t.cpu().numpy(), np.int64) for t in (seeds, positions)]
     u = _core.race_uniforms(*host, vocab, quarter_block(vocab), NOISE_TAG)

@@ -18,7 +18,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from rollout_spec.config import SamplingParams
+from rollout_spec.config import SamplingParams, check_int
+from rollout_spec.noise import MAX_VERIFY_VOCAB
 
 
 TOP_P_CANDIDATES = 1024
@@ -45,7 +46,9 @@ class SamplingTable:
     def from_params(
         sampling: SamplingParams | Sequence[SamplingParams], num_requests: int
     ) -> "SamplingTable":
-        """Accept one SamplingParams for all requests or a sequence of B of them."""
+        """Accept one SamplingParams for all requests or a sequence of B of them;
+        ``num_requests`` (B) in [0, 2**31 - 1]."""
+        num_requests = check_int("num_requests", num_requests, 0, 2**31 - 1)
         if isinstance(sampling, SamplingParams):
             return _uniform_table(sampling.temperature, sampling.top_k, sampling.top_p,
                                   num_requests)
@@ -80,7 +83,9 @@ class SamplingTable:
         return bool((self.temperature > 0).any())
 
     def truncates(self, vocab_size: int) -> bool:
-        """Some sampling request keeps fewer than all tokens (needs the per-row sort)."""
+        """Some sampling request keeps fewer than all tokens (needs the per-row sort);
+        ``vocab_size`` in [1, MAX_VERIFY_VOCAB]."""
+        vocab_size = check_int("vocab_size", vocab_size, 1, MAX_VERIFY_VOCAB)
         key = ("truncates", vocab_size)
         if key not in self._memo:
             sampling = self.temperature > 0
@@ -91,7 +96,9 @@ class SamplingTable:
     def cut_candidates(self, vocab_size: int) -> int:
         """How many of each row's largest logits decide every truncation cut: one more than the
         largest top-k (a tie of the k-th value continuing past the list then shows), at least
-        TOP_P_CANDIDATES when some request has top-p without top-k; at most V."""
+        TOP_P_CANDIDATES when some request has top-p without top-k; at most V (``vocab_size``,
+        in [1, MAX_VERIFY_VOCAB])."""
+        vocab_size = check_int("vocab_size", vocab_size, 1, MAX_VERIFY_VOCAB)
         key = ("cut_candidates", vocab_size)
         if key not in self._memo:
             sampling = self.temperature > 0
@@ -140,9 +147,10 @@ def row_stats(
     ``temp_rows`` is float32[R] of effective temperatures on the device when the table is not
     uniform (the caller uploads it with its other per-step arrays). This is the torch reference
     of verify.py (verify_triton.py computes the same inside its kernel). Never modifies
-    ``logits``.
+    ``logits``. A ``rows_per_request`` of another length or sum raises ValueError.
     """
     vocab = logits.shape[1]
+    _check_rows_per_request(rows_per_request, len(table.temperature), logits.shape[0])
     if table.uniform:
         temps = effective_temperature(table)
         temp: float | torch.Tensor = float(temps[0]) if len(temps) else 1.0
@@ -167,6 +175,17 @@ def row_stats(
         # Out of place: with float32 logits and T = 1, scores still aliases the caller's logits.
         scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
     return RowStats(temp=temp, lse=torch.logsumexp(scores, dim=-1), thr=thr)
+
+
+def _check_rows_per_request(counts: np.ndarray, num_requests: int, num_rows: int) -> None:
+    """ValueError unless ``counts`` is int[num_requests] of counts >= 1 summing to ``num_rows``."""
+    counts = np.asarray(counts)
+    if counts.shape != (num_requests,) or counts.dtype.kind not in "iu":
+        raise ValueError(f"rows_per_request must be int64[B={num_requests}], "
+                         f"got {counts.dtype}{list(counts.shape)}")
+    if counts.sum() != num_rows or (num_requests and counts.min() < 1):
+        raise ValueError(f"rows_per_request must hold counts >= 1 summing to the logits' "
+                         f"{num_rows} rows, got min {counts.min(initial=1)}, sum {counts.sum()}")
 
 
 def effective_temperature(table: SamplingTable) -> np.ndarray:

@@ -133,7 +133,7 @@ def test_dashboard_png_written(tmp_path):
 def test_tables_render():
     from rich.console import Console
 
-    s = stats_from_outputs(0, _outputs(), 1.0, draft_budget=8, rewards=[1.0])
+    s = stats_from_outputs(0, _outputs(), 1.0, draft_budget=8, rewards=[1.0, 0.0])
     console = Console(record=True, width=140)
     console.print(metrics.step_table(s))
     console.print(metrics.summary_table([s]))

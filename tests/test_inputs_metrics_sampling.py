@@ -1,0 +1,171 @@
+"""Bad input to metrics, sampling and noise functions raises naming the field and its range."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_spec.config import SamplingParams
+from rollout_spec.metrics import SpecStats, plot_dashboard, stats_from_outputs
+from rollout_spec.noise import NoiseKeys, quarter_block, race_uniforms, sample_seed
+from rollout_spec.sampling import SamplingTable, row_stats
+
+STATS = dict(step=0, num_requests=2, spec_tokens=10, spec_seconds=1.0, verify_steps=5,
+             draft_tokens=8, accepted_tokens=4, verl_accept_rate=0.5, verl_accept_length=1.5,
+             draft_budget=4)
+
+
+@dataclass
+class Out:
+    token_ids: list
+    num_verify_steps: int = 2
+    num_draft_tokens: int = 4
+    num_accepted_tokens: int = 2
+
+
+SPEC = [Out([1, 2, 3]), Out([4, 5])]
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"spec_tokens": -10}, ValueError, r"spec_tokens must be in \[0"),
+    ({"accepted_tokens": 80}, ValueError, r"accepted_tokens must be in \[0, 8\]"),
+    ({"same_samples": 10}, ValueError, r"same_samples must be in \[0, 2\]"),
+    ({"step": "x"}, TypeError, "step must be an integer"),
+    ({"step": 1.5}, TypeError, "step must be an integer"),
+    ({"num_requests": True}, TypeError, "num_requests must be an integer"),
+    ({"spec_seconds": float("nan")}, ValueError, "spec_seconds must be in"),
+    ({"base_tokens": 10, "base_seconds": -1.0}, ValueError, "base_seconds must be in"),
+    ({"verl_accept_rate": 1.5}, ValueError, r"verl_accept_rate must be in \[0.0, 1.0\]"),
+    ({"mean_reward": float("nan")}, ValueError, "mean_reward must be in"),
+    ({"depth_drafted": (5, 3), "depth_accepted": (1, 2, 3)}, ValueError,
+     r"depth_accepted must have one count per depth of depth_drafted \(2\), got 3"),
+    ({"depth_drafted": (1,), "depth_accepted": (5,)}, ValueError, r"depth_accepted\[0\] must be in \[0, 1\]"),
+    ({"depth_drafted": (1,)}, ValueError, "both be given"),
+])
+def test_spec_stats_refuses_bad_fields(change, error, match):
+    with pytest.raises(error, match=match):
+        SpecStats(**{**STATS, **change})
+
+
+def test_spec_stats_stores_plain_numbers_and_hashable_depths():
+    s = SpecStats(**{**STATS, "step": np.int64(3), "spec_seconds": 2, "depth_drafted": [2, 1],
+                     "depth_accepted": np.array([1, 0])})
+    assert type(s.step) is int and type(s.spec_seconds) is float
+    assert s.depth_drafted == (2, 1) and s.depth_accepted == (1, 0)
+    hash(s)  # frozen and all fields hashable
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"base_outputs": [Out([1, 2, 3])], "base_seconds": 1.0}, ValueError,
+     r"base_outputs must have one entry per spec output \(2\), got 1"),
+    ({"rewards": [1.0]}, ValueError, r"rewards must have one entry per spec output \(2\), got 1"),
+    ({"draft_budget": 4.9}, TypeError, "draft_budget must be an integer"),
+    ({"draft_budget": "4"}, TypeError, "draft_budget must be an integer"),
+    ({"draft_budget": -3}, ValueError, r"draft_budget must be in \[0"),
+    ({"drafter": {"us_per_req": 3.0}}, ValueError, r"drafter has unknown keys \['us_per_req'\]"),
+    ({"drafter": [1]}, TypeError, "drafter must be a dict"),
+    ({"depths": ([5],)}, ValueError, "depths must be a"),
+])
+def test_stats_from_outputs_refuses_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        stats_from_outputs(0, SPEC, 1.0, **{"draft_budget": 4, **kwargs})
+
+
+def test_stats_from_outputs_refuses_fractional_output_counters():
+    with pytest.raises(TypeError, match=r"spec_outputs\[0\].num_verify_steps must be an integer"):
+        stats_from_outputs(0, [Out([1], num_verify_steps=2.7)], 1.0, draft_budget=4)
+    s = stats_from_outputs(0, SPEC, 1.0, draft_budget=4, depths=([5], [1]),
+                           drafter={"us_per_request": 3.0})
+    assert s.depth_drafted == (5,) and s.drafter_us_per_request == 3.0
+    hash(s)
+
+
+@pytest.mark.parametrize("history, path, error, match", [
+    ([SpecStats(**STATS)], "noext", ValueError, "must be a file path ending in .png"),
+    ([SpecStats(**STATS)], "dash.jpg", ValueError, "must be a file path ending in .png"),
+    ([SpecStats(**STATS)], "dash.txt", ValueError, "must be a file path ending in .png"),
+    ((s for s in [SpecStats(**STATS)]), "dash.png", TypeError, "history must be a sequence"),
+    ([{"step": 0}], "dash.png", TypeError, r"history\[0\] must be SpecStats, got dict"),
+])
+def test_plot_dashboard_refuses_bad_history_and_paths(tmp_path, history, path, error, match):
+    with pytest.raises(error, match=match):
+        plot_dashboard(history, tmp_path / path)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_plot_dashboard_writes_png_for_upper_case_suffix(tmp_path):
+    path = plot_dashboard([SpecStats(**STATS)], tmp_path / "dash.PNG")
+    assert path.exists() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sample_seed_takes_numpy_ints_and_refuses_out_of_range():
+    assert sample_seed(np.int64(0), np.int32(2), np.uint64(1)) == sample_seed(0, 2, 1)
+    with pytest.raises(ValueError, match=r"call_seed must be in \[0, 9223372036854775807\], got -1"):
+        sample_seed(-1, 0, 0)
+    with pytest.raises(ValueError, match="prompt_index must be in"):
+        sample_seed(0, 2**64 - 1, 0)
+    with pytest.raises(TypeError, match="sample_index must be an integer, got float"):
+        sample_seed(0, 0, 1.5)
+
+
+def test_race_uniforms_checks_keys_and_vocab():
+    z = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(TypeError, match="seeds must be an integer torch tensor.*float32"):
+        race_uniforms(torch.tensor([1.5, 2.9]), z, 5)
+    with pytest.raises(TypeError, match="positions must be an integer torch tensor.*ndarray"):
+        race_uniforms(z, np.zeros(2, np.int64), 5)
+    with pytest.raises(ValueError, match="seeds and positions must be 1-D tensors of one length"):
+        race_uniforms(torch.zeros(3, dtype=torch.int64), z, 5)
+    with pytest.raises(ValueError, match=r"vocab must be in \[1, 16777215\]"):
+        race_uniforms(z, z, 2**40)
+    assert torch.equal(race_uniforms(z.int(), z, 5), race_uniforms(z, z, 5))
+
+
+@pytest.mark.parametrize("vocab, error", [(0, ValueError), (-10, ValueError), (100.5, TypeError),
+                                          (True, TypeError)])
+def test_quarter_block_refuses_bad_vocab(vocab, error):
+    with pytest.raises(error, match="vocab must be"):
+        quarter_block(vocab)
+
+
+def test_sampling_table_checks_sizes():
+    sp = SamplingParams(temperature=1.0, top_p=0.9)
+    with pytest.raises(ValueError, match=r"num_requests must be in \[0, 2147483647\], got -1"):
+        SamplingTable.from_params(sp, -1)
+    with pytest.raises(TypeError, match="num_requests must be an integer"):
+        SamplingTable.from_params(sp, 2.0)
+    table = SamplingTable.from_params(sp, 2)
+    for method in (table.truncates, table.cut_candidates):
+        with pytest.raises(ValueError, match=r"vocab_size must be in \[1, 16777215\]"):
+            method(0)
+        with pytest.raises(TypeError, match="vocab_size must be an integer"):
+            method(4.0)
+    assert table.truncates(10) and table.cut_candidates(10) == 10
+
+
+@pytest.mark.parametrize("rows, match", [
+    (np.array([1, 1]), "summing to the logits' 4 rows"),  # length right, sum wrong
+    (np.array([2, 1, 1]), r"int64\[B=2\], got int64\[3\]"),
+    (np.array([5, -1]), "counts >= 1"),
+    (np.array([2.0, 2.0]), r"int64\[B=2\], got float64\[2\]"),
+])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])  # without truncation the counts went unread
+def test_row_stats_checks_rows_per_request(rows, match, top_p):
+    table = SamplingTable.from_params(SamplingParams(temperature=1.0, top_p=top_p), 2)
+    with pytest.raises(ValueError, match=match):
+        row_stats(torch.randn(4, 10), table, rows)
+
+
+def test_noise_keys_check_says_what_differs():
+    keys = NoiseKeys(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    keys.check(2, "cpu")  # a device name is a device
+    keys.check(2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"keys.seeds must be int64\[3\] on cpu, got shape \(2,\)$"):
+        keys.check(3, "cpu")
+    bad = NoiseKeys(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"keys.positions must be int64\[2\] on cpu, got dtype torch.int32$"):
+        bad.check(2, "cpu")
+    with pytest.raises(TypeError, match="keys.seeds must be an int64"):
+        NoiseKeys([0, 0], keys.positions).check(2, "cpu")
