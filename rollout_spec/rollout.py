@@ -105,8 +105,8 @@ class RolloutSession:
         call_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):
-            gid = group_ids[p] if group_ids is not None else prompt_group_id(prompt)
-            error = self._check_prompt(prompt)
+            error = self._check_prompt(prompt)  # before its group id: that needs valid token ids
+            gid = group_ids[p] if group_ids is not None else None if error else prompt_group_id(prompt)
             for i in range(self.params.n):
                 seq = Sequence(self.engine.new_request_id(), p, i, list(prompt), self.params, gid,
                                self.stop_ids, sample_seed(call_seed, p, i))
@@ -152,7 +152,8 @@ class RolloutSession:
             return "empty prompt: a prompt needs at least one token"
         if len(prompt) >= limit:
             return f"prompt has {len(prompt)} tokens; max_model_len={limit} leaves no room to generate"
-        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        bad = [t for t in prompt
+               if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
             return f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}"
         return None

@@ -318,12 +318,12 @@ def test_context_limit_finishes_with_length(pair) -> None:
 def test_bad_prompts_error_and_the_rest_finish(pair) -> None:
     _, model = pair
     good = mixed_prompts(3, seed=8)
-    prompts = [good[0], [], list(range(70)) * 4, good[1], [VOCAB + 5], good[2]]
+    prompts = [good[0], [], list(range(70)) * 4, good[1], [VOCAB + 5], good[2], [3, -1], [3, 1.5], [3, True]]
     outs = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=5))
     reasons = [o.finish_reason for o in outs]
-    assert reasons == ["length", "error", "error", "length", "error", "length"]
+    assert reasons == ["length", "error", "error", "length", "error", "length", "error", "error", "error"]
     assert "empty prompt" in outs[1].error and "max_model_len=256" in outs[2].error
-    assert "[0, 101)" in outs[4].error
+    assert all("[0, 101)" in outs[i].error for i in (4, 6, 7, 8))  # a bool is no token id either
     ref_outs = engine(model).generate(good, SamplingParams(temperature=0.0, max_new_tokens=5))
     assert [outs[i].token_ids for i in (0, 3, 5)] == [o.token_ids for o in ref_outs]
 

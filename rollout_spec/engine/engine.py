@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as Seq
 from typing import Any, Optional, Union
 
+import contextlib
+import inspect
 import os
 import platform
 import time
@@ -20,6 +22,7 @@ from rollout_spec.drafter import proposes_ahead, takes_noise_keys
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
 from rollout_spec.engine.cuda_graphs import default_ladder
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
+from rollout_spec.engine.inputs import check_dtype, check_group_ids, check_options, checked_budget, vocab_ids
 from rollout_spec.engine.model import Transformer
 from rollout_spec.engine.runner import ModelRunner
 from rollout_spec.engine.scheduler import Scheduler
@@ -42,10 +45,20 @@ kept at every draft size k."""
 
 
 def pick_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` means CUDA when available, else CPU."""
+    """``"auto"`` means CUDA when available, else CPU; a device torch cannot name, or a CUDA or
+    MPS device this machine lacks, raises ValueError naming ``device``."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from err
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA devices "
+                         "here (use 'cpu')")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here (use 'cpu')")
+    return dev
 
 
 class RolloutEngine:
@@ -118,20 +131,24 @@ class RolloutEngine:
         worker_min_batch: int = 32,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.num_slots = check_int("num_slots", num_slots, 1, 1 << 20)
+        device = next(model.parameters()).device
+        sizes = check_options(
+            device, spec, num_slots=num_slots, max_model_len=max_model_len,
+            max_prefill_tokens=max_prefill_tokens, draft_budget=draft_budget,
+            max_draft_tokens=max_draft_tokens, cuda_graphs=cuda_graphs,
+            batch_aware_budget=batch_aware_budget, overlap_drafter=overlap_drafter,
+            verify_backend=verify_backend, worker_min_batch=worker_min_batch)
+        self.num_slots, self.max_prefill_tokens = sizes["num_slots"], sizes["max_prefill_tokens"]
+        self.max_draft_tokens, self.worker_min_batch = sizes["max_draft_tokens"], sizes["worker_min_batch"]
         limit = model.config.max_position_embeddings
         max_model_len = min(2048, limit) if max_model_len is None else max_model_len
         self.max_model_len = check_int("max_model_len", max_model_len, 2, limit)
-        self.max_prefill_tokens = check_int("max_prefill_tokens", max_prefill_tokens, 1, 1 << 30)
-        self.max_draft_tokens = check_int("max_draft_tokens", max_draft_tokens, 0, 1024)
-        if verify_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"verify_backend must be 'auto', 'torch' or 'triton', got {verify_backend!r}")
+        self.eos_token_ids = vocab_ids("eos_token_ids", eos_token_ids, model.config.vocab_size)
         self.verify_backend = verify_backend
         self._drafter = _make_drafter(spec)
         if overlap_drafter is None:
-            overlap_drafter = next(model.parameters()).device.type == "cuda"
+            overlap_drafter = device.type == "cuda"
         self._queue = DrafterQueue(overlap_drafter)
-        self.worker_min_batch = check_int("worker_min_batch", worker_min_batch, 1, 1 << 20)
         self._feed = DrafterFeed(self._queue)
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
         self._drafted_last = False  # whether the last decode step fed the drafter and drafted ahead
@@ -142,13 +159,13 @@ class RolloutEngine:
         self.phase_seconds: dict[str, float] = dict.fromkeys(
             ("propose", "forward_verify", "commit", "steps", "prefill"), 0.0)
         default = spec.num_draft_tokens if isinstance(spec, SpecConfig) else 8
-        self.draft_budget: DraftBudget = draft_budget or (lambda _num_running: default)
+        self.draft_budget: DraftBudget = (
+            (lambda _num_running: default) if draft_budget is None else draft_budget)
         shadow_budget = min(default, self.max_draft_tokens)
         self._shadow = (ShadowAcceptance(shadow_budget)
                         if self._drafter is not None and shadow_budget else None)
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         # Slack past max_model_len: a padded tree of the widest request is written past the root.
-        self.runner = ModelRunner(model, num_slots, self.max_model_len + self.max_draft_tokens + 1)
+        self.runner = ModelRunner(model, self.num_slots, self.max_model_len + self.max_draft_tokens + 1)
         self._next_req_id = 0
         on_cuda = self.runner.device.type == "cuda"
         if batch_aware_budget is None:
@@ -192,16 +209,25 @@ class RolloutEngine:
     ) -> "RolloutEngine":
         """Load ``"smollm2-135m"``, a GGUF file or a safetensors directory and build an engine.
 
-        dtype defaults to bf16 on CUDA and fp32 on CPU; other keyword arguments go to ``__init__``.
+        dtype defaults to bf16 on CUDA and fp32 on CPU; other keyword arguments go to ``__init__``
+        (eos_token_ids defaults to the model config's). The device, the dtype and every option
+        that needs no model are checked before the weights load (a GGUF conversion takes minutes).
         """
         from rollout_spec.engine.weights import load_pretrained
 
         dev = pick_device(device)
+        check_dtype(dtype)
+        try:
+            options = inspect.signature(cls).bind(None, None, spec, **kwargs)
+        except TypeError as err:  # an unknown or repeated keyword
+            raise TypeError(f"{cls.__name__}: {err}") from None
+        options.apply_defaults()
+        check_options(dev, **options.arguments)
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         model, hf_config, tokenizer = load_pretrained(name_or_path, dev, dtype)
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(model, tokenizer, spec, eos_token_ids=eos_ids, **kwargs)
+        return cls(model, tokenizer, spec, **{"eos_token_ids": eos_ids, **kwargs})
 
     @property
     def drafter(self) -> Any:
@@ -252,15 +278,50 @@ class RolloutEngine:
     ) -> list[Any]:
         """n samples per prompt; returns ``RolloutOutput``s ordered by (prompt, sample).
 
-        ``max_running`` caps the samples decoded at once (default and most: ``num_slots``); the
-        others wait for a slot, so e.g. GRPO's n samples of a prompt can run one after another.
+        ``group_ids`` gives each prompt's group for the drafter's group scope, one entry per
+        prompt: an int in ``[0, groups.GROUP_ID_MAX]``, or None for a prompt in no group (-1 is
+        refused: pass None). Without it, a prompt's group is the hash of its tokens
+        (``groups.prompt_group_id``). ``max_running`` caps the samples decoded at once (default
+        and most: ``num_slots``); the others wait for a slot, so e.g. GRPO's n samples of a
+        prompt can run one after another.
+
+        Bad arguments raise before any prefill (which prompts become an ``"error"`` output
+        instead: ``RolloutSession``); a call that fails midway leaves the engine ready for the
+        next.
         """
         from rollout_spec.rollout import RolloutSession
 
         running = self.num_slots if max_running is None else check_int(
             "max_running", max_running, 1, self.num_slots)
-        with self._queue.responsive():  # the drafter's worker gets the GIL without a 5 ms wait
-            return RolloutSession(self, params, progress=progress).run(prompts, group_ids, running)
+        group_ids = check_group_ids(group_ids)
+        session = RolloutSession(self, params, progress=progress)  # checks params' type
+        if params.stop_token_ids:
+            vocab_ids("stop_token_ids", params.stop_token_ids, self.model.config.vocab_size)
+        first_req_id = self._next_req_id
+        try:
+            with self._queue.responsive():  # the drafter's worker gets the GIL without a 5 ms wait
+                return session.run(prompts, group_ids, running)
+        except BaseException:
+            self._abandon(range(first_req_id, self._next_req_id))
+            raise
+
+    def _abandon(self, req_ids: range) -> None:
+        """After a call failed midway: drop its deferred hand-offs, queued calls, shadow rounds and
+        budget figures, so the next call starts as on a fresh engine, and finish the call's
+        requests the drafter still holds (where it says which, with ``is_live``). Best effort:
+        the call's own error is the one raised."""
+        self._feed = DrafterFeed(self._queue)
+        self._asked = self._unaccounted = self._switch_from = None
+        self._drafted_last = False
+        if self._shadow is not None:
+            self._shadow.drop_pending()
+        with contextlib.suppress(Exception):  # the failed call's own calls: its error is raised
+            self._queue.drain()
+        is_live = getattr(self._drafter, "is_live", None)
+        live = [r for r in req_ids if is_live(r)] if is_live is not None else []
+        if live:
+            with contextlib.suppress(Exception):
+                self._drafter.finish_batch(live)
 
     def end_step(self) -> None:
         """RL step boundary: forwards to the drafter (ages and evicts its history)."""
@@ -398,7 +459,11 @@ class RolloutEngine:
         then what it would know at the next step's start (the last step's figures reach it
         in ``_account_last``, one step behind), and its ~0.1 ms leaves the GPU's idle gap."""
         if self._drafter is not None:
-            self._asked = (num_running, self.draft_budget(num_running))
+            self._asked = (num_running, self._ask(num_running))
+
+    def _ask(self, num_running: int) -> Union[int, np.ndarray]:
+        """The budget's answer for ``num_running`` requests, checked (``inputs.checked_budget``)."""
+        return checked_budget(self.draft_budget(num_running), num_running, self.max_draft_tokens)
 
     def _budgets(self, run: RunningBatch) -> np.ndarray:
         """Per-request node budgets: the pluggable budget's answer, capped by what each request
@@ -412,7 +477,7 @@ class RolloutEngine:
         if ready is not None and (ready[0] == num or np.ndim(ready[1]) == 0):
             asked = ready[1]
         else:
-            asked = self.draft_budget(num)
+            asked = self._ask(num)
         if isinstance(asked, int) and asked == 0:  # the plain path: nothing to cap
             return np.zeros(num, np.int64)
         return self._capped(asked, run.room(self.max_model_len))
@@ -532,15 +597,12 @@ def _params_of(seqs: list[Sequence]) -> SamplingParams | list[SamplingParams]:
 
 
 def _make_drafter(spec: Any) -> Any:
-    """Build the n-gram drafter from a SpecConfig, accept a ready drafter, or None."""
+    """Build the n-gram drafter from a SpecConfig, accept a ready drafter (checked by
+    ``inputs.check_options``), or None."""
     if spec is None or (isinstance(spec, SpecConfig) and spec.num_draft_tokens == 0):
         return None
     if isinstance(spec, SpecConfig):
         from rollout_spec.drafter import NgramDrafter
 
         return NgramDrafter(spec)
-    needed = ("start_batch", "extend_batch", "propose", "finish_batch", "end_step")
-    missing = [m for m in needed if not callable(getattr(spec, m, None))]
-    if missing:
-        raise TypeError(f"spec must be a SpecConfig, None or a drafter; {type(spec).__name__} lacks {missing}")
     return spec

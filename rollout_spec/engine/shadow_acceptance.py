@@ -80,6 +80,10 @@ class ShadowAcceptance:
         self._pending.append(([seqs[i] for i in idx], run.out_len[idx].tolist(), future))
         self.rounds += 1
 
+    def drop_pending(self) -> None:
+        """Forget the rounds not harvested yet (their call failed: its requests never finish)."""
+        self._pending = []
+
     def harvest(self, observe: Callable[[np.ndarray], None]) -> None:
         """Walk every finished round whose requests emitted ``budget`` tokens since (or finished)
         and pass ``observe(accepted)`` (see the class); rounds not ready yet stay pending."""
