@@ -40,7 +40,6 @@ import torch
 from rollout_spec.cli_args import check_device, device_arg, int_arg, numbers_arg
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
-from rollout_spec.engine.engine import pick_device
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import ModelConfig, StepContext, Transformer
 
@@ -653,7 +652,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What parsing alone cannot see, refused before any model is built: the device, the Triton
     backend, --profile against the engines' slots, the random-weight prompts' length (the
     checkpoint's prompts are checked once drawn, ``check_prompts``)."""
-    check_device(ap, args.device)
+    args.device = check_device(ap, args.device)
     if args.verify_backend == "triton" and not triton_attention.is_available():
         ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")
     if args.profile and args.mode != "engine":
@@ -683,7 +682,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ap.parse_known_args(argv)[0].quick:
         ap.set_defaults(batch_sizes="1,8", max_new_tokens=8, ctx=64, repeats=2, min_samples=8, queue=1)
     args = ap.parse_args(argv)
-    args.device = str(pick_device(args.device))
     check_args(ap, args)
     args.overlap_drafter = {"auto": None, "on": True, "off": False}[args.overlap_drafter]
     return args

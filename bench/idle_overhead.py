@@ -26,7 +26,6 @@ from engine_bench import SMOLLM2_135M, random_model  # noqa: E402
 from rollout_spec import SamplingParams, SpecConfig  # noqa: E402
 from rollout_spec.cli_args import check_device, device_arg, int_arg  # noqa: E402
 from rollout_spec.engine import RolloutEngine  # noqa: E402
-from rollout_spec.engine.engine import pick_device  # noqa: E402
 
 PROMPT_LEN = 128  # random ids per prompt
 # each engine's max_model_len is PROMPT_LEN + --new-tokens + 16, at most the model's positions
@@ -59,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int_arg("--rounds", 2, 1000), default=4,
                     help="rounds per row, the first a warm-up")
     args = ap.parse_args(argv)
-    args.device = str(pick_device(args.device))
-    check_device(ap, args.device)
+    args.device = check_device(ap, args.device)
     if max(args.batch_sizes) > args.slots:
         ap.error(f"every --batch-sizes value must be in [1, --slots={args.slots}], got {max(args.batch_sizes)}")
     dev = torch.device(args.device)

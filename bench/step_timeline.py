@@ -28,7 +28,6 @@ import torch
 
 import engine_bench as eb
 from rollout_spec.cli_args import device_arg, float_arg, int_arg
-from rollout_spec.engine.engine import pick_device
 
 WAIT = "Tensor.cpu"  # the host's wait for the GPU (verification's readback) ends here
 REPLAY = "GraphLadder.replay"  # the GPU starts a step's forward
@@ -187,7 +186,7 @@ def bench_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     """``engine_bench``'s options for this run (its defaults elsewhere), checked with ``ap`` so that
     an error names this script's flags."""
     out = eb.build_parser().parse_args([])
-    out.__dict__.update(device=str(pick_device(args.device)), model=args.model, batch_sizes=[args.batch_size],
+    out.__dict__.update(device=args.device, model=args.model, batch_sizes=[args.batch_size],
                         temperatures=[args.temperature], repeats=args.rounds, max_new_tokens=args.max_new_tokens,
                         max_model_len=args.max_model_len, draft_tokens=args.draft_tokens,
                         random_weights=args.random_weights, overlap_drafter=None)

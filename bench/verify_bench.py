@@ -39,7 +39,6 @@ import torch
 from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, names_arg, numbers_arg
 from rollout_spec.config import SamplingParams
 from rollout_spec.engine import triton_attention
-from rollout_spec.engine.engine import pick_device
 from rollout_spec.tree import DraftBatch, build_tree_inputs
 from rollout_spec.verify import verify
 
@@ -153,8 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options with the device's defaults filled in; what cannot run here is refused now."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.device = str(pick_device(args.device))
-    check_device(ap, args.device)
+    args.device = check_device(ap, args.device)
     gpu = args.device.startswith("cuda")
     if "triton" in (args.backends or ()) and not triton_attention.is_available():
         ap.error("--backends triton: the triton package is not installed (use torch or auto)")

@@ -91,7 +91,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     problem = _model_problem(args.model)
     if problem:
         p.error(f"--model {args.model!r}: {problem}")
-    check_device(p, args.device)
+    args.device = check_device(p, args.device)
     try:
         args.wandb = resolve_wandb_mode(args.wandb)
     except ValueError as exc:

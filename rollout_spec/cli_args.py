@@ -84,13 +84,22 @@ def device_arg(text: str) -> str:
     return text
 
 
-def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--device") -> None:
-    """Refuse a CUDA device where torch sees none (before any model is built)."""
+def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--device") -> str:
+    """The device ``device`` names, ``auto`` resolved (CUDA where torch sees one, else CPU); a
+    device this machine lacks is an argument error, raised before any model is built."""
     if device.startswith("cuda"):
         import torch
 
-        if not torch.cuda.is_available():
-            parser.error(f"{flag} {device}: no CUDA device is visible here (use cpu)")
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            parser.error(f"{flag} {device}: no CUDA device is visible here (use cpu)" if count == 0 else
+                         f"{flag} {device}: torch sees {count} CUDA devices here (cuda:0 to cuda:{count - 1})")
+    from rollout_spec.engine.engine import pick_device
+
+    try:
+        return str(pick_device(device))
+    except ValueError as exc:  # e.g. mps where it is not available
+        parser.error(f"{flag} {exc}")
 
 
 def unwritable(path: Path) -> Optional[str]:

@@ -55,7 +55,11 @@ def test_outputs_and_traces_are_checked_before_work(tmp_path):
 def test_a_cuda_device_is_refused_where_torch_sees_none(monkeypatch):
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(Refused, match="--device cuda:0: no CUDA device is visible here"):
         check_device(Parser(), "cuda:0")
-    check_device(Parser(), "cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(Refused, match=r"--device cuda:2: torch sees 2 CUDA devices here \(cuda:0 to cuda:1\)"):
+        check_device(Parser(), "cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_device(Parser(), "cpu") == "cpu" and check_device(Parser(), "auto") == "cpu"
