@@ -172,10 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             ap.error(str(e))
     paths = args.trace or sorted(glob.glob(SHARED))
-    traces = [(Path(path).name, load_trace_arg(ap, "--trace", path)) for path in paths]
-    for path, (_, trace) in zip(paths, traces):
-        if not trace.steps or not all(trace.steps):
-            ap.error(f"--trace {path}: every step must hold responses (it has {len(trace.steps)} steps)")
+    traces = [(Path(path).name, load_trace_arg(ap, "--trace", path, need_responses=True)) for path in paths]
     # One thread each: CPU time. With a pool, every row is timed by the wall (its latency).
     clock = time.process_time if counts == [1] else time.perf_counter
     print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "

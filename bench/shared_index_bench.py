@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--requests {args.requests} must be a multiple of --n {args.n}")
     if args.hosts > args.replicas:
         ap.error(f"--hosts {args.hosts} must be at most --replicas {args.replicas} (a host carries replicas)")
-    recorded = responses_by_group(load_trace_arg(ap, "--trace", args.trace))
-    if not all(recorded):  # no steps, or a step without responses
-        ap.error(f"--trace {args.trace}: every recorded step must hold responses (it has {len(recorded)} steps)")
+    recorded = responses_by_group(load_trace_arg(ap, "--trace", args.trace, need_responses=True))
     smallest = min((len(r) for step in recorded for r in step.values()), default=0)
     if args.n > smallest:
         ap.error(f"--n {args.n}: the groups of trace {args.trace} hold as few as {smallest} responses")

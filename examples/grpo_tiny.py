@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg
+from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, task_arg
 from rollout_spec.config import SamplingParams, SpecConfig
 from rollout_spec.metrics import (DrafterProbe, make_sink, resolve_wandb_mode, stats_from_outputs,
                                   wandb_metrics)
@@ -40,17 +40,6 @@ class Rollouts:
     """Wall time of the engine's generate call alone (scoring excluded)."""
 
 
-def _task_arg(text: str) -> str:
-    """An argparse type: a task name the workloads accept (reasoning-gym's registry or humaneval)."""
-    from rollout_spec.workloads import task_names
-
-    if text not in task_names():
-        raise argparse.ArgumentTypeError(
-            f"task must be a reasoning-gym task or 'humaneval' (e.g. basic_arithmetic, chain_sum), "
-            f"got {text!r}")
-    return text
-
-
 def _model_problem(name: str) -> Optional[str]:
     """Why ``name`` is no model the engine can load (checked without loading it), or None."""
     from rollout_spec.engine.weights import KNOWN_MODELS
@@ -68,7 +57,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
-    p.add_argument("--task", type=_task_arg, default="basic_arithmetic")
+    p.add_argument("--task", type=task_arg, default="basic_arithmetic")
     p.add_argument("--steps", type=int_arg("steps", 1, 100_000), default=10)
     p.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=8)
     p.add_argument("--n", type=int_arg("n", 2, 1024), default=8,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from rollout_spec.cli_args import check_output, device_arg, float_arg, int_arg
+from rollout_spec.cli_args import check_device, check_output, device_arg, float_arg, int_arg, task_arg
 from rollout_spec.config import SamplingParams
 from rollout_spec.metrics import DrafterProbe, SpecStats, step_table, stats_from_outputs
 
@@ -30,23 +30,11 @@ def _top_k_arg(text: str) -> int:
     return value
 
 
-def _task_arg(text: str) -> str:
-    from rollout_spec.workloads import task_names
-
-    names = task_names()
-    if text not in names:
-        raise argparse.ArgumentTypeError(
-            f"task must be a reasoning-gym task or 'humaneval' (e.g. gsm_symbolic, basic_arithmetic, "
-            f"chain_sum; {len(names)} in all), got {text!r}"
-        )
-    return text
-
-
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="'smollm2-135m', a .gguf file or a safetensors model directory")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
-    p.add_argument("--task", type=_task_arg, default="gsm_symbolic",
+    p.add_argument("--task", type=task_arg, default="gsm_symbolic",
                    help="a reasoning-gym task name, or 'humaneval'")
     p.add_argument("--steps", type=int_arg("steps", 1, 100_000), default=2, help="RL steps")
     p.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=4, help="prompts per step")
@@ -105,8 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.wandb = resolve_wandb_mode(args.wandb)
         except ValueError as exc:
             parser.error(str(exc))
-        if args.device.startswith("cuda") and not _cuda_available():
-            parser.error(f"--device {args.device}: no CUDA device is visible (use auto or cpu)")
+        check_device(parser, args.device)
         if args.draft_tokens is None:
             on_cuda = args.device.startswith("cuda") or (args.device == "auto" and _cuda_available())
             args.draft_tokens = 32 if on_cuda else 8

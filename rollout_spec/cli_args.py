@@ -77,6 +77,18 @@ def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]
     return parse
 
 
+def task_arg(text: str) -> str:
+    """An argparse type: a task name the workloads accept (reasoning-gym's registry or humaneval)."""
+    from rollout_spec.workloads import task_names
+
+    names = task_names()
+    if text not in names:
+        raise argparse.ArgumentTypeError(
+            f"task must be a reasoning-gym task or 'humaneval' (e.g. gsm_symbolic, basic_arithmetic, "
+            f"chain_sum; {len(names)} in all), got {text!r}")
+    return text
+
+
 def device_arg(text: str) -> str:
     """An argparse type: a torch device name rollout-spec runs on (auto, cpu, mps, cuda[:N])."""
     if not DEVICE_RE.match(text):
@@ -99,7 +111,7 @@ def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--de
     try:
         return str(pick_device(device))
     except ValueError as exc:  # e.g. mps where it is not available
-        parser.error(f"{flag} {exc}")
+        parser.error(f"{flag}: {exc}")
 
 
 def unwritable(path: Path) -> Optional[str]:
@@ -121,13 +133,18 @@ def check_output(parser: argparse.ArgumentParser, flag: str, path: Optional[Path
         parser.error(f"{flag} {path}: {problem}")
 
 
-def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path) -> "Trace":
-    """The trace at ``path``; a missing or malformed file is an argument error naming it."""
+def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
+                   need_responses: bool = False) -> "Trace":
+    """The trace at ``path``; a missing or malformed file is an argument error naming it, and so,
+    with ``need_responses``, is one without steps or with a step that holds no responses."""
     from rollout_spec.replay import load_trace
 
     if not Path(path).is_file():
         parser.error(f"{flag} {path}: trace file not found")
     try:
-        return load_trace(path)
+        trace = load_trace(path)
     except (OSError, ValueError) as exc:
         parser.error(f"{flag} {exc}")
+    if need_responses and (not trace.steps or not all(trace.steps)):
+        parser.error(f"{flag} {path}: every step must hold responses (it has {len(trace.steps)} steps)")
+    return trace

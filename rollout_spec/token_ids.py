@@ -2,8 +2,10 @@
 and the shared index use it without loading the native drafter core.
 
 Vectorised (a dtype check, one min and one max), because token lists are checked on hot paths;
-nothing is coerced: floats, bools, strings and ragged nesting are a TypeError, a value out of
-range a ValueError, both naming the argument.
+nothing is coerced: floats, strings, all-bool lists, ints beyond int64 (numpy makes them floats)
+and ragged nesting are a TypeError, a value out of range a ValueError, both naming the argument.
+One case is not caught: numpy turns a list that mixes bools with ints into ints (a per-element
+check would cost the hot paths a Python loop).
 """
 from __future__ import annotations
 
@@ -17,10 +19,9 @@ def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
               kind: str = "integers") -> np.ndarray:
     """``values`` as an ``ndim``-D integer numpy array with every element in ``[lo, hi]``.
 
-    Vectorised (a dtype check, one min and one max); nothing is coerced: floats, bools, strings
-    and ragged nesting are a TypeError, a value out of range a ValueError, both naming ``name``
-    and saying what it must hold (``kind``). An empty input of any dtype gives an empty int64
-    array.
+    A dtype check, one min and one max (see the module's note on what is refused); errors name
+    ``name`` and say what it must hold (``kind``). An empty input of any dtype gives an empty
+    int64 array.
     """
     try:
         arr = values if isinstance(values, np.ndarray) else np.asarray(values)

@@ -68,6 +68,7 @@ def test_idle_overhead_bad_flags(argv, message, monkeypatch, capsys) -> None:
 
 def test_idle_overhead_cuda_without_a_gpu(monkeypatch, capsys) -> None:
     monkeypatch.setattr(idle_overhead.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(idle_overhead.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as exit_info:
         idle_overhead.main(["--device", "cuda"])
     assert exit_info.value.code == 2

@@ -57,8 +57,12 @@ def test_replay_names_what_is_wrong_with_a_trace(capsys, tmp_path, name, content
 
 
 def test_cuda_requested_without_a_gpu(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
-    assert "no CUDA device is visible" in _error(capsys, ["bench", "--device", "cuda:1"])
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert "--device cuda:1: no CUDA device is visible here" in _error(capsys, ["bench", "--device", "cuda:1"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "--device cuda:1: torch sees 1 CUDA devices here" in _error(capsys, ["bench", "--device", "cuda:1"])
 
 
 def test_wandb_requested_without_package(capsys, monkeypatch):
@@ -171,7 +175,10 @@ def test_draft_tokens_default_follows_the_device(monkeypatch, argv, cuda, want):
     def open_engines(args):
         raise Seen(args.draft_tokens)
 
+    import torch
+
     monkeypatch.setattr(cli, "_cuda_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda))  # what check_device reads
     monkeypatch.setattr(cli, "open_engines", open_engines)
     with pytest.raises(Seen) as got:
         cli.main(["bench", "--wandb", "disabled", *argv])

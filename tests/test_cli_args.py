@@ -50,6 +50,10 @@ def test_outputs_and_traces_are_checked_before_work(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(Refused, match="--trace .*bad.json: a trace needs 'prompts' and 'steps'"):
         load_trace_arg(Parser(), "--trace", tmp_path / "bad.json")
+    (tmp_path / "empty.json").write_text('{"prompts": [], "steps": []}')
+    assert load_trace_arg(Parser(), "--trace", tmp_path / "empty.json").steps == []
+    with pytest.raises(Refused, match=r"empty.json: every step must hold responses \(it has 0 steps\)"):
+        load_trace_arg(Parser(), "--trace", tmp_path / "empty.json", need_responses=True)
 
 
 def test_a_cuda_device_is_refused_where_torch_sees_none(monkeypatch):

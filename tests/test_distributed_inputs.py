@@ -12,7 +12,6 @@ import rollout_spec.distributed.shared_index as shared_index
 from rollout_spec.distributed import GroupRouter, group_key
 from rollout_spec.distributed.coordinator import IndexCoordinator
 from rollout_spec.distributed.packing import pack, split_by_destination, unpack
-from rollout_spec.token_ids import MAX_TOKEN_ID
 from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID, ReplicaPlacement, placement_from_env
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig
 

@@ -214,6 +214,7 @@ def test_triton_backend_without_triton_exits(monkeypatch: pytest.MonkeyPatch, no
 @pytest.mark.parametrize("mode", ["engine", "steps"])
 def test_cuda_without_a_gpu_exits(mode: str, monkeypatch: pytest.MonkeyPatch, no_model, capsys) -> None:
     monkeypatch.setattr(eb.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(eb.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as exit_info:
         eb.main(["--mode", mode, "--device", "cuda"])
     assert exit_info.value.code == 2

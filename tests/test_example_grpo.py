@@ -88,6 +88,7 @@ def test_bad_options_are_argument_errors(argv, message, capsys):
 def test_cuda_without_a_gpu_is_an_argument_error(monkeypatch, capsys):
     grpo = _example()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as exc:
         grpo.main(["--device", "cuda", "--steps", "1"])
     assert exc.value.code == 2 and "--device cuda: no CUDA device" in capsys.readouterr().err

@@ -93,6 +93,8 @@ def test_prompt_group_id_needs_1d_token_ids(ids, error):
 
 
 def test_prompt_group_id_is_unchanged_for_valid_prompts():
+    """Pinned: the id is shared by traces, checkpoints and replicas, so it must never change."""
+    assert prompt_group_id([1, 2, 3]) == 1951833302 and prompt_group_id([0]) == 791643214
     want = prompt_group_id([1, 2, 2**31 - 1])
     assert prompt_group_id((1, 2, 2**31 - 1)) == want
     assert prompt_group_id(np.array([1, 2, 2**31 - 1], np.int64)) == want

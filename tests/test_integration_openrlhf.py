@@ -46,7 +46,7 @@ def test_launcher_refuses_bad_options_before_touching_openrlhf():
         main(["--rollout_spec", "--rollout_spec.max_depth", "0"])
     with pytest.raises(SystemExit, match=r"num_speculative_tokens must be in \[1, 1024\], got 0"):
         main(["--rollout_spec", "--rollout_spec.num_speculative_tokens", "0"])
-    with pytest.raises(SystemExit, match="num_draft_tokens is 0"):
+    with pytest.raises(SystemExit, match=r"num_draft_tokens is 0 \(speculation off\): drop --rollout_spec"):
         main(["--rollout_spec", "--rollout_spec.num_draft_tokens", "0"])
     with pytest.raises(SystemExit, match="does not support --train.async_enable"):
         main(["--rollout_spec", "--train.async_enable"])

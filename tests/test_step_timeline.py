@@ -84,6 +84,7 @@ def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
     with pytest.raises(SystemExit) as exit_info:
         st.main(["--device", "cuda", "--random-weights"])

@@ -43,6 +43,7 @@ def test_triton_backend_without_triton_exits(monkeypatch, capsys) -> None:
 
 def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
     monkeypatch.setattr(vb.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vb.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as exit_info:
         vb.main(["--device", "cuda"])
     assert exit_info.value.code == 2

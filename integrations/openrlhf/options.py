@@ -66,10 +66,10 @@ def spec_from_args(args: argparse.Namespace) -> Optional[tuple[SpecConfig, Optio
     k = values.pop("num_speculative_tokens", None)
     fields = {name: v for name, v in values.items() if v is not None}
     fields.setdefault("tree", False)  # vLLM verifies one chain: spend the whole budget on it
-    if "external_corpora" in fields:
-        fields["external_corpora"] = tuple(fields["external_corpora"])
     spec = SpecConfig(**fields)
-    speculative_config(spec, k)  # num_draft_tokens 0 or k outside [1, 1024]: fail at launch
+    if spec.num_draft_tokens == 0:
+        raise ValueError("--rollout_spec.num_draft_tokens is 0 (speculation off): drop --rollout_spec instead")
+    speculative_config(spec, k)  # k outside [1, 1024]: fail at launch
     return spec, k
 
 

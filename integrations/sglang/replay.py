@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from rollout_spec.config import SpecConfig, check_int
+from rollout_spec.cli_args import int_arg, load_trace_arg
+from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.rid import rid_with_group
-from rollout_spec.replay import load_trace
 
 
 def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
@@ -76,19 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     """Replay a trace file and print one row per RL step."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="trace in the shared format (gzip JSON when it ends in .gz)")
-    ap.add_argument("--num-draft-tokens", type=int, default=8, help="draft budget, >= 1")
-    ap.add_argument("--tail", type=int, default=64, help="speculative_ngram_max_trie_depth, >= 1")
-    ap.add_argument("--max-responses", type=int, default=0, help="first N responses per step (0: all)")
+    ap.add_argument("--num-draft-tokens", type=int_arg("num_draft_tokens", 1, 1024), default=8,
+                    help="draft budget")
+    ap.add_argument("--tail", type=int_arg("tail", 1), default=64, help="speculative_ngram_max_trie_depth")
+    ap.add_argument("--max-responses", type=int_arg("max_responses", 0), default=0,
+                    help="first N responses per step (0: all)")
     args = ap.parse_args(argv)
-    for name, lo in (("num_draft_tokens", 1), ("tail", 1), ("max_responses", 0)):
-        try:
-            check_int(name, getattr(args, name), lo)
-        except ValueError as exc:
-            ap.error(f"--{name.replace('_', '-')}: {exc}")
-    try:
-        trace = load_trace(args.trace)
-    except (OSError, ValueError) as exc:
-        ap.error(str(exc))
+    trace = load_trace_arg(ap, "trace", args.trace)
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens)
     corpus = RolloutSpecCorpus(draft_token_num=args.num_draft_tokens + 1, spec=spec)
     print(f"{'step':>4} {'responses':>9} {'tokens':>8} {'TPF':>6} {'accept/slot':>11} {'us/req/step':>11}")

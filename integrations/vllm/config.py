@@ -70,11 +70,8 @@ def spec_from_dict(options: Any, source: str = f"additional_config[{ADDITIONAL_C
     unknown = sorted(map(repr, set(options) - known))
     if unknown:
         raise ValueError(f"{source} has unknown key(s) [{', '.join(unknown)}]; allowed: {sorted(known)}")
-    kwargs = dict(options)
-    if "external_corpora" in kwargs and isinstance(kwargs["external_corpora"], list):
-        kwargs["external_corpora"] = tuple(kwargs["external_corpora"])
     try:
-        return SpecConfig(**kwargs)
+        return SpecConfig(**options)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{source}: {exc}") from None
 
