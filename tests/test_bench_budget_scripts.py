@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from argument_errors import argument_error, hide_cuda  # noqa: E402
 import budget_overhead  # noqa: E402
 import draft_size_yield  # noqa: E402
 import engine_bench  # noqa: E402
@@ -60,19 +61,13 @@ def test_draft_size_yield_bad_flags(argv, message, capsys) -> None:
 ])
 def test_idle_overhead_bad_flags(argv, message, monkeypatch, capsys) -> None:
     monkeypatch.setattr(idle_overhead, "random_model", lambda *_: pytest.fail("model built before the error"))
-    with pytest.raises(SystemExit) as exit_info:
-        idle_overhead.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in argument_error(idle_overhead.main, argv, capsys)
 
 
 def test_idle_overhead_cuda_without_a_gpu(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(idle_overhead.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(idle_overhead.torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(SystemExit) as exit_info:
-        idle_overhead.main(["--device", "cuda"])
-    assert exit_info.value.code == 2
-    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+    hide_cuda(monkeypatch)
+    err = argument_error(idle_overhead.main, ["--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible here" in err
 
 
 def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
@@ -90,7 +85,4 @@ def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
     (["--batch-sizes", "2000000"], "every --batch-sizes value must be in [1, 1048576], got 2000000"),
 ])
 def test_budget_overhead_bad_flags(argv, message, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        budget_overhead.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in argument_error(budget_overhead.main, argv, capsys)

@@ -9,15 +9,10 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from argument_errors import argument_error
+
 from rollout_spec import cli
 from rollout_spec.replay import load_trace
-
-
-def _error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -40,7 +35,7 @@ def _error(capsys, argv) -> str:
     (["bench", "--json", "/"], "--json /: is a directory"),
 ])
 def test_argument_errors(capsys, argv, needle):
-    assert needle in _error(capsys, argv)
+    assert needle in argument_error(cli.main, argv, capsys)
 
 
 @pytest.mark.parametrize("name, content, needle", [
@@ -53,21 +48,23 @@ def test_replay_names_what_is_wrong_with_a_trace(capsys, tmp_path, name, content
     """A file that is not a valid trace is an argument error naming the file and field, not a
     traceback."""
     (tmp_path / name).write_bytes(content)
-    assert needle in _error(capsys, ["replay", str(tmp_path / name)])
+    assert needle in argument_error(cli.main, ["replay", str(tmp_path / name)], capsys)
 
 
 def test_cuda_requested_without_a_gpu(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert "--device cuda:1: no CUDA device is visible here" in _error(capsys, ["bench", "--device", "cuda:1"])
+    err = argument_error(cli.main, ["bench", "--device", "cuda:1"], capsys)
+    assert "--device cuda:1: no CUDA device is visible here" in err
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert "--device cuda:1: torch sees 1 CUDA devices here" in _error(capsys, ["bench", "--device", "cuda:1"])
+    err = argument_error(cli.main, ["bench", "--device", "cuda:1"], capsys)
+    assert "--device cuda:1: torch sees 1 CUDA devices here" in err
 
 
 def test_wandb_requested_without_package(capsys, monkeypatch):
     monkeypatch.setattr("rollout_spec.metrics.wandb_available", lambda: False)
-    assert "needs the wandb package" in _error(capsys, ["bench", "--wandb", "offline"])
+    assert "needs the wandb package" in argument_error(cli.main, ["bench", "--wandb", "offline"], capsys)
 
 
 @dataclass
@@ -213,5 +210,5 @@ def test_plot_without_matplotlib_is_refused_before_the_bench(capsys, monkeypatch
     monkeypatch.setattr(cli.importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
     monkeypatch.setattr(cli, "run_bench", lambda args: pytest.fail("the bench ran"))
-    err = _error(capsys, ["bench", "--plot", str(tmp_path / "d.png"), "--wandb", "disabled"])
+    err = argument_error(cli.main, ["bench", "--plot", str(tmp_path / "d.png"), "--wandb", "disabled"], capsys)
     assert "--plot needs matplotlib: pip install 'rollout-spec[dashboards]'" in err

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from argument_errors import argument_error  # noqa: E402
 import drafter_bench  # noqa: E402
 from rollout_spec.replay import StepResult, Trace, save_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
@@ -81,17 +82,13 @@ def test_replays_that_drafted_differently_are_an_error() -> None:
 ])
 def test_bad_flags_exit_with_a_message_naming_them(argv, message, capsys) -> None:
     # A missing trace as well: a flag that slipped through would exit on the trace instead (or hang).
-    with pytest.raises(SystemExit) as exc:
-        drafter_bench.main(argv + ["--trace", "/nonexistent/t.json.gz"])
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert message in argument_error(drafter_bench.main, argv + ["--trace", "/nonexistent/t.json.gz"], capsys)
 
 
 def test_arctic_alone_when_it_is_not_installed_is_an_error(monkeypatch, capsys) -> None:
     monkeypatch.setattr(drafter_bench, "arctic_available", lambda: False)
-    with pytest.raises(SystemExit) as exc:
-        drafter_bench.main(["--drafters", "arctic"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "--drafters arctic: arctic-inference is not installed" in err
+    err = argument_error(drafter_bench.main, ["--drafters", "arctic"], capsys)
+    assert "--drafters arctic: arctic-inference is not installed" in err
 
 
 def test_arctic_beside_others_when_it_is_not_installed_is_skipped_with_a_note(tmp_path, monkeypatch, capsys) -> None:
@@ -105,14 +102,12 @@ def test_arctic_beside_others_when_it_is_not_installed_is_skipped_with_a_note(tm
 def test_a_trace_without_responses_is_an_error(tmp_path, capsys) -> None:
     path = tmp_path / "empty.json.gz"
     save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[]], meta={}), path)
-    with pytest.raises(SystemExit) as exc:
-        drafter_bench.main(["--trace", str(path), "--drafters", "ours"])
-    assert exc.value.code == 2 and f"--trace {path}: every step must hold responses" in capsys.readouterr().err
+    err = argument_error(drafter_bench.main, ["--trace", str(path), "--drafters", "ours"], capsys)
+    assert f"--trace {path}: every step must hold responses" in err
 
 
 def test_a_trace_that_is_not_json_exits_with_a_message_naming_it(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
-    with pytest.raises(SystemExit) as exc:
-        drafter_bench.main(["--trace", str(bad), "--drafters", "ours"])
-    assert exc.value.code == 2 and f"--trace {bad}: not a JSON trace" in capsys.readouterr().err
+    err = argument_error(drafter_bench.main, ["--trace", str(bad), "--drafters", "ours"], capsys)
+    assert f"--trace {bad}: not a JSON trace" in err

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from argument_errors import argument_error, hide_cuda  # noqa: E402
 import engine_bench as eb  # noqa: E402
 from rollout_spec.engine.engine import RolloutEngine  # noqa: E402
 
@@ -169,10 +170,7 @@ def test_budget_decisions_are_counted_per_row_and_round(monkeypatch: pytest.Monk
     ("--device", "foo", "argument --device: device must be auto, cpu, mps, cuda or cuda:N, got 'foo'"),
 ])
 def test_bad_flags_exit_naming_the_flag(flag: str, value: str, message: str, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        eb.main([flag, value])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in argument_error(eb.main, [flag, value], capsys)
 
 
 @pytest.fixture
@@ -197,35 +195,25 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
      "--max-model-len must be in [2, 8192] with --random-weights, got 9000"),
 ])
 def test_inconsistent_flags_exit_before_any_model(argv: list[str], message: str, no_model, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        eb.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in argument_error(eb.main, argv, capsys)
 
 
 def test_triton_backend_without_triton_exits(monkeypatch: pytest.MonkeyPatch, no_model, capsys) -> None:
     monkeypatch.setattr(eb.triton_attention, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exit_info:
-        eb.main(["--verify-backend", "triton", "--device", "cpu"])
-    assert exit_info.value.code == 2
-    assert "--verify-backend triton: the triton package is not installed" in capsys.readouterr().err
+    err = argument_error(eb.main, ["--verify-backend", "triton", "--device", "cpu"], capsys)
+    assert "--verify-backend triton: the triton package is not installed" in err
 
 
 @pytest.mark.parametrize("mode", ["engine", "steps"])
 def test_cuda_without_a_gpu_exits(mode: str, monkeypatch: pytest.MonkeyPatch, no_model, capsys) -> None:
-    monkeypatch.setattr(eb.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(eb.torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(SystemExit) as exit_info:
-        eb.main(["--mode", mode, "--device", "cuda"])
-    assert exit_info.value.code == 2
-    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+    hide_cuda(monkeypatch)
+    err = argument_error(eb.main, ["--mode", mode, "--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible here" in err
 
 
 def test_long_checkpoint_prompts_exit_before_timing(capsys) -> None:
     """A checkpoint's prompts are only known once drawn: checked before any timed call."""
     args = eb.parse_args(["--max-new-tokens", "8", "--max-model-len", "100", "--device", "cpu"])
     pool = eb.PromptPool([[1] * 50, [1] * 95])
-    with pytest.raises(SystemExit) as exit_info:
-        eb.check_prompts(eb.build_parser(), args, pool, [[1] * 20])
-    assert exit_info.value.code == 2
-    assert "longest prompt 95 + 8 new tokens exceeds --max-model-len 100" in capsys.readouterr().err
+    err = argument_error(lambda parser: eb.check_prompts(parser, args, pool, [[1] * 20]), eb.build_parser(), capsys)
+    assert "longest prompt 95 + 8 new tokens exceeds --max-model-len 100" in err

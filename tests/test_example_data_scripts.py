@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from argument_errors import argument_error
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -16,13 +18,6 @@ def _load(relpath: str, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _fails(main, argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.fixture
@@ -45,7 +40,7 @@ def gsm():
 def test_make_prompts_refuses_bad_options_and_keeps_the_old_file(prompts, tmp_path, capsys, argv, message):
     out = tmp_path / "p.jsonl"
     out.write_text('{"prompt": "good", "label": "1"}\n')
-    assert message in _fails(prompts.main, ["--out", str(out), *argv], capsys)
+    assert message in argument_error(prompts.main, ["--out", str(out), *argv], capsys)
     assert out.read_text() == '{"prompt": "good", "label": "1"}\n'
 
 
@@ -77,13 +72,13 @@ def test_make_prompts_writes_every_task(prompts, tmp_path, capsys):
 ])
 def test_make_gsm_data_refuses_bad_sizes_before_writing(gsm, tmp_path, capsys, argv, message):
     (tmp_path / "train.parquet").write_text("old train")
-    assert message in _fails(gsm.main, ["--out", str(tmp_path), *argv], capsys)
+    assert message in argument_error(gsm.main, ["--out", str(tmp_path), *argv], capsys)
     assert (tmp_path / "train.parquet").read_text() == "old train"
 
 
 def test_make_gsm_data_names_the_missing_packages(gsm, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else object())
-    err = _fails(gsm.main, ["--out", str(tmp_path / "d"), "--train-size", "2"], capsys)
+    err = argument_error(gsm.main, ["--out", str(tmp_path / "d"), "--train-size", "2"], capsys)
     assert "needs pyarrow: pip install 'rollout-spec[verl]'" in err and not (tmp_path / "d").exists()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from argument_errors import argument_error, hide_cuda
 from test_cli_tiny_model import tiny_model_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_tiny.py"
@@ -80,18 +81,14 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("argv,message", BAD_OPTIONS)
 def test_bad_options_are_argument_errors(argv, message, capsys):
     grpo = _example()
-    with pytest.raises(SystemExit) as exc:
-        grpo.parse_args(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert message in argument_error(grpo.parse_args, argv, capsys)
 
 
 def test_cuda_without_a_gpu_is_an_argument_error(monkeypatch, capsys):
     grpo = _example()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(SystemExit) as exc:
-        grpo.main(["--device", "cuda", "--steps", "1"])
-    assert exc.value.code == 2 and "--device cuda: no CUDA device" in capsys.readouterr().err
+    hide_cuda(monkeypatch)
+    err = argument_error(grpo.main, ["--device", "cuda", "--steps", "1"], capsys)
+    assert "--device cuda: no CUDA device" in err
 
 
 def test_wandb_mode_is_checked_up_front(monkeypatch, capsys):
@@ -101,9 +98,7 @@ def test_wandb_mode_is_checked_up_front(monkeypatch, capsys):
         raise ValueError("no wandb")
 
     monkeypatch.setattr(grpo, "resolve_wandb_mode", no_wandb)
-    with pytest.raises(SystemExit) as exc:
-        grpo.parse_args(["--wandb", "online"])
-    assert exc.value.code == 2 and "--wandb: no wandb" in capsys.readouterr().err
+    assert "--wandb: no wandb" in argument_error(grpo.parse_args, ["--wandb", "online"], capsys)
 
 
 def test_good_options_parse(tmp_path):

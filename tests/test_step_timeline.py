@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from argument_errors import argument_error, hide_cuda  # noqa: E402
 import engine_bench as eb  # noqa: E402
 import step_timeline as st  # noqa: E402
 from rollout_spec.engine import runner  # noqa: E402
@@ -72,21 +73,14 @@ def test_bad_batch_size_names_the_flag(capsys) -> None:
 def test_errors_name_this_scripts_flags(argv, message, monkeypatch, capsys) -> None:
     """Its own usage and flags, never engine_bench's (--temperatures, --batch-sizes), and no model."""
     monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
-    with pytest.raises(SystemExit) as exit_info:
-        st.main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and message in err
+    err = argument_error(st.main, argv, capsys)
+    assert message in err
     assert "[--batch-size BATCH_SIZE]" in err  # its own usage
     assert "--temperatures" not in err and "--batch-sizes" not in err
 
 
 def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    hide_cuda(monkeypatch)
     monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
-    with pytest.raises(SystemExit) as exit_info:
-        st.main(["--device", "cuda", "--random-weights"])
-    assert exit_info.value.code == 2
-    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+    err = argument_error(st.main, ["--device", "cuda", "--random-weights"], capsys)
+    assert "--device cuda: no CUDA device is visible here" in err

@@ -10,20 +10,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from argument_errors import argument_error  # noqa: E402
 import draft_size_yield  # noqa: E402
 import edit_trace  # noqa: E402
 import synthetic_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
 from rollout_spec.replay import Trace, load_trace, save_trace  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
-
-
-def exits_with(main, argv: list[str], message: str, capsys) -> None:
-    """``main(argv)`` exits 2 with ``message`` on stderr."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def small_trace(path: Path, steps: int = 2) -> Path:
@@ -46,7 +39,7 @@ def test_the_generators_write_a_trace_that_loads(tmp_path, capsys) -> None:
     (["--seed", "-1"], "argument --seed: seed must be in [0, inf], got -1"),
 ])
 def test_synthetic_trace_refuses_counts_that_would_write_an_empty_trace(tmp_path, argv, message, capsys) -> None:
-    exits_with(synthetic_trace.main, [str(tmp_path / "t.json.gz")] + argv, message, capsys)
+    assert message in argument_error(synthetic_trace.main, [str(tmp_path / "t.json.gz")] + argv, capsys)
     assert not (tmp_path / "t.json.gz").exists()
 
 
@@ -56,15 +49,15 @@ def test_synthetic_trace_refuses_counts_that_would_write_an_empty_trace(tmp_path
     (["--seed", "-1"], "argument --seed: seed must be in [0, inf], got -1"),
 ])
 def test_edit_trace_bad_flags(tmp_path, argv, message, capsys) -> None:
-    exits_with(edit_trace.main, [str(tmp_path / "t.json.gz")] + argv, message, capsys)
+    assert message in argument_error(edit_trace.main, [str(tmp_path / "t.json.gz")] + argv, capsys)
 
 
 @pytest.mark.parametrize("script, maker", [(synthetic_trace, "make_synthetic_trace"),
                                            (edit_trace, "make_edit_trace")])
 def test_an_output_in_a_missing_folder_is_refused_before_generating(script, maker, monkeypatch, capsys) -> None:
     monkeypatch.setattr(script, maker, lambda *a: pytest.fail("generated a trace it could not write"))
-    exits_with(script.main, ["/nonexistent/x.json.gz"],
-               "out /nonexistent/x.json.gz: folder /nonexistent does not exist", capsys)
+    err = argument_error(script.main, ["/nonexistent/x.json.gz"], capsys)
+    assert "out /nonexistent/x.json.gz: folder /nonexistent does not exist" in err
 
 
 def test_draft_size_yield_defaults_to_the_steps_a_one_step_trace_has(tmp_path, capsys) -> None:
@@ -79,20 +72,22 @@ def test_draft_size_yield_defaults_to_the_steps_a_one_step_trace_has(tmp_path, c
 ])
 def test_draft_size_yield_bad_flags(tmp_path, argv, message, capsys) -> None:
     trace = small_trace(tmp_path / "t.json.gz")
-    exits_with(draft_size_yield.main, ["--trace", str(trace)] + argv, message.format(trace=trace), capsys)
+    err = argument_error(draft_size_yield.main, ["--trace", str(trace)] + argv, capsys)
+    assert message.format(trace=trace) in err
 
 
 def test_draft_size_yield_names_a_trace_that_does_not_load(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json.gz"
     bad.write_text("not gzip")  # was a raw ValueError traceback
-    exits_with(draft_size_yield.main, ["--trace", str(bad)], f"--trace {bad}: not a gzip JSON trace", capsys)
+    err = argument_error(draft_size_yield.main, ["--trace", str(bad)], capsys)
+    assert f"--trace {bad}: not a gzip JSON trace" in err
 
 
 def test_draft_size_yield_refuses_a_trace_without_responses(tmp_path, capsys) -> None:
     path = tmp_path / "empty.json.gz"
     save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[], meta={}), path)
-    exits_with(draft_size_yield.main, ["--trace", str(path)], f"--trace {path}: every step must hold responses",
-               capsys)
+    err = argument_error(draft_size_yield.main, ["--trace", str(path)], capsys)
+    assert f"--trace {path}: every step must hold responses" in err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -116,4 +111,4 @@ def test_shared_index_bench_bad_flags_exit_before_ray_starts(tmp_path, argv, mes
     trace = str(small_trace(tmp_path / "t.json.gz"))  # groups of 4 responses
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init ran before the flags were checked"))
     argv = [a.format(trace=trace) for a in argv]
-    exits_with(shared_index_bench.main, argv, message.format(trace=trace), capsys)
+    assert message.format(trace=trace) in argument_error(shared_index_bench.main, argv, capsys)

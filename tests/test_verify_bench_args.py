@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from argument_errors import argument_error, hide_cuda  # noqa: E402
 import verify_bench as vb  # noqa: E402
 
 
@@ -27,27 +28,19 @@ import verify_bench as vb  # noqa: E402
 ])
 def test_bad_flags_exit_naming_the_flag(argv, message, monkeypatch, capsys) -> None:
     monkeypatch.setattr(vb, "make_model", lambda *_: pytest.fail("model built before the error"))
-    with pytest.raises(SystemExit) as exit_info:
-        vb.main(["--device", "cpu"] + argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in argument_error(vb.main, ["--device", "cpu"] + argv, capsys)
 
 
 def test_triton_backend_without_triton_exits(monkeypatch, capsys) -> None:
     monkeypatch.setattr(vb.triton_attention, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as exit_info:
-        vb.main(["--device", "cpu", "--backends", "torch,triton"])
-    assert exit_info.value.code == 2
-    assert "--backends triton: the triton package is not installed" in capsys.readouterr().err
+    err = argument_error(vb.main, ["--device", "cpu", "--backends", "torch,triton"], capsys)
+    assert "--backends triton: the triton package is not installed" in err
 
 
 def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(vb.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(vb.torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(SystemExit) as exit_info:
-        vb.main(["--device", "cuda"])
-    assert exit_info.value.code == 2
-    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+    hide_cuda(monkeypatch)
+    err = argument_error(vb.main, ["--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible here" in err
 
 
 def test_cpu_defaults_and_a_tiny_grid(capsys) -> None:
