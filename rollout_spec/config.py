@@ -49,10 +49,12 @@ def parse_bool(name: str, text: str) -> bool:
     raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off, got {text!r}")
 
 
-def _check_token_ids(name: str, value: object) -> tuple[int, ...]:
+def check_token_ids(name: str, value: object, hi: int = 2**31 - 1) -> tuple[int, ...]:
+    """``value`` (a short sequence of token ids, such as stop ids) as a tuple of ints in
+    ``[0, hi]``, each checked by name (``name[i]``)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of token ids, got {type(value).__name__}")
-    return tuple(check_int(f"{name}[{i}]", t, 0, 2**31 - 1) for i, t in enumerate(value))
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(value).__name__} {value!r}")
+    return tuple(check_int(f"{name}[{i}]", t, 0, hi) for i, t in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (keep all) or in [1, 2147483648], got 0")
         _store(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 24))
         if self.stop_token_ids is not None:
-            _store(self, "stop_token_ids", _check_token_ids("stop_token_ids", self.stop_token_ids))
+            _store(self, "stop_token_ids", check_token_ids("stop_token_ids", self.stop_token_ids))
         if self.seed is not None:
             _store(self, "seed", check_int("seed", self.seed, 0, 2**63 - 1))
 

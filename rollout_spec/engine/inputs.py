@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from rollout_spec.config import SpecConfig, check_int
+from rollout_spec.config import SpecConfig, check_int, check_token_ids
 from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.verify import use_triton
 
@@ -72,10 +72,8 @@ def check_dtype(dtype: Any) -> None:
 
 def vocab_ids(name: str, ids: Any, vocab_size: int) -> tuple[int, ...]:
     """``ids`` (a sequence of token ids) as a tuple of ints in ``[0, vocab_size)``."""
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__} {ids!r}")
     try:
-        return tuple(check_int(f"{name}[{i}]", t, 0, vocab_size - 1) for i, t in enumerate(ids))
+        return check_token_ids(name, ids, vocab_size - 1)
     except ValueError as err:
         raise ValueError(f"{err} (token ids lie in [0, {vocab_size}), the model's vocabulary)") from None
 
