@@ -28,7 +28,7 @@ import numpy as np
 from rollout_spec import _core
 from rollout_spec.config import SpecConfig, check_float, check_int
 from rollout_spec.groups import GROUP_ID_MAX
-from rollout_spec.token_ids import MAX_TOKEN_ID, token_array
+from rollout_spec.token_ids import MAX_TOKEN_ID, int_array, token_array
 from rollout_spec.tree import DraftBatch
 
 TokenIds = Union[Sequence[int], np.ndarray]
@@ -50,16 +50,6 @@ MATCH_POWER = 2
 EVIDENCE_DISCOUNT = 1.0
 
 
-def _int_array(name: str, values: object) -> np.ndarray:
-    """``values`` as a 1-D integer numpy array (not yet range-checked); TypeError otherwise."""
-    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if arr.size == 0:
-        return np.zeros(0, np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be a 1-D sequence of integers, got dtype {arr.dtype} shape {arr.shape}")
-    return arr
-
-
 def _listed(budgets: object) -> object:
     """Budgets in the form the core's list fast paths take: a 1-D numpy array as a list (the
     engine's form), anything else as given (invalid input then takes the validating path)."""
@@ -70,11 +60,9 @@ def _budget_array(budgets: object, count: int) -> Optional[np.ndarray]:
     """Validated int32 per-request budgets (None stays None: ``num_draft_tokens`` each)."""
     if budgets is None:
         return None
-    arr = _int_array("budgets", budgets)
+    arr = int_array("budgets", budgets, 0, 1 << 20, kind="draft budgets")
     if len(arr) != count:
         raise ValueError(f"budgets must have one entry per request ({count})")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1 << 20):
-        raise ValueError(f"budgets must be in [0, {1 << 20}]")
     return arr.astype(np.int32)
 
 
@@ -103,11 +91,9 @@ def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarr
     offsets = np.zeros(count + 1, np.int64)
     np.cumsum([len(p) for p in lists], out=offsets[1:])
     if any_array:  # big arrays: concatenate without boxing every token as a Python int
-        parts = [_int_array(f"{name}[{i}]", p).astype(np.int64, copy=False) for i, p in enumerate(lists)]
-        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    else:  # short Python lists (the decode hot path): one conversion for the whole batch
-        flat = list(chain.from_iterable(lists))
-    return token_array(name, flat), offsets
+        return np.concatenate([token_array(f"{name}[{i}]", p) for i, p in enumerate(lists)]), offsets
+    # Python lists (prompts, and extends the core did not convert): one conversion for the whole batch
+    return token_array(name, list(chain.from_iterable(lists))), offsets
 
 
 def _group_id(name: str, value: Optional[int]) -> int:
@@ -379,9 +365,8 @@ class NgramDrafter:
         ``core_checks``: leave the repeat and liveness checks to the native call, which makes
         them (ValueError, before any state changes) with one hash lookup per id.
         """
-        ids = _int_array("req_ids", req_ids if isinstance(req_ids, np.ndarray) else list(req_ids))
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_REQ_ID):
-            raise ValueError(f"req_ids must be in [0, {_MAX_REQ_ID}]")
+        ids = int_array("req_ids", req_ids if isinstance(req_ids, np.ndarray) else list(req_ids), 0, _MAX_REQ_ID,
+                        kind="request ids")
         if core_checks:
             return ids.astype(np.int64, copy=False)
         as_list = ids.tolist()

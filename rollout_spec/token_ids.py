@@ -2,26 +2,30 @@
 and the shared index use it without loading the native drafter core.
 
 Vectorised (a dtype check, one min and one max), because token lists are checked on hot paths;
-nothing is coerced: floats, strings, all-bool lists, ints beyond int64 (numpy makes them floats)
-and ragged nesting are a TypeError, a value out of range a ValueError, both naming the argument.
-One case is not caught: numpy turns a list that mixes bools with ints into ints (a per-element
-check would cost the hot paths a Python loop).
+nothing is coerced: floats, strings, bools, ints beyond int64 (numpy makes them floats) and ragged
+nesting are a TypeError, a value out of range a ValueError, both naming the argument. numpy reads
+a list that mixes bools with ints as ints, a bool as 0 or 1, so a list's elements are typed where
+its array holds a 0 or a 1 (and only there: the check costs nothing unless those occur).
 """
 from __future__ import annotations
+
+from itertools import chain
 
 import numpy as np
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the drafter stores (int32)."""
 
+_BOOL_TYPES = frozenset((bool, np.bool_))
+
 
 def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
               kind: str = "integers") -> np.ndarray:
     """``values`` as an ``ndim``-D integer numpy array with every element in ``[lo, hi]``.
 
-    A dtype check, one min and one max (see the module's note on what is refused); errors name
-    ``name`` and say what it must hold (``kind``). An empty input of any dtype gives an empty
-    int64 array.
+    A dtype check, one min and one max, and for a list or tuple holding a 0 or a 1 a look at
+    those elements (see the module's note on what is refused); errors name ``name`` and say what
+    it must hold (``kind``). An empty input of any dtype gives an empty int64 array.
     """
     try:
         arr = values if isinstance(values, np.ndarray) else np.asarray(values)
@@ -34,9 +38,23 @@ def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
         raise TypeError(f"{name} must be a {ndim}-D array of integers in [{lo}, {hi}], "
                         f"got {type(values).__name__} of {got}")
     low, high = int(arr.min()), int(arr.max())
+    if isinstance(values, (list, tuple)) and low <= 1 and high >= 0 and _holds_bool(values, arr):
+        raise TypeError(f"{name} must be a {ndim}-D array of integers in [{lo}, {hi}], "
+                        f"got {type(values).__name__} holding a bool")
     if low < lo or high > hi:
         raise ValueError(f"{name} must hold {kind} in [{lo}, {hi}], got values from {low} to {high}")
     return arr
+
+
+def _holds_bool(values: list | tuple, arr: np.ndarray) -> bool:
+    """Whether ``values`` holds a bool (Python's or numpy's) where ``arr``, numpy's reading of it,
+    holds a 0 or a 1: only those elements can be bools that numpy read as ints, and they are
+    fetched and typed without a Python loop."""
+    leaves = values
+    for _ in range(arr.ndim - 1):  # nested lists: their elements in arr's (C) order
+        leaves = list(chain.from_iterable(leaves))
+    candidates = ((arr == 0) | (arr == 1)).ravel().nonzero()[0].tolist()
+    return not _BOOL_TYPES.isdisjoint(map(type, map(leaves.__getitem__, candidates)))
 
 
 def token_array(name: str, values: object) -> np.ndarray:

@@ -52,6 +52,14 @@ def snapshot(d: NgramDrafter):
         (lambda d: d.propose([1.0]), TypeError, "req_ids"),
         (lambda d: d.add_sequences([1, 2], [[1]]), ValueError, "same length"),
         (lambda d: d.add_sequences([1], [[1, -5]]), ValueError, "token ids"),
+        # numpy reads a bool among ints as 0 or 1: refused wherever it stands
+        (lambda d: d.start_batch([5, 6], [[3], [2, True]]), TypeError, "prompts .*bool"),
+        (lambda d: d.extend_batch([0, 1], [[3], [2, False]]), TypeError, "token_ids .*bool"),
+        (lambda d: d.extend_batch([0, 1], [np.array([3]), [True, 2]]), TypeError, r"token_ids\[1\] .*bool"),
+        (lambda d: d.extend_batch(np.array([0, 1]), [(3,), (2, np.True_)]), TypeError, "token_ids .*bool"),
+        (lambda d: d.add_sequences([1, None], [[3, 4], [1, True]]), TypeError, "sequences .*bool"),
+        (lambda d: d.finish_batch([0, True]), TypeError, "req_ids .*bool"),
+        (lambda d: d.propose([0, 1], budgets=[4, True]), TypeError, "budgets .*bool"),
     ],
 )
 def test_bad_input_raises_and_leaves_state_unchanged(drafter, call, error, match):

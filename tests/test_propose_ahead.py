@@ -86,7 +86,7 @@ def test_a_finish_keeps_it_unless_it_evicts():
 
 def test_bad_arguments():
     d = started()
-    with pytest.raises(ValueError, match=r"budgets must be in \[0, 1048576\]"):
+    with pytest.raises(ValueError, match=r"budgets must hold draft budgets in \[0, 1048576\]"):
         d.propose_ahead([0, 1], [4, -1])
     with pytest.raises(ValueError, match="one entry per request"):
         d.propose_ahead([0, 1], [4])

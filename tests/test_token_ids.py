@@ -1,0 +1,34 @@
+"""token_ids' validation: integer arrays in range, nothing coerced, a bool among ints included."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_spec.token_ids import int_array, token_array
+
+
+@pytest.mark.parametrize("values", [
+    [5, True], [False, 7], (5, 1, True), [5, np.True_], [np.int64(5), 0, np.False_],
+], ids=["bool-last", "bool-first", "tuple", "numpy-bool", "numpy-ints"])
+def test_a_bool_among_token_ids_is_refused(values):
+    with pytest.raises(TypeError, match=r"^prompt_ids must be .*bool"):
+        token_array("prompt_ids", values)
+
+
+@pytest.mark.parametrize("values", [[[5, 1], [0, True]], [np.array([5, 1]), [False, 2]]],
+                         ids=["lists", "array-and-list"])
+def test_a_bool_in_a_nested_list_is_refused(values):
+    with pytest.raises(TypeError, match=r"^destinations must be a 2-D .*bool"):
+        int_array("destinations", values, 0, 9, ndim=2)
+
+
+def test_a_bool_is_a_type_error_even_out_of_range():
+    """False is 0, below the range: still the TypeError of a bool, not a ValueError."""
+    with pytest.raises(TypeError, match=r"^lengths must be .*bool"):
+        int_array("lengths", [5, False], 1, 9)
+
+
+def test_zeros_and_ones_that_are_ints_pass():
+    assert token_array("t", [1, 0, 2**31 - 1, 1]).tolist() == [1, 0, 2**31 - 1, 1]
+    assert int_array("d", [[0, 1], [np.int64(1), 2]], 0, 9, ndim=2).tolist() == [[0, 1], [1, 2]]
+    assert int_array("g", [-1, 1, 0], -1, 9).tolist() == [-1, 1, 0]
