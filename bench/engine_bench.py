@@ -332,35 +332,72 @@ def gsm_prompts(tokenizer: object, count: int) -> Prompts:
     return [list(p) for p in unique[:count]]
 
 
-def make_engines(args: argparse.Namespace) -> tuple[object, object, PromptPool, Prompts, tuple | None]:
-    """Speculative and plain engines sharing one model, the timed pool, warm-up prompts, stops.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what load_pretrained looks for
 
-    ``--random-weights``: SmolLM2-135M shapes, random prompts of ``RANDOM_PROMPT_LEN`` ids, no stop
-    tokens (every sample runs to max_new_tokens); otherwise the named model on gsm_symbolic chat prompts. The
-    warm-up prompts are not in the timed pool, so warming up never shows the drafter a timed one.
+
+def load_tokenizer(ap: argparse.ArgumentParser, model: str) -> object:
+    """The checkpoint's tokenizer alone, as ``RolloutEngine.from_pretrained`` will load it: the
+    prompts are drawn and checked before any engine (weights, CUDA graphs) is built."""
+    from transformers import AutoTokenizer
+
+    from rollout_spec.engine.weights import resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(model)
+    except (ValueError, ModuleNotFoundError) as err:
+        ap.error(f"--model {model}: {err}")
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        ap.error(f"--model {model}: {model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}), "
+                 f"which the gsm_symbolic prompts need (or use --random-weights)")
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def draw_prompts(args: argparse.Namespace, tokenizer: object) -> tuple[PromptPool, Prompts, tuple | None]:
+    """The timed pool, the warm-up prompts and the stop tokens of the workload.
+
+    ``--random-weights``: random prompts of ``RANDOM_PROMPT_LEN`` ids of SmolLM2's vocabulary (below
+    20000), no stop tokens (every sample runs to max_new_tokens); otherwise gsm_symbolic chat
+    prompts through ``tokenizer``. The warm-up prompts are not in the timed pool, so warming up
+    never shows the drafter a timed one.
     """
+    timed, warm = prompts_needed(args), max(1, max(args.batch_sizes) // N_SAMPLES)
+    if args.random_weights:
+        gen = torch.Generator().manual_seed(0)
+        hi = min(20000, SMOLLM2_135M["vocab_size"])
+        prompts = torch.randint(3, hi, (timed + warm, RANDOM_PROMPT_LEN), generator=gen).tolist()
+        return PromptPool(prompts[:timed]), prompts[timed:], ()
+    prompts = gsm_prompts(tokenizer, timed + warm)
+    return PromptPool(prompts[:timed]), prompts[timed:], None
+
+
+def checked_workload(ap: argparse.ArgumentParser,
+                     args: argparse.Namespace) -> tuple[PromptPool, Prompts, tuple | None]:
+    """``draw_prompts`` with the checkpoint's tokenizer loaded alone, then ``check_prompts``: a
+    workload that does not fit ``--max-model-len`` is refused before any engine is built."""
+    tokenizer = None if args.random_weights else load_tokenizer(ap, args.model)
+    pool, warm, stop = draw_prompts(args, tokenizer)
+    check_prompts(ap, args, pool, warm)
+    return pool, warm, stop
+
+
+def build_engines(args: argparse.Namespace) -> tuple[object, object]:
+    """Speculative and plain engines sharing one model: SmolLM2-135M shapes with random weights
+    (``--random-weights``) or the named checkpoint (the slow part: weights, graphs, budget timing)."""
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine.engine import RolloutEngine
 
     max_b, dev = max(args.batch_sizes), torch.device(args.device)
-    timed, warm = prompts_needed(args), max(1, max_b // N_SAMPLES)
     kw = dict(num_slots=max_b, max_model_len=args.max_model_len, max_draft_tokens=args.draft_tokens,
               verify_backend=args.verify_backend, overlap_drafter=args.overlap_drafter)
     spec = SpecConfig(num_draft_tokens=args.draft_tokens)
     if args.random_weights:
         model, _ = random_model(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
         spec_eng = RolloutEngine(model, None, spec, **kw)
-        gen = torch.Generator().manual_seed(0)
-        hi = min(20000, model.config.vocab_size)
-        prompts = torch.randint(3, hi, (timed + warm, RANDOM_PROMPT_LEN), generator=gen).tolist()
-        stop: tuple | None = ()
     else:
         spec_eng = RolloutEngine.from_pretrained(args.model, device=dev, spec=spec, **kw)
-        prompts = gsm_prompts(spec_eng.tokenizer, timed + warm)
-        stop = None
     base_eng = RolloutEngine(spec_eng.model, spec_eng.tokenizer, None,
                              eos_token_ids=spec_eng.eos_token_ids, **kw)
-    return spec_eng, base_eng, PromptPool(prompts[:timed]), prompts[timed:], stop
+    return spec_eng, base_eng
 
 
 def warm_up(engines: tuple, prompts: Prompts, batch: int, temperature: float, max_new: int,
@@ -434,9 +471,9 @@ def print_engine_header(args: argparse.Namespace) -> None:
 
 def engine_rows(args: argparse.Namespace) -> None:
     """Speculation on vs off, same engine weights, prompts and seeds; one row per (T, B)."""
+    pool, warm, stop = checked_workload(build_parser(), args)
     t0 = time.perf_counter()
-    spec_eng, base_eng, pool, warm, stop = make_engines(args)
-    check_prompts(build_parser(), args, pool, warm)
+    spec_eng, base_eng = build_engines(args)
     print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)")
     budget = spec_eng.draft_budget
     if hasattr(budget, "cost"):  # the engine's own batch-aware budget: show what it measured
@@ -651,7 +688,7 @@ def check_length(ap: argparse.ArgumentParser, prompt_len: int, max_new: int, max
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What parsing alone cannot see, refused before any model is built: the device, the Triton
     backend, --profile against the engines' slots, the random-weight prompts' length (the
-    checkpoint's prompts are checked once drawn, ``check_prompts``)."""
+    checkpoint's prompts are checked once drawn with its tokenizer alone, ``checked_workload``)."""
     args.device = check_device(ap, args.device)
     if args.verify_backend == "triton" and not triton_attention.is_available():
         ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")

@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
     bench = bench_args(ap, args)
-    spec_eng, base_eng, pool, warm, stop = eb.make_engines(bench)
-    eb.check_prompts(ap, bench, pool, warm)
+    pool, warm, stop = eb.checked_workload(ap, bench)
+    spec_eng, base_eng = eb.build_engines(bench)
     if args.fixed_budget is not None:
         spec_eng.draft_budget = lambda _num_running: args.fixed_budget
     eb.warm_up((spec_eng, base_eng), warm, args.batch_size, args.temperature, args.max_new_tokens, stop)

@@ -21,10 +21,15 @@ tree to a leaf (the most rows it can read). Times are medians (the forward: the 
 ``(b+v)/fwd`` is (build_np + verify) over that forward; ``/step`` is the same cost over
 ``--step-ms`` (default 4.5 ms: the engine's own CUDA-graphed verify step at B=64, W=9, as
 bench/engine_bench.py --mode steps measured it on an H100).
+``--profile`` prints torch.profiler tables of build and of every verify variant instead, at each
+(B, budget) of --batch-sizes x --budgets (default B=64, budget 8 only) with the same --context,
+--deep, --modes and --backends, over --reps calls per table (default 10); it runs no forward
+and --step-ms does not apply.
 
     python bench/verify_bench.py --device cuda        # about a minute on one H100
     python bench/verify_bench.py --device cpu         # B in {1, 64}, budgets {4, 8} by default
     python bench/verify_bench.py --device cuda --profile   # where the time goes at B=64, budget 8
+    python bench/verify_bench.py --device cuda --profile --batch-sizes 256 --budgets 4,16
 """
 from __future__ import annotations
 
@@ -119,6 +124,8 @@ def forward_ms(model, ti, context: int, device, reps: int, warmup: int) -> float
 
 BACKENDS = ("torch", "auto", "triton")
 MAX_POSITIONS = 8192  # the model's max_position_embeddings: context + W must fit
+# (batch sizes, budgets, reps) where the flags are not given: --profile, else by device
+DEFAULTS = {"profile": ([64], [8], 10), "cuda": ([1, 64, 256], [4, 8, 16], 20), "cpu": ([1, 64], [4, 8], 3)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1024), default=None,
-                    help="default 1,64,256 (CUDA), 1,64 (CPU)")
+                    help="default 1,64,256 (CUDA), 1,64 (CPU), 64 with --profile")
     ap.add_argument("--budgets", type=numbers_arg("--budgets", int, 1, 256), default=None,
-                    help="default 4,8,16 (CUDA), 4,8 (CPU)")
+                    help="default 4,8,16 (CUDA), 4,8 (CPU), 8 with --profile")
     ap.add_argument("--modes", type=names_arg("--modes", tuple(MODES)), default=list(MODES),
                     help=f"subset of {','.join(MODES)}")
     ap.add_argument("--backends", type=names_arg("--backends", BACKENDS), default=None,
@@ -137,14 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int_arg("--context", 1, MAX_POSITIONS - 2), default=512,
                     help=f"cached tokens per request before the tree (context + budget + 1 <= {MAX_POSITIONS})")
     ap.add_argument("--reps", type=int_arg("--reps", 1, 100000), default=None,
-                    help="timed repetitions (default 20 CUDA, 3 CPU)")
+                    help="timed repetitions (default 20 CUDA, 3 CPU);\n"
+                         "with --profile: profiled calls per table (default 10)")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
     ap.add_argument("--deep", action="store_true",
                     help="logits that accept the drafts: the walk reads whole paths")
     ap.add_argument("--step-ms", type=float_arg("--step-ms", 0.0, 1e6, lo_open=True), default=4.5,
                     help="engine verify step to compare with")
     ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler tables of build and verify at B=64, budget 8 instead")
+                    help="torch.profiler tables of build and verify instead, at each\n"
+                         "--batch-sizes x --budgets point (default B=64, budget 8 only)")
     return ap
 
 
@@ -156,10 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = args.device.startswith("cuda")
     if "triton" in (args.backends or ()) and not triton_attention.is_available():
         ap.error("--backends triton: the triton package is not installed (use torch or auto)")
-    args.batch_sizes = args.batch_sizes or ([1, 64, 256] if gpu else [1, 64])
-    args.budgets = args.budgets or ([4, 8, 16] if gpu else [4, 8])
+    batch_sizes, budgets, reps = DEFAULTS["profile" if args.profile else "cuda" if gpu else "cpu"]
+    args.batch_sizes = args.batch_sizes or batch_sizes
+    args.budgets = args.budgets or budgets
     args.backends = args.backends or (["torch", "auto"] if gpu else ["torch"])
-    args.reps = args.reps or (20 if gpu else 3)
+    args.reps = args.reps or reps
     if args.context + max(args.budgets) + 1 > MAX_POSITIONS:
         ap.error(f"--context {args.context} + the largest --budgets value {max(args.budgets)} + 1 exceeds the "
                  f"model's {MAX_POSITIONS} positions")
@@ -167,14 +177,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, run the grid, print one table."""
+    """Parse arguments, run the grid, print one table (with --profile: profiler tables per point)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     warmup = 3 if gpu else 1
     variants = [(m, b) for m in args.modes for b in args.backends]
     if args.profile:
-        profile(variants, device)
+        for num_req in args.batch_sizes:
+            for budget in args.budgets:
+                profile(num_req, budget, variants, args.context, device, args.reps, args.deep)
         return
     model = None if args.no_forward else make_model(device)
     print_header(device, args.step_ms)
@@ -244,16 +256,18 @@ def print_row(r: dict, step_ms: float) -> None:
           f"{cost / step_ms * 100:>7.1f}%", flush=True)
 
 
-def profile(variants: list[tuple[str, str]], device: torch.device) -> None:
-    """torch.profiler tables (ten calls each) of build and of every verify variant at B=64,
-    budget 8: kernel launches, copies and synchronisations by name."""
+def profile(num_req: int, budget: int, variants: list[tuple[str, str]], context: int,
+            device: torch.device, calls: int, deep: bool) -> None:
+    """torch.profiler tables (``calls`` calls each) of build and of every verify variant at one
+    (B, budget), inputs made as ``bench_point`` makes them: kernel launches, copies and
+    synchronisations by name."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    batch = random_trees(64, 8, np.random.default_rng(6408))
-    roots = torch.randint(0, VOCAB, (64,), device=device)
-    pos = torch.full((64,), 512, dtype=torch.int64, device=device)
+    batch = random_trees(num_req, budget, np.random.default_rng(num_req * 100 + budget))
+    roots = torch.randint(0, VOCAB, (num_req,), device=device)
+    pos = torch.full((num_req,), context, dtype=torch.int64, device=device)
     ti = build_tree_inputs(batch, roots, pos, device)
-    logits = 3 * torch.randn(64 + batch.num_nodes, VOCAB, device=device)
+    logits = step_logits(batch, device, deep)
     gen = torch.Generator(device=device).manual_seed(0)
     roots_np, pos_np = roots.cpu().numpy(), pos.cpu().numpy()
     jobs = [("build", lambda: build_tree_inputs(batch, roots, pos, device)),
@@ -265,11 +279,11 @@ def profile(variants: list[tuple[str, str]], device: torch.device) -> None:
         for _ in range(3):
             fn()  # compile and warm up outside the trace
         with torch_profile(activities=acts) as prof:
-            for _ in range(10):
+            for _ in range(calls):
                 fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        print(f"== {name} (10 calls)")
+        print(f"== B={num_req}, budget {budget}: {name} ({calls} calls)")
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48))
 

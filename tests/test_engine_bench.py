@@ -1,5 +1,6 @@
 """``bench/engine_bench.py --mode engine``: a CPU smoke run of the table, the prompt history the
-drafter has seen before each timed call (cold / warm), and flag errors."""
+drafter has seen before each timed call (cold / warm), a checkpoint's prompts drawn and checked
+before any engine is built, and flag errors."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from argument_errors import argument_error, hide_cuda  # noqa: E402
 import engine_bench as eb  # noqa: E402
 from rollout_spec.engine.engine import RolloutEngine  # noqa: E402
+from test_cli_tiny_model import tiny_model_dir  # noqa: E402  (tests/ is on sys.path under pytest)
 
 # 2 layers instead of 30 keep a CPU run to seconds; 3 new tokens, context 16 for the step grid.
 TINY = ["--mode", "engine", "--random-weights", "--device", "cpu", "--max-new-tokens", "3",
@@ -22,19 +24,21 @@ TINY = ["--mode", "engine", "--random-weights", "--device", "cpu", "--max-new-to
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    """Every generate / end_step of the two engines in order, and a 'timed' mark before each
-    timed call: (engine, event, prompts, group ids, max_running)."""
+    """Every generate / end_step of the two engines in order, a 'timed' mark before each timed
+    call and a 'built' mark once both engines exist: (engine, event, prompts, group ids,
+    max_running)."""
     monkeypatch.setitem(eb.SMOLLM2_135M, "num_hidden_layers", 2)
     log: list[tuple] = []
     engines: dict[str, object] = {}
-    make, generate, end_step, timed = eb.make_engines, RolloutEngine.generate, RolloutEngine.end_step, eb.run_generate
+    build, generate, end_step = eb.build_engines, RolloutEngine.generate, RolloutEngine.end_step
+    timed = eb.run_generate
 
     def who(engine: object) -> str:
         return "spec" if engine is engines["spec"] else "base"
 
-    def spy_make(args):
-        out = make(args)
-        engines["spec"], engines["base"] = out[0], out[1]
+    def spy_build(args):
+        engines["spec"], engines["base"] = out = build(args)
+        log.append(("both", "built", [], (), None))
         return out
 
     def spy_generate(self, prompts, params, group_ids=None, **kw):
@@ -49,7 +53,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         log.append((who(engine), "timed", [tuple(p) for p in prompts], tuple(groups), rest[-1]))
         return timed(engine, prompts, groups, *rest)
 
-    monkeypatch.setattr(eb, "make_engines", spy_make)
+    monkeypatch.setattr(eb, "build_engines", spy_build)
     monkeypatch.setattr(RolloutEngine, "generate", spy_generate)
     monkeypatch.setattr(RolloutEngine, "end_step", spy_end_step)
     monkeypatch.setattr(eb, "run_generate", spy_timed)
@@ -123,11 +127,11 @@ def test_budget_decisions_are_counted_per_row_and_round(monkeypatch: pytest.Monk
     widths = (1, 2, 3, 5, 9, 17, 33)
     grid = CostModel((1, 8), widths, tuple(tuple(1e-3 * (1 + b / 8) * (1 + 0.1 * w) for w in widths)
                                            for b in (1, 8)))
-    make, call = eb.make_engines, DraftBudget.__call__
+    build, call = eb.build_engines, DraftBudget.__call__
     per_row: list[int] = []
 
     def with_budget(args):
-        out = make(args)
+        out = build(args)
         out[0].draft_budget = budget_from_cost(grid, 8, 32)
         return out
 
@@ -140,7 +144,7 @@ def test_budget_decisions_are_counted_per_row_and_round(monkeypatch: pytest.Monk
         return measure(*args, **kw)
 
     measure = eb.measure_row
-    monkeypatch.setattr(eb, "make_engines", with_budget)
+    monkeypatch.setattr(eb, "build_engines", with_budget)
     monkeypatch.setattr(DraftBudget, "__call__", counted)
     monkeypatch.setattr(eb, "measure_row", row)
     out = run(TINY + ["--batch-sizes", "1,2"], capsys)
@@ -180,7 +184,8 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a model was built before the argument error")
 
     monkeypatch.setattr(eb, "random_model", refuse)
-    monkeypatch.setattr(eb, "make_engines", refuse)
+    monkeypatch.setattr(RolloutEngine, "__init__", refuse)
+    monkeypatch.setattr(RolloutEngine, "from_pretrained", refuse)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -217,3 +222,50 @@ def test_long_checkpoint_prompts_exit_before_timing(capsys) -> None:
     pool = eb.PromptPool([[1] * 50, [1] * 95])
     err = argument_error(lambda parser: eb.check_prompts(parser, args, pool, [[1] * 20]), eb.build_parser(), capsys)
     assert "longest prompt 95 + 8 new tokens exceeds --max-model-len 100" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama directory with the default model's tokenizer and chat template."""
+    return tiny_model_dir(tmp_path_factory.getbasetemp())
+
+
+CHECKPOINT = ["--device", "cpu", "--batch-sizes", "1", "--temperatures", "0.6", "--repeats", "1",
+              "--min-samples", "8", "--max-new-tokens", "3", "--ctx", "16"]
+
+
+def test_long_checkpoint_prompts_exit_before_any_engine(tiny_checkpoint: Path, no_model, capsys) -> None:
+    """The gsm_symbolic prompts are drawn with the checkpoint's tokenizer alone and checked before
+    the weights load and the graphs are captured."""
+    argv = CHECKPOINT + ["--model", str(tiny_checkpoint), "--max-model-len", "60"]
+    err = argument_error(eb.main, argv, capsys)
+    assert "--max-new-tokens 3: longest prompt" in err and "exceeds --max-model-len 60" in err
+
+
+def test_checkpoint_engines_run_the_prompts_checked_before_they_were_built(
+        tiny_checkpoint: Path, calls: list[tuple], monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The prompts are drawn once, before the engines exist, and the timed calls run those."""
+    gsm_prompts = eb.gsm_prompts
+
+    def spy_draw(tokenizer, count):
+        drawn = gsm_prompts(tokenizer, count)
+        calls.append(("none", "drawn", [tuple(p) for p in drawn], (), None))
+        return drawn
+
+    monkeypatch.setattr(eb, "gsm_prompts", spy_draw)
+    out = run(CHECKPOINT + ["--model", str(tiny_checkpoint), "--max-model-len", "256"], capsys)
+    assert "gsm_symbolic chat prompts" in out and len(engine_table(out)) == 1
+    assert [c[1] for c in calls[:2]] == ["drawn", "built"] and [c[1] for c in calls].count("drawn") == 1
+    timed = [p for c in calls if c[1] == "timed" for p in c[2]]
+    assert timed and set(timed) <= set(calls[0][2])
+
+
+def test_checkpoint_without_a_tokenizer_exits(tmp_path: Path, no_model, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    err = argument_error(eb.main, CHECKPOINT + ["--model", str(tmp_path)], capsys)
+    assert f"--model {tmp_path}: {tmp_path} has no tokenizer (tokenizer.json or tokenizer_config.json)" in err
+
+
+def test_unknown_model_exits(no_model, capsys) -> None:
+    err = argument_error(eb.main, CHECKPOINT + ["--model", "no-such-model"], capsys)
+    assert "--model no-such-model: model must be one of ['smollm2-135m']" in err

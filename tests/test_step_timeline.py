@@ -72,7 +72,7 @@ def test_bad_batch_size_names_the_flag(capsys) -> None:
 ])
 def test_errors_name_this_scripts_flags(argv, message, monkeypatch, capsys) -> None:
     """Its own usage and flags, never engine_bench's (--temperatures, --batch-sizes), and no model."""
-    monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
+    monkeypatch.setattr(eb, "build_engines", lambda _args: pytest.fail("engines built before the error"))
     err = argument_error(st.main, argv, capsys)
     assert message in err
     assert "[--batch-size BATCH_SIZE]" in err  # its own usage
@@ -81,6 +81,6 @@ def test_errors_name_this_scripts_flags(argv, message, monkeypatch, capsys) -> N
 
 def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:
     hide_cuda(monkeypatch)
-    monkeypatch.setattr(eb, "make_engines", lambda _args: pytest.fail("engines built before the error"))
+    monkeypatch.setattr(eb, "build_engines", lambda _args: pytest.fail("engines built before the error"))
     err = argument_error(st.main, ["--device", "cuda", "--random-weights"], capsys)
     assert "--device cuda: no CUDA device is visible here" in err

@@ -50,3 +50,33 @@ def test_cpu_defaults_and_a_tiny_grid(capsys) -> None:
              "--no-forward"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("   2 ")]
     assert [r[:5] for r in rows] == [["2", "3", "4", "greedy", "torch"]]
+
+
+def test_profile_defaults_to_one_point_of_ten_calls() -> None:
+    args = vb.parse_args(["--device", "cpu", "--profile"])
+    assert (args.batch_sizes, args.budgets, args.reps) == ([64], [8], 10)
+
+
+def test_profile_runs_at_every_requested_point(monkeypatch, capsys) -> None:
+    """--profile honours the grid flags: one set of tables per (B, budget), the given calls each,
+    trees at --context and --deep logits."""
+    seen: set[tuple] = set()
+    build, logits = vb.build_tree_inputs, vb.step_logits
+
+    def spy_build(batch, roots, positions, device):
+        seen.add(("positions", int(positions[0])))
+        return build(batch, roots, positions, device)
+
+    def spy_logits(batch, device, deep):
+        seen.add(("deep", deep))
+        return logits(batch, device, deep)
+
+    monkeypatch.setattr(vb, "make_model", lambda *_: pytest.fail("--profile runs no forward"))
+    monkeypatch.setattr(vb, "build_tree_inputs", spy_build)
+    monkeypatch.setattr(vb, "step_logits", spy_logits)
+    vb.main(["--device", "cpu", "--profile", "--batch-sizes", "2,3", "--budgets", "5", "--modes", "greedy",
+             "--reps", "2", "--context", "100", "--deep"])
+    titles = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== ")]
+    assert titles == [f"== B={b}, budget 5: {job} (2 calls)" for b in (2, 3)
+                      for job in ("build", "build numpy roots", "verify greedy torch")]
+    assert seen == {("positions", 100), ("deep", True)}
