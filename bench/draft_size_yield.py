@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     """Print the table for each trace."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", action="append", help="trace file (default: the shared traces)")
-    ap.add_argument("--steps", type=int_arg("steps", 1), default=None,
+    ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
                     help="RL steps replayed; at most the trace's step count (default: the first 2, or 1 "
                          "on a one-step trace)")
-    ap.add_argument("--max-live", type=int_arg("max_live", 1), default=256, help="concurrent requests (default 256)")
+    ap.add_argument("--max-live", type=int_arg("--max-live", 1), default=256, help="concurrent requests (default 256)")
     args = ap.parse_args(argv)
     paths = args.trace or sorted(glob.glob(SHARED))
     if not paths:

@@ -154,14 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", action="append", help="trace file(s); default: shared traces, else synthetic")
     ap.add_argument("--synthetic", action="store_true", help="also replay a synthetic trace")
-    ap.add_argument("--budget", type=int_arg("budget", 1, 1024), default=8, help="draft tokens per request")
-    ap.add_argument("--max-live", type=int_arg("max_live", 1), default=None,
+    ap.add_argument("--budget", type=int_arg("--budget", 1, 1024), default=8, help="draft tokens per request")
+    ap.add_argument("--max-live", type=int_arg("--max-live", 1), default=None,
                     help="cap on concurrent requests (default: all of a step's requests)")
-    ap.add_argument("--drafters", type=names_arg("drafters", DRAFTERS), default=list(DRAFTERS),
+    ap.add_argument("--drafters", type=names_arg("--drafters", DRAFTERS), default=list(DRAFTERS),
                     help=f"comma-separated, from {', '.join(DRAFTERS)} (default: all)")
-    ap.add_argument("--propose-threads", type=numbers_arg("propose_threads", int, 0, 256), default=None,
+    ap.add_argument("--propose-threads", type=numbers_arg("--propose-threads", int, 0, 256), default=None,
                     help="comma-separated thread counts for ours/ours-full (0 = auto); default 1")
-    ap.add_argument("--repeat", type=int_arg("repeat", 1, 1000), default=1,
+    ap.add_argument("--repeat", type=int_arg("--repeat", 1, 1000), default=1,
                     help="replays of every trace per drafter, in turns; rows show the median run (default 1)")
     args = ap.parse_args(argv)
     counts = args.propose_threads or [1]

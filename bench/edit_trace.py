@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: write one code-edit trace."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="trace file to write (gzip JSON when it ends in .gz)")
-    ap.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=64)
-    ap.add_argument("--file-tokens", type=int_arg("file_tokens", 1, 1 << 20), default=1500,
+    ap.add_argument("--prompts", type=int_arg("--prompts", 1, 100_000), default=64)
+    ap.add_argument("--file-tokens", type=int_arg("--file-tokens", 1, 1 << 20), default=1500,
                     help="tokens of the file each prompt holds")
-    ap.add_argument("--seed", type=int_arg("seed", 0), default=0)
+    ap.add_argument("--seed", type=int_arg("--seed", 0), default=0)
     args = ap.parse_args(argv)
     check_output(ap, "out", args.out)
     trace = make_edit_trace(EditSpec(prompts=args.prompts, file_tokens=args.file_tokens, seed=args.seed))

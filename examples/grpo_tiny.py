@@ -58,24 +58,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=task_arg, default="basic_arithmetic")
-    p.add_argument("--steps", type=int_arg("steps", 1, 100_000), default=10)
-    p.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=8)
-    p.add_argument("--n", type=int_arg("n", 2, 1024), default=8,
+    p.add_argument("--steps", type=int_arg("--steps", 1, 100_000), default=10)
+    p.add_argument("--prompts", type=int_arg("--prompts", 1, 100_000), default=8)
+    p.add_argument("--n", type=int_arg("--n", 2, 1024), default=8,
                    help="samples per prompt (>= 2: a group of one has no advantage signal)")
-    p.add_argument("--max-new-tokens", type=int_arg("max_new_tokens", 1, 1 << 20), default=192)
-    p.add_argument("--temperature", type=float_arg("temperature", 0.0, 100.0, lo_open=True), default=1.0,
+    p.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 20), default=192)
+    p.add_argument("--temperature", type=float_arg("--temperature", 0.0, 100.0, lo_open=True), default=1.0,
                    help="> 0: greedy samples of a group agree, so they carry no advantage signal")
-    p.add_argument("--draft-tokens", type=int_arg("draft_tokens", 1, 1024), default=8)
-    p.add_argument("--lr", type=float_arg("lr", 0.0, 1.0, lo_open=True), default=1e-6)
-    p.add_argument("--micro-batch", type=int_arg("micro_batch", 1, 1 << 16), default=8)
-    p.add_argument("--format-bonus", type=float_arg("format_bonus", 0.0, 10.0), default=0.1,
+    p.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 1024), default=8)
+    p.add_argument("--lr", type=float_arg("--lr", 0.0, 1.0, lo_open=True), default=1e-6)
+    p.add_argument("--micro-batch", type=int_arg("--micro-batch", 1, 1 << 16), default=8)
+    p.add_argument("--format-bonus", type=float_arg("--format-bonus", 0.0, 10.0), default=0.1,
                    help="reward added when the reply states a final answer ('#### ...')")
-    p.add_argument("--max-batch", type=int_arg("max_batch", 1, 1 << 16), default=256,
+    p.add_argument("--max-batch", type=int_arg("--max-batch", 1, 1 << 16), default=256,
                    help="most requests decoded at once")
     p.add_argument("--no-baseline", action="store_true", help="skip the speculation-off pass")
     p.set_defaults(fresh_prompts=False)  # the same prompt pool every step, as in epochs
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None)
-    p.add_argument("--seed", type=int_arg("seed", 0, 2**62), default=0)
+    p.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = p.parse_args(argv)
     problem = _model_problem(args.model)
     if problem:

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from rollout_spec.replay import Trace
 
 def _top_k_arg(text: str) -> int:
-    value = int_arg("top_k", -1)(text)
+    """An argparse type: ``--top-k`` is -1 (keep all) or a positive count."""
+    value = int_arg("--top-k", -1)(text)
     if value == 0:
-        raise argparse.ArgumentTypeError("top_k must be -1 (keep all) or >= 1, got 0")
+        raise argparse.ArgumentTypeError("--top-k must be -1 (keep all) or >= 1, got 0")
     return value
 
 
@@ -36,22 +37,22 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=task_arg, default="gsm_symbolic",
                    help="a reasoning-gym task name, or 'humaneval'")
-    p.add_argument("--steps", type=int_arg("steps", 1, 100_000), default=2, help="RL steps")
-    p.add_argument("--prompts", type=int_arg("prompts", 1, 100_000), default=4, help="prompts per step")
-    p.add_argument("--n", type=int_arg("n", 1, 1024), default=4, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int_arg("max_new_tokens", 1, 1 << 20), default=128)
-    p.add_argument("--temperature", type=float_arg("temperature", 0.0, 100.0), default=1.0,
+    p.add_argument("--steps", type=int_arg("--steps", 1, 100_000), default=2, help="RL steps")
+    p.add_argument("--prompts", type=int_arg("--prompts", 1, 100_000), default=4, help="prompts per step")
+    p.add_argument("--n", type=int_arg("--n", 1, 1024), default=4, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 20), default=128)
+    p.add_argument("--temperature", type=float_arg("--temperature", 0.0, 100.0), default=1.0,
                    help="0 means greedy")
-    p.add_argument("--top-p", type=float_arg("top_p", 0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--top-p", type=float_arg("--top-p", 0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--top-k", type=_top_k_arg, default=-1, help="-1 keeps all tokens")
-    p.add_argument("--draft-tokens", type=int_arg("draft_tokens", 1, 1024), default=None,
+    p.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 1024), default=None,
                    help="most draft nodes per request per verify step (default: 32 on CUDA, where "
                         "the batch-aware budget picks a size up to it each step; 8 elsewhere, "
                         "where every step drafts that many)")
-    p.add_argument("--seed", type=int_arg("seed", 0, 2**62), default=0)
+    p.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every step (default: the same pool each step, like epochs)")
-    p.add_argument("--max-batch", type=int_arg("max_batch", 1, 1 << 16), default=256,
+    p.add_argument("--max-batch", type=int_arg("--max-batch", 1, 1 << 16), default=256,
                    help="most requests decoded at once (KV slots); default min(prompts x n, 256)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the speculation-off pass (no speedup figure)")
@@ -75,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="compare drafters in lock-step on a recorded trace")
     replay.add_argument("trace", type=Path, metavar="TRACE.json",
                         help="a recorded trace in the shared format (gzip JSON when it ends in .gz)")
-    replay.add_argument("--draft-tokens", type=int_arg("draft_tokens", 1, 1024), default=8,
+    replay.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 1024), default=8,
                         help="draft budget per request and iteration (default 8)")
-    replay.add_argument("--max-steps", type=int_arg("max_steps", 1, 1 << 20), default=None,
+    replay.add_argument("--max-steps", type=int_arg("--max-steps", 1, 1 << 20), default=None,
                         help="replay only the first RL steps of the trace")
     return parser
 

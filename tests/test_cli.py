@@ -16,13 +16,13 @@ from rollout_spec.replay import load_trace
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["bench", "--steps", "0"], "--steps: steps must be in [1, 100000], got 0"),
-    (["bench", "--n", "four"], "--n: n must be an integer, got 'four'"),
-    (["bench", "--temperature", "-1"], "--temperature: temperature must be in [0.0, 100.0]"),
-    (["bench", "--top-p", "0"], "--top-p: top_p must be in (0.0, 1.0]"),
-    (["bench", "--top-k", "0"], "--top-k: top_k must be -1 (keep all) or >= 1"),
-    (["bench", "--draft-tokens", "0"], "--draft-tokens: draft_tokens must be in [1, 1024]"),
-    (["bench", "--max-new-tokens", "1.5"], "max_new_tokens must be an integer"),
+    (["bench", "--steps", "0"], "--steps: --steps must be in [1, 100000], got 0"),
+    (["bench", "--n", "four"], "--n: --n must be an integer, got 'four'"),
+    (["bench", "--temperature", "-1"], "--temperature: --temperature must be in [0.0, 100.0]"),
+    (["bench", "--top-p", "0"], "--top-p: --top-p must be in (0.0, 1.0]"),
+    (["bench", "--top-k", "0"], "--top-k: --top-k must be -1 (keep all) or >= 1"),
+    (["bench", "--draft-tokens", "0"], "--draft-tokens: --draft-tokens must be in [1, 1024]"),
+    (["bench", "--max-new-tokens", "1.5"], "--max-new-tokens must be an integer"),
     (["bench", "--device", "gpu"], "device must be auto, cpu, mps, cuda or cuda:N"),
     (["bench", "--task", "no_such_task"], "--task: task must be a reasoning-gym task"),
     (["bench", "--wandb", "sometimes"], "invalid choice: 'sometimes'"),

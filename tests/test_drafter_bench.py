@@ -68,17 +68,17 @@ def test_replays_that_drafted_differently_are_an_error() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--repeat", "0"], "argument --repeat: repeat must be in [1, 1000], got 0"),
-    (["--drafters", "nope"], "every drafters value must be one of ours, ours-full, arctic, prompt-lookup; got 'nope'"),
-    (["--drafters", ","], "every drafters value must be one of"),  # an empty list ran no drafter
+    (["--repeat", "0"], "argument --repeat: --repeat must be in [1, 1000], got 0"),
+    (["--drafters", "nope"], "every --drafters value must be one of ours, ours-full, arctic, prompt-lookup; got 'nope'"),
+    (["--drafters", ","], "every --drafters value must be one of"),  # an empty list ran no drafter
     (["--drafters", "ours,ours"], "--drafters names ours more than once"),
-    (["--propose-threads", "two"], "propose_threads must be comma-separated integers"),
-    (["--propose-threads", ","], "propose_threads must be comma-separated integers"),  # dropped every ours row
-    (["--propose-threads", "1,300"], "every propose_threads value must be in [0, 256], got 300"),
+    (["--propose-threads", "two"], "--propose-threads must be comma-separated integers"),
+    (["--propose-threads", ","], "--propose-threads must be comma-separated integers"),  # dropped every ours row
+    (["--propose-threads", "1,300"], "every --propose-threads value must be in [0, 256], got 300"),
     (["--propose-threads", "4", "--drafters", "prompt-lookup"], "--propose-threads sets the threads of ours"),
-    (["--budget", "-1", "--drafters", "prompt-lookup"], "argument --budget: budget must be in [1, 1024], got -1"),
-    (["--max-live", "0"], "argument --max-live: max_live must be in [1, inf], got 0"),  # hung forever
-    (["--max-live", "-5"], "argument --max-live: max_live must be in [1, inf], got -5"),
+    (["--budget", "-1", "--drafters", "prompt-lookup"], "argument --budget: --budget must be in [1, 1024], got -1"),
+    (["--max-live", "0"], "argument --max-live: --max-live must be in [1, inf], got 0"),  # hung forever
+    (["--max-live", "-5"], "argument --max-live: --max-live must be in [1, inf], got -5"),
 ])
 def test_bad_flags_exit_with_a_message_naming_them(argv, message, capsys) -> None:
     # A missing trace as well: a flag that slipped through would exit on the trace instead (or hang).

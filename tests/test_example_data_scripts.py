@@ -35,7 +35,7 @@ def gsm():
     (["--size", "0"], "size must be in [1,"),
     (["--size", "-3"], "size must be in [1,"),
     (["--tasks", "basic_arithmetic", "nosuch"], "every --tasks value must be a reasoning-gym task"),
-    (["--seed", "-1"], "seed must be in [0,"),
+    (["--seed", "-1"], "--seed must be in [0,"),
 ])
 def test_make_prompts_refuses_bad_options_and_keeps_the_old_file(prompts, tmp_path, capsys, argv, message):
     out = tmp_path / "p.jsonl"
@@ -67,8 +67,8 @@ def test_make_prompts_writes_every_task(prompts, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--train-size", "0"], "train_size must be in [1,"),
-    (["--train-size", "3", "--test-size", "-1"], "test_size must be in [1,"),
+    (["--train-size", "0"], "--train-size must be in [1,"),
+    (["--train-size", "3", "--test-size", "-1"], "--test-size must be in [1,"),
 ])
 def test_make_gsm_data_refuses_bad_sizes_before_writing(gsm, tmp_path, capsys, argv, message):
     (tmp_path / "train.parquet").write_text("old train")

@@ -33,10 +33,10 @@ def test_the_generators_write_a_trace_that_loads(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompts", "0"], "argument --prompts: prompts must be in [1, 100000], got 0"),
-    (["--n", "-1"], "argument --n: n must be in [1, 1024], got -1"),
-    (["--steps", "0"], "argument --steps: steps must be in [1, 1000], got 0"),
-    (["--seed", "-1"], "argument --seed: seed must be in [0, inf], got -1"),
+    (["--prompts", "0"], "argument --prompts: --prompts must be in [1, 100000], got 0"),
+    (["--n", "-1"], "argument --n: --n must be in [1, 1024], got -1"),
+    (["--steps", "0"], "argument --steps: --steps must be in [1, 1000], got 0"),
+    (["--seed", "-1"], "argument --seed: --seed must be in [0, inf], got -1"),
 ])
 def test_synthetic_trace_refuses_counts_that_would_write_an_empty_trace(tmp_path, argv, message, capsys) -> None:
     assert message in argument_error(synthetic_trace.main, [str(tmp_path / "t.json.gz")] + argv, capsys)
@@ -44,9 +44,9 @@ def test_synthetic_trace_refuses_counts_that_would_write_an_empty_trace(tmp_path
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompts", "0"], "argument --prompts: prompts must be in [1, 100000], got 0"),
-    (["--file-tokens", "x"], "argument --file-tokens: file_tokens must be an integer, got 'x'"),
-    (["--seed", "-1"], "argument --seed: seed must be in [0, inf], got -1"),
+    (["--prompts", "0"], "argument --prompts: --prompts must be in [1, 100000], got 0"),
+    (["--file-tokens", "x"], "argument --file-tokens: --file-tokens must be an integer, got 'x'"),
+    (["--seed", "-1"], "argument --seed: --seed must be in [0, inf], got -1"),
 ])
 def test_edit_trace_bad_flags(tmp_path, argv, message, capsys) -> None:
     assert message in argument_error(edit_trace.main, [str(tmp_path / "t.json.gz")] + argv, capsys)
@@ -67,8 +67,8 @@ def test_draft_size_yield_defaults_to_the_steps_a_one_step_trace_has(tmp_path, c
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "50"], "--steps 50: trace {trace} has only 2 steps"),  # replayed 2 steps silently
-    (["--max-live", "0"], "argument --max-live: max_live must be in [1, inf], got 0"),
-    (["--steps", "-1"], "argument --steps: steps must be in [1, inf], got -1"),
+    (["--max-live", "0"], "argument --max-live: --max-live must be in [1, inf], got 0"),
+    (["--steps", "-1"], "argument --steps: --steps must be in [1, inf], got -1"),
 ])
 def test_draft_size_yield_bad_flags(tmp_path, argv, message, capsys) -> None:
     trace = small_trace(tmp_path / "t.json.gz")
@@ -91,14 +91,14 @@ def test_draft_size_yield_refuses_a_trace_without_responses(tmp_path, capsys) ->
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--replicas", "0"], "argument --replicas: replicas must be in [1, 65536], got 0"),
-    (["--requests", "-8"], "argument --requests: requests must be in [1, inf], got -8"),
-    (["--n", "0"], "argument --n: n must be in [1, inf], got 0"),
-    (["--steps", "0"], "argument --steps: steps must be in [1, inf], got 0"),
-    (["--hosts", "0"], "argument --hosts: hosts must be in [1, inf], got 0"),
-    (["--affinity-k", "0"], "argument --affinity-k: affinity_k must be in [1, 65536], got 0"),
-    (["--shards", "0"], "argument --shards: shards must be in [1, 4096], got 0"),
-    (["--retain-steps", "0"], "argument --retain-steps: retain_steps must be in [1, 1048576], got 0"),
+    (["--replicas", "0"], "argument --replicas: --replicas must be in [1, 65536], got 0"),
+    (["--requests", "-8"], "argument --requests: --requests must be in [1, inf], got -8"),
+    (["--n", "0"], "argument --n: --n must be in [1, inf], got 0"),
+    (["--steps", "0"], "argument --steps: --steps must be in [1, inf], got 0"),
+    (["--hosts", "0"], "argument --hosts: --hosts must be in [1, inf], got 0"),
+    (["--affinity-k", "0"], "argument --affinity-k: --affinity-k must be in [1, 65536], got 0"),
+    (["--shards", "0"], "argument --shards: --shards must be in [1, 4096], got 0"),
+    (["--retain-steps", "0"], "argument --retain-steps: --retain-steps must be in [1, 1048576], got 0"),
     (["--requests", "12", "--n", "8"], "--requests 12 must be a multiple of --n 8"),
     (["--replicas", "2", "--hosts", "3"], "--hosts 3 must be at most --replicas 2"),
     (["--trace", "/nonexistent/t.json.gz"], "--trace /nonexistent/t.json.gz: trace file not found"),

@@ -53,8 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/prompts.jsonl"))
     parser.add_argument("--tasks", type=task_arg, nargs="+", default=["basic_arithmetic", "chain_sum"])
-    parser.add_argument("--size", type=int_arg("size", 1, 1_000_000), default=256, help="prompts per task")
-    parser.add_argument("--seed", type=int_arg("seed", 0, 2**62), default=0)
+    parser.add_argument("--size", type=int_arg("--size", 1, 1_000_000), default=256, help="prompts per task")
+    parser.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = parser.parse_args(argv)
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -63,8 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Write ``train.parquet`` and ``test.parquet`` under ``--out``; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--train-size", type=int_arg("train_size", 1, 10_000_000), default=2048)
-    parser.add_argument("--test-size", type=int_arg("test_size", 1, 10_000_000), default=256)
+    parser.add_argument("--train-size", type=int_arg("--train-size", 1, 10_000_000), default=2048)
+    parser.add_argument("--test-size", type=int_arg("--test-size", 1, 10_000_000), default=256)
     args = parser.parse_args(argv)
     missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
     if missing:
