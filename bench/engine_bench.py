@@ -10,8 +10,10 @@ Two modes, both printing tables whose ratios are measured in the same run:
 * ``--mode engine`` runs ``RolloutEngine`` on the GRPO-style workload (reasoning-gym gsm_symbolic
   prompts through the chat template, temperature 0.6 and 1.0) with and without the drafter and
   prints tokens/s, TPF, speedup, verify tax and the bound TPF / tax next to the speedup. GRPO's
-  n=8 holds at every B: a call is max(1, B // 8) prompts of 8 samples with at most B decoded at
-  once (``max_running=B``), so at B=1 a prompt's samples run one after another. ``--history``
+  n=8 holds at every B: a call is max(1, Q * B // 8) prompts of 8 samples (Q = ``--queue``,
+  default 4) with at most B decoded at once (``max_running=B``), so the others wait for a slot
+  and at B=1 a prompt's samples run one after another; ``--queue 1`` is one synchronous batch
+  that drains from its first finished sample on (docs/gpu.md, session 69). ``--history``
   says what the drafter has seen of a timed prompt: ``cold`` (default) nothing, ``warm`` one
   earlier RL step on it. Each row is ``--repeats`` rounds of (plain call, spec call) on the
   same new prompts, interleaved so that drift hits both; its figures are over all rounds and
