@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from rollout_spec.distributed import GroupRouter, group_key, group_keys
+from rollout_spec.distributed import GroupRouter, group_key
 from rollout_spec.distributed.coordinator import IndexCoordinator
 from rollout_spec.distributed.packing import pack, split_by_destination, unpack
 

@@ -9,7 +9,6 @@ forward, rejection sampling, the scheduler feeding SpecDecodingStats from real v
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 vllm = pytest.importorskip(
