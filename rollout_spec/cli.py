@@ -332,6 +332,7 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
         workload = Workload(args.task, tok, args.prompts, seed=args.seed,
                             fresh_each_step=args.fresh_prompts, max_steps=args.steps)
         _warm_up(engines, list(workload.batch(0)[0].prompt_ids), args)
+    console.print(workload_line(args, engines.spec.num_slots, str(engines.spec.device)))
     recorder = None if args.record is None else TraceRecorder(
         args.model, vars(_sampling(args, 0)), getattr(tok, "eos_token_id", None),
         vocab_size=engines.spec.model.config.vocab_size)
@@ -352,6 +353,18 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
     if recorder is not None:
         console.print(f"trace: {recorder.save(args.record)}")
     return history
+
+
+def workload_line(args: argparse.Namespace, num_slots: int, device: str) -> str:
+    """What one step runs, said before the first: the samples, how many decode at once, and so
+    whether a step is one synchronous batch (it lasts as long as its slowest sample, which
+    speculation barely shortens at high temperature: docs/bench.md) or queues the rest."""
+    samples = args.prompts * args.n
+    batching = ("one synchronous batch" if samples <= num_slots
+                else f"the other {samples - num_slots} wait for a slot")
+    return (f"{args.model} on {device}: {args.prompts} prompts x n={args.n} = {samples} samples per step, "
+            f"at most {num_slots} decoded at once ({batching}); T={args.temperature}, "
+            f"{args.max_new_tokens} new tokens, up to {args.draft_tokens} draft nodes per request")
 
 
 def _title(args: argparse.Namespace) -> str:

@@ -100,6 +100,7 @@ class FakeEngine:
         self.speculative, self.answer = speculative, answer
         self.tokenizer, self.calls, self.steps_ended = FakeTokenizer(), [], 0
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
+        self.num_slots, self.device = 256, "cpu"
 
     def generate(self, prompts, params, group_ids=None):
         self.calls.append((len(prompts), params, group_ids))
@@ -141,6 +142,7 @@ def test_bench_loop_with_stand_in_engine(tmp_path, monkeypatch):
     assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
     text = console.export_text()
     assert "summary" in text and "step 2" in text
+    assert "2 prompts x n=3 = 6 samples per step, at most 256 decoded at once (one synchronous batch)" in text
 
 
 def test_drafter_figures_read_stats_and_timer():
@@ -212,3 +214,13 @@ def test_plot_without_matplotlib_is_refused_before_the_bench(capsys, monkeypatch
     monkeypatch.setattr(cli, "run_bench", lambda args: pytest.fail("the bench ran"))
     err = argument_error(cli.main, ["bench", "--plot", str(tmp_path / "d.png"), "--wandb", "disabled"], capsys)
     assert "--plot needs matplotlib: pip install 'rollout-spec[dashboards]'" in err
+
+
+def test_workload_line_says_whether_a_step_queues() -> None:
+    """One synchronous batch where every sample has a slot; otherwise how many wait."""
+    args = cli.build_parser().parse_args(["bench", "--prompts", "16", "--n", "8", "--max-batch", "32",
+                                      "--draft-tokens", "32"])
+    queued = cli.workload_line(args, 32, "cuda:0")
+    assert queued.startswith("smollm2-135m on cuda:0: 16 prompts x n=8 = 128 samples per step, "
+                             "at most 32 decoded at once (the other 96 wait for a slot)")
+    assert "one synchronous batch" in cli.workload_line(args, 128, "cuda:0")

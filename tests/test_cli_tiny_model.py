@@ -49,7 +49,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return tiny_model_dir(tmp_path_factory.getbasetemp())
 
 
-def test_bench_runs_on_a_model_directory(tiny_model, tmp_path):
+def test_bench_runs_on_a_model_directory(tiny_model, tmp_path, capsys):
     from rollout_spec import cli
 
     out = tmp_path / "r.json"
@@ -58,6 +58,10 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path):
             "--wandb", "disabled", "--plot", str(tmp_path / "d.png"),
             "--record", str(tmp_path / "t.json"), "--json", str(out)]
     assert cli.main(argv) == 0
+    # 2 prompts x n=2 in slots sized to them: each step is one synchronous batch, and says so.
+    assert (f"{tiny_model} on cpu: 2 prompts x n=2 = 4 samples per step, at most 4 decoded at once "
+            "(one synchronous batch); T=1.0, 16 new tokens, up to 8 draft nodes per request"
+            in " ".join(capsys.readouterr().out.split()))
     rows = json.loads(out.read_text())
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
