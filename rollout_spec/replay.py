@@ -126,7 +126,8 @@ def _group_id(value: Any, where: str, path: Path) -> int:
 
 def _token_ids(value: Any, where: str, path: Path) -> list[int]:
     """A token list: integers in [0, 2**31) (the drafter's range), else ValueError naming the
-    first bad entry."""
+    first bad entry. Checked element by element, unlike ``token_ids.token_array`` (vectorised
+    for hot paths), because a trace is read once and its errors point into a file."""
     for i, t in enumerate(_list_field(value, where, path)):
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"{path}: {where}[{i}] must be a token id in [0, 2**31), got {t!r}")
