@@ -334,24 +334,20 @@ def gsm_prompts(tokenizer: object, count: int) -> Prompts:
     return [list(p) for p in unique[:count]]
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what load_pretrained looks for
-
-
 def load_tokenizer(ap: argparse.ArgumentParser, model: str) -> object:
     """The checkpoint's tokenizer alone, as ``RolloutEngine.from_pretrained`` will load it: the
     prompts are drawn and checked before any engine (weights, CUDA graphs) is built."""
-    from transformers import AutoTokenizer
-
-    from rollout_spec.engine.weights import resolve_model_dir
+    from rollout_spec.engine import weights
 
     try:
-        model_dir = resolve_model_dir(model)
+        model_dir = weights.resolve_model_dir(model)
     except (ValueError, ModuleNotFoundError) as err:
         ap.error(f"--model {model}: {err}")
-    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        ap.error(f"--model {model}: {model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}), "
+    tokenizer = weights.load_tokenizer(model_dir)
+    if tokenizer is None:
+        ap.error(f"--model {model}: {model_dir} has no tokenizer ({' or '.join(weights.TOKENIZER_FILES)}), "
                  f"which the gsm_symbolic prompts need (or use --random-weights)")
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return tokenizer
 
 
 def draw_prompts(args: argparse.Namespace, tokenizer: object) -> tuple[PromptPool, Prompts, tuple | None]:

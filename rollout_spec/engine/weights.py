@@ -133,15 +133,26 @@ def build_model(
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""Either file makes a model directory's tokenizer loadable."""
+
+
+def load_tokenizer(model_dir: Path) -> Optional[Any]:
+    """The tokenizer of a model directory (``resolve_model_dir``'s), None when it has none."""
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def load_pretrained(
     name_or_path: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[Transformer, Any, Optional[Any]]:
     """Model, its transformers config and its tokenizer (None when the directory has none)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     model_dir = resolve_model_dir(name_or_path)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     model = build_model(hf_config, load_state_dict(model_dir), device, dtype)
-    has_tok = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if has_tok else None
-    return model, hf_config, tokenizer
+    return model, hf_config, load_tokenizer(model_dir)
