@@ -35,15 +35,19 @@ def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
         return np.zeros(arr.shape, np.int64)
     if arr is None or arr.ndim != ndim or arr.dtype.kind not in "iu":
         got = "a ragged nesting" if arr is None else f"dtype {arr.dtype}, shape {arr.shape}"
-        raise TypeError(f"{name} must be a {ndim}-D array of integers in [{lo}, {hi}], "
-                        f"got {type(values).__name__} of {got}")
+        raise _not_integers(name, values, ndim, lo, hi, f"of {got}")
     low, high = int(arr.min()), int(arr.max())
     if isinstance(values, (list, tuple)) and low <= 1 and high >= 0 and _holds_bool(values, arr):
-        raise TypeError(f"{name} must be a {ndim}-D array of integers in [{lo}, {hi}], "
-                        f"got {type(values).__name__} holding a bool")
+        raise _not_integers(name, values, ndim, lo, hi, "holding a bool")
     if low < lo or high > hi:
         raise ValueError(f"{name} must hold {kind} in [{lo}, {hi}], got values from {low} to {high}")
     return arr
+
+
+def _not_integers(name: str, values: object, ndim: int, lo: int, hi: int, got: str) -> TypeError:
+    """The TypeError of a ``values`` that is not an ``ndim``-D array of integers (``got`` says why)."""
+    return TypeError(f"{name} must be a {ndim}-D array of integers in [{lo}, {hi}], "
+                     f"got {type(values).__name__} {got}")
 
 
 def _holds_bool(values: list | tuple, arr: np.ndarray) -> bool:
