@@ -1,6 +1,7 @@
 """CPU smoke runs of the budget's bench scripts: ``draft_size_yield.py`` (E(k) three ways on a
-trace), ``idle_overhead.py`` (a speculative engine that never drafts) and ``budget_overhead.py``
-(the budget's bookkeeping per step), and their flag errors."""
+trace), ``idle_overhead.py`` (a speculative engine that never drafts), ``budget_overhead.py``
+(the budget's bookkeeping per step) and ``drained_call.py`` (the budget's two rules on one
+synchronous batch), and their flag errors."""
 from __future__ import annotations
 
 import sys
@@ -13,9 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from argument_errors import argument_error, hide_cuda  # noqa: E402
 import budget_overhead  # noqa: E402
 import draft_size_yield  # noqa: E402
+import drained_call  # noqa: E402
 import engine_bench  # noqa: E402
 import idle_overhead  # noqa: E402
-from rollout_spec.replay import save_trace  # noqa: E402
+from rollout_spec.engine.budget import CostModel  # noqa: E402
+from rollout_spec.replay import load_trace, save_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
 
@@ -86,3 +89,44 @@ def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
 ])
 def test_budget_overhead_bad_flags(argv, message, capsys) -> None:
     assert message in argument_error(budget_overhead.main, argv, capsys)
+
+
+def test_drained_call_prints_both_rules_per_step(tmp_path, capsys) -> None:
+    """Each RL step's row: the plain call's modelled seconds, and each rule's speedup and TPF
+    (synthetic siblings share long spans, so a drafting rule gains)."""
+    path = tmp_path / "t.json.gz"
+    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=3)), path)
+    drained_call.main(["--trace", str(path), "--batch", "8"])
+    rows = table_rows(capsys.readouterr().out)
+    assert [r[1] for r in rows] == ["0", "1"]
+    plain = [float(r[2]) for r in rows]
+    speedups = [float(c.split("x")[0]) for r in rows for c in r[3:]]
+    tpfs = [float(c.split("(")[1].rstrip(")")) for r in rows for c in r[3:]]
+    assert all(p > 0 for p in plain) and len(speedups) == 4
+    assert all(t >= 1.0 for t in tpfs) and max(speedups) > 1.0
+
+
+def test_drained_call_reads_a_cost_grid(tmp_path, capsys) -> None:
+    """``--cost-grid`` replaces the modelled grid: plain seconds follow the file's."""
+    trace = tmp_path / "t.json.gz"
+    save_trace(make_synthetic_trace(SyntheticSpec(prompts=2, n=4, steps=1, max_tokens=120, seed=1)), trace)
+    grid = tmp_path / "cost.json"
+    grid.write_text(CostModel((1, 8), (1, 2, 3, 5, 9), ((1.0,) * 5, (1.0,) * 5)).to_json())
+    drained_call.main(["--trace", str(trace), "--batch", "8", "--cost-grid", str(grid)])
+    rows = table_rows(capsys.readouterr().out)
+    longest = max(len(r) for _, r in load_trace(trace).steps[0])
+    assert float(rows[0][2]) == pytest.approx(longest * (1.0 + drained_call.HOST_PLAIN_S), rel=1e-3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "argument --batch: --batch must be in [1, 256], got 0"),
+    (["--draft-tokens", "65"], "argument --draft-tokens: --draft-tokens must be in [1, 64], got 65"),
+    (["--trace", "/nonexistent/t.json.gz"], "/nonexistent/t.json.gz"),
+    (["--cost-grid", "/nonexistent/cost.json"], "--cost-grid /nonexistent/cost.json"),
+])
+def test_drained_call_bad_flags(argv, message, tmp_path, capsys) -> None:
+    trace = tmp_path / "t.json.gz"
+    save_trace(make_synthetic_trace(SyntheticSpec(prompts=2, n=2, steps=1, max_tokens=120, seed=2)), trace)
+    if "--trace" not in argv:
+        argv = ["--trace", str(trace)] + argv
+    assert message in argument_error(drained_call.main, argv, capsys)

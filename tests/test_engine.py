@@ -408,6 +408,45 @@ def test_pluggable_budget_per_request_and_observed(pair) -> None:
     assert sum(int(a.sum()) for _, a in budget.seen) > 0
 
 
+def test_budget_is_told_who_runs_and_when_nothing_waits(pair) -> None:
+    """``set_running`` gets the running requests' ids and rooms before every ask, with draining
+    False while samples wait for a slot and True once none does; ``observe_requests`` gets each
+    drafting step's figures keyed by those ids."""
+    _, model = pair
+    prompts = mixed_prompts(6, seed=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    plain = engine(model).generate(prompts, params)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+
+    class Budget:
+        def __init__(self) -> None:
+            self.running: list[tuple[list[int], list[int], bool]] = []
+            self.per_request: list[tuple[list[int], np.ndarray, np.ndarray]] = []
+
+        def __call__(self, batch_size: int) -> int:
+            return 3
+
+        def set_running(self, req_ids: np.ndarray, room: np.ndarray, draining: bool) -> None:
+            self.running.append((req_ids.tolist(), room.tolist(), draining))
+
+        def observe_requests(self, req_ids: np.ndarray, offered: np.ndarray, accepted: np.ndarray) -> None:
+            self.per_request.append((req_ids.tolist(), offered.copy(), accepted.copy()))
+
+    budget = Budget()
+    outs = engine(model, ScriptedDrafter("oracle", truth), draft_budget=budget,
+                  num_slots=2).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    drains = [d for _, _, d in budget.running]
+    assert drains[0] is False and drains[-1] is True
+    assert drains == sorted(drains)  # one call: once drained, it stays drained
+    assert all(len(ids) == len(room) <= 2 and all(0 < r <= 10 for r in room)
+               for ids, room, _ in budget.running)
+    assert len({i for ids, _, _ in budget.running for i in ids}) == len(prompts)  # one id each
+    assert budget.per_request and all(len(ids) == len(o) == len(a) and (a <= o).all()
+                                      for ids, o, a in budget.per_request)
+    assert sum(int(a.sum()) for _, _, a in budget.per_request) > 0  # the oracle's drafts are kept
+
+
 @pytest.mark.parametrize("answer", ["negative", "negative_per_request"])
 def test_negative_budgets_mean_no_drafts(pair, answer: str) -> None:
     """A budget below zero (for all, or for some requests) drafts nothing there, as zero does."""

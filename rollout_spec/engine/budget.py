@@ -3,7 +3,9 @@
 Verifying k draft nodes per request makes a step of width W = k+1 cost ``T(B, W)`` instead of
 ``T(B, 1)`` (the verify tax), and yields ``E(k)`` tokens per request instead of 1 (the TPF). The
 budget picks the k that maximises ``B * E(k) / T(B, k)``, i.e. tokens per second, which is
-k = 0 (plain decode) whenever no draft size pays for its tax. ``T`` is the GPU grid -- a few
+k = 0 (plain decode) whenever no draft size pays for its tax. Once no sample waits for a slot,
+the call ends with its slowest request, and ``E(k)`` gives way to what size k does for that
+request's steps (``call_end.CallEnd``). ``T`` is the GPU grid -- a few
 timed forwards at engine start, cached per GPU and model -- plus what the step costs outside the
 captured forward (drafter, tree inputs, LM head, verification, commit), learned online from the
 engine's wall clock per path (``step_cost.OnlineStepCost``); ``E`` comes from running
@@ -23,6 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
+from rollout_spec.engine.call_end import CallEnd
 from rollout_spec.engine.step_cost import OnlineStepCost, batch_bucket
 from rollout_spec.engine.throughput_guard import ThroughputGuard
 
@@ -217,7 +220,10 @@ class DraftBudget:
     ``probe_every`` calls), the engine's shadow proposals measure acceptance on plain steps for
     free, so a probe comes only if drafting at a plain step's host cost would be picked (then
     only the drafting residual, learned from drafting steps alone, says no), with the gap
-    doubling up to 8 x ``probe_every`` while the model keeps saying 0. Where the last
+    doubling up to 8 x ``probe_every`` while the model keeps saying 0. While the engine reports
+    that no sample waits (``set_running``), ``E(k)`` is replaced by the drained call's gain
+    (``call_end``): the call then ends with its slowest request, so the per-request acceptance
+    of drafting steps (``observe_requests``) decides, not the batch's tokens. Where the last
     probe's catch-up (the drafter taking the tokens of the plain steps before it) cost more than
     a quarter of its step, each probe doubles the gap to the next (up to 8 x ``probe_every``)
     until a drafting step passes again: at B=256 on the H100 a probe paid 7 ms of catch-up
@@ -256,6 +262,9 @@ class DraftBudget:
         self._gpu_cache: dict[int, np.ndarray] = {}
         self._grid_cache: dict[tuple[int, int], float] = {}
         self._gain: tuple[bytes, np.ndarray] = (b"", np.ones(0))  # (means it came from, E(k))
+        self.call_end = CallEnd()
+        # (req ids, tokens each may still emit) while no sample waits for a slot, else None
+        self._drained: tuple[np.ndarray, np.ndarray] | None = None
 
     def _gpu_times(self, batch: int) -> np.ndarray:
         """Grid time T(B, k+1) of every candidate k at this batch size (the grid never changes)."""
@@ -297,6 +306,27 @@ class DraftBudget:
     def observe(self, offered: np.ndarray, accepted: np.ndarray) -> None:
         """Feed one verify step's outcome: node budget offered and nodes accepted per request."""
         self.tracker.update(offered, accepted)
+
+    def observe_requests(self, req_ids: np.ndarray, offered: np.ndarray, accepted: np.ndarray) -> None:
+        """Feed one drafting step's outcome per request (after ``observe``, which moved the batch's
+        means): what each request kept against what the mean expected at its size (``call_end``)."""
+        offered = np.asarray(offered, np.int64)
+        drafted = offered > 0
+        sizes = np.minimum(offered[drafted], len(self.tracker.accepted) - 1)
+        self.call_end.observe(np.asarray(req_ids, np.int64)[drafted],
+                              np.asarray(accepted, np.int64)[drafted], self.tracker.accepted[sizes])
+
+    def set_running(self, req_ids: np.ndarray, room: np.ndarray, draining: bool) -> None:
+        """The requests the next steps decode (ids, and tokens each may still emit), and whether
+        no sample waits for a slot: then the call's end is priced (``call_end``) until a call
+        reports waiting samples again. Histories of requests no longer running are dropped."""
+        ids = np.asarray(req_ids, np.int64)
+        room = np.asarray(room, np.int64)
+        if ids.shape != room.shape or ids.ndim != 1:
+            raise ValueError(f"req_ids and room must be 1-D of one length, got shapes {ids.shape}, {room.shape}")
+        self._drained = (ids, room) if draining and len(ids) else None
+        if len(self.call_end) > 2 * len(ids) + 64:
+            self.call_end.retain(ids)
 
     def observe_plain(self, accepted: np.ndarray) -> None:
         """Feed acceptance measured without drafting: ``accepted[r, k]``, what request r would
@@ -354,18 +384,27 @@ class DraftBudget:
         return gpu + excess
 
     def best(self, batch: int) -> int:
-        """The candidate draft size with the highest predicted tokens per second (smallest on ties)."""
-        return self._best_of(self.step_times(batch))
+        """The candidate draft size with the highest predicted tokens per second, or while drained
+        the soonest predicted end of the call (smallest on ties)."""
+        return self._best_of(batch, self.step_times(batch))
 
-    def _best_of(self, times: np.ndarray) -> int:
+    def _best_of(self, batch: int, times: np.ndarray) -> int:
         """``best`` for predicted step times of every candidate size."""
-        key = self.tracker.accepted.tobytes()
-        if key != self._gain[0]:  # acceptance moves only now and then: most calls reuse E(k)
-            gain = 1.0 + self.tracker.accepted
-            self._gain = (key, gain[np.minimum(np.asarray(self.candidates), len(gain) - 1)])
-        rates = self._gain[1] / times
+        rates = self._gains(batch) / times
         rates[0] *= 1.0 + self.min_gain  # candidates[0] is k = 0
         return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
+
+    def _gains(self, batch: int) -> np.ndarray:
+        """What each candidate size multiplies progress by: E(k), or while drained and the
+        reported requests are the batch, the slowest request's steps saved (``call_end``)."""
+        sizes = np.minimum(np.asarray(self.candidates), len(self.tracker.accepted) - 1)
+        if self._drained is not None and len(self._drained[0]) == batch:
+            ids, room = self._drained
+            return self.call_end.gains(ids, room, self.tracker.accepted[sizes])
+        key = self.tracker.accepted.tobytes()
+        if key != self._gain[0]:  # acceptance moves only now and then: most calls reuse E(k)
+            self._gain = (key, 1.0 + self.tracker.accepted[sizes])
+        return self._gain[1]
 
     def _best_at_plain_cost(self, batch: int) -> int:
         """``best`` if a drafting step's host work cost what a plain step's does (grid plus the
@@ -373,7 +412,7 @@ class DraftBudget:
         says no, and that is learned from drafting steps alone (see ``_decide``)."""
         if self.host is None:
             return 0
-        return self._best_of(self._gpu_times(batch) + self.host.residual(False, batch, 0.0))
+        return self._best_of(batch, self._gpu_times(batch) + self.host.residual(False, batch, 0.0))
 
     def _pick(self, batch: int) -> int:
         """``best(batch)``, reused for up to ``reuse`` calls while the batch stays in its

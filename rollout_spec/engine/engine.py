@@ -41,7 +41,11 @@ meanwhile). If the object also has
 ``observe(offered, accepted)``, it is called after every decode step with per-request arrays;
 if it has ``observe_plain(accepted)``, plain steps measure acceptance for it with shadow
 proposals (``shadow_acceptance``) and pass it ``accepted[r, k]``, the nodes request r would have
-kept at every draft size k."""
+kept at every draft size k; if it has ``observe_requests(req_ids, offered, accepted)``, drafting
+steps pass it their per-request figures with the requests' ids; if it has
+``set_running(req_ids, room, draining)``, every ask is preceded by the running requests' ids,
+the tokens each may still emit, and whether no sample waits for a slot (the call then ends with
+its slowest request)."""
 
 
 def pick_device(device: str | torch.device) -> torch.device:
@@ -154,6 +158,7 @@ class RolloutEngine:
         self._drafted_last = False  # whether the last decode step fed the drafter and drafted ahead
         self._switch_from: Optional[float] = None  # clock at a switch step's proposal (see _propose)
         self._asked: Optional[tuple[int, Any]] = None  # (batch size, budget's answer) for the next step
+        self._draining = False  # no sample waits for a slot: the call ends with its slowest request
         self._unaccounted: Optional[tuple] = None  # the last decode step's figures, for _account_last
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
         self.phase_seconds: dict[str, float] = dict.fromkeys(
@@ -337,6 +342,7 @@ class RolloutEngine:
             self._prefill(groups, len(sched.running))
             self.phase_seconds["prefill"] += self.clock() - t0
         else:
+            self._draining = not sched.waiting
             self._decode(sched.running)
         finished = sched.release_finished()
         if sched.done:  # the call is over: the budget and the drafter get everything
@@ -389,7 +395,7 @@ class RolloutEngine:
         if batch.num_nodes == 0 and self._feed.due():
             self._plain_hand_off(seqs, run)
         self._account_last()  # the previous step's bookkeeping, while the GPU runs this one
-        self._ask_budget(len(seqs))  # and the next step's budget, decided on what that taught
+        self._ask_budget(run)  # and the next step's budget, decided on what that taught
         if batch.num_nodes and self._shadow is not None and self._shadow.drafting_step():
             self._drafting_shadow(seqs, run)
         # With drafts, the fused walk hands its rows to the KV compaction before the readback.
@@ -445,24 +451,34 @@ class RolloutEngine:
         self.phase_seconds["steps"] += 1
         offered = int(budgets.sum())
         if offered:  # adaptive budgets learn acceptance from steps that offered drafts
+            kept = np.minimum(accepted, budgets)
             observe = getattr(self.draft_budget, "observe", None)
             if observe is not None:
-                observe(budgets, np.minimum(accepted, budgets))
+                observe(budgets, kept)
+            per_request = getattr(self.draft_budget, "observe_requests", None)
+            if per_request is not None:
+                per_request(run.req_id, budgets, kept)
         record = getattr(self.draft_budget, "record_step", None)
         if record is not None:
             width = 1 + int(batch.sizes().max(initial=0))
             record(len(run.slot), offered, batch.num_nodes, width, t3 - t0,
                    tokens=len(run.slot) + int(accepted.sum()), catch_up=catch_up)
 
-    def _ask_budget(self, num_running: int) -> None:
-        """Ask the budget for the next decode step now, while the GPU runs this one: it knows
-        then what it would know at the next step's start (the last step's figures reach it
-        in ``_account_last``, one step behind), and its ~0.1 ms leaves the GPU's idle gap."""
+    def _ask_budget(self, run: RunningBatch) -> None:
+        """Ask the budget for the next decode step now, while the GPU runs this one (``run``):
+        it knows then what it would know at the next step's start (the last step's figures
+        reach it in ``_account_last``, one step behind), and its ~0.1 ms leaves the GPU's idle
+        gap."""
         if self._drafter is not None:
-            self._asked = (num_running, self._ask(num_running))
+            self._asked = (len(run.slot), self._ask(run))
 
-    def _ask(self, num_running: int) -> Union[int, np.ndarray]:
-        """The budget's answer for ``num_running`` requests, checked (``inputs.checked_budget``)."""
+    def _ask(self, run: RunningBatch) -> Union[int, np.ndarray]:
+        """The budget's answer for ``run``'s requests, checked (``inputs.checked_budget``); a
+        budget with ``set_running`` is told who they are first."""
+        set_running = getattr(self.draft_budget, "set_running", None)
+        if set_running is not None:
+            set_running(run.req_id, run.room(self.max_model_len), self._draining)
+        num_running = len(run.slot)
         return checked_budget(self.draft_budget(num_running), num_running, self.max_draft_tokens)
 
     def _budgets(self, run: RunningBatch) -> np.ndarray:
@@ -477,7 +493,7 @@ class RolloutEngine:
         if ready is not None and (ready[0] == num or np.ndim(ready[1]) == 0):
             asked = ready[1]
         else:
-            asked = self._ask(num)
+            asked = self._ask(run)
         if isinstance(asked, int) and asked == 0:  # the plain path: nothing to cap
             return np.zeros(num, np.int64)
         return self._capped(asked, run.room(self.max_model_len))
