@@ -571,7 +571,8 @@ def print_budget_state(budget: object, batches: list[int], shadow_rounds: int) -
     gains = ", ".join(f"{k}: {budget.tracker.expected_tokens(k):.2f}" for k in budget.candidates[1:])
     print(f"\n## Budget state after the runs: E(k) by draft size [{gains}], drafter fill "
           f"{budget.fill:.2f}, steps observed plain/spec {host.counts()}, shadow rounds on plain "
-          f"steps {shadow_rounds}\ndecisions: {dict(budget.decisions.most_common())}")
+          f"steps {shadow_rounds}\ndecisions: {dict(budget.decisions.most_common())}, of them "
+          f"priced by the call's end (nothing waiting): {budget.drained_asks}")
     print("| B | GPU k=0 ms | residual plain ms | residual spec ms (k=4) | pick now | guard us/token "
           "plain / drafting |\n|---|---|---|---|---|---|")
     guard = getattr(budget, "guard", None)

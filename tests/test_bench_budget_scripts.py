@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -17,7 +18,7 @@ import draft_size_yield  # noqa: E402
 import drained_call  # noqa: E402
 import engine_bench  # noqa: E402
 import idle_overhead  # noqa: E402
-from rollout_spec.engine.budget import CostModel  # noqa: E402
+from rollout_spec.engine.budget import CostModel, budget_from_cost  # noqa: E402
 from rollout_spec.replay import load_trace, save_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
@@ -130,3 +131,17 @@ def test_drained_call_bad_flags(argv, message, tmp_path, capsys) -> None:
     if "--trace" not in argv:
         argv = ["--trace", str(trace)] + argv
     assert message in argument_error(drained_call.main, argv, capsys)
+
+
+def test_engine_bench_budget_state_counts_asks_priced_by_the_call_end(capsys) -> None:
+    """The budget-state line says how many of the budget's calls the drained rule priced."""
+    widths = (1, 2, 3, 5, 9)
+    budget = budget_from_cost(CostModel((1, 8), widths, ((1e-3,) * 5, (1e-3,) * 5)), 8, 8)
+    ids = np.arange(4)
+    budget.set_running(ids, np.full(4, 10), draining=False)
+    budget(4)
+    budget.set_running(ids, np.full(4, 10), draining=True)
+    budget(4)
+    budget(4)
+    engine_bench.print_budget_state(budget, [4], 0)
+    assert "priced by the call's end (nothing waiting): 2" in capsys.readouterr().out

@@ -110,6 +110,7 @@ def test_drained_budget_stops_drafting_for_a_straggler_the_drafter_misses():
     assert budget.best(len(IDS)) > 0
     budget.set_running(IDS, room, draining=True)
     assert budget.best(len(IDS)) == 0
+    assert budget.drained_asks == 0 and budget(len(IDS)) == 0 and budget.drained_asks == 1
     room[:4] = 5  # the stragglers are nearly done: the rest decide, and they gain
     budget.set_running(IDS, room, draining=True)
     assert budget.best(len(IDS)) > 0

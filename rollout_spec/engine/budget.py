@@ -265,6 +265,7 @@ class DraftBudget:
         self.call_end = CallEnd()
         # (req ids, tokens each may still emit) while no sample waits for a slot, else None
         self._drained: tuple[np.ndarray, np.ndarray] | None = None
+        self.drained_asks = 0  # calls priced by the call's end (the engine bench prints it)
 
     def _gpu_times(self, batch: int) -> np.ndarray:
         """Grid time T(B, k+1) of every candidate k at this batch size (the grid never changes)."""
@@ -432,6 +433,7 @@ class DraftBudget:
         """Draft nodes per request for the next step of ``batch_size`` running requests."""
         k, why = self._decide(batch_size)
         self.decisions[why] += 1
+        self.drained_asks += self._drained is not None and len(self._drained[0]) == batch_size
         return k
 
     def _decide(self, batch_size: int) -> tuple[int, str]:
