@@ -15,17 +15,19 @@ tokens one verify step yields per request, for k in the engine budget's candidat
 from __future__ import annotations
 
 import argparse
-import glob
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from rollout_spec.cli_args import int_arg, load_trace_arg
-from rollout_spec.config import SpecConfig
-from rollout_spec.drafter import NgramDrafter
-from rollout_spec.replay import Trace, accepted_path, replay
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
+from rollout_spec.cli_args import int_arg  # noqa: E402
+from rollout_spec.config import SpecConfig  # noqa: E402
+from rollout_spec.drafter import NgramDrafter  # noqa: E402
+from rollout_spec.replay import Trace, accepted_path, replay  # noqa: E402
+from trace_files import load_traces  # noqa: E402
+
 SIZES = (1, 2, 4, 8)
 
 
@@ -56,13 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                          "on a one-step trace)")
     ap.add_argument("--max-live", type=int_arg("--max-live", 1), default=256, help="concurrent requests (default 256)")
     args = ap.parse_args(argv)
-    paths = args.trace or sorted(glob.glob(SHARED))
-    if not paths:
-        ap.error(f"no trace given and none found at {SHARED}")
-    traces = [(path, load_trace_arg(ap, "--trace", path, need_responses=True)) for path in paths]
-    for path, trace in traces:
-        if args.steps is not None and args.steps > len(trace.steps):
-            ap.error(f"--steps {args.steps}: trace {path} has only {len(trace.steps)} steps")
+    traces = load_traces(ap, args.trace, args.steps)
     print("| trace | E(k) | " + " | ".join(f"k={k}" for k in SIZES) + " |\n|---|---|" + "---|" * len(SIZES))
     for path, trace in traces:
         steps = args.steps or min(2, len(trace.steps))

@@ -26,7 +26,6 @@ counts change between replays is an error.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import platform
 import resource
@@ -36,14 +35,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import int_arg, load_trace_arg, names_arg, numbers_arg  # noqa: E402
+from rollout_spec.cli_args import int_arg, names_arg, numbers_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
 from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult, Trace,  # noqa: E402
                                  arctic_available, replay)
 from synthetic_trace import make_synthetic_trace  # noqa: E402
+from trace_files import load_traces  # noqa: E402
 
-SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
 
 
 def make_drafter(name: str, budget: int):
@@ -171,8 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             make_drafter(n, args.budget)  # fail fast on a bad name, budget or thread count
         except ValueError as e:
             ap.error(str(e))
-    paths = args.trace or sorted(glob.glob(SHARED))
-    traces = [(Path(path).name, load_trace_arg(ap, "--trace", path, need_responses=True)) for path in paths]
+    traces = [(Path(path).name, trace) for path, trace in load_traces(ap, args.trace, required=False)]
     # One thread each: CPU time. With a pool, every row is timed by the wall (its latency).
     clock = time.process_time if counts == [1] else time.perf_counter
     print(f"# drafter bench on {platform.node()} ({platform.processor() or platform.machine()}, "
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'CPU' if clock is time.process_time else 'wall'} time, {time.strftime('%Y-%m-%d %H:%M')}")
     for label, trace in traces:
         run_trace(label, trace, names, args.budget, args.max_live, clock, args.repeat)
-    if args.synthetic or not paths:
+    if args.synthetic or not traces:
         run_trace("synthetic (seed 0)", make_synthetic_trace(), names, args.budget, args.max_live, clock,
                   args.repeat)
 
