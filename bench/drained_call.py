@@ -24,7 +24,6 @@ rules; docs/gpu.md has the GPU's own.
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
 import time
 from dataclasses import dataclass
@@ -33,14 +32,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import int_arg, load_trace_arg  # noqa: E402
+from rollout_spec.cli_args import int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter, takes_noise_keys  # noqa: E402
 from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost, draft_sizes  # noqa: E402
 from rollout_spec.replay import Trace, accepted_path, as_trees  # noqa: E402
+from trace_files import load_traces  # noqa: E402
 
-SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
 RULES = ("throughput", "drained")
 GRID_BATCHES = (1, 8, 32, 64, 128, 256)
 HOST_PLAIN_S = 0.3e-3  # a plain step's host time beyond the forward (H200, B=128: 4.08 - 3.77 ms)
@@ -90,11 +90,11 @@ def run_call(drafter: NgramDrafter, budget: DraftBudget, rule: str, cost: CostMo
     sizes = np.arange(max_draft + 1)
     done_len = {r: 0 for r in ids}
     live, cursor, step = list(ids), 0, 0
+    # The engine reports the length cap's room; a recorded response ends where it ends, and the
+    # longest response of the call stands for the cap every request could still reach.
+    cap = max(len(responses[r]) for r in ids)
     while live:
         room = np.array([len(responses[r]) - done_len[r] for r in live], np.int64)
-        # The engine reports the length cap's room; a recorded response ends where it ends, and
-        # the longest response of the call stands for the cap every request could still reach.
-        cap = max(len(responses[r]) for r in ids)
         budget.set_running(np.array(live), np.array([cap - done_len[r] for r in live]), rule == "drained")
         k = min(int(budget(len(live))), max_draft)
         trees = as_trees(drafter.propose(live, [max_draft] * len(live)), len(live))
@@ -103,8 +103,8 @@ def run_call(drafter: NgramDrafter, budget: DraftBudget, rule: str, cost: CostMo
         offered = np.minimum(k, room - 1).clip(0)
         got = kept[np.arange(len(live)), offered]
         emitted = np.minimum(got + 1, room)
-        nodes = int(sum(min(len(t), o) for (t, _), o in zip(trees, offered)))
-        width = 1 + max((min(len(t), o) for (t, _), o in zip(trees, offered)), default=0)
+        drafted = [min(len(t), o) for (t, _), o in zip(trees, offered.tolist())]  # nodes per request
+        nodes, width = sum(drafted), 1 + max(drafted, default=0)
         seconds = step_seconds(cost, len(live), width, nodes)
         if offered.sum():
             budget.observe(offered, got)
@@ -164,13 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cost-grid", type=Path, default=None,
                     help="an engine cost cache file (cost_*.json) to use instead of the modelled grid")
     args = ap.parse_args(argv)
-    paths = args.trace or sorted(glob.glob(SHARED))
-    if not paths:
-        ap.error(f"no trace given and none found at {SHARED}")
-    traces = [(path, load_trace_arg(ap, "--trace", path, need_responses=True)) for path in paths]
-    for path, trace in traces:
-        if args.steps is not None and args.steps > len(trace.steps):
-            ap.error(f"--steps {args.steps}: trace {path} has only {len(trace.steps)} steps")
+    traces = load_traces(ap, args.trace, args.steps)
     cost = modelled_grid(args.draft_tokens)
     if args.cost_grid is not None:
         try:

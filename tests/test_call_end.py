@@ -98,14 +98,20 @@ def budget_with(ids: np.ndarray, kept_by_request: np.ndarray) -> DraftBudget:
     return budget
 
 
+def with_stragglers() -> tuple[DraftBudget, np.ndarray]:
+    """``budget_with`` where four requests keep nothing and the rest 1.3 nodes a step, and the
+    rooms: the four have 200 tokens left, the rest 50."""
+    kept = np.full(len(IDS), 1.3)
+    kept[:4] = 0.0
+    room = np.full(len(IDS), 50)
+    room[:4] = 200
+    return budget_with(IDS, kept), room
+
+
 def test_drained_budget_stops_drafting_for_a_straggler_the_drafter_misses():
     """The throughput rule drafts (E(1) = 1.35 for a 5% tax); once nothing waits
     and the request with the most tokens left keeps nothing, the call's end says plain."""
-    kept = np.full(len(IDS), 1.3)
-    kept[:4] = 0.0
-    budget = budget_with(IDS, kept)
-    room = np.full(len(IDS), 50)
-    room[:4] = 200
+    budget, room = with_stragglers()
     budget.set_running(IDS, room, draining=False)
     assert budget.best(len(IDS)) > 0
     budget.set_running(IDS, room, draining=True)
@@ -118,11 +124,7 @@ def test_drained_budget_stops_drafting_for_a_straggler_the_drafter_misses():
 
 def test_drained_pricing_needs_the_reported_batch():
     """A report for another batch size (the batch changed since) falls back to the throughput rule."""
-    kept = np.full(len(IDS), 1.3)
-    kept[:4] = 0.0
-    budget = budget_with(IDS, kept)
-    room = np.full(len(IDS), 50)
-    room[:4] = 200
+    budget, room = with_stragglers()
     budget.set_running(IDS, room, draining=True)
     assert budget.best(len(IDS) - 1) > 0
 
