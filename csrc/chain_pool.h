@@ -77,8 +77,10 @@ class ChainPool {
       b = static_cast<int32_t>(arena_.size());
       const size_t need = arena_.size() + capacity(c);
       // Grow in powers of two: the allocator's size classes are powers of two, so any other
-      // capacity would leave part of its block unused.
-      if (need > arena_.capacity()) arena_.reserve(std::max<size_t>(64, size_t(1) << (64 - __builtin_clzll(need - 1))));
+      // capacity would leave part of its block unused. (need > 64 keeps clz's argument nonzero.)
+      if (need > arena_.capacity()) {
+        arena_.reserve(need <= 64 ? size_t(64) : size_t(1) << (64 - __builtin_clzll(need - 1)));
+      }
       arena_.resize(need);
     }
     if (n > 0) {
