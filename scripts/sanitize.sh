@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Build the C++ core with sanitizers and run the tests that drive it against that build.
+#
+#   bash scripts/sanitize.sh            # AddressSanitizer + UndefinedBehaviorSanitizer
+#   bash scripts/sanitize.sh thread     # ThreadSanitizer, on the tests that call from two threads
+#
+# The build goes to build/sanitize-<kind>/ with a copy of the Python package beside it; the
+# editable install in .venv is left as it is. Any report stops the run with a nonzero status.
+# Needs .venv (bash scripts/setup.sh test) and cmake; GCC's or Clang's sanitizer runtimes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind="${1:-address}"
+py=.venv/bin/python
+case "$kind" in
+  address)
+    flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+    runtimes="libasan.so libubsan.so"
+    tests=(tests/test_drafter.py tests/test_drafter_errors.py tests/test_drafter_noise.py
+           tests/test_drafter_parallel.py tests/test_drafter_reference.py
+           tests/test_drafter_stress.py tests/test_propose_ahead.py tests/test_tree.py
+           tests/test_tree_contract.py tests/test_replay.py)
+    ;;
+  thread)
+    flags="-fsanitize=thread"
+    runtimes="libtsan.so"
+    tests=(tests/test_drafter_parallel.py tests/test_drafter_stress.py tests/test_propose_ahead.py)
+    ;;
+  *)
+    echo "sanitize.sh: kind must be 'address' or 'thread', got '$kind'" >&2
+    exit 2
+    ;;
+esac
+cxx="${CXX:-c++}"
+preload=""
+for lib in $runtimes; do
+  path="$("$cxx" -print-file-name="$lib")"
+  if [ ! -e "$path" ]; then
+    echo "sanitize.sh: $cxx has no $lib (install the compiler's sanitizer runtime)" >&2
+    exit 2
+  fi
+  preload="${preload:+$preload:}$path"
+done
+
+out="$PWD/build/sanitize-$kind"
+cmake -S . -B "$out/cmake" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSKBUILD_PROJECT_NAME=rollout_spec \
+  -DPython_EXECUTABLE="$py" -Dnanobind_DIR="$($py -m nanobind --cmake_dir)" \
+  -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer" \
+  -DCMAKE_SHARED_LINKER_FLAGS="$flags" -DCMAKE_MODULE_LINKER_FLAGS="$flags" > "$out.cmake.log"
+cmake --build "$out/cmake" -j "$(nproc)" > "$out.build.log"
+rm -rf "$out/pkg" && mkdir -p "$out/pkg"
+cp -r rollout_spec "$out/pkg/rollout_spec"
+cp -r integrations "$out/pkg/rollout_spec/integrations"  # as the wheel maps it (pyproject.toml)
+cp "$out"/cmake/_core*.so "$out/pkg/rollout_spec/"
+
+# The editable install's import hook comes first in sys.meta_path: drop it, so that
+# `import rollout_spec` finds the sanitized copy.
+export LD_PRELOAD="$preload"
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1"  # CPython's own allocations read as leaks
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+export TSAN_OPTIONS="halt_on_error=1:die_after_fork=0"  # a test forks a child after the pool started
+exec "$py" - "$out/pkg" "${tests[@]}" <<'EOF'
+import sys
+
+sys.meta_path = [f for f in sys.meta_path if type(f).__name__ != "ScikitBuildRedirectingFinder"]
+sys.path.insert(0, sys.argv[1])
+import pytest  # noqa: E402
+import rollout_spec._core  # noqa: E402
+
+assert rollout_spec._core.__file__.startswith(sys.argv[1]), rollout_spec._core.__file__
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[2:]]))
+EOF
