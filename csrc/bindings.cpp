@@ -244,7 +244,8 @@ nb::ndarray<nb::numpy, float> race_uniforms(Vec<int64_t> seeds, Vec<int64_t> pos
                                             int64_t vocab, int64_t q, uint32_t tag) {
   if (positions.shape(0) != seeds.shape(0))
     throw std::invalid_argument("positions must have len(seeds) entries");
-  if (vocab < 1 || q < 1) throw std::invalid_argument("vocab and q must be >= 1");
+  if (vocab < 1 || q < 1 || q > rollout_spec::kMaxNoiseQ)
+    throw std::invalid_argument("vocab must be >= 1 and q in [1, 2**29]");
   const size_t rows = seeds.shape(0), v = static_cast<size_t>(vocab);
   auto out = new_array<float>({rows, v});
   {
@@ -357,6 +358,12 @@ NB_MODULE(_core, m) {
           if (!is) throw std::runtime_error("cannot open " + path + " for reading");
           meta = c.load(is);
         }
+        return nb::bytes(meta.data(), meta.size());
+      })
+      .def_static("read_meta", [](const std::string& path) {
+        std::ifstream is(path, std::ios::binary);
+        if (!is) throw std::runtime_error("cannot open " + path + " for reading");
+        const std::string meta = DrafterCore::read_meta(is);
         return nb::bytes(meta.data(), meta.size());
       });
 }

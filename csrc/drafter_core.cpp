@@ -1,6 +1,7 @@
 #include "drafter_core.h"
 
 #include "prefetch.h"
+#include "race_noise.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -352,6 +353,7 @@ void DrafterCore::set_noise(const int64_t* ids, const int64_t* seeds, const doub
   for (size_t i = 0; i < n; ++i)
     if (seeds[i] >= 0 && !(temperatures[i] > 0.0 && temperatures[i] <= 1e6))
       throw std::invalid_argument("temperatures of seeded requests must be in (0, 1e6]");
+  if (q < 1 || q > kMaxNoiseQ) throw std::invalid_argument("q must be in [1, 2**29]");
   auto lock = lock_to_change();
   check_ids(ids, n, /*must_exist=*/true);
   noise_q_ = q;

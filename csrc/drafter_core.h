@@ -76,6 +76,8 @@ class DrafterCore {
   void save(std::ostream& os, const std::string& meta) const;
   // Replace this instance's state with a saved one; returns the saved meta string.
   std::string load(std::istream& is);
+  // The meta string of a saved state, the format checked but nothing else read.
+  static std::string read_meta(std::istream& is);
 
  private:
   // The instance mutex, once no background job (indexing, a proposal drafted ahead) is pending
@@ -86,6 +88,8 @@ class DrafterCore {
   // evicts).
   std::unique_lock<std::mutex> lock_to_change();
   void drop_ahead();
+  // check_integrity under a lock the caller holds.
+  std::string integrity_problem() const;
   // extend's two halves: check ids and append tokens (into reqs_); index them.
   void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
   void index_extended(const int64_t* offsets, size_t n);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "drafter_core.h"
+#include "race_noise.h"
 
 namespace rollout_spec {
 
@@ -37,11 +38,18 @@ void put_vec(std::ostream& os, const std::vector<T, A>& v) {
   os.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
 }
 
+// A count read from the file, refused unless `n` items of `bytes_each` fit in the file's
+// `size` bytes: a corrupt count must not allocate gigabytes before the read fails.
+uint64_t get_count(std::istream& is, uint64_t bytes_each, uint64_t size) {
+  const uint64_t n = get<uint64_t>(is);
+  if (n > size / bytes_each) throw std::runtime_error("drafter checkpoint is corrupt (a count exceeds the file)");
+  return n;
+}
+
 template <class T>
-std::vector<T> get_vec(std::istream& is) {
-  uint64_t n = get<uint64_t>(is);
-  if (n > (uint64_t(1) << 40)) throw std::runtime_error("drafter checkpoint is corrupt");
-  std::vector<T> v(n);
+std::vector<T> get_vec(std::istream& is, uint64_t size) {
+  std::vector<T> v(get_count(is, sizeof(T), size));
+  const uint64_t n = v.size();
   if (!is.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T))))
     throw std::runtime_error("drafter checkpoint is truncated");
   return v;
@@ -50,8 +58,8 @@ std::vector<T> get_vec(std::istream& is) {
 void put_index(std::ostream& os, const ChainIndex& index) { put_vec(os, index.log()); }
 
 // A version 4 or 5 request's own index log: it must list the positions with a next token, in order.
-void check_own_log(std::istream& is, int32_t slot, const Sequence& s) {
-  const std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
+void check_own_log(std::istream& is, uint64_t size, int32_t slot, const Sequence& s) {
+  const std::vector<ChainRecord> log = get_vec<ChainRecord>(is, size);
   if (log.size() != static_cast<size_t>(s.positions_with_next()))
     throw std::runtime_error("drafter checkpoint is corrupt (request index out of range)");
   for (size_t p = 0; p < log.size(); ++p)
@@ -59,13 +67,40 @@ void check_own_log(std::istream& is, int32_t slot, const Sequence& s) {
       throw std::runtime_error("drafter checkpoint is corrupt (request index out of order)");
 }
 
-void get_index(std::istream& is, ChainIndex& index, const std::vector<Sequence>& seqs) {
-  std::vector<ChainRecord> log = get_vec<ChainRecord>(is);
+void get_index(std::istream& is, uint64_t size, ChainIndex& index, const std::vector<Sequence>& seqs) {
+  std::vector<ChainRecord> log = get_vec<ChainRecord>(is, size);
   for (const ChainRecord& r : log)
     if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs.size()) || r.pos < 0 ||
         r.pos + 1 >= static_cast<int32_t>(seqs[r.seq].tokens.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (record out of range)");
   index.restore(log, [&](int32_t seq) { return seqs[seq].tokens.data(); });
+}
+
+// What precedes the state: the file's size (every count is checked against it), the format
+// version and the caller's meta string.
+struct Header {
+  uint64_t size;
+  char version;
+  std::string meta;
+};
+
+Header read_header(std::istream& is) {
+  is.seekg(0, std::ios::end);
+  const std::streamoff end = is.tellg();
+  is.seekg(0, std::ios::beg);
+  if (end < 0 || !is) throw std::runtime_error("drafter checkpoint: the file cannot be sized");
+  const uint64_t size = static_cast<uint64_t>(end);
+  const uint64_t magic = get<uint64_t>(is);
+  // The low 7 bytes spell "RSSPADR", the top byte the format version.
+  if ((magic & 0x00FFFFFFFFFFFFFFULL) != (kMagic & 0x00FFFFFFFFFFFFFFULL))
+    throw std::runtime_error("not a rollout-spec drafter checkpoint");
+  const char version = static_cast<char>(magic >> 56);
+  if (version < kOldestVersion || version > kVersion)
+    throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
+                             ", this build reads " + std::string(1, kOldestVersion) + " to " +
+                             std::string(1, kVersion) + ")");
+  const std::vector<char> meta = get_vec<char>(is, size);
+  return Header{size, version, std::string(meta.begin(), meta.end())};
 }
 }  // namespace
 
@@ -104,28 +139,25 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
   if (!os) throw std::runtime_error("writing the drafter checkpoint failed");
 }
 
+std::string DrafterCore::read_meta(std::istream& is) { return read_header(is).meta; }
+
 std::string DrafterCore::load(std::istream& is) {
   auto lock = lock_to_change();
-  const uint64_t magic = get<uint64_t>(is);
-  // The low 7 bytes spell "RSSPADR", the top byte the format version.
-  if ((magic & 0x00FFFFFFFFFFFFFFULL) != (kMagic & 0x00FFFFFFFFFFFFFFULL))
-    throw std::runtime_error("not a rollout-spec drafter checkpoint");
-  const char version = static_cast<char>(magic >> 56);
-  if (version < kOldestVersion || version > kVersion)
-    throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
-                             ", this build reads " + std::string(1, kOldestVersion) + " to " +
-                             std::string(1, kVersion) + ")");
+  const Header header = read_header(is);
+  const uint64_t size = header.size;
   // Versions 4 and 5 also hold each request's own index log and match state.
-  const bool has_noise = version >= '5', has_request_logs = version <= '5';
-  std::vector<char> meta = get_vec<char>(is);
+  const bool has_noise = header.version >= '5', has_request_logs = header.version <= '5';
   step_ = get<int64_t>(is);
   next_order_ = get<uint64_t>(is);
   evictions_ = get<int64_t>(is);
   noise_q_ = has_noise ? get<uint32_t>(is) : 0;
-  seqs_.assign(get<uint64_t>(is), Sequence{});
+  // A sequence takes at least its token count and fixed fields: 8 + 8 + 4 + 4 + 8 + 8 + 1 bytes.
+  seqs_.assign(get_count(is, 41, size), Sequence{});
   stored_tokens_ = 0;
   for (Sequence& s : seqs_) {
-    const std::vector<int32_t> tokens = get_vec<int32_t>(is);
+    const std::vector<int32_t> tokens = get_vec<int32_t>(is, size);
+    if (std::any_of(tokens.begin(), tokens.end(), [](int32_t t) { return t < 0; }))
+      throw std::runtime_error("drafter checkpoint is corrupt (negative token id)");
     s.tokens.assign(tokens.begin(), tokens.end());
     s.req_id = get<int64_t>(is);
     s.group = get<int32_t>(is);
@@ -138,7 +170,10 @@ std::string DrafterCore::load(std::istream& is) {
     s.pinned = flags & 4;
     stored_tokens_ += static_cast<int64_t>(s.tokens.size());
   }
-  free_slots_ = get_vec<int32_t>(is);
+  free_slots_ = get_vec<int32_t>(is, size);
+  for (int32_t f : free_slots_)
+    if (f < 0 || f >= static_cast<int32_t>(seqs_.size()) || seqs_[f].alive)
+      throw std::runtime_error("drafter checkpoint is corrupt (free slot out of range or alive)");
   refresh_all_views();
   requests_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
@@ -149,27 +184,32 @@ std::string DrafterCore::load(std::istream& is) {
     if (req.slot < 0 || req.slot >= static_cast<int32_t>(seqs_.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (request slot out of range)");
     const Sequence& s = seqs_[req.slot];
-    if (has_request_logs) check_own_log(is, req.slot, s);
+    if (has_request_logs) check_own_log(is, size, req.slot, s);
     req.own.reserve_positions(static_cast<size_t>(s.positions_with_next()));
     req.own.insert_up_to(s.tokens.data(), s.positions_with_next());
     if (has_request_logs) {  // the match state, skipped: occurrences, tokens since, a valid flag
-      get_vec<Occurrence>(is);
+      get_vec<Occurrence>(is, size);
       get<int32_t>(is);
       get<uint8_t>(is);
     }
     req.noise_seed = has_noise ? get<int64_t>(is) : -1;
     req.noise_temperature = has_noise ? get<double>(is) : 1.0;
-    if (req.noise_seed < -1 || !(req.noise_temperature > 0.0 && req.noise_temperature <= 1e6))
+    if (req.noise_seed < -1 || !(req.noise_temperature > 0.0 && req.noise_temperature <= 1e6) ||
+        (req.noise_seed >= 0 && (noise_q_ < 1 || noise_q_ > kMaxNoiseQ)))
       throw std::runtime_error("drafter checkpoint is corrupt (noise key)");
   }
   groups_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
     int32_t g = get<int32_t>(is);
-    get_index(is, group_index(g), seqs_);
+    get_index(is, size, group_index(g), seqs_);
   }
   global_ = empty_global_index(cfg_);
-  get_index(is, global_, seqs_);
-  return std::string(meta.begin(), meta.end());
+  get_index(is, size, global_, seqs_);
+  // Fields that decode but disagree (a flag, a group, a slot shared by two requests) would make
+  // later calls read out of bounds: the whole state is checked before it is used.
+  const std::string problem = integrity_problem();
+  if (!problem.empty()) throw std::runtime_error("drafter checkpoint is corrupt (" + problem + ")");
+  return header.meta;
 }
 
 }  // namespace rollout_spec

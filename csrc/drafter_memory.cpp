@@ -77,13 +77,20 @@ CoreStats DrafterCore::stats() const {
 
 std::string DrafterCore::check_integrity() const {
   auto lock = lock_idle();
+  return integrity_problem();
+}
+
+std::string DrafterCore::integrity_problem() const {
   auto tokens_of = [&](int32_t seq) { return seqs_[seq].tokens.data(); };
   int64_t stored = 0;
+  size_t live = 0;
   for (const Sequence& s : seqs_) {
     if (!s.alive && !s.tokens.empty()) return "dead sequence still holds tokens";
     stored += static_cast<int64_t>(s.tokens.size());
+    live += s.live;
   }
   if (stored != stored_tokens_) return "stored token count out of sync";
+  if (live != requests_.size()) return "live sequences and requests differ in number";
   if (view_.size() != seqs_.size()) return "slot views out of sync with the slots";
   for (size_t i = 0; i < seqs_.size(); ++i) {
     const Sequence& s = seqs_[i];
@@ -94,7 +101,7 @@ std::string DrafterCore::check_integrity() const {
       return "slot view differs from its sequence";
   }
   for (int32_t f : free_slots_)
-    if (seqs_[f].alive) return "free slot is alive";
+    if (f < 0 || f >= static_cast<int32_t>(seqs_.size()) || seqs_[f].alive) return "free slot out of range or alive";
   for (const auto& [id, req] : requests_) {
     const Sequence& s = seqs_[req.slot];
     if (!s.alive || !s.live || s.req_id != id) return "request state points at a wrong sequence";

@@ -9,6 +9,8 @@
 namespace rollout_spec {
 
 constexpr uint32_t kRaceTag = 0x5EED0C0Fu;  // noise.NOISE_TAG
+// The largest quarter block q the column layout takes: its blocks of 4q columns fit in 32 bits.
+constexpr uint32_t kMaxNoiseQ = uint32_t(1) << 29;
 
 // Fill out[a * vocab + v] (num_rows rows) with the uniform in [0, 1) of column v of the row keyed
 // (seeds[a], positions[a]): word (v mod 4q) / q of Philox-4x32-10 at counter

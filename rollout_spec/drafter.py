@@ -347,15 +347,31 @@ class NgramDrafter:
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "NgramDrafter":
-        """Restore a drafter written by ``save``; it proposes exactly what the saved one would."""
-        # The checkpoint carries its SpecConfig: read it with a throw-away core first, then
-        # load into a core built from that config.
-        meta = json.loads(_core.DrafterCore(_core.CoreConfig()).load(os.fspath(path)).decode())
-        config = meta["config"]
-        config["external_corpora"] = tuple(config["external_corpora"])
-        drafter = cls(SpecConfig(**config), _load_from=os.fspath(path))
+        """Restore a drafter written by ``save``; it proposes exactly what the saved one would.
+
+        Raises:
+            RuntimeError: the file cannot be read, is no drafter checkpoint, is of a format this
+                build does not read, or is corrupt: truncated, a count larger than the file, or
+                fields that decode but break the core's invariants (``check_integrity``).
+        """
+        # The checkpoint's header carries its SpecConfig: the core is built from it, then loads.
+        header = _core.DrafterCore.read_meta(os.fspath(path))
+        try:
+            meta = json.loads(header.decode())
+            config = dict(meta["config"], external_corpora=tuple(meta["config"]["external_corpora"]))
+            spec, live = SpecConfig(**config), set(meta["live"])
+            if not all(type(i) is int and 0 <= i <= _MAX_REQ_ID for i in live):
+                raise ValueError("live request ids must be integers in [0, 2**63-1]")
+        except (KeyError, TypeError, ValueError) as err:  # JSON and UTF-8 errors are ValueErrors
+            raise RuntimeError(f"drafter checkpoint {os.fspath(path)!r} is corrupt (its header: "
+                               f"{type(err).__name__}: {err})") from None
+        drafter = cls(spec, _load_from=os.fspath(path))
         drafter._core.load(os.fspath(path))
-        drafter._live = set(meta["live"])
+        core_live = drafter._core.stats()["num_requests"]
+        if len(live) != core_live or not all(map(drafter._core.has_request, live)):
+            raise RuntimeError(f"drafter checkpoint {os.fspath(path)!r} is corrupt (its header's live "
+                               "requests are not the core's)")
+        drafter._live = live
         return drafter
 
     # ----------------------------------------------------------------- helpers

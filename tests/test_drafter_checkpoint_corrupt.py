@@ -1,0 +1,144 @@
+"""Damaged drafter checkpoints: refused with a RuntimeError that says so, never a crash, a huge
+allocation or a drafter whose later calls read out of bounds."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_spec.config import SpecConfig
+from rollout_spec.drafter import NgramDrafter
+from rollout_spec.tree import DraftBatch
+
+HEADER_AT = 8  # the uint64 length of the JSON header follows the 8-byte magic
+
+
+def saved_drafter(path: Path) -> bytes:
+    """A checkpoint with finished and live requests, groups, an eviction and noise keys."""
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(SpecConfig(capacity_tokens=1024))
+    for step in range(3):
+        ids = list(range(step * 16, step * 16 + 16))
+        d.start_batch(ids, [rng.integers(0, 20, 12) for _ in ids], [i % 4 for i in ids])
+        for _ in range(10):
+            d.extend_batch(ids, [rng.integers(0, 20, rng.integers(1, 4)) for _ in ids])
+        if step < 2:
+            d.finish_batch(ids)
+            d.end_step()
+    d.set_noise_keys(list(range(32, 48)), list(range(16)), [1.0] * 16, vocab_size=20)
+    d.save(path)
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> bytes:
+    return saved_drafter(tmp_path_factory.mktemp("ckpt") / "good.bin")
+
+
+def split(data: bytes) -> tuple[dict, int]:
+    """The JSON header and the offset of what follows it."""
+    (n,) = struct.unpack_from("<Q", data, HEADER_AT)
+    start = HEADER_AT + 8
+    return json.loads(data[start : start + n]), start + n
+
+
+def with_header(data: bytes, meta: object) -> bytes:
+    """``data`` with its header replaced by ``meta`` (JSON text, or raw bytes)."""
+    _, rest = split(data)
+    text = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    return data[:HEADER_AT] + struct.pack("<Q", len(text)) + text + data[rest:]
+
+
+def load(tmp_path: Path, data: bytes) -> NgramDrafter:
+    path = tmp_path / "bad.bin"
+    path.write_bytes(data)
+    return NgramDrafter.load(path)
+
+
+def test_the_fixture_loads(tmp_path, good):
+    load(tmp_path, good).check_integrity()
+
+
+def test_a_count_larger_than_the_file_is_refused_before_allocating(tmp_path, good):
+    # After the header: step (8), next order (8), evictions (8), noise block (4), then the
+    # number of sequences. 2**36 sequences would take terabytes.
+    _, at = split(good)
+    at += 28
+    data = good[:at] + struct.pack("<Q", 2**36) + good[at + 8 :]
+    with pytest.raises(RuntimeError, match=r"corrupt \(a count exceeds the file\)"):
+        load(tmp_path, data)
+
+
+def test_a_zero_noise_block_with_seeded_requests_is_refused(tmp_path, good):
+    _, at = split(good)
+    at += 24
+    assert struct.unpack_from("<I", good, at)[0] == 16  # quarter_block(20)
+    data = good[:at] + struct.pack("<I", 0) + good[at + 4 :]
+    with pytest.raises(RuntimeError, match=r"corrupt \(noise key\)"):
+        load(tmp_path, data)
+
+
+@pytest.mark.parametrize("meta, why", [
+    (b"{not json", "JSONDecodeError"),
+    (b"\xff\xfe", "UnicodeDecodeError"),
+    ({"live": []}, "KeyError"),
+    ("config-less", "TypeError"),
+])
+def test_a_damaged_header_is_named(tmp_path, good, meta, why):
+    with pytest.raises(RuntimeError, match=rf"is corrupt \(its header: {why}"):
+        load(tmp_path, with_header(good, meta))
+
+
+def test_header_live_ids_must_be_the_cores(tmp_path, good):
+    meta, _ = split(good)
+    assert meta["live"] == list(range(32, 48))
+    for live in (meta["live"][:-1], meta["live"][:-1] + [99]):
+        with pytest.raises(RuntimeError, match="live requests are not the core's"):
+            load(tmp_path, with_header(good, dict(meta, live=live)))
+    with pytest.raises(RuntimeError, match=r"its header: ValueError: live request ids"):
+        load(tmp_path, with_header(good, dict(meta, live=meta["live"][:-1] + [-1])))
+
+
+def test_set_noise_refuses_a_zero_block():
+    d = NgramDrafter()
+    d.start(0, [1, 2, 3])
+    with pytest.raises(ValueError, match=r"q must be in \[1, 2\*\*29\]"):
+        d._core.set_noise(np.array([0]), np.array([5]), np.array([1.0]), 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(damage=st.one_of(
+    st.tuples(st.just("bytes"), st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+                                         min_size=1, max_size=4)),
+    st.tuples(st.just("word"), st.floats(0, 1, exclude_max=True), st.binary(min_size=8, max_size=8)),
+    st.tuples(st.just("cut"), st.floats(0, 1, exclude_max=True)),
+))
+def test_any_damage_raises_or_loads_a_consistent_drafter(tmp_path_factory, good, damage):
+    """Flipped bytes, an overwritten 8-byte word or a truncation: either RuntimeError, or a
+    drafter that passes its integrity check and proposes and extends like any other."""
+    data = bytearray(good)
+    if damage[0] == "bytes":
+        for where, value in damage[1]:
+            data[int(where * len(data))] = value
+    elif damage[0] == "word":
+        at = int(damage[1] * (len(data) - 8))
+        data[at : at + 8] = damage[2]
+    else:
+        data = data[: int(damage[1] * len(data))]
+    try:
+        d = load(tmp_path_factory.mktemp("damaged"), bytes(data))
+    except RuntimeError as err:
+        assert "checkpoint" in str(err)
+        return
+    d.check_integrity()
+    live = sorted(d._live)
+    if live:
+        d.propose(live)
+        d.extend_batch(live, [[1, 2]] * len(live))
+        b = d.propose(live)
+        DraftBatch(offsets=b.offsets, tokens=b.tokens, parents=b.parents, probs=b.probs).validate()
