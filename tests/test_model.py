@@ -1,4 +1,5 @@
-"""Our Llama-family model against transformers' own forward, in fp32, on tiny random configs."""
+"""Our Llama-family model against transformers' own forward, in fp32, on tiny random configs; and
+loading its weights."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +105,24 @@ def test_mismatched_checkpoint_names_the_keys() -> None:
     state = {k: v for k, v in ours.state_dict().items() if "layers.1.mlp" not in k}
     with pytest.raises(ValueError, match="layers.1.mlp"):
         build_model(tiny_config("llama"), state, torch.device("cpu"), torch.float32)
+
+
+def test_an_interrupted_gguf_conversion_leaves_nothing_behind(monkeypatch, tmp_path) -> None:
+    """A conversion stopped while it writes (here: Ctrl-C in save_file) removes its half-written
+    copy and creates no model directory, so the next run converts again."""
+    import safetensors.torch
+
+    from rollout_spec.engine import weights
+
+    ref = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: ref)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(KeyboardInterrupt):
+        weights.convert_gguf(gguf, tmp_path / "cache" / "models" / "tiny")
+    assert list((tmp_path / "cache" / "models").iterdir()) == []

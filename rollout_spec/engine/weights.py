@@ -46,30 +46,42 @@ def packaged_gguf(name: str) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF file with transformers and write a safetensors directory (atomically)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantise a GGUF file with transformers and write a safetensors directory (atomically:
+    a conversion that fails or is interrupted leaves nothing behind, the next run starts over)."""
+    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        _write_model_dir(hf, gguf_path, tmp)
+        if out_dir.exists():  # another process finished first; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:  # Ctrl-C included: the half-written copy is ~0.5 GB for the default
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_model_dir(hf: Any, gguf_path: Path, out: Path) -> None:
+    """Weights, config and the GGUF's tokenizer of a loaded transformers model into ``out``."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # shared with the embedding; safetensors rejects aliases
-    save_file(state, str(tmp / "model.safetensors"))
+    save_file(state, str(out / "model.safetensors"))
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(
-        str(tmp)
+        str(out)
     )
-    if out_dir.exists():  # another process finished first; keep theirs
-        shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, out_dir)
-    return out_dir
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
