@@ -140,6 +140,23 @@ def test_cached_cost_model_measures_once(tmp_path):
             cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
 
 
+def test_cached_cost_model_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
+    """Stopped between writing and renaming, the cache holds nothing: the next run measures
+    again instead of refusing a half-written file."""
+    import os
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cached_cost_model(tmp_path, "H100", lambda: synthetic_cost(1e-4, 1e-6))
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    cached_cost_model(tmp_path, "H100", lambda: synthetic_cost(1e-4, 1e-6))
+    assert [p.name for p in tmp_path.iterdir()] == ["cost_H100.json"]
+
+
 def test_measure_cost_model_times_each_cell():
     seen = []
     cost = measure_cost_model(lambda b, w: seen.append((b, w)), lambda: None, [1, 4], [1, 3],

@@ -15,6 +15,7 @@ acceptance statistics.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -133,7 +134,14 @@ def cached_cost_model(cache_dir: str | Path, key: str, measure: Callable[[], Cos
             raise ValueError(f"cost model cache {path} is corrupt ({err}); delete it to re-measure")
     model = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(model.to_json())
+    # Written beside it, then renamed: a run stopped mid-write (or a second process timing the
+    # same grid) never leaves a half file that every later run would refuse.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(model.to_json())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return model
 
 
