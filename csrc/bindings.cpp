@@ -349,6 +349,8 @@ NB_MODULE(_core, m) {
         std::ofstream os(path, std::ios::binary);
         if (!os) throw std::runtime_error("cannot open " + path + " for writing");
         c.save(os, meta);
+        os.close();  // the last buffered bytes can fail too (a full disk)
+        if (!os) throw std::runtime_error("writing " + path + " failed");
       })
       .def("load", [](DrafterCore& c, const std::string& path) {
         std::string meta;

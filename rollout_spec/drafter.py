@@ -17,6 +17,7 @@ context).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict
@@ -341,9 +342,20 @@ class NgramDrafter:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the whole drafter state (config, sequences, indexes, live requests) to ``path``."""
+        """Write the whole drafter state (config, sequences, indexes, live requests) to ``path``.
+
+        Written beside ``path`` and renamed into place: a save that fails or is interrupted
+        leaves the checkpoint that was there before (RuntimeError when writing fails).
+        """
         meta = json.dumps({"config": asdict(self.config), "live": sorted(self._live)})
-        self._core.save(os.fspath(path), meta)
+        path = os.fspath(path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            self._core.save(tmp, meta)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "NgramDrafter":

@@ -142,3 +142,31 @@ def test_any_damage_raises_or_loads_a_consistent_drafter(tmp_path_factory, good,
         d.extend_batch(live, [[1, 2]] * len(live))
         b = d.propose(live)
         DraftBatch(offsets=b.offsets, tokens=b.tokens, parents=b.parents, probs=b.probs).validate()
+
+
+def test_an_interrupted_save_keeps_the_checkpoint_before_it(tmp_path, good, monkeypatch):
+    """The save is written beside the path and renamed: stopped before the rename, the file
+    there is the previous checkpoint, whole, and no temporary file is left."""
+    import os
+
+    path = tmp_path / "drafter.bin"
+    path.write_bytes(good)
+    d = NgramDrafter()
+    d.start(0, [1, 2, 3])
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        d.save(path)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["drafter.bin"]
+    assert path.read_bytes() == good
+    d.save(path)
+    assert NgramDrafter.load(path).is_live(0)
+
+
+def test_save_into_a_missing_directory_names_the_path(tmp_path):
+    with pytest.raises(RuntimeError, match="cannot open .*missing.* for writing"):
+        NgramDrafter().save(tmp_path / "missing" / "drafter.bin")
