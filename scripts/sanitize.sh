@@ -4,8 +4,8 @@
 #   bash scripts/sanitize.sh            # AddressSanitizer + UndefinedBehaviorSanitizer
 #   bash scripts/sanitize.sh thread     # ThreadSanitizer, on the tests that call from two threads
 #
-# The build goes to build/sanitize-<kind>/ with a copy of the Python package beside it; the
-# editable install in .venv is left as it is. Any report stops the run with a nonzero status.
+# The build goes to build/sanitize-<kind>/ ($SANITIZE_BUILD_DIR/sanitize-<kind>/ when set) with a
+# copy of the Python package beside it; the editable install in .venv is left as it is. Any report stops the run with a nonzero status.
 # Needs .venv (bash scripts/setup.sh test) and cmake; GCC's or Clang's sanitizer runtimes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,16 +41,25 @@ for lib in $runtimes; do
   preload="${preload:+$preload:}$path"
 done
 
-out="$PWD/build/sanitize-$kind"
-cmake -S . -B "$out/cmake" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSKBUILD_PROJECT_NAME=rollout_spec \
-  -DPython_EXECUTABLE="$py" -Dnanobind_DIR="$($py -m nanobind --cmake_dir)" \
-  -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer" \
-  -DCMAKE_SHARED_LINKER_FLAGS="$flags" -DCMAKE_MODULE_LINKER_FLAGS="$flags" > "$out.cmake.log"
-cmake --build "$out/cmake" -j "$(nproc)" > "$out.build.log"
+out="${SANITIZE_BUILD_DIR:-$PWD/build}/sanitize-$kind"
+mkdir -p "$out"
+# Run a build step quietly into $out/<log>; on failure show the log's end.
+quietly() {
+  local log="$out/$1"
+  shift
+  "$@" > "$log" 2>&1 || { tail -n 40 "$log" >&2; echo "sanitize.sh: failed, see $log" >&2; exit 1; }
+}
+echo "sanitize.sh: building the core with $flags (a few minutes; logs in $out)"
+quietly cmake.log cmake -S . -B "$out/cmake" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DSKBUILD_PROJECT_NAME=rollout_spec -DPython_EXECUTABLE="$py" \
+  -Dnanobind_DIR="$($py -m nanobind --cmake_dir)" -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer" \
+  -DCMAKE_SHARED_LINKER_FLAGS="$flags" -DCMAKE_MODULE_LINKER_FLAGS="$flags"
+quietly build.log cmake --build "$out/cmake" -j "$(nproc)"
 rm -rf "$out/pkg" && mkdir -p "$out/pkg"
 cp -r rollout_spec "$out/pkg/rollout_spec"
 cp -r integrations "$out/pkg/rollout_spec/integrations"  # as the wheel maps it (pyproject.toml)
 cp "$out"/cmake/_core*.so "$out/pkg/rollout_spec/"
+echo "sanitize.sh: running ${#tests[@]} test files against it"
 
 # The editable install's import hook comes first in sys.meta_path: drop it, so that
 # `import rollout_spec` finds the sanitized copy.
