@@ -367,7 +367,8 @@ class NgramDrafter:
                 fields that decode but break the core's invariants (``check_integrity``).
         """
         # The checkpoint's header carries its SpecConfig: the core is built from it, then loads.
-        header = _core.DrafterCore.read_meta(os.fspath(path))
+        path = os.fspath(path)
+        header = _core.DrafterCore.read_meta(path)
         try:
             meta = json.loads(header.decode())
             config = dict(meta["config"], external_corpora=tuple(meta["config"]["external_corpora"]))
@@ -375,13 +376,13 @@ class NgramDrafter:
             if not all(type(i) is int and 0 <= i <= _MAX_REQ_ID for i in live):
                 raise ValueError("live request ids must be integers in [0, 2**63-1]")
         except (KeyError, TypeError, ValueError) as err:  # JSON and UTF-8 errors are ValueErrors
-            raise RuntimeError(f"drafter checkpoint {os.fspath(path)!r} is corrupt (its header: "
+            raise RuntimeError(f"drafter checkpoint {path!r} is corrupt (its header: "
                                f"{type(err).__name__}: {err})") from None
-        drafter = cls(spec, _load_from=os.fspath(path))
-        drafter._core.load(os.fspath(path))
+        drafter = cls(spec, _load_from=path)
+        drafter._core.load(path)
         core_live = drafter._core.stats()["num_requests"]
         if len(live) != core_live or not all(map(drafter._core.has_request, live)):
-            raise RuntimeError(f"drafter checkpoint {os.fspath(path)!r} is corrupt (its header's live "
+            raise RuntimeError(f"drafter checkpoint {path!r} is corrupt (its header's live "
                                "requests are not the core's)")
         drafter._live = live
         return drafter
