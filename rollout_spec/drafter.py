@@ -17,7 +17,6 @@ context).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import asdict
@@ -28,6 +27,7 @@ import numpy as np
 
 from rollout_spec import _core
 from rollout_spec.config import SpecConfig, check_float, check_int
+from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.token_ids import MAX_TOKEN_ID, int_array, token_array
 from rollout_spec.tree import DraftBatch
@@ -348,14 +348,8 @@ class NgramDrafter:
         leaves the checkpoint that was there before (RuntimeError when writing fails).
         """
         meta = json.dumps({"config": asdict(self.config), "live": sorted(self._live)})
-        path = os.fspath(path)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            self._core.save(tmp, meta)
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
+        with replaced_on_success(path) as tmp:
+            self._core.save(os.fspath(tmp), meta)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "NgramDrafter":

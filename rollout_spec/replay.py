@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from rollout_spec.drafter import takes_noise_keys
+from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.token_ids import MAX_TOKEN_ID
 from rollout_spec.tree import DraftBatch
@@ -135,7 +136,8 @@ def _token_ids(value: Any, where: str, path: Path) -> list[int]:
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:
-    """Write ``trace`` in the shared format (gzip JSON when the name ends in .gz)."""
+    """Write ``trace`` in the shared format (gzip JSON when the name ends in .gz), whole or not
+    at all (``files.replaced_on_success``)."""
     path = Path(path)
     meta = dict(trace.meta)
     records = {int(p["group_id"]): p for p in meta.pop("prompt_records", [])}
@@ -154,7 +156,7 @@ def save_trace(trace: Trace, path: str | Path) -> None:
         steps.append(rows)
     raw = {**meta, "prompts": prompts, "steps": steps}
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wt") as f:
+    with replaced_on_success(path) as tmp, opener(tmp, "wt") as f:
         json.dump(raw, f)
 
 

@@ -15,7 +15,6 @@ acceptance statistics.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
+from rollout_spec.files import replaced_on_success
 from rollout_spec.engine.call_end import CallEnd
 from rollout_spec.engine.step_cost import OnlineStepCost, batch_bucket
 from rollout_spec.engine.throughput_guard import ThroughputGuard
@@ -134,14 +134,10 @@ def cached_cost_model(cache_dir: str | Path, key: str, measure: Callable[[], Cos
             raise ValueError(f"cost model cache {path} is corrupt ({err}); delete it to re-measure")
     model = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside it, then renamed: a run stopped mid-write (or a second process timing the
-    # same grid) never leaves a half file that every later run would refuse.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
+    # A run stopped mid-write (or a second process timing the same grid) must not leave a half
+    # file that every later run would refuse.
+    with replaced_on_success(path) as tmp:
         tmp.write_text(model.to_json())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return model
 
 
