@@ -25,10 +25,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
-from rollout_spec.files import replaced_on_success
 from rollout_spec.engine.call_end import CallEnd
 from rollout_spec.engine.step_cost import OnlineStepCost, batch_bucket
 from rollout_spec.engine.throughput_guard import ThroughputGuard
+from rollout_spec.files import replaced_on_success
 
 
 # What auto_budget's drafting must promise (predicted) and then show (measured by its guard)
