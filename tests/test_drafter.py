@@ -10,6 +10,8 @@ from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
 from rollout_spec.tree import DraftBatch
 
+from drafter_states import LIVE_IDS, evicted_drafter
+
 
 def validated(b: DraftBatch) -> None:
     """Check a copy of the core's batch against the contract (its own copy is ``trusted``)."""
@@ -251,17 +253,8 @@ def test_stats_report_scopes_and_memory():
 
 
 def test_save_load_round_trip_gives_identical_proposals(tmp_path):
-    rng = np.random.default_rng(0)
-    d = NgramDrafter(SpecConfig(capacity_tokens=1024))
-    for step in range(3):
-        ids = list(range(step * 16, step * 16 + 16))
-        d.start_batch(ids, [rng.integers(0, 20, 12) for _ in ids], [i % 4 for i in ids])
-        for _ in range(10):
-            d.extend_batch(ids, [rng.integers(0, 20, rng.integers(1, 4)) for _ in ids])
-        if step < 2:
-            d.finish_batch(ids)
-            d.end_step()
-    live = list(range(32, 48))
+    rng = np.random.default_rng(1)
+    d, live = evicted_drafter(), LIVE_IDS
     assert d.stats()["evictions"] > 0  # the checkpoint includes an evicted, rebuilt index
     path = tmp_path / "drafter.bin"
     d.save(path)

@@ -11,26 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
 from rollout_spec.tree import DraftBatch
+
+from drafter_states import LIVE_IDS, evicted_drafter
 
 HEADER_AT = 8  # the uint64 length of the JSON header follows the 8-byte magic
 
 
 def saved_drafter(path: Path) -> bytes:
     """A checkpoint with finished and live requests, groups, an eviction and noise keys."""
-    rng = np.random.default_rng(0)
-    d = NgramDrafter(SpecConfig(capacity_tokens=1024))
-    for step in range(3):
-        ids = list(range(step * 16, step * 16 + 16))
-        d.start_batch(ids, [rng.integers(0, 20, 12) for _ in ids], [i % 4 for i in ids])
-        for _ in range(10):
-            d.extend_batch(ids, [rng.integers(0, 20, rng.integers(1, 4)) for _ in ids])
-        if step < 2:
-            d.finish_batch(ids)
-            d.end_step()
-    d.set_noise_keys(list(range(32, 48)), list(range(16)), [1.0] * 16, vocab_size=20)
+    d = evicted_drafter()
+    d.set_noise_keys(LIVE_IDS, list(range(16)), [1.0] * 16, vocab_size=20)
     d.save(path)
     return path.read_bytes()
 
@@ -96,7 +88,7 @@ def test_a_damaged_header_is_named(tmp_path, good, meta, why):
 
 def test_header_live_ids_must_be_the_cores(tmp_path, good):
     meta, _ = split(good)
-    assert meta["live"] == list(range(32, 48))
+    assert meta["live"] == LIVE_IDS
     for live in (meta["live"][:-1], meta["live"][:-1] + [99]):
         with pytest.raises(RuntimeError, match="live requests are not the core's"):
             load(tmp_path, with_header(good, dict(meta, live=live)))
