@@ -170,10 +170,7 @@ std::string DrafterCore::load(std::istream& is) {
     s.pinned = flags & 4;
     stored_tokens_ += static_cast<int64_t>(s.tokens.size());
   }
-  free_slots_ = get_vec<int32_t>(is, size);
-  for (int32_t f : free_slots_)
-    if (f < 0 || f >= static_cast<int32_t>(seqs_.size()) || seqs_[f].alive)
-      throw std::runtime_error("drafter checkpoint is corrupt (free slot out of range or alive)");
+  free_slots_ = get_vec<int32_t>(is, size);  // checked with the rest at the end
   refresh_all_views();
   requests_.clear();
   for (uint64_t n = get<uint64_t>(is); n > 0; --n) {
