@@ -130,6 +130,13 @@ def engine(model, spec=None, **kw) -> RolloutEngine:
     return RolloutEngine(model, None, spec, **kw)
 
 
+def plain_run(model, prompts: list[list[int]], params: SamplingParams) -> tuple[list, dict]:
+    """Plain decoding's outputs, and the truth a ScriptedDrafter drafts from: each prompt's first
+    sample (greedy samples of one prompt are all the same)."""
+    plain = engine(model).generate(prompts, params)
+    return plain, {tuple(prompts[o.prompt_index]): o.token_ids for o in plain if o.sample_index == 0}
+
+
 def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
@@ -149,10 +156,10 @@ def test_greedy_speculation_is_token_identical(pair, budget: int) -> None:
     ref, model = pair
     prompts = mixed_prompts(22)
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    plain = [o.token_ids for o in engine(model).generate(prompts, params)]
+    plain_outs, truth = plain_run(model, prompts, params)
+    plain = [o.token_ids for o in plain_outs]
     for p, toks in zip(prompts[:4], plain):
         assert toks == hf_greedy(ref, p, 16)
-    truth = {tuple(p): t for p, t in zip(prompts, plain)}
     for mode in ("oracle", "corrupt", "random"):
         outs = engine(model, ScriptedDrafter(mode, truth), draft_budget=lambda b: budget).generate(prompts, params)
         assert [o.token_ids for o in outs] == plain, mode
@@ -175,10 +182,9 @@ def test_sampling_speculation_is_token_identical(pair, params: SamplingParams) -
     at a time gives the same samples)."""
     _, model = pair
     prompts = mixed_prompts(10, seed=4)
-    plain = engine(model).generate(prompts, params)
+    plain, truth = plain_run(model, prompts, params)
     alone = engine(model).generate(prompts, params, max_running=1)
     assert [o.token_ids for o in alone] == [o.token_ids for o in plain]
-    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain[::2])}
     drafters = {mode: ScriptedDrafter(mode, truth) for mode in ("oracle", "corrupt", "random")}
     drafters["ngram, told the noise keys"] = SpecConfig(num_draft_tokens=12)
     for mode, drafter in drafters.items():
@@ -243,8 +249,7 @@ def test_logprobs_equal_teacher_forced_recomputation(pair, temperature: float, t
     ref, model = pair
     prompts = mixed_prompts(5, seed=4)
     params = SamplingParams(n=2, temperature=temperature, top_k=top_k, max_new_tokens=20, seed=1)
-    plain = engine(model).generate(prompts, params)  # n=2: outputs come two per prompt
-    truth = {tuple(prompts[o.prompt_index]): o.token_ids for o in plain if o.sample_index == 0}
+    plain, truth = plain_run(model, prompts, params)  # n=2: outputs come two per prompt
     outs = engine(model, ScriptedDrafter("corrupt", truth), draft_budget=lambda b: 8).generate(prompts, params)
     assert sum(o.num_accepted_tokens for o in outs) > 0
     for o in outs:
@@ -291,9 +296,8 @@ def test_max_running_caps_the_batch_and_keeps_outputs(pair) -> None:
 def test_stop_tokens_and_max_new_tokens(pair) -> None:
     _, model = pair
     prompts = mixed_prompts(6, seed=6)
-    plain = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=30))
+    plain, truth = plain_run(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=30))
     stop = plain[0].token_ids[7]
-    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[stop])
     for spec in (None, ScriptedDrafter("oracle", truth)):
         for p, o, base in zip(prompts, engine(model, spec, draft_budget=lambda b: 12).generate(prompts, params), plain):
@@ -387,8 +391,7 @@ def test_pluggable_budget_per_request_and_observed(pair) -> None:
     _, model = pair
     prompts = mixed_prompts(4, seed=9)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    plain = engine(model).generate(prompts, params)
-    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    plain, truth = plain_run(model, prompts, params)
 
     class Budget:
         def __init__(self) -> None:
@@ -415,8 +418,7 @@ def test_budget_is_told_who_runs_and_when_nothing_waits(pair) -> None:
     _, model = pair
     prompts = mixed_prompts(6, seed=4)
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
-    plain = engine(model).generate(prompts, params)
-    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    plain, truth = plain_run(model, prompts, params)
 
     class Budget:
         def __init__(self) -> None:

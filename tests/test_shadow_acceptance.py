@@ -9,7 +9,7 @@ import torch
 from rollout_spec import SamplingParams
 from rollout_spec.replay import accepted_path
 from rollout_spec.tree import DraftBatch
-from test_engine import ScriptedDrafter, engine, mixed_prompts, tiny_pair
+from test_engine import ScriptedDrafter, engine, mixed_prompts, plain_run, tiny_pair
 from test_verify import reference_logprobs
 from test_verify_law import ALPHA, SETTINGS, SHAPES, chi_square_pvalue, sample_emitted, toy_tree
 
@@ -90,8 +90,7 @@ def test_plain_steps_measure_acceptance_without_changing_outputs(model, overlap:
     nothing. Rounds take requests with room for 8 more tokens. Outputs stay the plain ones."""
     prompts = mixed_prompts(6, seed=12)
     params = SamplingParams(temperature=0.0, max_new_tokens=40)
-    plain = engine(model).generate(prompts, params)
-    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    plain, truth = plain_run(model, prompts, params)
     measured = {}
     for mode in ("oracle", "random"):
         budget = PlainBudget()
@@ -146,8 +145,7 @@ def test_drafting_steps_measure_sizes_beyond_the_one_offered(model, overlap: boo
     continuation, so a tree's first k nodes keep min(k, 4); greedy outputs stay the plain ones."""
     prompts = mixed_prompts(6, seed=12)
     params = SamplingParams(temperature=0.0, max_new_tokens=40)
-    plain = engine(model).generate(prompts, params)
-    truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    plain, truth = plain_run(model, prompts, params)
     budget = DraftingBudget(1)
     eng = engine(model, ScriptedDrafter("oracle", truth, seed=2), draft_budget=budget, overlap_drafter=overlap)
     outs = eng.generate(prompts, params)
