@@ -16,18 +16,22 @@ NOISE_TAG)`` under key ``(seed_lo, seed_hi)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from rollout_spec.config import check_int
+
+# torch is imported inside the functions that make or read tensors: the drafter uses the
+# layout (quarter_block) and must not load torch (DESIGN.md).
+if TYPE_CHECKING:
+    import torch
 
 NOISE_TAG = 0x5EED0C0F  # counter word 3: sets these draws apart from other uses of Philox
 MAX_VERIFY_VOCAB = 2**24 - 1
 """Largest vocabulary a verify step races over (verify.py: token ids exact in float32)."""
 MAX_SEED = 2**63 - 1
 """Largest seed, prompt or sample index (``SamplingParams.seed``; int64 on the device)."""
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def quarter_block(vocab: int) -> int:
@@ -51,6 +55,8 @@ class NoiseKeys:
               device: torch.device) -> "NoiseKeys":
         """Independent keys for one call that has none of its own: seeds drawn from
         ``generator`` (seeded calls reproduce), positions 0."""
+        import torch
+
         num_requests = check_int("num_requests", num_requests, 0, 2**31 - 1)
         gen_device = generator.device if generator is not None else torch.device("cpu")
         seeds = torch.randint(0, 2**62, (num_requests,), generator=generator, device=gen_device)
@@ -59,6 +65,8 @@ class NoiseKeys:
     def check(self, num_requests: int, device: torch.device | str) -> None:
         """Raise naming the field and what differs (dtype, shape, device) unless both are
         int64[num_requests] tensors on ``device`` (a torch.device or its name, e.g. "cuda:0")."""
+        import torch
+
         num_requests = check_int("num_requests", num_requests, 0)
         device = torch.device(device) if isinstance(device, str) else device
         for name in ("seeds", "positions"):
@@ -92,11 +100,14 @@ def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     """float32[A, V] on the keys' device: the uniforms of rows keyed (seeds[a], positions[a]),
     every column (computed by the native core on the host). ``seeds`` and ``positions`` are 1-D
     integer tensors of one length, ``vocab`` in [1, MAX_VERIFY_VOCAB]; anything else raises."""
+    import torch
+
     from rollout_spec import _core
 
     vocab = check_int("vocab", vocab, 1, MAX_VERIFY_VOCAB)
+    int_dtypes = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
     for name, t in (("seeds", seeds), ("positions", positions)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _INT_DTYPES:
+        if not isinstance(t, torch.Tensor) or t.dtype not in int_dtypes:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{name} must be an integer torch tensor (int8 to int64, uint8), got {got}")
     if seeds.ndim != 1 or positions.shape != seeds.shape:

@@ -1,6 +1,8 @@
 """NgramDrafter.set_noise_keys: proposals aimed at the verifier's keyed race (noise.py)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -168,3 +170,19 @@ def test_the_drafter_says_it_takes_noise_keys():
 def test_the_core_races_the_verifiers_tag():
     """The builder's own copy of the counter tag (csrc/race_noise.h) is noise.NOISE_TAG."""
     assert _core.RACE_TAG == NOISE_TAG
+
+
+def test_the_drafter_runs_without_torch():
+    """DESIGN.md: the drafter knows nothing of torch. A process where importing torch fails
+    starts, keys, proposes, saves and loads (set_noise_keys reads the noise layout only)."""
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import os, tempfile\n"
+        "from rollout_spec.drafter import NgramDrafter\n"
+        "d = NgramDrafter(); d.start(1, [1, 2, 3, 1, 2]); d.set_noise_keys([1], [7], [1.0], 32000)\n"
+        "assert d.propose([1]).tokens.tolist()[:1] == [3]\n"
+        "path = os.path.join(tempfile.mkdtemp(), 'd.bin'); d.save(path); NgramDrafter.load(path)\n"
+        "assert 'torch' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
