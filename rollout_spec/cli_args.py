@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from rollout_spec.config import check_float, check_int
+from rollout_spec.config import check_float, check_int, float_interval, int_interval
 
 if TYPE_CHECKING:
     from rollout_spec.replay import Trace
@@ -27,7 +27,8 @@ def int_arg(name: str, lo: int, hi: Optional[int] = None) -> Callable[[str], int
         try:
             return check_int(name, int(text), lo, hi)
         except ValueError as exc:  # int() failures and range failures read the same way
-            msg = str(exc) if "must be" in str(exc) else f"{name} must be an integer, got {text!r}"
+            msg = (str(exc) if "must be" in str(exc)
+                   else f"{name} must be an integer in {int_interval(lo, hi)}, got {text!r}")
             raise argparse.ArgumentTypeError(msg) from None
 
     return parse
@@ -40,7 +41,8 @@ def float_arg(name: str, lo: float, hi: float, lo_open: bool = False) -> Callabl
         try:
             return check_float(name, float(text), lo, hi, lo_open=lo_open)
         except ValueError as exc:
-            msg = str(exc) if "must be" in str(exc) else f"{name} must be a number, got {text!r}"
+            msg = (str(exc) if "must be" in str(exc)
+                   else f"{name} must be a number in {float_interval(lo, hi, lo_open)}, got {text!r}")
             raise argparse.ArgumentTypeError(msg) from None
 
     return parse

@@ -10,16 +10,26 @@ from numbers import Integral, Real
 from typing import Optional
 
 
+def int_interval(lo: int, hi: Optional[int] = None) -> str:
+    """``[lo, hi]`` as error messages write it (``inf`` for no upper bound)."""
+    return f"[{lo}, {'inf' if hi is None else hi}]"
+
+
+def float_interval(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> str:
+    """The interval as error messages write it: ``(`` and ``)`` for open ends."""
+    return f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
 def check_int(name: str, value: object, lo: int, hi: Optional[int] = None) -> int:
     """Return ``value`` as an int if it is an integer in ``[lo, hi]``, else raise naming ``name``."""
     if type(value) is int and lo <= value and (hi is None or value <= hi):
         return value  # the common case, without the ABC check (per-step callers: ~2 us each)
+    interval = int_interval(lo, hi)
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an integer in {interval}, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < lo or (hi is not None and value > hi):
-        upper = "inf" if hi is None else str(hi)
-        raise ValueError(f"{name} must be in [{lo}, {upper}], got {value}")
+        raise ValueError(f"{name} must be in {interval}, got {value}")
     return value
 
 
@@ -27,15 +37,18 @@ def check_float(
     name: str, value: object, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
 ) -> float:
     """Return ``value`` as a float inside the stated interval, else raise naming ``name``."""
+    interval = float_interval(lo, hi, lo_open, hi_open)
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    too_low = value <= lo if lo_open else value < lo
-    too_high = value >= hi if hi_open else value > hi
-    if math.isnan(value) or too_low or too_high:
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"{name} must be in {interval}, got {value}")
-    return value
+        raise TypeError(f"{name} must be a number in {interval}, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float is outside every interval here
+        raise ValueError(f"{name} must be in {interval}, got an integer beyond a float's range") from None
+    too_low = number <= lo if lo_open else number < lo
+    too_high = number >= hi if hi_open else number > hi
+    if math.isnan(number) or too_low or too_high:
+        raise ValueError(f"{name} must be in {interval}, got {number}")
+    return number
 
 
 def parse_bool(name: str, text: str) -> bool:

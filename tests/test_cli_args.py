@@ -9,7 +9,8 @@ from rollout_spec.cli_args import (check_device, check_output, device_arg, float
 
 @pytest.mark.parametrize("parse, text, needle", [
     (int_arg("steps", 1, 10), "0", "steps must be in [1, 10], got 0"),
-    (int_arg("steps", 1), "x", "steps must be an integer, got 'x'"),
+    (int_arg("steps", 1), "x", "steps must be an integer in [1, inf], got 'x'"),
+    (float_arg("top_p", 0.0, 1.0, lo_open=True), "high", "top_p must be a number in (0.0, 1.0], got 'high'"),
     (float_arg("top_p", 0.0, 1.0, lo_open=True), "0", "top_p must be in (0.0, 1.0]"),
     (float_arg("temperature", 0.0, 2.0), "nan", "temperature must be in [0.0, 2.0], got nan"),
     (numbers_arg("batch_sizes", int, 1, 64), "1,0", "every batch_sizes value must be in [1, 64], got 0"),

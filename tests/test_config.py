@@ -18,11 +18,15 @@ from rollout_spec.config import SamplingParams, SpecConfig
         ({"capacity_tokens": 10}, "capacity_tokens"),
         ({"group_weight": -0.1}, "group_weight"),
         ({"history_steps": 2.5}, "history_steps"),
+        ({"min_token_prob": 10**400}, r"min_token_prob must be in \[0.0, 1.0\], got an integer beyond"),
+        ({"group_weight": -10**400}, r"group_weight must be in \[0.0, 1000000.0\], got an integer beyond"),
         ({"external_corpora": None}, "external_corpora must be a list or tuple of file paths"),
         ({"external_corpora": {"a.npy": 1}}, "external_corpora must be a list or tuple of file paths"),
     ],
 )
 def test_spec_config_errors_name_the_field(kwargs, field):
+    """Wrong types and values alike; an int too large for a float is out of range, not an
+    OverflowError."""
     with pytest.raises((ValueError, TypeError), match=field):
         SpecConfig(**kwargs)
 
@@ -37,6 +41,7 @@ def test_spec_config_errors_name_the_field(kwargs, field):
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"stop_token_ids": [1, -2]}, r"stop_token_ids\[1\]"),
         ({"seed": "x"}, "seed"),
+        ({"temperature": 10**400}, r"temperature must be in \[0.0, 100.0\], got an integer beyond"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, field):

@@ -86,6 +86,16 @@ def test_a_damaged_header_is_named(tmp_path, good, meta, why):
         load(tmp_path, with_header(good, meta))
 
 
+def test_a_header_config_out_of_range_is_named(tmp_path, good):
+    """The header's SpecConfig is validated as the constructor's is, a number too large for a
+    float included."""
+    meta, _ = split(good)
+    for value in (1.5, 10**400):
+        damaged = dict(meta, config=dict(meta["config"], min_token_prob=value))
+        with pytest.raises(RuntimeError, match=r"its header: ValueError: min_token_prob must be in"):
+            load(tmp_path, with_header(good, damaged))
+
+
 def test_header_live_ids_must_be_the_cores(tmp_path, good):
     meta, _ = split(good)
     assert meta["live"] == LIVE_IDS

@@ -90,9 +90,9 @@ def test_bad_group_ids_with_the_worker_raise_up_front_and_leave_the_engine_clean
 @pytest.mark.parametrize("group_ids, error, match", [
     ([5, -7, 1, 2], ValueError, r"group_ids\[1\] must be in \[0, 2147483647\], got -7"),
     ([1, 2, 3, 2**31], ValueError, r"group_ids\[3\]"),
-    (["a", "b", "c", "d"], TypeError, r"group_ids\[0\] must be an integer, got str"),
-    ([1, 2, 1.5, 3], TypeError, r"group_ids\[2\] must be an integer, got float"),
-    ([1, True, 2, 3], TypeError, r"group_ids\[1\] must be an integer, got bool"),
+    (["a", "b", "c", "d"], TypeError, r"group_ids\[0\] must be an integer in \[0, 2147483647\], got str"),
+    ([1, 2, 1.5, 3], TypeError, r"group_ids\[2\] must be an integer in \[0, 2147483647\], got float"),
+    ([1, True, 2, 3], TypeError, r"group_ids\[1\] must be an integer in \[0, 2147483647\], got bool"),
     ("abcd", TypeError, "group_ids must be None or a sequence"),
 ])
 def test_group_ids_are_checked_before_prefill_with_the_callers_index(model, plain, spec, group_ids,

@@ -199,7 +199,7 @@ def test_bad_calls_name_the_problem():
         corpus(draft_token_num=0)
     with pytest.raises(ValueError, match=r"external_corpus_max_tokens must be in \[0, inf\], got -5"):
         corpus(external_corpus_max_tokens=-5)
-    with pytest.raises(TypeError, match="max_trie_depth must be an integer, got str 'x'"):
+    with pytest.raises(TypeError, match=r"max_trie_depth must be an integer in \[1, inf\], got str 'x'"):
         RolloutSpecCorpus(max_trie_depth="x")
     with pytest.raises(TypeError, match="spec must be a SpecConfig, got dict"):
         corpus(spec={"num_draft_tokens": 4})

@@ -45,7 +45,7 @@ def test_synthetic_trace_refuses_counts_that_would_write_an_empty_trace(tmp_path
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompts", "0"], "argument --prompts: --prompts must be in [1, 100000], got 0"),
-    (["--file-tokens", "x"], "argument --file-tokens: --file-tokens must be an integer, got 'x'"),
+    (["--file-tokens", "x"], "argument --file-tokens: --file-tokens must be an integer in [1, 1048576], got 'x'"),
     (["--seed", "-1"], "argument --seed: --seed must be in [0, inf], got -1"),
 ])
 def test_edit_trace_bad_flags(tmp_path, argv, message, capsys) -> None:
