@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from rollout_spec.cli_args import check_device, device_arg, int_arg, numbers_arg
+from rollout_spec.config import check_temperature
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
 from rollout_spec.engine.kv_cache import KVCache
@@ -689,6 +690,11 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     backend, --profile against the engines' slots, the random-weight prompts' length (the
     checkpoint's prompts are checked once drawn with its tokenizer alone, ``checked_workload``)."""
     args.device = check_device(ap, args.device)
+    for t in args.temperatures:
+        try:
+            check_temperature("--temperatures value", t)
+        except ValueError as exc:
+            ap.error(f"every {exc}")
     if args.verify_backend == "triton" and not triton_attention.is_available():
         ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")
     if args.profile and args.mode != "engine":

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 
 import engine_bench as eb
-from rollout_spec.cli_args import device_arg, float_arg, int_arg
+from rollout_spec.cli_args import device_arg, float_arg, int_arg, temperature_arg
 
 WAIT = "Tensor.cpu"  # the host's wait for the GPU (verification's readback) ends here
 REPLAY = "GraphLadder.replay"  # the GPU starts a step's forward
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--batch-size", type=int_arg("--batch-size", 1, 4096), default=8)
-    ap.add_argument("--temperature", type=float_arg("--temperature", 0.0, 100.0), default=0.6)
+    ap.add_argument("--temperature", type=temperature_arg("--temperature"), default=0.6)
     ap.add_argument("--rounds", type=int_arg("--rounds", 1, 100), default=2,
                     help="(plain, spec) rounds; the last is shown")
     ap.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 16), default=256)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, task_arg
-from rollout_spec.config import SamplingParams, SpecConfig
+from rollout_spec.config import MIN_TEMPERATURE, SamplingParams, SpecConfig
 from rollout_spec.metrics import (DrafterProbe, make_sink, resolve_wandb_mode, stats_from_outputs,
                                   wandb_metrics)
 from rollout_spec.workloads import Prompt, Workload, extract_final_answer
@@ -63,7 +63,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--n", type=int_arg("--n", 2, 1024), default=8,
                    help="samples per prompt (>= 2: a group of one has no advantage signal)")
     p.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 20), default=192)
-    p.add_argument("--temperature", type=float_arg("--temperature", 0.0, 100.0, lo_open=True), default=1.0,
+    p.add_argument("--temperature", type=float_arg("--temperature", MIN_TEMPERATURE, 100.0), default=1.0,
                    help="> 0: greedy samples of a group agree, so they carry no advantage signal")
     p.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 1024), default=8)
     p.add_argument("--lr", type=float_arg("--lr", 0.0, 1.0, lo_open=True), default=1e-6)

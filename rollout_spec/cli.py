@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from rollout_spec.cli_args import check_device, check_output, device_arg, float_arg, int_arg, task_arg
+from rollout_spec.cli_args import check_device, check_output, device_arg, float_arg, int_arg, task_arg, temperature_arg
 from rollout_spec.config import SamplingParams
 from rollout_spec.metrics import DrafterProbe, SpecStats, step_table, stats_from_outputs
 
@@ -41,7 +41,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int_arg("--prompts", 1, 100_000), default=4, help="prompts per step")
     p.add_argument("--n", type=int_arg("--n", 1, 1024), default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 20), default=128)
-    p.add_argument("--temperature", type=float_arg("--temperature", 0.0, 100.0), default=1.0,
+    p.add_argument("--temperature", type=temperature_arg("--temperature"), default=1.0,
                    help="0 means greedy")
     p.add_argument("--top-p", type=float_arg("--top-p", 0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--top-k", type=_top_k_arg, default=-1, help="-1 keeps all tokens")

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from rollout_spec.config import check_float, check_int, float_interval, int_interval
+from rollout_spec.config import MIN_TEMPERATURE, check_float, check_int, check_temperature, float_interval, int_interval
 
 if TYPE_CHECKING:
     from rollout_spec.replay import Trace
@@ -43,6 +43,20 @@ def float_arg(name: str, lo: float, hi: float, lo_open: bool = False) -> Callabl
         except ValueError as exc:
             msg = (str(exc) if "must be" in str(exc)
                    else f"{name} must be a number in {float_interval(lo, hi, lo_open)}, got {text!r}")
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def temperature_arg(name: str) -> Callable[[str], float]:
+    """An argparse type: a sampling temperature, 0 (greedy) or in [MIN_TEMPERATURE, 100]."""
+
+    def parse(text: str) -> float:
+        try:
+            return check_temperature(name, float(text))
+        except ValueError as exc:
+            msg = (str(exc) if "must be" in str(exc)
+                   else f"{name} must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, 100.0], got {text!r}")
             raise argparse.ArgumentTypeError(msg) from None
 
     return parse

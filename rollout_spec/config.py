@@ -51,6 +51,19 @@ def check_float(
     return number
 
 
+MIN_TEMPERATURE = 1e-6
+"""Smallest positive sampling temperature. Logits divided by much less overflow float32 (at
+|logit| / T > 3.4e38), and the race would then compare infinities: wrong tokens, NaN logprobs."""
+
+
+def check_temperature(name: str, value: object) -> float:
+    """A sampling temperature: 0 (greedy) or in [MIN_TEMPERATURE, 100], else raise naming ``name``."""
+    temperature = check_float(name, value, 0.0, 100.0)
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"{name} must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100.0], got {temperature}")
+    return temperature
+
+
 def parse_bool(name: str, text: str) -> bool:
     """A yes/no setting given as text (an environment variable, a command-line value): 1/0,
     true/false, yes/no or on/off in any case; anything else raises naming ``name``."""
@@ -158,6 +171,7 @@ class SamplingParams:
     n: int = 1
     """Samples per prompt (GRPO's group size)."""
     temperature: float = 1.0
+    """0 (greedy) or in [MIN_TEMPERATURE, 100]."""
     top_p: float = 1.0
     """Nucleus mass kept, in (0, 1]; 1 keeps everything."""
     top_k: int = -1
@@ -173,7 +187,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _store(self, "n", check_int("n", self.n, 1, 1 << 16))
-        _store(self, "temperature", check_float("temperature", self.temperature, 0.0, 100.0))
+        _store(self, "temperature", check_temperature("temperature", self.temperature))
         _store(self, "top_p", check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True))
         _store(self, "top_k", check_int("top_k", self.top_k, -1, 1 << 31))
         if self.top_k == 0:
