@@ -81,6 +81,14 @@ def attach_shared_index(engine: "RolloutEngine", placement: Any = None, **client
     return engine.drafter
 
 
+def _is_token_sequence(prompt: Any) -> bool:
+    """Whether a prompt entry is read as token ids: a list, tuple or 1-D array. Bytes are not
+    token ids, a set or dict has no token order, None and numbers are not prompts."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1
+    return isinstance(prompt, Seq) and not isinstance(prompt, (str, bytes, bytearray))
+
+
 class RolloutSession:
     """Runs one ``generate`` call on an engine (see module docstring)."""
 
@@ -105,10 +113,10 @@ class RolloutSession:
         call_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):
-            error = self._check_prompt(prompt)  # before its group id: that needs valid token ids
+            error = self._check_prompt(prompt, prompts[p])  # before its group id: that needs valid ids
             gid = group_ids[p] if group_ids is not None else None if error else prompt_group_id(prompt)
             for i in range(self.params.n):
-                seq = Sequence(self.engine.new_request_id(), p, i, list(prompt), self.params, gid,
+                seq = Sequence(self.engine.new_request_id(), p, i, list(prompt or ()), self.params, gid,
                                self.stop_ids, sample_seed(call_seed, p, i))
                 if error:
                     seq.finish_reason, seq.error = "error", error
@@ -134,19 +142,22 @@ class RolloutSession:
             if bar is not None:
                 bar.close()
 
-    def _tokenize(self, prompts: Seq[Seq[int]] | Seq[str]) -> list[list[int]]:
-        """Token ids for every prompt (strings go through the engine's tokenizer)."""
+    def _tokenize(self, prompts: Seq[Seq[int]] | Seq[str]) -> list[Optional[list[int]]]:
+        """Token ids for every prompt (strings go through the engine's tokenizer); None for an
+        entry that is neither a string nor a sequence of token ids (``_check_prompt`` says why)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
             raise TypeError("prompts must be a list of token-id lists or a list of strings")
-        if any(isinstance(p, str) for p in prompts):
-            tok = self.engine.tokenizer
-            if tok is None:
-                raise ValueError("string prompts need a tokenizer; this engine has none")
-            return [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
-        return [list(p) for p in prompts]
+        if any(isinstance(p, str) for p in prompts) and self.engine.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer; this engine has none")
+        return [self.engine.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)
+                else list(p) if _is_token_sequence(p) else None for p in prompts]
 
-    def _check_prompt(self, prompt: list[int]) -> Optional[str]:
-        """Why a prompt cannot run, or None. Errors stay per request."""
+    def _check_prompt(self, prompt: Optional[list[int]], given: Any) -> Optional[str]:
+        """Why the prompt entry ``given`` (read by ``_tokenize`` as ``prompt``) cannot run, or
+        None. Errors stay per request."""
+        if prompt is None:
+            shape = f" of shape {given.shape}" if isinstance(given, np.ndarray) else ""
+            return f"a prompt must be a string or a sequence of token ids, got {type(given).__name__}{shape}"
         vocab, limit = self.engine.model.config.vocab_size, self.engine.max_model_len
         if not prompt:
             return "empty prompt: a prompt needs at least one token"

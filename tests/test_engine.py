@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rollout_spec import SamplingParams, SpecConfig
+from rollout_spec.config import MIN_TEMPERATURE
 from rollout_spec.engine import RolloutEngine
 from rollout_spec.engine.weights import build_model
 from rollout_spec.noise import sample_seed
@@ -217,6 +218,21 @@ def test_tpf_is_one_without_speculation(pair) -> None:
     assert all(o.num_verify_steps == 9 and o.num_draft_tokens == 0 for o in outs)
 
 
+def test_the_lowest_temperature_samples_greedily_with_finite_logprobs(pair) -> None:
+    """At MIN_TEMPERATURE the scaled logits stay finite: samples are the greedy tokens, with and
+    without drafts, and every logprob is ~0 (at 1e-38, logits / T overflowed float32: other
+    tokens and NaN logprobs)."""
+    _, model = pair
+    prompts = mixed_prompts(4, seed=3)
+    greedy = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    params = SamplingParams(temperature=MIN_TEMPERATURE, max_new_tokens=8, seed=2)
+    for spec in (None, ScriptedDrafter("random", seed=1)):
+        outs = engine(model, spec, draft_budget=lambda b: 6).generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in greedy]
+        logprobs = np.concatenate([o.logprobs for o in outs])
+        assert np.isfinite(logprobs).all() and (logprobs <= 0).all() and (logprobs > -1e-3).all()
+
+
 def test_seeded_sampling_reproduces(pair) -> None:
     _, model = pair
     prompts = mixed_prompts(4, seed=3)
@@ -330,6 +346,22 @@ def test_bad_prompts_error_and_the_rest_finish(pair) -> None:
     assert all("[0, 101)" in outs[i].error for i in (4, 6, 7, 8))  # a bool is no token id either
     ref_outs = engine(model).generate(good, SamplingParams(temperature=0.0, max_new_tokens=5))
     assert [outs[i].token_ids for i in (0, 3, 5)] == [o.token_ids for o in ref_outs]
+
+
+def test_entries_that_are_not_token_sequences_are_that_prompts_error(pair) -> None:
+    """None, numbers, bytes (not token ids), sets and dicts (no token order) and 2-D arrays are
+    refused per prompt, naming their type; lists, tuples and 1-D arrays run alike."""
+    _, model = pair
+    good = mixed_prompts(1, seed=8)[0]
+    prompts = [None, good, 5, b"ab", {9, 5}, {9: 1}, np.array([good]), tuple(good), np.array(good)]
+    outs = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4))
+    named = ["NoneType", None, "int", "bytes", "set", "dict", f"ndarray of shape (1, {len(good)})", None, None]
+    for out, name in zip(outs, named):
+        if name is None:
+            assert out.finish_reason == "length" and out.token_ids == outs[1].token_ids
+        else:
+            assert out.finish_reason == "error" and out.token_ids == []
+            assert out.error == f"a prompt must be a string or a sequence of token ids, got {name}"
 
 
 def test_unknown_model_and_bad_arguments() -> None:
