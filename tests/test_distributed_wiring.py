@@ -226,6 +226,18 @@ def test_sharing_drafter_records_grouped_responses_and_numbers_steps_like_the_jo
     assert shared.is_live(1) is False  # everything else reaches the wrapped drafter
 
 
+def test_sharing_drafter_takes_group_ids_as_an_array() -> None:
+    """Group ids as numpy arrays (as the engine may pass them) are followed like a list's."""
+    from rollout_spec.drafter import NgramDrafter
+
+    index = _FakeIndex(latest_step=0)
+    shared = SharingDrafter(NgramDrafter(SpecConfig()), index)
+    shared.start_batch(np.array([1, 2]), [[5, 6], [5, 6]], np.array([9, 9]))
+    shared.extend_batch([1, 2], [[7], [8]])
+    shared.finish_batch([1, 2])
+    assert index.recorded == [(9, [7]), (9, [8])]
+
+
 def test_placement_comes_from_the_hook_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = object()
     assert share_drafter(plain, SpecConfig(), None) is plain  # no shared_index: nothing changes

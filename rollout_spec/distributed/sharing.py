@@ -47,7 +47,7 @@ class SharingDrafter:
                     group_ids: Optional[Sequence[Optional[int]]] = None) -> None:
         """Start requests; grouped ones are followed until they finish (groupless are not shared)."""
         self.drafter.start_batch(req_ids, prompts, group_ids)
-        for rid, gid in zip(req_ids, group_ids or ()):
+        for rid, gid in zip(req_ids, () if group_ids is None else group_ids):
             if gid is not None:
                 self._live[int(rid)] = (int(gid), [])
 
