@@ -97,6 +97,27 @@ def test_acquire_is_sticky_until_the_replica_is_full() -> None:
         GroupRouter(2).release(0)
 
 
+def test_a_removed_replicas_groups_move_and_the_others_stay() -> None:
+    """With replica 3 down the bound is over the three left: assign stays under it, and a step of
+    64 groups x 8 samples acquired one at a time splits no more groups than with all four up."""
+    router = GroupRouter(4, load_factor=1.0, slack=0)
+    router.set_available(3, False)
+    placed = router.assign(range(1000))
+    assert 3 not in placed and np.bincount(placed).max() <= router.capacity(1000) == 334
+
+    def split_groups(down: tuple[int, ...]) -> int:
+        sticky = GroupRouter(4)
+        for replica in down:
+            sticky.set_available(replica, False)
+        places: dict[int, set[int]] = {}
+        for group in range(64):
+            for _ in range(8):
+                places.setdefault(group, set()).add(sticky.acquire(group))
+        return sum(len(p) > 1 for p in places.values())
+
+    assert split_groups((3,)) <= split_groups(())
+
+
 def test_pack_roundtrip_and_split_by_destination() -> None:
     seqs = [np.array([1, 2, 3]), np.array([], np.int64), np.array([9])]
     groups = np.array([7, 8, 9], np.int64)

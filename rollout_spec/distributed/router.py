@@ -72,9 +72,11 @@ class GroupRouter:
         return np.take_along_axis(part, order, axis=1).astype(np.int32)
 
     def capacity(self, total_load: int) -> int:
-        """Most requests one replica may hold when ``total_load`` (an int >= 0) are spread over all replicas."""
+        """Most requests one replica may hold when ``total_load`` (an int >= 0) are spread over the
+        available replicas (a removed one's share goes to the others, not to nobody)."""
         total_load = check_int("total_load", total_load, 0)
-        return math.ceil(self.load_factor * total_load / self.num_replicas) + self.slack
+        available = max(self.num_replicas - int(self._down.sum()), 1)
+        return math.ceil(self.load_factor * total_load / available) + self.slack
 
     def assign(
         self,
