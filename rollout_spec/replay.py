@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
+from rollout_spec.config import check_int
 from rollout_spec.drafter import takes_noise_keys
 from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
@@ -106,8 +107,23 @@ def load_trace(path: str | Path) -> Trace:
         steps.append(rows)
         seeds.append(step_seeds)
     meta = {k: v for k, v in raw.items() if k not in ("prompts", "steps")}
+    _check_noise_meta(meta, path)
     meta["prompt_records"] = raw["prompts"]
     return Trace(prompts=prompts, steps=steps, meta=meta, seeds=seeds)
+
+
+def _check_noise_meta(meta: dict, path: Path) -> None:
+    """The fields ``Trace.noise_keys`` reads, when present: ``sampling`` an object whose
+    ``temperature`` is a number in [0, 100], ``vocab_size`` an integer in [1, 2**31-1]."""
+    sampling = meta.get("sampling")
+    if sampling is not None and not isinstance(sampling, dict):
+        raise ValueError(f"{path}: sampling must be an object, got {type(sampling).__name__}")
+    temperature = (sampling or {}).get("temperature")
+    if temperature is not None and (type(temperature) not in (int, float) or not 0 <= temperature <= 100):
+        raise ValueError(f"{path}: sampling.temperature must be a number in [0, 100], got {temperature!r}")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and (type(vocab) is not int or not 1 <= vocab <= 2**31 - 1):
+        raise ValueError(f"{path}: vocab_size must be an integer in [1, 2**31-1], got {vocab!r}")
 
 
 def _list_field(value: Any, where: str, path: Path) -> list:
@@ -246,6 +262,12 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
     still to come (outside the timed calls). Where the trace recorded its samples' seeds, a
     drafter that takes noise keys is told them at start (``Trace.noise_keys``).
     """
+    if not trace.steps:
+        raise ValueError("the trace has no steps to replay")
+    step = check_int("step", step, 0, len(trace.steps) - 1)
+    budget = check_int("budget", budget, 0, 1 << 20)
+    if max_live is not None:
+        max_live = check_int("max_live", max_live, 1)
     rows = trace.steps[step]
     res = StepResult(step=step)
     # A recording with seeds: a drafter that takes noise keys is told them, as the engine does.
@@ -261,7 +283,12 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
             drafter.start_batch(ids, [trace.prompts[rows[j][0]] for j in admit], [rows[j][0] for j in admit])
             if keys is not None:
                 drafter.set_noise_keys(ids, [keys[0][j] for j in admit], [keys[1]] * len(ids), keys[2])
-            live.update((i, 0) for i in ids)
+            empty = [i for i, j in zip(ids, admit) if not rows[j][1]]
+            if empty:  # nothing to generate: no verify step (an engine emits at least one token)
+                drafter.finish_batch(empty)
+            live.update((i, 0) for i, j in zip(ids, admit) if rows[j][1])
+            if not live:
+                continue
         ids = list(live)
         t0 = clock()
         result = drafter.propose(ids, [budget] * len(ids))

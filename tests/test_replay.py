@@ -12,7 +12,7 @@ import pytest
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
 from rollout_spec.replay import (PromptLookupDrafter, Trace, accepted_length, as_trees, load_trace,
-                                 replay, save_trace)
+                                 replay, replay_step, save_trace)
 from rollout_spec.tree import DraftBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -140,6 +140,10 @@ PROMPT = '{"group_id": 0, "prompt_ids": [1, 2]}'
      "steps[0][0] needs group_id and response_ids"),
     (f'{{"prompts": [{PROMPT}], "steps": [[], [{{"group_id": 0, "response_ids": [4, 2147483648]}}]]}}',
      "steps[1][0].response_ids[1] must be a token id in [0, 2**31), got 2147483648"),
+    ('{"prompts": [], "steps": [], "sampling": "greedy"}', "sampling must be an object, got str"),
+    ('{"prompts": [], "steps": [], "sampling": {"temperature": "default"}}',
+     "sampling.temperature must be a number in [0, 100], got 'default'"),
+    ('{"prompts": [], "steps": [], "vocab_size": 0}', "vocab_size must be an integer in [1, 2**31-1], got 0"),
 ])
 def test_load_names_the_malformed_field(tmp_path, text, needle):
     (tmp_path / "bad.json").write_text(text)
@@ -256,3 +260,24 @@ def test_synthetic_trace_is_deterministic_and_well_formed(tmp_path):
     assert load_trace(tmp_path / "s.json.gz").steps == a.steps
     lengths = np.array([len(r) for s in a.steps for _, r in s])
     assert lengths.std() > 0
+
+
+def test_replay_refuses_what_it_cannot_run():
+    """A cap of no live request would never admit one, and a step the trace lacks has no rows:
+    both are errors naming the argument, not a spin or an IndexError."""
+    trace = Trace(prompts={0: [1, 2]}, steps=[[(0, [3, 4])]])
+    with pytest.raises(ValueError, match=r"max_live must be in \[1, inf\], got 0"):
+        replay(PromptLookupDrafter(), trace, max_live=0)
+    with pytest.raises(ValueError, match=r"step must be in \[0, 0\], got 5"):
+        replay(PromptLookupDrafter(), trace, steps=[5])
+    with pytest.raises(ValueError, match="no steps"):
+        replay_step(PromptLookupDrafter(), Trace(prompts={}, steps=[]), 0, 8, 0)
+
+
+def test_an_empty_response_takes_no_verify_step():
+    """A recorded response with no tokens (another engine's stop at once) is started and
+    finished without a proposal: TPF counts the steps that emitted tokens only."""
+    trace = Trace(prompts={0: [1, 2]}, steps=[[(0, [3, 4]), (0, [])]])
+    for max_live in (None, 1):
+        (result,) = replay(PromptLookupDrafter(), trace, max_live=max_live)
+        assert (result.tokens, result.verify_steps, result.tpf) == (2, 2, 1.0)
