@@ -22,8 +22,8 @@ MATH_INSTRUCTION = "Think step by step, then give the final answer after '####'.
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
 HUMANEVAL_TIMEOUT_S = 3.0
 
-_FINAL_ANSWER = re.compile(r"####\s*(.+)")
-_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+_ANSWER_MARK = "####"
+_CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,12 @@ class Workload:
         answer = extract_final_answer(response)
         if answer is None:
             return 0.0
-        return float(self._dataset.score_answer(answer, prompt.entry))
+        try:
+            return float(self._dataset.score_answer(answer, prompt.entry))
+        except Exception:
+            # Some checkers raise on answers they cannot parse (prime_factorization's int() on
+            # "2 x 3"): such an answer is wrong, and one odd sample must not end the run.
+            return 0.0
 
     def score_many(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
         """Rewards for pairs of prompts and responses; code checks run a few at a time."""
@@ -135,17 +140,20 @@ class Workload:
 
 
 def extract_final_answer(response: str) -> Optional[str]:
-    """The text after the last ``####`` (first line, stripped), or None when there is none."""
+    """The text after the last ``####`` that has any (its first line, stripped, a final period
+    dropped), or None when there is none: "#### 12 #### 13" answers 13, "#### 42 ####" 42."""
     _check_text("response", response)
-    matches = _FINAL_ANSWER.findall(response)
-    if not matches:
-        return None
-    answer = matches[-1].strip().rstrip(".").strip()
-    return answer or None
+    for part in reversed(response.split(_ANSWER_MARK)[1:]):
+        lines = part.lstrip("#").lstrip().splitlines()
+        answer = lines[0].strip().rstrip(".").strip() if lines else ""
+        if answer:
+            return answer
+    return None
 
 
 def extract_code(response: str) -> str:
-    """The first fenced code block of a reply, else the reply itself."""
+    """The first fenced code block of a reply (untagged, or tagged python, python3 or py in any
+    case), else the reply itself."""
     _check_text("response", response)
     match = _CODE_BLOCK.search(response)
     return match.group(1) if match else response
@@ -219,8 +227,13 @@ class TraceRecorder:
             rows.append((prompts[index].group_id, token_array(f"responses[{k}] token_ids", ids).tolist()))
         step_seeds = ([None if s is None else check_int("seed", s, 0, 2**63 - 1) for s in seeds]
                       if seeds is not None else [None] * len(rows))
-        for p in prompts:
-            self._prompts.setdefault(p.group_id, p)
+        seen = dict(self._prompts)
+        for i, p in enumerate(prompts):
+            earlier = seen.setdefault(p.group_id, p)
+            if tuple(earlier.prompt_ids) != tuple(p.prompt_ids):
+                raise ValueError(f"prompts[{i}].group_id {p.group_id} was recorded with other prompt "
+                                 "ids: a trace keys its prompts by group id (give each prompt its own)")
+        self._prompts = seen
         self._steps.append(rows)
         self._seeds.append(step_seeds)
 

@@ -62,10 +62,24 @@ def test_humaneval_reward_runs_the_tests():
     assert wl.score(p, p.entry["canonical_solution"]) == 1.0  # a bare indented body also runs
 
 
+def test_an_answer_the_checker_cannot_parse_scores_zero():
+    """prime_factorization's checker raises ValueError on "2 x 3" and "nan": a wrong answer."""
+    wl = Workload("prime_factorization", CharTokenizer(), num_prompts=1)
+    p = wl.batch(0)[0]
+    assert wl.score_many([p, p, p], ["#### nan", "#### 2 x 3", f"#### {p.answer}"]) == [0.0, 0.0, 1.0]
+
+
 def test_answer_and_code_extraction():
     assert extract_final_answer("a\n#### 4\n#### 42.") == "42"
     assert extract_final_answer("####   ") is None
+    assert extract_final_answer("#### 12 #### 13") == "13"  # the last marker's, not the line's rest
+    assert extract_final_answer("#### 42 ####") == "42"  # a bare trailing marker has no answer
+    assert extract_final_answer("##### 42") == "42"
+    assert extract_final_answer("####\r\n7\r\n") == "7"
+    assert extract_final_answer("########") is None
     assert extract_code("text\n```py\nx = 1\n```\nmore") == "x = 1\n"
+    for fence in ("```Python\n", "```python3\n", "```python\r\n", "``` python\n", "```\n"):
+        assert extract_code(f"Here:\n{fence}x = 1\n```") == "x = 1\n", fence
     assert extract_code("plain") == "plain"
 
 
@@ -87,6 +101,21 @@ def test_trace_round_trip_in_shared_format(tmp_path):
     with pytest.raises(ValueError, match="prompt index"):
         rec.add_step(prompts, [(5, [1])])
     assert trace.seeds is None  # nothing recorded them
+
+
+def test_trace_recorder_refuses_one_group_id_for_two_prompts(tmp_path):
+    """Two workloads both number their prompts from 0: recording both would file the second's
+    responses under the first's prompt. The step is refused and the recording left as it was."""
+    first = Workload("chain_sum", CharTokenizer(), num_prompts=1, seed=3).batch(0)
+    other = Workload("basic_arithmetic", CharTokenizer(), num_prompts=1, seed=3).batch(0)
+    assert first[0].group_id == other[0].group_id and first[0].prompt_ids != other[0].prompt_ids
+    rec = TraceRecorder("tiny", {"temperature": 1.0}, eos_token_id=2)
+    rec.add_step(first, [(0, [5])])
+    with pytest.raises(ValueError, match=r"prompts\[0\].group_id 0 was recorded with other prompt ids"):
+        rec.add_step(other, [(0, [7])])
+    rec.add_step(first, [(0, [9])])  # the same prompt again is a later step of its group
+    trace = load_trace(rec.save(tmp_path / "t.json"))
+    assert trace.prompts == {0: list(first[0].prompt_ids)} and trace.steps == [[(0, [5])], [(0, [9])]]
 
 
 def test_trace_recorder_keeps_the_samples_seeds(tmp_path):
