@@ -193,6 +193,21 @@ def test_missing_coordinator_is_a_clear_error(ray_cluster) -> None:
         SharedIndexClient(NgramDrafter(), cfg, start=False)
 
 
+def test_creating_again_replaces_a_coordinator_that_died(ray_cluster) -> None:
+    """The driver's second create_coordinators call (a hook of another replica object) after a
+    coordinator was killed makes a new one that replicas find, not the dead handle again."""
+    from rollout_spec.distributed.coordinator import coordinator_handles
+
+    name = f"revive-{uuid.uuid4().hex[:8]}"
+    (first,) = create_coordinators(name, 1, 2)
+    assert create_coordinators(name, 1, 2) == [first]  # alive: the same actor
+    ray.kill(first)
+    (second,) = create_coordinators(name, 1, 2)
+    assert ray.get(second.stats.remote())["latest_step"] == -1
+    assert ray.get(coordinator_handles(name, 1, timeout_s=10.0)[0].stats.remote())["entries"] == 0
+    destroy_coordinators(name, 1)
+
+
 class _Sink:
     """Collects what a client ingests (a drafter's add_sequences, minus the index)."""
 

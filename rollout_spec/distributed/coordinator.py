@@ -180,14 +180,15 @@ def create_coordinators(
     destination replicas ``r`` with ``r % num_shards == s``, spreading publish traffic at scale.
     ``detached`` keeps them past the driver's exit; then call :func:`destroy_coordinators`.
     Calling it again with the same name returns the running actors (framework hooks may run once
-    per replica object in the driver).
+    per replica object in the driver), and replaces any that died.
     """
     import ray
 
     check_int("num_shards", num_shards, 1, 4096)
     check_int("retain_steps", retain_steps, 1, 1 << 20)
-    kept = _KEEP_ALIVE.get((namespace, name))
-    if kept is not None and len(kept) == num_shards:
+    kept = _KEEP_ALIVE.pop((namespace, name), None)
+    if kept is not None and len(kept) == num_shards and _all_alive(kept):
+        _KEEP_ALIVE[(namespace, name)] = kept
         return kept
     remote_cls = ray.remote(num_cpus=0, max_concurrency=1)(IndexCoordinator)
     options: dict[str, Any] = {"namespace": namespace}
@@ -204,6 +205,17 @@ def create_coordinators(
     ray.get([h.stats.remote() for h in handles])  # constructed and registered before replicas look
     _KEEP_ALIVE[(namespace, name)] = handles  # a named actor still dies when its handles are dropped
     return handles
+
+
+def _all_alive(handles: list[Any]) -> bool:
+    """Whether every coordinator still answers (one killed or crashed since is replaced)."""
+    import ray
+
+    try:
+        ray.get([h.stats.remote() for h in handles])
+    except ray.exceptions.RayActorError:
+        return False
+    return True
 
 
 def coordinator_handles(name: str, num_shards: int, namespace: str | None = None, timeout_s: float = 60.0) -> list[Any]:
