@@ -22,6 +22,12 @@ def hashed_group_id(data: bytes) -> int:
     return int.from_bytes(digest, "little") & GROUP_ID_MAX
 
 
+def text_group_id(text: str) -> int:
+    """The group id of an identity given as a string (a framework's uid): its UTF-8 hashed, a
+    lone surrogate (text decoded with ``surrogateescape``) kept as is rather than refused."""
+    return hashed_group_id(text.encode("utf-8", "surrogatepass"))
+
+
 def prompt_group_id(prompt_ids: np.ndarray | Sequence[int]) -> int:
     """The group id of a prompt's token ids (hashed as int32), shared by its n samples and by the
     same prompt in later RL steps, whichever engine, adapter or replica computes it.

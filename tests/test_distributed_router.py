@@ -31,6 +31,8 @@ def test_group_key_matches_the_engine_adapters_prompt_groups() -> None:
     prompt = [1, 50, 4000, 2**20]
     assert group_key(prompt) == prompt_group_id(prompt)
     assert group_key("uid-7") == explicit_group_id("uid-7")
+    odd = "é\ud800"  # a lone surrogate, as text decoded with surrogateescape carries
+    assert group_key(odd) == explicit_group_id(odd) == group_key(odd.encode("utf-8", "surrogatepass"))
 
 
 @pytest.mark.parametrize("bad, exc", [(None, TypeError), (True, TypeError), (-1, ValueError), (1.5, TypeError)])

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rollout_spec.config import check_int
-from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id
+from rollout_spec.groups import GROUP_ID_MAX, text_group_id
 from rollout_spec.tree import DraftBatch
 
 def best_chain(parents: np.ndarray, tokens: np.ndarray, max_len: int) -> list[int]:
@@ -61,5 +61,5 @@ def explicit_group_id(value: Any) -> int:
         TypeError / ValueError: anything else, naming the extra_args key and the allowed forms.
     """
     if isinstance(value, str):
-        return hashed_group_id(value.encode("utf-8"))
+        return text_group_id(value)
     return check_int("extra_args['rollout_spec_group']", value, 0, GROUP_ID_MAX)

@@ -11,7 +11,7 @@ from numbers import Integral
 import numpy as np
 
 from rollout_spec.token_ids import token_array
-from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id, prompt_group_id
+from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id, prompt_group_id, text_group_id
 
 
 def group_key(group: object) -> int:
@@ -34,14 +34,12 @@ def group_key(group: object) -> int:
             raise ValueError(f"group id must be in [0, {GROUP_ID_MAX}], got {value}")
         return value
     if isinstance(group, str):
-        data = group.encode("utf-8")
-    elif isinstance(group, (bytes, bytearray, memoryview)):
-        data = bytes(group)
-    elif isinstance(group, (Sequence, np.ndarray)):
+        return text_group_id(group)
+    if isinstance(group, (bytes, bytearray, memoryview)):
+        return hashed_group_id(bytes(group))
+    if isinstance(group, (Sequence, np.ndarray)):
         return prompt_group_id(token_array("group id token sequence", group))
-    else:
-        raise TypeError(f"group id must be an int, str, bytes or token sequence, got {type(group).__name__}")
-    return hashed_group_id(data)
+    raise TypeError(f"group id must be an int, str, bytes or token sequence, got {type(group).__name__}")
 
 
 def group_keys(groups: Iterable[object]) -> np.ndarray:
