@@ -84,6 +84,7 @@ def test_engine_kwargs_for_each_backend_and_conflicts():
     vl = backend_engine_kwargs(spec, "vllm")
     assert vl["speculative_config"]["method"] == "custom_class"
     assert vl["additional_config"]["rollout_spec"]["num_draft_tokens"] == 5
+    assert vl["per_request_spec_decode_metrics"] == "summary"  # vLLM 0.29+: counters per output
     cfg = SimpleNamespace(engine_kwargs={"sglang": {"attention_backend": "fa3"}})
     install_engine_kwargs(cfg, spec, "sglang")
     assert cfg.engine_kwargs["sglang"] == {"attention_backend": "fa3", **sg}
@@ -137,6 +138,23 @@ def test_vllm_counters_give_verls_accept_metrics():
     out = compute([f["spec_num_draft_tokens"]], [f["spec_num_accepted_tokens"]], [f["spec_num_verify_steps"]])
     assert out == {"rollout/spec_accept_rate": 0.75, "rollout/spec_accept_length": 4.0}
     assert metrics.from_vllm_stats(None) == {}
+
+
+@needs_verl_source
+def test_vllms_per_request_histogram_gives_verls_accept_metrics(caplog):
+    """vLLM 0.29-0.33's RequestSpecDecodeMetrics: verify steps with j accepted drafts counted in
+    histogram[j] (here 10 steps keeping 0, 3, 0, 2, 3, 1, 0, 3, 2, 1 = 15 of 40 drafted). A
+    request without counters warns once, not once per request."""
+    compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
+    stats = SimpleNamespace(num_spec_tokens=4, histogram=[3, 2, 2, 3, 0], num_draft_tokens=40)
+    f = metrics.from_vllm_stats(stats)
+    assert f == {"spec_num_draft_tokens": 40, "spec_num_accepted_tokens": 15, "spec_num_verify_steps": 10}
+    out = compute([40], [15], [10])
+    assert out == {"rollout/spec_accept_rate": 0.375, "rollout/spec_accept_length": 2.5}
+    metrics._warned_no_vllm_stats = False
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        assert metrics.from_vllm_stats(None) == metrics.from_vllm_stats(None) == {}
+    assert len(caplog.records) == 1 and "per_request_spec_decode_metrics" in caplog.text
 
 
 @needs_verl_source
@@ -202,6 +220,19 @@ def test_capture_keeps_final_meta_info_and_vllm_stats():
         return [o async for o in eng.generate(prompt="p", sampling_params=None, request_id="q")]
 
     assert len(asyncio.run(drain())) == 2 and stats == {"q": 2}
+
+
+def test_vllm_stats_are_read_from_the_sample_where_vllm_puts_them():
+    """vLLM 0.29-0.33 fill ``outputs[0].spec_decode_metrics`` on the final output only; the
+    metrics field verl reads is taken first where a vLLM has it."""
+    final = SimpleNamespace(histogram=[1, 1], num_draft_tokens=2)
+    assert capture.vllm_spec_stats(SimpleNamespace(metrics=SimpleNamespace(), outputs=[
+        SimpleNamespace(spec_decode_metrics=final)])) is final
+    assert capture.vllm_spec_stats(SimpleNamespace(metrics=None, outputs=[
+        SimpleNamespace(spec_decode_metrics=None)])) is None  # not the final output yet
+    assert capture.vllm_spec_stats(SimpleNamespace(metrics=None, outputs=[])) is None
+    assert capture.vllm_spec_stats(SimpleNamespace(
+        metrics=SimpleNamespace(request_spec_decode_stats=7), outputs=[SimpleNamespace(spec_decode_metrics=final)])) == 7
 
 
 # ---------------------------------------------------------------- with verl importable

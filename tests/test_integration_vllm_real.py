@@ -144,3 +144,19 @@ def test_counters_read_vllms_own_spec_decode_metrics():
     assert (step.num_drafts, step.num_draft_tokens, step.num_accepted_tokens) == (2, 5, 2)
     assert step.accepted_per_pos[:3] == (1, 1, 0)
     assert step.accept_rate == pytest.approx(0.4)
+
+
+def test_verl_reads_vllms_per_request_counters():
+    """The verl hook turns vLLM's own per-request counters into verl's three fields, and the
+    engine argument that fills them exists."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    from rollout_spec.integrations.verl import metrics
+
+    assert "per_request_spec_decode_metrics" in AsyncEngineArgs.__dataclass_fields__
+    counters = RequestSpecDecodeMetrics.new(4)
+    counters.observe(num_draft_tokens=4, num_accepted=3)
+    counters.observe(num_draft_tokens=2, num_accepted=0)
+    assert metrics.from_vllm_stats(counters) == {
+        "spec_num_draft_tokens": 6, "spec_num_accepted_tokens": 3, "spec_num_verify_steps": 2}

@@ -23,14 +23,29 @@ def record_sglang_meta(tokenizer_manager: Any, store: dict[str, dict]) -> None:
 
 
 def record_vllm_stats(engine: Any, store: dict[str, Any]) -> None:
-    """Make ``engine.generate`` save each request's latest ``metrics.request_spec_decode_stats``."""
+    """Make ``engine.generate`` save each request's latest per-request speculative counters
+    (``vllm_spec_stats``)."""
     original: Callable[..., AsyncIterator[Any]] = engine.generate
 
     async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         async for out in original(*args, **kwargs):
-            metrics = getattr(out, "metrics", None)
-            store[str(request_id)] = getattr(metrics, "request_spec_decode_stats", None)
+            store[str(request_id)] = vllm_spec_stats(out)
             yield out
 
     engine.generate = generate
+
+
+def vllm_spec_stats(output: Any) -> Any:
+    """A vLLM ``RequestOutput``'s per-request speculative counters, or None.
+
+    vLLM 0.29-0.33 put them on the sample, ``outputs[0].spec_decode_metrics`` (a
+    ``RequestSpecDecodeMetrics``, filled on the final output when the engine runs with
+    ``per_request_spec_decode_metrics``); verl's MTP path reads ``metrics.request_spec_decode_stats``,
+    which those versions do not have and which is taken first where it exists.
+    """
+    stats = getattr(getattr(output, "metrics", None), "request_spec_decode_stats", None)
+    if stats is not None:
+        return stats
+    samples = getattr(output, "outputs", None) or ()
+    return getattr(samples[0], "spec_decode_metrics", None) if samples else None

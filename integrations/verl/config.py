@@ -98,7 +98,8 @@ def backend_engine_kwargs(spec: SpecConfig, backend: str, placement: Optional[Re
 
     SGLang: the NGRAM worker sized for ``spec`` (our corpus replaces its trie through the SGLang
     plugin; its placement travels in the environment). vLLM: the custom proposer of
-    ``rollout_spec.integrations.vllm``, with ``placement`` in its additional_config.
+    ``rollout_spec.integrations.vllm``, with ``placement`` in its additional_config, and the
+    per-request acceptance counters that verl's metrics read.
     """
     if backend == "sglang":
         from rollout_spec.integrations.sglang.config import server_args
@@ -107,5 +108,6 @@ def backend_engine_kwargs(spec: SpecConfig, backend: str, placement: Optional[Re
     if backend == "vllm":
         from rollout_spec.integrations.vllm.config import engine_kwargs
 
-        return engine_kwargs(spec, placement=placement)
+        # per-request counters on each output, for verl's rollout/spec_* metrics (metrics.py)
+        return {**engine_kwargs(spec, placement=placement), "per_request_spec_decode_metrics": "summary"}
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -31,15 +31,32 @@ def from_sglang_meta(meta_info: Mapping[str, Any]) -> dict[str, int]:
     return {ours: int(meta_info.get(theirs, 0)) for ours, theirs in zip(SPEC_FIELDS, SGLANG_META_KEYS)}
 
 
-def from_vllm_stats(stats: Any) -> dict[str, int]:
-    """verl's three counters from vLLM's per-request ``request_spec_decode_stats``.
+_warned_no_vllm_stats = False
 
-    None (a vLLM that does not report them) gives no fields, so verl logs no acceptance metric
-    rather than a made-up zero.
+
+def from_vllm_stats(stats: Any) -> dict[str, int]:
+    """verl's three counters from vLLM's per-request counters (``capture.vllm_spec_stats``).
+
+    A ``RequestSpecDecodeMetrics`` (vLLM 0.29-0.33) holds a histogram of accepted drafts per
+    verify step that had drafts: its sum is the verify steps, ``sum(j * count)`` the accepted
+    tokens. The ``request_spec_decode_stats`` form verl reads has the three counts. None (the
+    engine reported nothing) gives no fields, so verl logs no acceptance metric rather than a
+    made-up zero; that is logged once per process, not per request.
     """
+    global _warned_no_vllm_stats
     if stats is None:
-        logger.warning("vLLM returned no request_spec_decode_stats; rollout/spec_* metrics are skipped")
+        if not _warned_no_vllm_stats:
+            _warned_no_vllm_stats = True
+            logger.warning("vLLM reported no per-request speculative counters (is "
+                           "per_request_spec_decode_metrics on?); rollout/spec_* metrics are skipped")
         return {}
+    histogram = getattr(stats, "histogram", None)
+    if histogram is not None:
+        return {
+            "spec_num_draft_tokens": int(stats.num_draft_tokens),
+            "spec_num_accepted_tokens": sum(j * int(count) for j, count in enumerate(histogram)),
+            "spec_num_verify_steps": sum(int(count) for count in histogram),
+        }
     return {
         "spec_num_draft_tokens": int(stats.num_draft_tokens),
         "spec_num_accepted_tokens": int(stats.num_accepted_tokens),
