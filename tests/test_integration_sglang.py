@@ -263,6 +263,17 @@ def test_plugin_is_inert_without_env(monkeypatch):
     assert register() is False
 
 
+@pytest.mark.parametrize("value, why", [
+    ('{"num_draft_tokens": -3}', r"num_draft_tokens must be in \[0, 1024\]"),
+    ("not json", "must hold a JSON object"),
+])
+def test_plugin_stops_the_scheduler_on_a_bad_variable(monkeypatch, value, why):
+    """SystemExit, not an Exception: SGLang's loader catches those and drafts with its own corpus."""
+    monkeypatch.setenv(ENV_VAR, value)
+    with pytest.raises(SystemExit, match=rf"rollout-spec SGLang plugin \({ENV_VAR} is set\): \w+: .*{why}"):
+        register()
+
+
 SGLANG_DIR = sglang_source_dir()
 needs_sglang_source = pytest.mark.skipif(
     SGLANG_DIR is None, reason="sglang not installed (pip install --no-deps sglang to check its source)"
@@ -314,6 +325,9 @@ def test_sglangs_own_plugin_loader_swaps_in_our_corpus():
     env.pop(ENV_VAR)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.stdout.strip().endswith("ngram_corpus.NgramCorpus"), run.stderr[-2000:]
+    env[ENV_VAR] = json.dumps({"num_draft_tokens": -3})  # the loader must not swallow this one
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "num_draft_tokens must be in" in run.stderr and not run.stdout, run.stderr[-2000:]
 
 
 def test_replay_walks_trees_and_siblings_speed_up_later_steps():

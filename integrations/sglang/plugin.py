@@ -30,15 +30,21 @@ SCHEDULER_FILE = "srt/managers/scheduler.py"
 def register() -> bool:
     """SGLang plugin entry point: replace the NGRAM corpus when ``ROLLOUT_SPEC_SGLANG`` is set.
 
-    Returns True when the hook was registered. The variable is validated here, so a bad option
-    fails the scheduler at start-up rather than at the first decode step.
+    Returns True when the hook was registered, False when the variable is unset. A bad variable,
+    or a corpus or hook registry that does not import, raises SystemExit naming the problem:
+    SGLang's loader catches a plugin's exceptions (``Exception``) and would go on drafting with
+    its own NGRAM corpus, silently not what the variable asked for; SystemExit stops the
+    scheduler at start-up instead.
     """
-    spec = spec_from_env()
-    if spec is None:
-        return False
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    try:
+        spec = spec_from_env()
+        if spec is None:
+            return False
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
+        from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
+    except Exception as exc:
+        raise SystemExit(f"rollout-spec SGLang plugin ({ENV_VAR} is set): {type(exc).__name__}: {exc}") from exc
 
     HookRegistry.register(CORPUS_TARGET, RolloutSpecCorpus, HookType.REPLACE)
     logger.info("rollout-spec: NGRAM corpus replaced (%s=%s)", ENV_VAR, spec)
