@@ -142,6 +142,22 @@ def test_shared_index_reaches_the_server_and_our_servers_route_group_sticky(sgla
         asyncio.run(unplaced.launch_server())
 
 
+def test_a_rank_beyond_the_replica_count_is_refused_with_shared_index(sglang_server, monkeypatch):
+    """verl's separate-async trainer ranks its standalone replicas after the hybrid ones: rank 3
+    of 3 cannot join one shared index, and says why (not ReplicaPlacement's bare range error)."""
+    from rollout_spec.distributed import sharing
+
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: pytest.fail("created"))
+    router = types.ModuleType("verl.workers.rollout.router")
+    router.get_router_handle = lambda servers, router_config_path=None, full_determinism=False, \
+        load_balancer_cls=None: None
+    monkeypatch.setitem(sys.modules, router.__name__, router)
+    flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-8"}}
+    replica = sglang_server.RolloutSpecSGLangReplica(3, config(flag))
+    with pytest.raises(ValueError, match=r"shared_index needs replica ranks in \[0, 2\], got 3: verl's separate"):
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=3)))
+
+
 class _VllmEngine:
     def __init__(self) -> None:
         self.rpcs = []

@@ -58,7 +58,13 @@ class ScaleOutReplicaMixin:
         install_router_hook()
         if spec.shared_index is None:
             return
-        ReplicaPlacement(self.replica_rank, num_replicas)  # refuses a rank outside the count now
+        if not 0 <= self.replica_rank < num_replicas:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.custom.rollout_spec.shared_index needs replica ranks in "
+                f"[0, {num_replicas - 1}], got {self.replica_rank}: verl's separate-async trainer ranks "
+                "its standalone replicas after the hybrid ones, which one shared index does not "
+                "cover; leave shared_index unset there")
+        ReplicaPlacement(self.replica_rank, num_replicas)
         custom = self.config.custom
         if not isinstance(custom, MutableMapping):
             raise TypeError(f"actor_rollout_ref.rollout.custom must be a dict, got {type(custom).__name__}")
