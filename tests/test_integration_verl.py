@@ -222,6 +222,25 @@ def test_capture_keeps_final_meta_info_and_vllm_stats():
     assert len(asyncio.run(drain())) == 2 and stats == {"q": 2}
 
 
+def test_capture_keeps_a_bounded_number_of_requests(monkeypatch):
+    """Requests that reach the engine over verl's HTTP app are never popped: the oldest go."""
+    monkeypatch.setattr(capture, "MAX_KEPT", 3)
+
+    class Engine:
+        async def generate(self, prompt, sampling_params, request_id, **kw):
+            yield SimpleNamespace(metrics=SimpleNamespace(request_spec_decode_stats=request_id))
+
+    eng, stats = Engine(), {}
+    capture.record_vllm_stats(eng, stats)
+
+    async def run(request_id):
+        return [o async for o in eng.generate(prompt="p", sampling_params=None, request_id=request_id)]
+
+    for rid in "abcde":
+        asyncio.run(run(rid))
+    assert stats == {"c": "c", "d": "d", "e": "e"}
+
+
 def test_vllm_stats_are_read_from_the_sample_where_vllm_puts_them():
     """vLLM 0.29-0.33 fill ``outputs[0].spec_decode_metrics`` on the final output only; the
     metrics field verl reads is taken first where a vLLM has it."""

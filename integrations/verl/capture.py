@@ -8,6 +8,17 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Callable
 
+MAX_KEPT = 1 << 16
+"""Most requests' counters kept. Our ``generate`` pops each request's entry; requests that reach
+the same engine over verl's HTTP app never are, so the oldest entries go past this many."""
+
+
+def _keep(store: dict, key: str, value: Any) -> None:
+    """``store[key] = value``, dropping the oldest entries beyond ``MAX_KEPT``."""
+    store[key] = value
+    while len(store) > MAX_KEPT:
+        store.pop(next(iter(store)))
+
 
 def record_sglang_meta(tokenizer_manager: Any, store: dict[str, dict]) -> None:
     """Make ``tokenizer_manager.generate_request`` save each output's ``meta_info`` under its rid."""
@@ -16,7 +27,7 @@ def record_sglang_meta(tokenizer_manager: Any, store: dict[str, dict]) -> None:
     async def generate_request(obj: Any, request: Any = None) -> AsyncIterator[Any]:
         async for out in original(obj, request):
             if isinstance(out, dict):
-                store[str(obj.rid)] = dict(out.get("meta_info") or {})
+                _keep(store, str(obj.rid), dict(out.get("meta_info") or {}))
             yield out
 
     tokenizer_manager.generate_request = generate_request
@@ -30,7 +41,7 @@ def record_vllm_stats(engine: Any, store: dict[str, Any]) -> None:
     async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         async for out in original(*args, **kwargs):
-            store[str(request_id)] = vllm_spec_stats(out)
+            _keep(store, str(request_id), vllm_spec_stats(out))
             yield out
 
     engine.generate = generate
