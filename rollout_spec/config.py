@@ -37,17 +37,18 @@ def check_float(
     name: str, value: object, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
 ) -> float:
     """Return ``value`` as a float inside the stated interval, else raise naming ``name``."""
-    interval = float_interval(lo, hi, lo_open, hi_open)
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a number in {interval}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a number in {float_interval(lo, hi, lo_open, hi_open)}, "
+                        f"got {type(value).__name__} {value!r}")
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float is outside every interval here
-        raise ValueError(f"{name} must be in {interval}, got an integer beyond a float's range") from None
+        raise ValueError(f"{name} must be in {float_interval(lo, hi, lo_open, hi_open)}, "
+                         "got an integer beyond a float's range") from None
     too_low = number <= lo if lo_open else number < lo
     too_high = number >= hi if hi_open else number > hi
     if math.isnan(number) or too_low or too_high:
-        raise ValueError(f"{name} must be in {interval}, got {number}")
+        raise ValueError(f"{name} must be in {float_interval(lo, hi, lo_open, hi_open)}, got {number}")
     return number
 
 
