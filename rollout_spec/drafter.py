@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import asdict
 from itertools import chain
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -138,6 +138,13 @@ def takes_noise_keys(drafter: object) -> bool:
     by a ``takes_noise_keys`` attribute that is True (``NgramDrafter``; a wrapper that forwards
     unknown attributes, like ``SharingDrafter``, reports the drafter it wraps)."""
     return getattr(drafter, "takes_noise_keys", False) is True
+
+
+def unverified_propose(drafter: object) -> Callable[..., Any]:
+    """The call for trees the engine will not verify (shadow rounds that measure acceptance on
+    plain steps): ``drafter.propose_unverified`` where a wrapper that counts verified trees (the
+    bench's ``DrafterProbe``) offers it, else ``drafter.propose`` (same trees either way)."""
+    return getattr(drafter, "propose_unverified", None) or drafter.propose
 
 
 def background_kwargs(drafter: object, background: bool) -> dict[str, bool]:

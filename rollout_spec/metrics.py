@@ -523,6 +523,12 @@ class DrafterProbe:
                 self._pending[int(rid)] = (tok[off[b]:off[b + 1]], par[off[b]:off[b + 1]])
         return batch
 
+    def propose_unverified(self, req_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        """Propose through the drafter (timed) trees the engine will not verify (its shadow
+        rounds, ``rollout_spec.drafter.unverified_propose``): not counted by depth, and the
+        request's pending verified tree is kept."""
+        return self._timed(self._drafter.propose)(req_ids, *args, **kwargs)
+
     def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]], *,
                      background: bool = False) -> Any:
         """Extend through the drafter (``background`` passed on where it indexes in the

@@ -155,3 +155,25 @@ def test_drafting_steps_measure_sizes_beyond_the_one_offered(model, overlap: boo
     assert measured.shape[1] == 9 and len(measured) >= 6
     assert (measured[:, :5] == np.minimum(np.arange(5), 4)).all()
     assert (measured[:, 5:] >= 4).all()
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_the_benchs_probe_counts_only_verified_trees_by_depth(model, k: int) -> None:
+    """Shadow rounds propose through ``propose_unverified``: the bench's DrafterProbe times them
+    but counts by depth only the trees a verify step walked. A budget of 0 verifies none; one
+    of 1 node verifies trees of depth 1, one per drafted node (before, shadow trees of depth 8
+    were counted, and replaced the verified tree a request was waiting with)."""
+    from rollout_spec.metrics import DrafterProbe
+
+    prompts = mixed_prompts(6, seed=12)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain, truth = plain_run(model, prompts, params)
+    budget = DraftingBudget(k)
+    eng = engine(model, ScriptedDrafter("oracle", truth, seed=2), draft_budget=budget)
+    eng.drafter = probe = DrafterProbe(eng.drafter)
+    outs = eng.generate(prompts, params)
+    assert budget.seen, "no shadow round ran"
+    drafted, accepted = probe.take_depths()
+    assert sum(drafted) == sum(o.num_draft_tokens for o in outs)  # depth-1 trees: one node each
+    assert sum(accepted) == sum(o.num_accepted_tokens for o in outs)
+    assert len(drafted) == k and probe.take_seconds() > 0

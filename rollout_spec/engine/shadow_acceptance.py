@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rollout_spec.config import check_int
+from rollout_spec.drafter import unverified_propose
 from rollout_spec.engine.commit import RunningBatch
 from rollout_spec.engine.drafter_queue import DrafterQueue
 from rollout_spec.engine.sequence import Sequence
@@ -76,7 +77,7 @@ class ShadowAcceptance:
         idx = idx[run.room(max_model_len)[idx] > self.budget]  # room for the tree and a bonus
         if not len(idx):
             return
-        future = queue.call(drafter.propose, run.req_id[idx].tolist(), np.full(len(idx), self.budget))
+        future = queue.call(unverified_propose(drafter), run.req_id[idx].tolist(), np.full(len(idx), self.budget))
         self._pending.append(([seqs[i] for i in idx], run.out_len[idx].tolist(), future))
         self.rounds += 1
 
