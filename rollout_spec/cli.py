@@ -104,8 +104,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--plot must end in .png, got {str(args.plot)!r}")
         if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib: pip install 'rollout-spec[dashboards]'")
-        for flag, path in (("--plot", args.plot), ("--record", args.record), ("--json", args.json)):
+        outputs = [(flag, path) for flag, path in (("--plot", args.plot), ("--record", args.record),
+                                                   ("--json", args.json)) if path is not None]
+        for flag, path in outputs:
             check_output(parser, flag, path)
+        for i, (flag, path) in enumerate(outputs):  # one file each: the later would overwrite
+            for other, other_path in outputs[i + 1:]:
+                if Path(path).resolve() == Path(other_path).resolve():
+                    parser.error(f"{flag} and {other} name the same file {str(path)!r}: give each its own")
         history = run_bench(args)
         if args.json is not None:
             args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))

@@ -34,6 +34,9 @@ from rollout_spec.replay import load_trace
     (["bench", "--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json: folder /no/such/dir does not exist"),
     (["bench", "--record", "/no/such/dir/t.json.gz"], "--record /no/such/dir/t.json.gz: folder /no/such/dir does not exist"),
     (["bench", "--json", "/"], "--json /: is a directory"),
+    (["bench", "--record", "out.json", "--json", "./out.json", "--wandb", "disabled"],
+     "--record and --json name the same file 'out.json': give each its own"),
+    (["bench", "--plot", "d.png", "--json", "d.png", "--wandb", "disabled"], "--plot and --json name the same file"),
 ])
 def test_argument_errors(capsys, argv, needle):
     assert needle in argument_error(cli.main, argv, capsys)
