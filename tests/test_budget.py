@@ -124,7 +124,7 @@ def test_cost_model_interpolates_and_round_trips(tmp_path):
     assert CostModel.from_json(cost.to_json()) == cost
 
 
-def test_cached_cost_model_measures_once(tmp_path):
+def test_cached_cost_model_measures_once(tmp_path, caplog):
     calls = []
 
     def measure() -> CostModel:
@@ -134,10 +134,18 @@ def test_cached_cost_model_measures_once(tmp_path):
     a = cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
     b = cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
     assert a == b and len(calls) == 1
+    cache = next(tmp_path.iterdir())
     for text in ("{not json", '{"widths": [1]}', "[1, 2]", '{"batch_sizes": 3, "widths": [1], "seconds": []}'):
-        next(tmp_path.iterdir()).write_text(text)
-        with pytest.raises(ValueError, match="corrupt"):
-            cached_cost_model(tmp_path, "H100/smollm2 bf16", measure)
+        cache.write_text(text)  # corrupt: measured again, with a warning, and replaced
+        with caplog.at_level("WARNING", logger="rollout_spec.engine.budget"):
+            assert cached_cost_model(tmp_path, "H100/smollm2 bf16", measure) == a
+        assert f"cost model cache {cache} is corrupt" in caplog.text
+        assert CostModel.from_json(cache.read_text()) == a
+    assert len(calls) == 5
+    cache.unlink()
+    cache.mkdir()  # a folder in the cache file's place: measured, used, warned about
+    assert cached_cost_model(tmp_path, "H100/smollm2 bf16", measure) == a
+    assert len(calls) == 6 and "could not be written" in caplog.text
 
 
 def test_cached_cost_model_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
@@ -479,6 +487,64 @@ def test_catch_up_counts_for_neither_the_guard_nor_the_cost_model():
             assert with_catch_up.host.residual(True, 8, 32) > 0
     with pytest.raises(ValueError, match="catch_up"):
         with_catch_up.record_step(8, 32, 32, 5, 1e-3, tokens=16, catch_up=2e-3)
+
+
+def test_a_first_step_timed_at_zero_is_no_base_for_the_guard():
+    """A coarse clock can time a first step at 0 s; capped at 3x that, every later step would
+    have kept the plain average at 0 and vetoed drafting in the bucket for good."""
+    guard = ThroughputGuard(decay=0.25, min_gain=0.05)
+    guard.observe(False, 64, 64, 0.0)
+    for _ in range(50):
+        guard.observe(False, 64, 64, 5e-3)
+        guard.observe(True, 64, 128, 6e-3)
+    assert guard.seconds_per_token(False, 64) == pytest.approx(5e-3 / 64)
+    assert guard.allows_drafting(64)
+
+
+def test_bad_figures_are_refused_by_name():
+    """A negative, NaN or infinite step time, a NaN acceptance and a batch of 0 are errors naming
+    the field (NaN passed every `<` check before and stuck in the means; batch 0 hit log2)."""
+    from rollout_spec.engine.call_end import CallEnd
+    from rollout_spec.engine.step_cost import batch_bucket
+
+    budget = budget_from_cost(synthetic_cost(1e-3, 1e-5), 64, 8)
+    for seconds in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"seconds must be finite and >= 0"):
+            budget.record_step(64, 0, 0, 1, seconds, tokens=64)
+    acceptance = np.zeros((1, 9))
+    acceptance[0, 4] = np.nan
+    with pytest.raises(ValueError, match=r"accepted\[r, k\] must be in \[0, k\]"):
+        budget.observe_plain(acceptance)
+    with pytest.raises(ValueError, match="accepted and expected must be finite and >= 0"):
+        CallEnd().observe(np.array([1]), np.array([np.nan]), np.array([1.0]))
+    with pytest.raises(ValueError, match=r"batch must be in \[1, 1048576\], got 0"):
+        batch_bucket(0)
+
+
+def test_a_clock_that_steps_back_costs_the_budget_one_figure_not_the_call():
+    """An engine clock stepping back (an NTP correction) gives a negative step time: that step
+    is not recorded, and generate finishes with plain decoding's tokens."""
+    import itertools
+
+    from rollout_spec import SamplingParams, SpecConfig
+    from rollout_spec.engine import RolloutEngine
+    from test_engine import tiny_pair
+
+    _, model = tiny_pair("llama")
+    budget = budget_from_cost(synthetic_cost(1e-3, 1e-5), 8, 4)
+    eng = RolloutEngine(model, None, SpecConfig(num_draft_tokens=4), draft_budget=budget, num_slots=8,
+                        max_model_len=256)
+    reads = itertools.count()
+
+    def clock() -> float:  # monotone but for one step back of 1 s at the 30th read
+        n = next(reads)
+        return n * 1e-3 - (1.0 if n >= 30 else 0.0)
+
+    eng.clock = clock
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40)
+    outs = eng.generate([[5, 6, 7], [8, 9]], params)
+    plain = RolloutEngine(model, None, None, num_slots=8, max_model_len=256).generate([[5, 6, 7], [8, 9]], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
 def test_guard_ignores_steps_without_tokens_and_caps_a_stall():

@@ -98,13 +98,13 @@ class ScriptedDrafter:
         return nodes
 
 
-def tiny_pair(kind: str, seed: int = 0):
-    """A random transformers model and ours with the same weights."""
+def tiny_pair(kind: str, seed: int = 0, **sizes: int):
+    """A random transformers model and ours with the same weights (``sizes`` override TINY's)."""
     torch.manual_seed(seed)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**TINY)
+        cfg = transformers.LlamaConfig(**{**TINY, **sizes})
     else:
-        cfg = transformers.Qwen3Config(**TINY, head_dim=16)
+        cfg = transformers.Qwen3Config(**{**TINY, **sizes}, head_dim=16)
     ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
     return ref, build_model(cfg, state, DEVICE, torch.float32)
@@ -703,6 +703,11 @@ def test_batch_aware_budget_is_timed_on_request_and_cached(pair, monkeypatch, tm
     assert len(list((tmp_path / "costs").glob("cost_*.json"))) == 1
     second = RolloutEngine(model, None, spec, batch_aware_budget=True, **sizes)
     assert isinstance(second.draft_budget, budget_mod.DraftBudget) and len(timed) == 1  # the cache
+    RolloutEngine(model, None, spec, batch_aware_budget=True, num_slots=4, max_model_len=256)
+    assert len(timed) == 2  # a longer context is timed anew (the steps read max_model_len // 4)
+    _, wider = tiny_pair(model.config.model_type, intermediate_size=2 * model.config.intermediate_size)
+    RolloutEngine(wider, None, spec, batch_aware_budget=True, **sizes)
+    assert len(timed) == 3 and len(list((tmp_path / "costs").glob("cost_*.json"))) == 3  # another model
     if DEVICE.type == "cpu":
         assert not isinstance(RolloutEngine(model, None, spec, **sizes).draft_budget, budget_mod.DraftBudget)
     prompts, params = mixed_prompts(6), SamplingParams(temperature=0.0, max_new_tokens=12)

@@ -15,6 +15,8 @@ acceptance statistics.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from rollout_spec.engine.call_end import CallEnd
 from rollout_spec.engine.step_cost import OnlineStepCost, batch_bucket
 from rollout_spec.engine.throughput_guard import ThroughputGuard
 from rollout_spec.files import replaced_on_success
+
+logger = logging.getLogger(__name__)
 
 
 # What auto_budget's drafting must promise (predicted) and then show (measured by its guard)
@@ -124,20 +128,28 @@ def measure_cost_model(step: Callable[[int, int], None], sync: Callable[[], None
 
 
 def cached_cost_model(cache_dir: str | Path, key: str, measure: Callable[[], CostModel]) -> CostModel:
-    """Load the cost model for ``key`` (GPU name, model, dtype...) or measure and store it."""
+    """Load the cost model for ``key`` (GPU name, model, dtype...) or measure and store it.
+
+    A cache file that does not parse is measured again and replaced (with a warning naming it);
+    one that cannot be written is warned about, and the measurement is used anyway.
+    """
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
     path = Path(cache_dir) / f"cost_{safe}.json"
-    if path.exists():
+    if path.is_file():
         try:
             return CostModel.from_json(path.read_text())
-        except ValueError as err:
-            raise ValueError(f"cost model cache {path} is corrupt ({err}); delete it to re-measure")
+        except ValueError as err:  # JSON and UTF-8 errors are ValueErrors too
+            logger.warning("cost model cache %s is corrupt (%s); measuring again", path, err)
     model = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A run stopped mid-write (or a second process timing the same grid) must not leave a half
-    # file that every later run would refuse.
-    with replaced_on_success(path) as tmp:
-        tmp.write_text(model.to_json())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A run stopped mid-write (or a second process timing the same grid) must not leave a
+        # half file that later runs would have to measure again.
+        with replaced_on_success(path) as tmp:
+            tmp.write_text(model.to_json())
+    except OSError as err:
+        logger.warning("cost model cache %s could not be written (%s); the next engine measures again",
+                       path, err)
     return model
 
 
@@ -189,7 +201,7 @@ class AcceptanceTracker:
         accepted = np.asarray(accepted, dtype=np.float64)
         if accepted.ndim != 2 or accepted.shape[1] < 1:
             raise ValueError(f"accepted must be [requests, sizes + 1], got shape {accepted.shape}")
-        if np.any(accepted < 0) or np.any(accepted > np.arange(accepted.shape[1])):
+        if not np.all((accepted >= 0) & (accepted <= np.arange(accepted.shape[1]))):  # NaN fails too
             raise ValueError("accepted[r, k] must be in [0, k]")
         width = min(accepted.shape[1], len(self.accepted))
         n = np.zeros(len(self.accepted), np.int64)
@@ -358,6 +370,8 @@ class DraftBudget:
         stall capped alike (``_learn_residual``): the guard takes a bucket's first step as its
         average as is.
         """
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
         if not (0.0 <= catch_up <= seconds):
             raise ValueError(f"catch_up must be in [0, seconds={seconds}], got {catch_up}")
         if offered > 0 and catch_up > 0.0:  # a drafting step right after plain ones, e.g. a probe

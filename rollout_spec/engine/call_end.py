@@ -67,8 +67,8 @@ class CallEnd:
         if not (ids.shape == got.shape == want.shape) or ids.ndim != 1:
             raise ValueError(f"req_ids, accepted and expected must be 1-D of one length, got shapes "
                              f"{ids.shape}, {got.shape}, {want.shape}")
-        if len(ids) and min(got.min(), want.min()) < 0:
-            raise ValueError("accepted and expected must be >= 0")
+        if not all(np.isfinite(a).all() and (a >= 0).all() for a in (got, want)):
+            raise ValueError("accepted and expected must be finite and >= 0")
         ordered = np.sort(ids)
         if np.any(ordered[1:] == ordered[:-1]):
             raise ValueError("req_ids must not repeat within one step")

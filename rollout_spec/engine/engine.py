@@ -199,8 +199,11 @@ class RolloutEngine:
             where = f"{runner.device.type}-{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}t"
         syncs = {"cuda": torch.cuda.synchronize, "mps": getattr(getattr(torch, "mps", None), "synchronize", None)}
         sync = syncs.get(runner.device.type) or (lambda: None)  # a CPU step is done when it returns
-        key = (f"{where}_{c.model_type}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}_{runner.dtype}")
-        step = ladder_step_timer(ladder, runner.scratch_slot, self.max_model_len // 4)
+        context = self.max_model_len // 4  # the timed steps' cached context
+        # every shape a step's time depends on: two models alike in layers and width differ here
+        key = (f"{where}_{c.model_type}-L{c.num_layers}-H{c.hidden_size}-I{c.intermediate_size}"
+               f"-A{c.num_heads}x{c.head_dim}-KV{c.num_kv_heads}-V{c.vocab_size}_ctx{context}_{runner.dtype}")
+        step = ladder_step_timer(ladder, runner.scratch_slot, context)
         self.draft_budget = budget.auto_budget(step, sync, key, self.num_slots, max_draft, cache_root() / "costs")
 
     @classmethod
@@ -459,7 +462,7 @@ class RolloutEngine:
             if per_request is not None:
                 per_request(run.req_id, budgets, kept)
         record = getattr(self.draft_budget, "record_step", None)
-        if record is not None:
+        if record is not None and 0.0 <= catch_up <= t3 - t0:  # else the clock stepped back: no figure
             width = 1 + int(batch.sizes().max(initial=0))
             record(len(run.slot), offered, batch.num_nodes, width, t3 - t0,
                    tokens=len(run.slot) + int(accepted.sum()), catch_up=catch_up)

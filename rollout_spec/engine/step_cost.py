@@ -30,7 +30,7 @@ def batch_bucket(batch: int) -> int:
     """The half-octave of a batch size (B = 45..53 -> 11, 54..76 -> 12, ...): steps of one bucket
     cost about the same, so per-bucket models and decisions share their observations. Memoised:
     the budget and the guard ask several times per step, and batch sizes are few."""
-    return int(round(2 * math.log2(batch)))
+    return int(round(2 * math.log2(check_int("batch", batch, 1, 1 << 20))))
 
 
 class _ForgettingLeastSquares:

@@ -63,8 +63,8 @@ class ThroughputGuard:
         self._since_plain[bucket] = self._since_plain.get(bucket, 0) + 1 if drafted else 0
         key = (drafted, bucket)
         old = self._avg.get(key)
-        if old is None:
-            self._avg[key] = (seconds, float(tokens))
+        if old is None or old[0] <= 0.0:  # a first step timed at 0 (a coarse clock) is no base:
+            self._avg[key] = (seconds, float(tokens))  # the 3x cap would hold the average at 0
         else:  # capped: a one-off stall (a kernel compiling) must not veto drafting for long
             secs, toks = old
             self._avg[key] = (secs + self.decay * (min(seconds, 3.0 * secs) - secs),
