@@ -10,7 +10,7 @@ import argparse
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rollout_spec.config import MIN_TEMPERATURE, check_float, check_int, check_temperature, float_interval, int_interval
 
@@ -20,46 +20,36 @@ if TYPE_CHECKING:
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
-def int_arg(name: str, lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi], with an error naming the option and range."""
+def _checked_arg(convert: Callable[[str], Any], check: Callable[[Any], Any], expected: str) -> Callable[[str], Any]:
+    """An argparse type: ``check(convert(text))``. Text that does not convert reads "``expected``,
+    got 'text'"; a converted value the check refuses reads as the check's own message."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            return check_int(name, int(text), lo, hi)
-        except ValueError as exc:  # int() failures and range failures read the same way
-            msg = (str(exc) if "must be" in str(exc)
-                   else f"{name} must be an integer in {int_interval(lo, hi)}, got {text!r}")
+            return check(convert(text))
+        except ValueError as exc:  # conversion failures and range failures read the same way
+            msg = str(exc) if "must be" in str(exc) else f"{expected}, got {text!r}"
             raise argparse.ArgumentTypeError(msg) from None
 
     return parse
+
+
+def int_arg(name: str, lo: int, hi: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], with an error naming the option and range."""
+    return _checked_arg(int, lambda value: check_int(name, value, lo, hi),
+                        f"{name} must be an integer in {int_interval(lo, hi)}")
 
 
 def float_arg(name: str, lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
     """An argparse type: a float inside the stated interval."""
-
-    def parse(text: str) -> float:
-        try:
-            return check_float(name, float(text), lo, hi, lo_open=lo_open)
-        except ValueError as exc:
-            msg = (str(exc) if "must be" in str(exc)
-                   else f"{name} must be a number in {float_interval(lo, hi, lo_open)}, got {text!r}")
-            raise argparse.ArgumentTypeError(msg) from None
-
-    return parse
+    return _checked_arg(float, lambda value: check_float(name, value, lo, hi, lo_open=lo_open),
+                        f"{name} must be a number in {float_interval(lo, hi, lo_open)}")
 
 
 def temperature_arg(name: str) -> Callable[[str], float]:
     """An argparse type: a sampling temperature, 0 (greedy) or in [MIN_TEMPERATURE, 100]."""
-
-    def parse(text: str) -> float:
-        try:
-            return check_temperature(name, float(text))
-        except ValueError as exc:
-            msg = (str(exc) if "must be" in str(exc)
-                   else f"{name} must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, 100.0], got {text!r}")
-            raise argparse.ArgumentTypeError(msg) from None
-
-    return parse
+    return _checked_arg(float, lambda value: check_temperature(name, value),
+                        f"{name} must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, 100.0]")
 
 
 def numbers_arg(name: str, kind: type, lo: float, hi: float) -> Callable[[str], list]:
