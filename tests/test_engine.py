@@ -327,6 +327,35 @@ def test_stop_tokens_and_max_new_tokens(pair) -> None:
         assert [o.token_ids for o in outs] == [o.token_ids[:max_new] for o in plain]
 
 
+class StepRecorder:
+    """A fixed draft budget that keeps what ``record_step`` is told each decode step."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.tokens: list[int] = []
+
+    def __call__(self, _num_running: int) -> int:
+        return self.size
+
+    def record_step(self, batch, offered, nodes, width, seconds, tokens=None, catch_up=0.0) -> None:
+        self.tokens.append(tokens)
+
+
+def test_step_figures_count_the_tokens_kept_when_a_stop_cuts_the_drafts(pair) -> None:
+    """The guard learns tokens per second from ``record_step``: a stop token among a step's
+    accepted nodes ends the step's tokens there, without the bonus token."""
+    _, model = pair
+    prompts = mixed_prompts(6, seed=6)
+    plain, truth = plain_run(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=30))
+    # Oracle chains of 6 (budget 12): decode steps emit tokens 1-7, 8-14, ...; 9 is a drafted one.
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[plain[0].token_ids[9]])
+    budget = StepRecorder(12)
+    outs = engine(model, ScriptedDrafter("oracle", truth), draft_budget=budget).generate(prompts, params)
+    assert len(outs[0].token_ids) <= 10
+    emitted_by_decode = sum(len(o.token_ids) for o in outs) - len(outs)  # prefill emits one each
+    assert sum(budget.tokens) == emitted_by_decode
+
+
 def test_context_limit_finishes_with_length(pair) -> None:
     _, model = pair
     eng = engine(model, ScriptedDrafter("random"), max_model_len=40)

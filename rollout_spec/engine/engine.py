@@ -407,9 +407,9 @@ class RolloutEngine:
                      backend=self.verify_backend, on_walk=compact)
         t2 = self.clock()
         ahead = batch.num_nodes > 0 or self._next_step_drafts()
-        accepted = self._commit(seqs, res, batch, run, feed_now=ahead)
+        accepted, emitted = self._commit(seqs, res, batch, run, feed_now=ahead)
         t3 = self.clock()
-        self._unaccounted = (run, budgets, batch, accepted, (t0, t1, t2, t3), catch_up)
+        self._unaccounted = (run, budgets, batch, accepted, emitted, (t0, t1, t2, t3), catch_up)
         self._drafted_last = ahead
 
     def _shadow_observer(self) -> Optional[Callable[[np.ndarray], None]]:
@@ -447,7 +447,7 @@ class RolloutEngine:
         one step behind, and the host work leaves the critical path."""
         if self._unaccounted is None:
             return
-        (run, budgets, batch, accepted, marks, catch_up), self._unaccounted = self._unaccounted, None
+        (run, budgets, batch, accepted, emitted, marks, catch_up), self._unaccounted = self._unaccounted, None
         t0, t1, t2, t3 = marks
         for name, secs in zip(("propose", "forward_verify", "commit"), (t1 - t0, t2 - t1, t3 - t2)):
             self.phase_seconds[name] += secs
@@ -465,7 +465,7 @@ class RolloutEngine:
         if record is not None and 0.0 <= catch_up <= t3 - t0:  # else the clock stepped back: no figure
             width = 1 + int(batch.sizes().max(initial=0))
             record(len(run.slot), offered, batch.num_nodes, width, t3 - t0,
-                   tokens=len(run.slot) + int(accepted.sum()), catch_up=catch_up)
+                   tokens=emitted, catch_up=catch_up)
 
     def _ask_budget(self, run: RunningBatch) -> None:
         """Ask the budget for the next decode step now, while the GPU runs this one (``run``):
@@ -568,11 +568,12 @@ class RolloutEngine:
         return batch
 
     def _commit(self, seqs: list[Sequence], res: VerifyResult, batch: Optional[DraftBatch],
-                run: RunningBatch, feed_now: bool = False) -> np.ndarray:
+                run: RunningBatch, feed_now: bool = False) -> tuple[np.ndarray, int]:
         """Keep accepted KV, append emitted tokens (cut at stops/limits) and feed the drafter:
         at once, then drafting the next proposal ahead, with ``feed_now`` (a step that drafted,
         or whose next step will), else deferred (``DrafterFeed``). Returns the accepted draft
-        nodes kept per request."""
+        nodes kept per request and the tokens the step added in all (a stop or a limit among
+        the accepted nodes leaves the bonus token and the rest out)."""
         h = res.host
         if batch is not None and batch.num_nodes and res.walk is None:  # else compacted on the device
             self.runner.keep_accepted_kv(run.slot, run.ctx_len, h.accepted_offsets, h.accepted_nodes)
@@ -592,7 +593,7 @@ class RolloutEngine:
                 self._propose_next(run, keep, reason)
         _apply(seqs, kept, starts, reason, h.emitted_logprobs.astype(np.float64).tolist(),
                batch.sizes().tolist() if batch is not None else None, accepted.tolist())
-        return accepted
+        return accepted, int(keep.sum())
 
 
 def _apply(seqs: list[Sequence], kept: list[list[int]], starts: list[int], reason: np.ndarray,
