@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from rollout_spec.cli_args import check_device, check_output, device_arg, float_arg, int_arg, task_arg, temperature_arg
 from rollout_spec.config import SamplingParams
-from rollout_spec.metrics import DrafterProbe, SpecStats, step_table, stats_from_outputs
+from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
+                                  summary_table)
 
 if TYPE_CHECKING:
     from rollout_spec.replay import Trace
@@ -112,9 +113,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for other, other_path in outputs[i + 1:]:
                 if Path(path).resolve() == Path(other_path).resolve():
                     parser.error(f"{flag} and {other} name the same file {str(path)!r}: give each its own")
-        history = run_bench(args)
-        if args.json is not None:
-            args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))
+        try:
+            run_bench(args)
+        except StepFailed as exc:
+            print(f"rollout-spec bench: error: {exc}", file=sys.stderr)
+            return 1
         return 0
     if not args.trace.is_file():
         parser.error(f"trace file not found: {args.trace}")
@@ -285,7 +288,7 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
         (base_out, base_s), (spec_out, spec_s) = base_pass(), spec_pass()
     else:
         (spec_out, spec_s), (base_out, base_s) = spec_pass(), base_pass()
-    _raise_on_errors(spec_out if base_out is None else [*spec_out, *base_out])
+    _raise_on_errors(step, spec_out if base_out is None else [*spec_out, *base_out])
     texts = engines.spec.tokenizer.batch_decode([o.token_ids for o in spec_out], skip_special_tokens=True)
     rewards = workload.score_many([prompts[o.prompt_index] for o in spec_out], texts)
     stats = stats_from_outputs(step, spec_out, spec_s, draft_budget=args.draft_tokens,
@@ -299,12 +302,17 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
     return stats
 
 
-def _raise_on_errors(outputs: Sequence[Any]) -> None:
+class StepFailed(RuntimeError):
+    """Requests of a bench step ended in error: its figures would have holes, so the bench
+    stops there (the finished steps' results are still written)."""
+
+
+def _raise_on_errors(step: int, outputs: Sequence[Any]) -> None:
     """The engine reports a bad prompt per request; a benchmark with holes would mislead."""
     errors = [o for o in outputs if o.finish_reason == "error"]
     if errors:
-        raise RuntimeError(f"{len(errors)} requests failed, e.g. prompt {errors[0].prompt_index}: "
-                           f"{getattr(errors[0], 'error', None)}")
+        raise StepFailed(f"step {step}: {len(errors)} requests failed, e.g. prompt "
+                         f"{errors[0].prompt_index}: {getattr(errors[0], 'error', None)}")
 
 
 def _warm_up(engines: Engines, prompt_ids: list[int], args: argparse.Namespace) -> None:
@@ -324,11 +332,13 @@ def _warm_up(engines: Engines, prompt_ids: list[int], args: argparse.Namespace) 
 
 
 def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[SpecStats]:
-    """The main job: ``args.steps`` RL steps; prints tables, logs panels, writes plot and trace."""
+    """The main job: ``args.steps`` RL steps; prints tables, logs panels, writes the plot, the
+    trace and the JSON. When a step fails (or is interrupted), what the steps before it
+    measured is still summarised and written before the error propagates."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from rollout_spec.metrics import make_sink, plot_dashboard, summary_table, wandb_metrics
+    from rollout_spec.metrics import make_sink, wandb_metrics
     from rollout_spec.workloads import TraceRecorder, Workload
 
     console = console or Console()
@@ -344,21 +354,38 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
         vocab_size=engines.spec.model.config.vocab_size)
     sink = make_sink(args.wandb, args.wandb_project, _jsonable(vars(args)))
     history: list[SpecStats] = []
-    with Progress(console=console, transient=True) as progress:
-        bar = progress.add_task("RL steps", total=args.steps)
-        for step in range(args.steps):
-            stats = run_step(step, args, engines, workload, recorder)
-            history.append(stats)
-            sink.log(wandb_metrics(stats), step=step)
-            progress.console.print(step_table(stats))
-            progress.advance(bar)
-    sink.finish()
+    try:
+        with Progress(console=console, transient=True) as progress:
+            bar = progress.add_task("RL steps", total=args.steps)
+            for step in range(args.steps):
+                stats = run_step(step, args, engines, workload, recorder)
+                history.append(stats)
+                sink.log(wandb_metrics(stats), step=step)
+                progress.console.print(step_table(stats))
+                progress.advance(bar)
+    finally:
+        sink.finish()
+        _write_results(args, history, recorder, console)
+    return history
+
+
+def _write_results(args: argparse.Namespace, history: list[SpecStats], recorder: Optional[Any],
+                   console: Any) -> None:
+    """The summary table, and the plot, trace and JSON asked for, of the steps that finished."""
+    if not history:
+        console.print("no RL step finished: no summary, plot, trace or JSON written")
+        return
+    if len(history) < args.steps:
+        console.print(f"[bold red]the bench stopped after {len(history)} of {args.steps} RL steps; "
+                      f"the results below are theirs[/]")
     console.print(summary_table(history))
     if args.plot is not None:
         console.print(f"dashboard: {plot_dashboard(history, args.plot, title=_title(args))}")
     if recorder is not None:
         console.print(f"trace: {recorder.save(args.record)}")
-    return history
+    if args.json is not None:
+        args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))
+        console.print(f"figures: {args.json}")
 
 
 def workload_line(args: argparse.Namespace, num_slots: int, device: str) -> str:

@@ -149,6 +149,65 @@ def test_bench_loop_with_stand_in_engine(tmp_path, monkeypatch):
     assert "2 prompts x n=3 = 6 samples per step, at most 256 decoded at once (one synchronous batch)" in text
 
 
+class FailingEngine(FakeEngine):
+    """A FakeEngine whose call number ``fail_at`` (0-based) goes wrong: ``how`` is "request"
+    (one request ends in error, as the engine reports a bad prompt) or an exception to raise."""
+
+    def __init__(self, speculative: bool, answer: str, fail_at: int, how: object):
+        super().__init__(speculative, answer)
+        self.fail_at, self.how = fail_at, how
+
+    def generate(self, prompts, params, group_ids=None):
+        outputs = super().generate(prompts, params, group_ids)
+        if len(self.calls) - 1 != self.fail_at:
+            return outputs
+        if self.how != "request":
+            raise self.how
+        outputs[1].finish_reason = "error"
+        return outputs
+
+
+@pytest.mark.parametrize("how", ["request", RuntimeError("CUDA out of memory"), KeyboardInterrupt()])
+def test_a_failed_step_keeps_what_the_steps_before_it_measured(tmp_path, monkeypatch, capsys, how):
+    """A step that fails ends the bench, but the finished steps' summary, JSON, trace and plot
+    are written first; failed requests are a clear error (status 1), anything else propagates."""
+    from rollout_spec.workloads import Workload
+
+    answer = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)[0].answer
+    # Calls: the warm-up, then one per step: call 2 is step 1.
+    engines = cli.Engines(spec=FailingEngine(True, answer, fail_at=2, how=how), base=None)
+    monkeypatch.setattr(cli, "open_engines", lambda args: engines)
+    argv = ["bench", "--task", "chain_sum", "--steps", "3", "--prompts", "2", "--n", "2", "--no-baseline",
+            "--wandb", "disabled", "--plot", str(tmp_path / "d.png"), "--record",
+            str(tmp_path / "t.json.gz"), "--json", str(tmp_path / "r.json")]
+    console = Console(record=True, width=160)
+    monkeypatch.setattr("rich.console.Console", lambda *a, **k: console)
+    if how == "request":
+        assert cli.main(argv) == 1
+        assert "step 1: 1 requests failed, e.g. prompt 0" in capsys.readouterr().err
+    else:
+        with pytest.raises(type(how)):
+            cli.main(argv)
+    assert [r["step"] for r in json.loads((tmp_path / "r.json").read_text())] == [0]
+    assert len(load_trace(tmp_path / "t.json.gz").steps) == 1
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    assert "stopped after 1 of 3 RL steps" in console.export_text()
+
+
+def test_a_bench_failing_in_its_first_step_writes_nothing(tmp_path, monkeypatch, capsys):
+    from rollout_spec.workloads import Workload
+
+    answer = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)[0].answer
+    engines = cli.Engines(spec=FailingEngine(True, answer, fail_at=1, how="request"), base=None)
+    monkeypatch.setattr(cli, "open_engines", lambda args: engines)
+    console = Console(record=True, width=160)
+    monkeypatch.setattr("rich.console.Console", lambda *a, **k: console)
+    assert cli.main(["bench", "--task", "chain_sum", "--steps", "2", "--prompts", "2", "--no-baseline",
+                     "--wandb", "disabled", "--json", str(tmp_path / "r.json")]) == 1
+    assert "step 0: 1 requests failed" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists() and "no RL step finished" in console.export_text()
+
+
 def test_drafter_figures_read_stats_and_timer():
     outs = [SimpleNamespace(num_verify_steps=10), SimpleNamespace(num_verify_steps=30)]
     inner = SimpleNamespace(stats=lambda: {"index_tokens": 500, "memory_bytes": 9000},
