@@ -154,10 +154,12 @@ class SpecConfig:
             raise TypeError("external_corpora must be a list or tuple of file paths (str), "
                             f"got {type(corpora).__name__} {corpora!r}")
         _store(self, "external_corpora", tuple(corpora))
-        if self.shared_index is not None and (
-            not isinstance(self.shared_index, str) or not 1 <= len(self.shared_index) <= 128
-        ):
-            raise ValueError(f"shared_index must be None or a name of 1 to 128 characters, got {self.shared_index!r}")
+        if self.shared_index is not None and not isinstance(self.shared_index, str):
+            raise TypeError(f"shared_index must be None or a name (str) of 1 to 128 characters, "
+                            f"got {type(self.shared_index).__name__} {self.shared_index!r}")
+        if self.shared_index is not None and not 1 <= len(self.shared_index) <= 128:
+            raise ValueError(f"shared_index must be None or a name of 1 to 128 characters, got "
+                             f"{len(self.shared_index)} characters")
 
 
 def _store(config: object, name: str, value: object) -> None:

@@ -31,6 +31,19 @@ def test_spec_config_errors_name_the_field(kwargs, field):
         SpecConfig(**kwargs)
 
 
+@pytest.mark.parametrize("value, error, message", [
+    (5, TypeError, r"shared_index must be None or a name \(str\) of 1 to 128 characters, got int 5"),
+    (b"rl", TypeError, "got bytes"),
+    ("", ValueError, "got 0 characters"),
+    ("x" * 129, ValueError, "got 129 characters"),
+])
+def test_spec_config_shared_index_errors(value, error, message):
+    """A wrong type is a TypeError, a wrong length a ValueError, both naming the field."""
+    with pytest.raises(error, match=message):
+        SpecConfig(shared_index=value)
+    assert SpecConfig(shared_index="x" * 128).shared_index == "x" * 128
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
