@@ -105,14 +105,15 @@ def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live:
     for s in range(len(trace.steps)):
         step_runs = {name: [run[s] for run in runs[name]] for name in names}
         median = {name: median_run(name, step_runs[name]) for name in names}
-        ref = median["arctic"].tpf if "arctic" in median else None
+        ref = median["arctic"].tpf if "arctic" in median and median["arctic"].verify_steps else None
         for name in names:
             r = median[name]
-            ratio = f"{r.tpf / ref:.2f}x" if ref else "n/a"
+            ratio = f"{r.tpf / ref:.2f}x" if ref and r.verify_steps else "n/a"
+            tpf = f"{r.tpf:.3f}" if r.verify_steps else "-"  # a step of empty responses verifies nothing
             rate = r.accepted / max(r.drafted, 1)
             split = (f"{r.propose_us_per_request_iteration:.2f} + "
                      f"{r.us_per_request_iteration - r.propose_us_per_request_iteration:.2f}")
-            row = f"| {s} | {name} | {r.tpf:.3f} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} | {split} |"
+            row = f"| {s} | {name} | {tpf} | {ratio} | {rate:.3f} | {r.us_per_request_iteration:.2f} | {split} |"
             if ranged:
                 costs = [x.us_per_request_iteration for x in step_runs[name]]
                 row += f" {min(costs):.2f}-{max(costs):.2f} |"

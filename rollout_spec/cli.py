@@ -178,7 +178,7 @@ def run_replay(args: argparse.Namespace, trace: Trace) -> int:
         results = rp.replay(make(), trace, budget=args.draft_tokens, steps=steps)
         drafted = sum(r.drafted for r in results)
         cost = 1e6 * sum(r.drafter_seconds for r in results) / max(sum(r.request_iterations for r in results), 1)
-        table.add_row(name, *[f"{r.tpf:.2f}" for r in results],
+        table.add_row(name, *[f"{r.tpf:.2f}" if r.verify_steps else "-" for r in results],
                       f"{sum(r.accepted for r in results) / drafted:.1%}" if drafted else "-", f"{cost:.1f}")
     Console().print(table)
     return 0

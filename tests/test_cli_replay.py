@@ -33,3 +33,17 @@ def test_replay_of_a_keyed_recording_says_it_tells_the_keys(tmp_path, capsys):
     path = rec.save(tmp_path / "t.json")
     assert cli.main(["replay", str(path), "--draft-tokens", "2"]) == 0
     assert "our drafter told the recorded noise keys" in " ".join(capsys.readouterr().out.split())
+
+
+def test_replay_of_a_step_of_empty_responses_shows_no_tpf(tmp_path, capsys):
+    """A step whose responses are all empty takes no verify step: its TPF is "-", not 0.00."""
+    from rollout_spec.workloads import TraceRecorder, Workload
+
+    prompts = Workload("chain_sum", FakeTokenizer(), 1, seed=0).batch(0)
+    rec = TraceRecorder("fake", {"n": 2}, eos_token_id=3)
+    rec.add_step(prompts, [(0, [40, 41, 42]), (0, [40, 41, 42])])
+    rec.add_step(prompts, [(0, []), (0, [])])
+    path = rec.save(tmp_path / "t.json")
+    assert cli.main(["replay", str(path), "--draft-tokens", "2"]) == 0
+    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.count("│") > 5]
+    assert rows and all(float(r[2]) >= 1.0 and r[3].strip() == "-" for r in rows)
