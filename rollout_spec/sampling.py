@@ -174,7 +174,18 @@ def row_stats(
         thr = _truncation_threshold(scores, k_rows, p_rows, min(cands, vocab))
         # Out of place: with float32 logits and T = 1, scores still aliases the caller's logits.
         scores = scores.masked_fill(scores < thr[:, None], float("-inf"))
-    return RowStats(temp=temp, lse=torch.logsumexp(scores, dim=-1), thr=thr)
+    return RowStats(temp=temp, lse=row_logsumexp(scores), thr=thr)
+
+
+def row_logsumexp(scores: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """float32 log-sum-exp over the last dim, summed in float64 and then rounded.
+
+    A float32 reduction's order follows how torch splits the tensor over threads, which depends
+    on the number of rows: a row's normaliser (so its logprobs and its top-p cut) then changed
+    with whatever else was in the call. In float64 that order moves the sum far below float32's
+    last bit, so a row's result is the same whatever the batch.
+    """
+    return torch.logsumexp(scores.double(), dim=-1, keepdim=keepdim).float()
 
 
 def _check_rows_per_request(counts: np.ndarray, num_requests: int, num_rows: int) -> None:
@@ -238,7 +249,7 @@ def _truncation_threshold(
     thr_k = ordered.gather(1, (top_k.clamp(max=n) - 1)[:, None])
     thr_k = thr_k.masked_fill((top_k >= vocab)[:, None], float("-inf"))
     # The normaliser covers every kept token, ties beyond the candidates included.
-    lse_k = torch.logsumexp(scores.masked_fill(scores < thr_k, float("-inf")), -1, keepdim=True)
+    lse_k = row_logsumexp(scores.masked_fill(scores < thr_k, float("-inf")), keepdim=True)
     probs = (ordered - lse_k).exp().masked_fill(ordered < thr_k, 0.0)
     mass = probs.cumsum(dim=-1)
     if n < vocab:

@@ -159,7 +159,8 @@ def verify(
     Returns:
         VerifyResult (numpy arrays in ``.host``, device tensors on access).
     Raises:
-        ValueError/TypeError naming the offending argument or field.
+        ValueError/TypeError naming the offending argument or field; ValueError naming the
+        request whose logits are not finite (checked on the emitted logprobs, after the walk).
     """
     table = _check_inputs(logits, batch, sampling, tree)
     if keys is None:
@@ -169,9 +170,24 @@ def verify(
     if use_triton(backend, logits.device):
         from rollout_spec.verify_fused import verify_fused
 
-        return VerifyResult(*verify_fused(logits, batch, table, keys, tree, on_walk=on_walk),
-                            device=logits.device)
-    return VerifyResult(verify_torch(logits, batch, table, keys), device=logits.device)
+        result = VerifyResult(*verify_fused(logits, batch, table, keys, tree, on_walk=on_walk),
+                              device=logits.device)
+    else:
+        with np.errstate(invalid="ignore"):  # inf - inf of non-finite logits: refused just below
+            result = VerifyResult(verify_torch(logits, batch, table, keys), device=logits.device)
+    _check_finite(result.host)
+    return result
+
+
+def _check_finite(host: HostVerifyResult) -> None:
+    """ValueError naming the first request whose emitted logprobs are not finite: its logits
+    held a NaN or +inf, or nothing but -inf, so its tokens are not a sample of anything."""
+    bad = ~np.isfinite(host.emitted_logprobs)
+    if bad.any():
+        req = int(np.searchsorted(host.emitted_offsets, np.flatnonzero(bad)[0], side="right")) - 1
+        raise ValueError(f"logits of request {req} are not finite (a NaN or +inf logit, or every "
+                         f"logit -inf): its emitted logprob is "
+                         f"{host.emitted_logprobs[bad][0]}, not a log-probability")
 
 
 def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable, keys: NoiseKeys,

@@ -173,6 +173,28 @@ def test_keyed_draws_follow_the_key_not_the_batch():
     assert not torch.equal(u[0], race_uniforms(keys.seeds[:1], keys.positions[:1] + 1, vocab)[0])
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="torch's CPU reductions split rows over threads")
+def test_a_rows_logprob_does_not_depend_on_the_batch():
+    """At a large vocabulary torch splits a lone row's float32 reduction over threads and a batch
+    of rows not: a row's normaliser, so its logprobs and top-p cut, then depended on what else
+    was in the call (6 in 20 batches of this test differed with 2 threads before)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        sp = SamplingParams(temperature=0.7, top_k=50)
+        keys = NoiseKeys(torch.arange(4) + 11, torch.full((4,), 100))
+        for _ in range(20):
+            logits = torch.randn(4, 151936, generator=gen) * 2
+            batch = verify(logits, DraftBatch.empty(4), sp, keys=keys).host.emitted_logprobs
+            alone = [verify(logits[b : b + 1], DraftBatch.empty(1), sp,
+                            keys=NoiseKeys(keys.seeds[b : b + 1], keys.positions[b : b + 1])).host.emitted_logprobs[0]
+                     for b in range(4)]
+            assert np.array_equal(batch, np.array(alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_sample_seeds_are_distinct_and_keys_are_checked():
     seeds = {sample_seed(s, p, i) for s in (0, 1) for p in range(50) for i in range(8)}
     assert len(seeds) == 800 and all(0 <= s < 2**63 for s in seeds)
@@ -222,6 +244,23 @@ BATCH = DraftBatch.from_lists([[(1, -1), (2, 0)], [(3, -1)]])
 def test_bad_input_names_the_field(logits, sampling, message):
     with pytest.raises(ValueError, match=message):
         verify(logits, BATCH, sampling)
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "all -inf"])
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                                SamplingParams(temperature=0.7, top_k=3, top_p=0.9)])
+def test_non_finite_logits_are_refused_naming_the_request(poison, sp):
+    """A NaN or +inf logit, or a row of only -inf, would emit a token with a NaN logprob."""
+    logits = torch.randn(5, 5, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    row = 3  # request 1's root (request 0 has two nodes)
+    if poison == "all -inf":
+        logits[row] = float("-inf")
+    else:
+        logits[row, 2] = float(poison)
+    with pytest.raises(ValueError, match="logits of request 1 are not finite"):
+        verify(logits, BATCH, sp)
+    logits[row] = 0.0
+    assert np.isfinite(verify(logits, BATCH, sp).host.emitted_logprobs).all()
 
 
 def test_bad_types_are_refused():
