@@ -10,6 +10,12 @@
 #include <utility>
 
 namespace rollout_spec {
+namespace {
+
+// Most response positions a new request's own tables are sized for ahead (start).
+constexpr double kMaxReservedResponse = 16384.0;
+
+}  // namespace
 
 DrafterCore::DrafterCore(const CoreConfig& cfg)
     : cfg_(cfg), global_(empty_global_index(cfg)) {
@@ -133,7 +139,9 @@ void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t
     // Its own tables sized for the prompt and a response as long as recent ones: grown from
     // 16 slots, each was rehashed again every time the response doubled the keys, inside the
     // decode loop (extend 6-11% cheaper on the shared traces). Sizes change no lookup result.
-    req.own.reserve_positions(static_cast<size_t>(s.prompt_len) + static_cast<size_t>(mean_response_));
+    // Capped: one very long response would otherwise size every later request's tables for it.
+    req.own.reserve_positions(static_cast<size_t>(s.prompt_len) +
+                              static_cast<size_t>(std::min(mean_response_, kMaxReservedResponse)));
     // A position is indexed once its next token exists: the prompt's last one at the first extend
     // (and only the request scope indexes prompt positions).
     req.own.insert_up_to(s.tokens.data(), s.positions_with_next());
@@ -169,6 +177,7 @@ void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_
 
 void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens,
                                        const int64_t* offsets, size_t n) {
+  std::lock_guard<std::mutex> posting(post_mu_);  // before the wait: see post_mu_
   auto lock = lock_to_change();
   append_tokens(ids, tokens, offsets, n);
   background_offsets_.assign(offsets, offsets + n + 1);
@@ -186,13 +195,15 @@ void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens
 }
 
 void DrafterCore::propose_ahead(const int64_t* ids, const int32_t* budgets, size_t n) {
-  // No lock: the state belongs to a background indexing job now and then (right after a
-  // drafting step's extend), and this job queues behind it instead of waiting for it here. The
-  // count is raised before the post, on the caller's thread, so that caller's next call waits
-  // for the job.
+  // Not the state's lock: the state belongs to a background indexing job now and then (right
+  // after a drafting step's extend), and this job queues behind it instead of waiting for it
+  // here. post_mu_ only keeps the post out of another thread's extend_in_background. The count
+  // is raised before the post, on the caller's thread, so that caller's next call waits for
+  // the job.
   Ahead job{std::vector<int64_t>(ids, ids + n),
             budgets ? std::vector<int32_t>(budgets, budgets + n) : std::vector<int32_t>{},
             budgets != nullptr, false};
+  std::lock_guard<std::mutex> posting(post_mu_);
   ++background_jobs_;
   background_.post([this, job = std::move(job)]() mutable {
     std::lock_guard<std::mutex> job_lock(mu_);

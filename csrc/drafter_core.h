@@ -182,6 +182,10 @@ class DrafterCore {
   // Queued jobs that own the state: changed under mu_ by the jobs, but raised by propose_ahead
   // without it (the job queues behind a running one instead of waiting for its lock).
   std::atomic<int> background_jobs_{0};
+  // Held by extend_in_background from before its wait for idle until its job is posted, and by
+  // propose_ahead around its post: an ahead job posted by another thread in between would run
+  // before the indexing job and overwrite reqs_, which that job reads.
+  std::mutex post_mu_;
   mutable std::exception_ptr indexing_error_;          // what it threw, for the next call
   std::vector<int64_t> background_offsets_;            // its CSR offsets (reqs_ holds its states)
   std::vector<Sequence> seqs_;                         // sequence slots (dead ones reused)

@@ -94,14 +94,21 @@ std::string DrafterCore::integrity_problem() const {
   if (view_.size() != seqs_.size()) return "slot views out of sync with the slots";
   for (size_t i = 0; i < seqs_.size(); ++i) {
     const Sequence& s = seqs_[i];
+    // finish's response length and the shared scopes' first indexed position read it.
+    if (s.alive && (s.prompt_len < 0 || s.prompt_len > static_cast<int64_t>(s.tokens.size())))
+      return "prompt length outside its sequence";
     const bool in_scope = s.alive && s.group >= 0 &&
                           (s.live || s.pinned || s.step >= step_ - cfg_.history_steps);
     if (view_[i].tokens != s.tokens.data() || view_[i].size != static_cast<int32_t>(s.tokens.size()) ||
         view_[i].scope_group != (in_scope ? s.group : -1))
       return "slot view differs from its sequence";
   }
-  for (int32_t f : free_slots_)
+  std::vector<bool> listed(seqs_.size(), false);
+  for (int32_t f : free_slots_) {
     if (f < 0 || f >= static_cast<int32_t>(seqs_.size()) || seqs_[f].alive) return "free slot out of range or alive";
+    if (listed[f]) return "free slot listed twice";  // two new requests would share it
+    listed[f] = true;
+  }
   for (const auto& [id, req] : requests_) {
     const Sequence& s = seqs_[req.slot];
     if (!s.alive || !s.live || s.req_id != id) return "request state points at a wrong sequence";

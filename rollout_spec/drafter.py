@@ -72,9 +72,16 @@ def _load_corpus(index: int, path: str) -> np.ndarray:
     pickled objects, never loaded) is a ValueError naming the entry. A missing file stays an
     OSError, which names the path."""
     try:
-        return np.load(path, allow_pickle=False)
+        arr = np.load(path, allow_pickle=False)
     except (ValueError, EOFError) as exc:
         raise ValueError(f"external_corpora[{index}]: {path} is not a .npy array of token ids ({exc})") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive: np.load opened it as one
+        arr.close()
+        raise ValueError(f"external_corpora[{index}]: {path} is an .npz archive, not a .npy array of token ids")
+    if arr.ndim != 1:
+        raise ValueError(f"external_corpora[{index}]: {path} must hold a 1-D array of token ids, "
+                         f"got shape {arr.shape}")
+    return arr
 
 
 def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -355,7 +362,7 @@ class NgramDrafter:
         leaves the checkpoint that was there before (RuntimeError when writing fails).
         """
         meta = json.dumps({"config": asdict(self.config), "live": sorted(self._live)})
-        with replaced_on_success(path) as tmp:
+        with replaced_on_success(_checkpoint_path(path)) as tmp:
             self._core.save(os.fspath(tmp), meta)
 
     @classmethod
@@ -368,7 +375,9 @@ class NgramDrafter:
                 fields that decode but break the core's invariants (``check_integrity``).
         """
         # The checkpoint's header carries its SpecConfig: the core is built from it, then loads.
-        path = os.fspath(path)
+        path = _checkpoint_path(path)
+        if os.path.isdir(path):
+            raise RuntimeError(f"drafter checkpoint {path!r} is a directory, not a checkpoint file")
         header = _core.DrafterCore.read_meta(path)
         try:
             meta = json.loads(header.decode())
@@ -376,7 +385,8 @@ class NgramDrafter:
             spec, live = SpecConfig(**config), set(meta["live"])
             if not all(type(i) is int and 0 <= i <= _MAX_REQ_ID for i in live):
                 raise ValueError("live request ids must be integers in [0, 2**63-1]")
-        except (KeyError, TypeError, ValueError) as err:  # JSON and UTF-8 errors are ValueErrors
+        # JSON and UTF-8 errors are ValueErrors; a deeply nested header is a RecursionError.
+        except (KeyError, TypeError, ValueError, RecursionError) as err:
             raise RuntimeError(f"drafter checkpoint {path!r} is corrupt (its header: "
                                f"{type(err).__name__}: {err})") from None
         drafter = cls(spec, _load_from=path)
@@ -412,3 +422,14 @@ class NgramDrafter:
             if taken:
                 raise ValueError(f"req_ids: request id(s) {sorted(taken)[:5]} already live")
         return ids.astype(np.int64, copy=False)
+
+
+def _checkpoint_path(path: Union[str, bytes, os.PathLike]) -> str:
+    """``path`` as the str the core opens: bytes decoded as the OS does; a NUL byte is refused,
+    since the core's C file calls would stop at it and use another file."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str, bytes or os.PathLike, got {type(path).__name__}")
+    text = os.fsdecode(path)
+    if "\0" in text:
+        raise ValueError(f"path must not contain a NUL byte, got {text!r}")
+    return text

@@ -52,8 +52,62 @@ def load(tmp_path: Path, data: bytes) -> NgramDrafter:
     return NgramDrafter.load(path)
 
 
+def fields(data: bytes) -> dict[str, int]:
+    """Offsets of the sequence and free-slot fields that follow the header (format 6): per
+    sequence its tokens, request id, group, prompt length, step, order and flags, then the
+    free-slot list. Keys like ``seq3.prompt_len``, ``free0``, ``nfree``."""
+    _, at = split(data)
+    at += 28  # step, next order, evictions, noise block
+    out = {}
+    (num_seqs,) = struct.unpack_from("<Q", data, at)
+    at += 8
+    for i in range(num_seqs):
+        (num_tokens,) = struct.unpack_from("<Q", data, at)
+        at += 8 + 4 * num_tokens
+        for name, size in (("req_id", 8), ("group", 4), ("prompt_len", 4), ("step", 8), ("order", 8),
+                           ("flags", 1)):
+            out[f"seq{i}.{name}"] = at
+            at += size
+        out[f"seq{i}.num_tokens"] = num_tokens
+    out["nfree"] = struct.unpack_from("<Q", data, at)[0]
+    at += 8
+    for i in range(out["nfree"]):
+        out[f"free{i}"] = at + 4 * i
+    return out
+
+
+def with_int32(data: bytes, at: int, value: int) -> bytes:
+    return data[:at] + struct.pack("<i", value) + data[at + 4 :]
+
+
 def test_the_fixture_loads(tmp_path, good):
     load(tmp_path, good).check_integrity()
+
+
+@pytest.mark.parametrize("prompt_len", [-1, "size + 1", 2**31 - 256])
+def test_a_prompt_length_outside_its_sequence_is_refused(tmp_path, good, prompt_len):
+    """It loaded, and then a finish and a start sized the next request's tables from a negative
+    or huge response length: an endless loop or a bad_alloc."""
+    at = fields(good)
+    live = next(i for i in range(100) if good[at[f"seq{i}.flags"]] & 1)
+    value = at[f"seq{live}.num_tokens"] + 1 if prompt_len == "size + 1" else prompt_len
+    with pytest.raises(RuntimeError, match=r"corrupt \(prompt length outside its sequence\)"):
+        load(tmp_path, with_int32(good, at[f"seq{live}.prompt_len"], value))
+
+
+def test_a_free_slot_listed_twice_is_refused(tmp_path):
+    """Two new requests would have shared that sequence slot."""
+    d = evicted_drafter()
+    d.finish_batch(LIVE_IDS)
+    d.end_step()
+    d.start(100, [1] * 1000)  # past the capacity: older sequences are evicted, their slots free
+    d.save(tmp_path / "freed.bin")
+    data = (tmp_path / "freed.bin").read_bytes()
+    at = fields(data)
+    assert at["nfree"] >= 2
+    first = struct.unpack_from("<i", data, at["free0"])[0]
+    with pytest.raises(RuntimeError, match=r"corrupt \(free slot listed twice\)"):
+        load(tmp_path, with_int32(data, at["free1"], first))
 
 
 def test_a_count_larger_than_the_file_is_refused_before_allocating(tmp_path, good):
@@ -144,6 +198,11 @@ def test_any_damage_raises_or_loads_a_consistent_drafter(tmp_path_factory, good,
         d.extend_batch(live, [[1, 2]] * len(live))
         b = d.propose(live)
         DraftBatch(offsets=b.offsets, tokens=b.tokens, parents=b.parents, probs=b.probs).validate()
+        d.finish_batch(live)  # a finish reads the prompt length, a start sizes tables from it
+    d.start_batch([1000, 1001], [[1, 2, 3], [4, 5]], [0, 7])
+    d.propose([1000, 1001])
+    d.end_step()
+    d.check_integrity()
 
 
 def test_an_interrupted_save_keeps_the_checkpoint_before_it(tmp_path, good, monkeypatch):
@@ -167,6 +226,27 @@ def test_an_interrupted_save_keeps_the_checkpoint_before_it(tmp_path, good, monk
     assert path.read_bytes() == good
     d.save(path)
     assert NgramDrafter.load(path).is_live(0)
+
+
+def test_a_deeply_nested_header_is_named(tmp_path, good):
+    with pytest.raises(RuntimeError, match=r"is corrupt \(its header: RecursionError"):
+        load(tmp_path, with_header(good, b"[" * 100_000 + b"]" * 100_000))
+
+
+def test_checkpoint_paths_are_checked(tmp_path, good):
+    """A NUL byte would cut the path in the core's C calls (loading or overwriting another
+    file); a directory is not read as a truncated checkpoint; bytes paths work."""
+    (tmp_path / "a.bin").write_bytes(good)
+    with pytest.raises(ValueError, match="path must not contain a NUL byte"):
+        NgramDrafter.load(f"{tmp_path}/a.bin\0more")
+    with pytest.raises(ValueError, match="path must not contain a NUL byte"):
+        NgramDrafter().save(f"{tmp_path}/a.bin\0.new")
+    assert (tmp_path / "a.bin").read_bytes() == good
+    with pytest.raises(RuntimeError, match="is a directory, not a checkpoint file"):
+        NgramDrafter.load(tmp_path)
+    with pytest.raises(TypeError, match="path must be a str, bytes or os.PathLike, got int"):
+        NgramDrafter.load(5)
+    assert NgramDrafter.load(str(tmp_path / "a.bin").encode()).is_live(LIVE_IDS[0])
 
 
 def test_save_into_a_missing_directory_names_the_path(tmp_path):

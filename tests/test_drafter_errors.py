@@ -94,6 +94,18 @@ def test_corpus_file_must_be_a_npy_array(tmp_path, content):
         NgramDrafter(SpecConfig(external_corpora=(str(good), str(bad))))
 
 
+def test_corpus_file_must_hold_one_1d_array(tmp_path):
+    """A 2-D array or an .npz archive is named as such, not by a dtype it does not have."""
+    flat, archive = tmp_path / "flat.npy", tmp_path / "two.npz"
+    np.save(flat, np.zeros((2, 3), np.int32))
+    np.savez(archive, a=np.array([1, 2]))
+    with pytest.raises(ValueError, match=r"external_corpora\[0\]: .*flat.npy must hold a 1-D array of "
+                                         r"token ids, got shape \(2, 3\)"):
+        NgramDrafter(SpecConfig(external_corpora=(str(flat),)))
+    with pytest.raises(ValueError, match=r"external_corpora\[0\]: .*two.npz is an .npz archive"):
+        NgramDrafter(SpecConfig(external_corpora=(str(archive),)))
+
+
 def test_finished_request_id_can_be_reused(drafter):
     drafter.finish(0)
     assert not drafter.is_live(0)

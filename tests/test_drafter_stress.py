@@ -152,3 +152,56 @@ def test_background_extends_queue_behind_each_other_across_threads():
         return {k: v for k, v in d.stats().items() if k != "proposals"}
 
     assert run(threaded=True) == run(threaded=False)
+
+
+def test_propose_ahead_on_one_thread_while_another_extends_in_the_background():
+    """An ahead proposal posted by another thread between a background extend's wait and its
+    own post ran before that extend's indexing and re-pointed the requests it indexes: the
+    index fell out of step with the sequences (the integrity check failed in every run)."""
+    d = NgramDrafter(SpecConfig(propose_threads=1, capacity_tokens=1 << 30))
+    rng = np.random.default_rng(0)
+    writers, readers = list(range(4000)), [10**6, 10**6 + 1]
+    d.start_batch(writers, [rng.integers(0, 50, 8).tolist() for _ in writers])
+    d.start_batch(readers, [rng.integers(0, 50, 8).tolist() for _ in readers])
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    one_token = [[7]] * len(writers)
+
+    def extender() -> None:
+        try:
+            for _ in range(600):
+                d.extend_batch(writers, one_token, background=True)
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def proposer() -> None:
+        try:
+            while not stop.is_set():
+                for _ in range(50):  # posts far more often than the extends run: one lands in each
+                    d.propose_ahead(readers)
+                d.propose(readers)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=extender), threading.Thread(target=proposer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    d.check_integrity()
+
+
+def test_one_long_response_does_not_size_every_later_request_for_it():
+    """A new request's own tables are sized ahead for a response as long as recent ones; one
+    300k-token response made each of the next short requests reserve ~9 MB (16 GB at 512)."""
+    d = NgramDrafter(SpecConfig(capacity_tokens=1 << 22))
+    d.start(0, [1, 2, 3])
+    d.extend(0, (np.arange(300_000) % 1000).astype(np.int32))
+    d.finish(0)
+    before = d.stats()["memory_bytes"]
+    d.start_batch(list(range(1, 21)), [[1, 2, 3, 4, 5]] * 20)
+    assert d.stats()["memory_bytes"] - before < 20 * (1 << 20)
+    d.check_integrity()
