@@ -6,7 +6,9 @@
 #include <istream>
 #include <ostream>
 #include <stdexcept>
+#include <vector>
 
+#include "checksum.h"
 #include "drafter_core.h"
 #include "race_noise.h"
 
@@ -17,10 +19,11 @@ namespace {
 // one log per key length and also indexed each sequence's last position); version 5 added the
 // requests' noise keys to version 4, and version 6 drops the requests' match states (occurrences
 // kept between proposals, no longer kept) and own indexes' logs (a request's own index holds its
-// positions in order, so it is rebuilt from its tokens). Versions 4 and 5 are still read: their
-// requests' logs are checked and their match states skipped; version 4's have no noise keys.
-constexpr uint64_t kMagic = 0x3652444150535352ULL;
-constexpr char kVersion = '6', kOldestVersion = '4';
+// positions in order, so it is rebuilt from its tokens); version 7 appends a checksum of every
+// byte before it (checksum.h). Versions 4 to 6 are still read, unchecked: the requests' logs of
+// 4 and 5 are checked and their match states skipped; version 4's have no noise keys.
+constexpr uint64_t kMagic = 0x3752444150535352ULL;
+constexpr char kVersion = '7', kOldestVersion = '4', kFirstSummed = '7';
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -76,15 +79,35 @@ void get_index(std::istream& is, uint64_t size, ChainIndex& index, const std::ve
   index.restore(log, [&](int32_t seq) { return seqs[seq].tokens.data(); });
 }
 
-// What precedes the state: the file's size (every count is checked against it), the format
-// version and the caller's meta string.
+// What precedes the state: the size of the file without its checksum (every count is checked
+// against it), the format version and the caller's meta string.
 struct Header {
   uint64_t size;
   char version;
   std::string meta;
 };
 
-Header read_header(std::istream& is) {
+// Reads the first `payload` bytes and the checksum after them; throws unless they agree.
+// Leaves the stream just after the magic.
+void check_checksum(std::istream& is, uint64_t payload) {
+  Checksum sum;
+  std::vector<char> chunk(1 << 20);
+  is.seekg(0, std::ios::beg);
+  for (uint64_t left = payload; left > 0;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, chunk.size()));
+    if (!is.read(chunk.data(), static_cast<std::streamsize>(n))) throw std::runtime_error("drafter checkpoint is truncated");
+    sum.update(chunk.data(), n);
+    left -= n;
+  }
+  if (get<uint64_t>(is) != sum.digest())
+    throw std::runtime_error("drafter checkpoint is corrupt (its checksum does not match its contents)");
+  is.clear();
+  is.seekg(sizeof(uint64_t), std::ios::beg);
+}
+
+// `verify`: check the checksum of a version that has one (load does; read_meta, which load
+// follows, need not read the whole file twice).
+Header read_header(std::istream& is, bool verify) {
   is.seekg(0, std::ios::end);
   const std::streamoff end = is.tellg();
   is.seekg(0, std::ios::beg);
@@ -99,13 +122,21 @@ Header read_header(std::istream& is) {
     throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
                              ", this build reads " + std::string(1, kOldestVersion) + " to " +
                              std::string(1, kVersion) + ")");
-  const std::vector<char> meta = get_vec<char>(is, size);
-  return Header{size, version, std::string(meta.begin(), meta.end())};
+  uint64_t payload = size;
+  if (version >= kFirstSummed) {
+    if (size < 2 * sizeof(uint64_t)) throw std::runtime_error("drafter checkpoint is truncated");
+    payload = size - sizeof(uint64_t);
+    if (verify) check_checksum(is, payload);
+  }
+  const std::vector<char> meta = get_vec<char>(is, payload);
+  return Header{payload, version, std::string(meta.begin(), meta.end())};
 }
 }  // namespace
 
-void DrafterCore::save(std::ostream& os, const std::string& meta) const {
+void DrafterCore::save(std::ostream& out, const std::string& meta) const {
   auto lock = lock_idle();
+  ChecksumWriter summed(out.rdbuf());
+  std::ostream os(&summed);
   put(os, kMagic);
   put_vec(os, std::vector<char>(meta.begin(), meta.end()));
   put(os, step_);
@@ -137,13 +168,15 @@ void DrafterCore::save(std::ostream& os, const std::string& meta) const {
   }
   put_index(os, global_);
   if (!os) throw std::runtime_error("writing the drafter checkpoint failed");
+  put(out, summed.digest());
+  if (!out) throw std::runtime_error("writing the drafter checkpoint failed");
 }
 
-std::string DrafterCore::read_meta(std::istream& is) { return read_header(is).meta; }
+std::string DrafterCore::read_meta(std::istream& is) { return read_header(is, /*verify=*/false).meta; }
 
 std::string DrafterCore::load(std::istream& is) {
   auto lock = lock_to_change();
-  const Header header = read_header(is);
+  const Header header = read_header(is, /*verify=*/true);
   const uint64_t size = header.size;
   // Versions 4 and 5 also hold each request's own index log and match state.
   const bool has_noise = header.version >= '5', has_request_logs = header.version <= '5';

@@ -330,9 +330,9 @@ def test_load_rejects_a_checkpoint_of_an_unknown_format(tmp_path):
     path = tmp_path / "drafter.bin"
     d.save(path)
     data = bytearray(path.read_bytes())
-    assert data[:8] == b"RSSPADR6"
-    for version in "37":
+    assert data[:8] == b"RSSPADR7"
+    for version in "38":
         data[7] = ord(version)
         path.write_bytes(bytes(data))
-        with pytest.raises(RuntimeError, match=rf"another format version \({version}, this build reads 4 to 6\)"):
+        with pytest.raises(RuntimeError, match=rf"another format version \({version}, this build reads 4 to 7\)"):
             NgramDrafter.load(path)

@@ -39,21 +39,42 @@ def split(data: bytes) -> tuple[dict, int]:
     return json.loads(data[start : start + n]), start + n
 
 
+def checksum(payload: bytes) -> int:
+    """csrc/checksum.h's digest, written again: little-endian words (the last zero-padded), each
+    folded in by a multiply and a shift, then the length."""
+    mask, state = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    words = [w for (w,) in struct.iter_unpack("<Q", payload + bytes(-len(payload) % 8))]
+    for word in words + [len(payload)]:
+        state = ((state ^ word) * 0xFF51AFD7ED558CCD) & mask
+        state ^= state >> 29
+    return state
+
+
+def resealed(data: bytes) -> bytes:
+    """A damaged checkpoint with a checksum that matches again (its last 8 bytes replaced), so
+    that the checks behind the checksum see the damage."""
+    return data[:-8] + struct.pack("<Q", checksum(data[:-8]))
+
+
 def with_header(data: bytes, meta: object) -> bytes:
-    """``data`` with its header replaced by ``meta`` (JSON text, or raw bytes)."""
+    """``data`` with its header replaced by ``meta`` (JSON text, or raw bytes), resealed."""
     _, rest = split(data)
     text = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
-    return data[:HEADER_AT] + struct.pack("<Q", len(text)) + text + data[rest:]
+    return resealed(data[:HEADER_AT] + struct.pack("<Q", len(text)) + text + data[rest:])
+
+
+def _written(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "bad.bin"
+    path.write_bytes(data)
+    return path
 
 
 def load(tmp_path: Path, data: bytes) -> NgramDrafter:
-    path = tmp_path / "bad.bin"
-    path.write_bytes(data)
-    return NgramDrafter.load(path)
+    return NgramDrafter.load(_written(tmp_path, data))
 
 
 def fields(data: bytes) -> dict[str, int]:
-    """Offsets of the sequence and free-slot fields that follow the header (format 6): per
+    """Offsets of the sequence and free-slot fields that follow the header (format 7): per
     sequence its tokens, request id, group, prompt length, step, order and flags, then the
     free-slot list. Keys like ``seq3.prompt_len``, ``free0``, ``nfree``."""
     _, at = split(data)
@@ -77,11 +98,27 @@ def fields(data: bytes) -> dict[str, int]:
 
 
 def with_int32(data: bytes, at: int, value: int) -> bytes:
-    return data[:at] + struct.pack("<i", value) + data[at + 4 :]
+    """``data`` with the int32 at ``at`` replaced by ``value``, resealed."""
+    return resealed(data[:at] + struct.pack("<i", value) + data[at + 4 :])
 
 
 def test_the_fixture_loads(tmp_path, good):
+    assert good[7:8] == b"7" and resealed(good) == good  # format 7: the checksum is csrc's
     load(tmp_path, good).check_integrity()
+
+
+@pytest.mark.parametrize("where", ["first token", 0.5, -9, -1])
+def test_any_changed_byte_fails_the_checksum(tmp_path, good, where):
+    """A flipped token id decodes as another token: only the checksum can tell. Any byte of the
+    state or of the checksum itself (a damaged header is refused as such: test above)."""
+    if where == "first token":
+        at = split(good)[1] + 28 + 8 + 8  # step .. noise block, the sequence count, its token count
+    else:
+        at = int(where * len(good)) if isinstance(where, float) else where % len(good)
+    data = bytearray(good)
+    data[at] ^= 0x10
+    with pytest.raises(RuntimeError, match=r"corrupt \(its checksum does not match its contents\)"):
+        NgramDrafter.load(_written(tmp_path, bytes(data)))
 
 
 @pytest.mark.parametrize("prompt_len", [-1, "size + 1", 2**31 - 256])
@@ -115,7 +152,7 @@ def test_a_count_larger_than_the_file_is_refused_before_allocating(tmp_path, goo
     # number of sequences. 2**36 sequences would take terabytes.
     _, at = split(good)
     at += 28
-    data = good[:at] + struct.pack("<Q", 2**36) + good[at + 8 :]
+    data = resealed(good[:at] + struct.pack("<Q", 2**36) + good[at + 8 :])
     with pytest.raises(RuntimeError, match=r"corrupt \(a count exceeds the file\)"):
         load(tmp_path, data)
 
@@ -124,7 +161,7 @@ def test_a_zero_noise_block_with_seeded_requests_is_refused(tmp_path, good):
     _, at = split(good)
     at += 24
     assert struct.unpack_from("<I", good, at)[0] == 16  # quarter_block(20)
-    data = good[:at] + struct.pack("<I", 0) + good[at + 4 :]
+    data = resealed(good[:at] + struct.pack("<I", 0) + good[at + 4 :])
     with pytest.raises(RuntimeError, match=r"corrupt \(noise key\)"):
         load(tmp_path, data)
 
@@ -175,9 +212,10 @@ def test_set_noise_refuses_a_zero_block():
     st.tuples(st.just("cut"), st.floats(0, 1, exclude_max=True)),
 ))
 def test_any_damage_raises_or_loads_a_consistent_drafter(tmp_path_factory, good, damage):
-    """Flipped bytes, an overwritten 8-byte word or a truncation: either RuntimeError, or a
-    drafter that passes its integrity check and proposes and extends like any other."""
-    data = bytearray(good)
+    """Flipped bytes, an overwritten 8-byte word or a truncation, resealed so that the checks
+    behind the checksum see them: either RuntimeError, or a drafter that passes its integrity
+    check and proposes, extends, finishes and starts like any other."""
+    data = bytearray(good[:-8])
     if damage[0] == "bytes":
         for where, value in damage[1]:
             data[int(where * len(data))] = value
@@ -187,7 +225,7 @@ def test_any_damage_raises_or_loads_a_consistent_drafter(tmp_path_factory, good,
     else:
         data = data[: int(damage[1] * len(data))]
     try:
-        d = load(tmp_path_factory.mktemp("damaged"), bytes(data))
+        d = load(tmp_path_factory.mktemp("damaged"), resealed(bytes(data) + bytes(8)))
     except RuntimeError as err:
         assert "checkpoint" in str(err)
         return

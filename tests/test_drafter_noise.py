@@ -112,7 +112,7 @@ def test_noise_keys_survive_a_checkpoint(tmp_path):
 
 def checkpointed_drafter() -> NgramDrafter:
     """The drafter saved in tests/data/drafter_format4.bin by the format-4 build (and, told a
-    noise key, in drafter_format5.bin)."""
+    noise key, in drafter_format5.bin and drafter_format6.bin)."""
     d = NgramDrafter(SpecConfig(num_draft_tokens=6))
     d.add_sequences([3, 3, None], [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 2, 3, 4, 9]])
     d.start_batch([10, 11], [[5, 1, 2], [9, 2]], [3, None])
@@ -125,9 +125,10 @@ def checkpointed_drafter() -> NgramDrafter:
     ("drafter_format4.bin", None),  # format 4 had no noise keys
     # request 10 told seed 5 at T=0.7 before its proposal; format 5 also wrote match states
     ("drafter_format5.bin", ([10], [5], [0.7], 16)),
+    ("drafter_format6.bin", ([10], [5], [0.7], 16)),  # no checksum yet
 ])
 def test_an_older_format_checkpoint_still_loads(name, keys):
-    """tests/data: checkpointed_drafter saved by the format-4 and format-5 builds."""
+    """tests/data: checkpointed_drafter saved by the format-4, 5 and 6 builds."""
     loaded = NgramDrafter.load(Path(__file__).parent / "data" / name)
     fresh = checkpointed_drafter()
     if keys is not None:
