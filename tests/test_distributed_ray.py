@@ -201,11 +201,23 @@ def test_creating_again_replaces_a_coordinator_that_died(ray_cluster) -> None:
     name = f"revive-{uuid.uuid4().hex[:8]}"
     (first,) = create_coordinators(name, 1, 2)
     assert create_coordinators(name, 1, 2) == [first]  # alive: the same actor
-    ray.kill(first)
+    ray.kill(first)  # asynchronous: wait until the actor no longer answers
+    deadline = time.monotonic() + 60
+    while _answers(first):
+        assert time.monotonic() < deadline, "the killed coordinator still answers"
+        time.sleep(0.05)
     (second,) = create_coordinators(name, 1, 2)
     assert ray.get(second.stats.remote())["latest_step"] == -1
     assert ray.get(coordinator_handles(name, 1, timeout_s=10.0)[0].stats.remote())["entries"] == 0
     destroy_coordinators(name, 1)
+
+
+def _answers(handle) -> bool:
+    try:
+        ray.get(handle.stats.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return False
+    return True
 
 
 class _Sink:

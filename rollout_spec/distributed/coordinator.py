@@ -194,17 +194,34 @@ def create_coordinators(
     options: dict[str, Any] = {"namespace": namespace}
     if detached:
         options["lifetime"] = "detached"
-    handles = []
-    for s in range(num_shards):
-        # not Ray's get_if_exists: in Ray 2.60 a second call with it made the name unresolvable
-        # for other processes (tests/test_distributed_wiring.py caught it)
-        try:
-            handles.append(ray.get_actor(_shard_name(name, s), namespace=namespace))
-        except ValueError:  # none yet: create it
-            handles.append(remote_cls.options(name=_shard_name(name, s), **options).remote(retain_steps))
+    handles = [_live_or_new(remote_cls, _shard_name(name, s), options, retain_steps) for s in range(num_shards)]
     ray.get([h.stats.remote() for h in handles])  # constructed and registered before replicas look
     _KEEP_ALIVE[(namespace, name)] = handles  # a named actor still dies when its handles are dropped
     return handles
+
+
+def _live_or_new(remote_cls: Any, shard: str, options: dict[str, Any], retain_steps: int,
+                 timeout_s: float = 60.0) -> Any:
+    """The running actor named ``shard``, or a new one. An actor that died keeps its name for a
+    moment (Ray releases it asynchronously): the lookup is retried until the name is free."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # not Ray's get_if_exists: in Ray 2.60 a second call with it made the name unresolvable
+        # for other processes (tests/test_distributed_wiring.py caught it)
+        try:
+            handle = ray.get_actor(shard, namespace=options["namespace"])
+        except ValueError:  # none (any more): create it
+            try:
+                return remote_cls.options(name=shard, **options).remote(retain_steps)
+            except ValueError:  # the dead one's name is not released yet
+                handle = None
+        if handle is not None and _all_alive([handle]):
+            return handle
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"coordinator {shard!r} died and its name was not released within {timeout_s} s")
+        time.sleep(0.1)
 
 
 def _all_alive(handles: list[Any]) -> bool:
