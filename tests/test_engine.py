@@ -356,6 +356,37 @@ def test_step_figures_count_the_tokens_kept_when_a_stop_cuts_the_drafts(pair) ->
     assert sum(budget.tokens) == emitted_by_decode
 
 
+class OddRequestsPlain:
+    """A per-request budget: no drafts for odd request ids, 8 for even ones."""
+
+    def __init__(self):
+        self.ids = np.zeros(0, np.int64)
+
+    def set_running(self, req_ids, room, draining) -> None:
+        self.ids = np.array(req_ids)
+
+    def __call__(self, _num_running: int) -> list[int]:
+        return [0 if r % 2 else 8 for r in self.ids.tolist()]
+
+
+def test_a_per_request_budget_reaches_the_requests_it_was_asked_for(pair) -> None:
+    """The answer asked during a step's forward is for that step's requests; when one finished
+    and a waiting one took its slot, the batch kept its size and the answer went to others."""
+    _, model = pair
+    given: list[tuple[int, int]] = []
+
+    class Spy(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            given.extend(zip(list(req_ids), np.asarray(budgets).tolist()))
+            return super().propose(req_ids, budgets)
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0, stop_token_ids=[7, 11, 13, 50, 60])
+    engine(model, Spy("random"), draft_budget=OddRequestsPlain(), num_slots=4).generate(
+        mixed_prompts(12, seed=2), params)
+    assert given and not [(r, b) for r, b in given if r % 2 and b > 0]
+    assert any(b > 0 for r, b in given if r % 2 == 0)
+
+
 def test_context_limit_finishes_with_length(pair) -> None:
     _, model = pair
     eng = engine(model, ScriptedDrafter("random"), max_model_len=40)

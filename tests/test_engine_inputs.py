@@ -94,6 +94,8 @@ def test_bad_group_ids_with_the_worker_raise_up_front_and_leave_the_engine_clean
     ([1, 2, 1.5, 3], TypeError, r"group_ids\[2\] must be an integer in \[0, 2147483647\], got float"),
     ([1, True, 2, 3], TypeError, r"group_ids\[1\] must be an integer in \[0, 2147483647\], got bool"),
     ("abcd", TypeError, "group_ids must be None or a sequence"),
+    ({40, 3, 17, 5}, TypeError, "group_ids must be None or a sequence in the prompts' order, got set"),
+    ({1: "p0", 2: "p1", 3: "p2", 4: "p3"}, TypeError, "got dict, which has no order"),
 ])
 def test_group_ids_are_checked_before_prefill_with_the_callers_index(model, plain, spec, group_ids,
                                                                      error, match) -> None:

@@ -36,8 +36,8 @@ DraftBudget = Callable[[int], Union[int, Seq[int], np.ndarray]]
 """Asked once per decode step, while the GPU runs the decode step before it, with the number of
 requests running then (a ``generate``'s first decode step asks for itself, and the answer its
 last one got goes unused); returns the most draft nodes per request (one int for all, or one
-per request in running order: such an answer is asked again when the batch has changed size
-meanwhile). If the object also has
+per request in running order: such an answer is asked again when the running requests have
+changed meanwhile). If the object also has
 ``observe(offered, accepted)``, it is called after every decode step with per-request arrays;
 if it has ``observe_plain(accepted)``, plain steps measure acceptance for it with shadow
 proposals (``shadow_acceptance``) and pass it ``accepted[r, k]``, the nodes request r would have
@@ -157,7 +157,7 @@ class RolloutEngine:
         self._flush_seconds = 0.0  # time this step spent handing deferred tokens to the drafter
         self._drafted_last = False  # whether the last decode step fed the drafter and drafted ahead
         self._switch_from: Optional[float] = None  # clock at a switch step's proposal (see _propose)
-        self._asked: Optional[tuple[int, Any]] = None  # (batch size, budget's answer) for the next step
+        self._asked: Optional[tuple[np.ndarray, Any]] = None  # (request ids, budget's answer) for the next step
         self._draining = False  # no sample waits for a slot: the call ends with its slowest request
         self._unaccounted: Optional[tuple] = None  # the last decode step's figures, for _account_last
         self.clock: Callable[[], float] = time.perf_counter  # injectable for tests
@@ -473,7 +473,7 @@ class RolloutEngine:
         reach it in ``_account_last``, one step behind), and its ~0.1 ms leaves the GPU's idle
         gap."""
         if self._drafter is not None:
-            self._asked = (len(run.slot), self._ask(run))
+            self._asked = (run.req_id.copy(), self._ask(run))
 
     def _ask(self, run: RunningBatch) -> Union[int, np.ndarray]:
         """The budget's answer for ``run``'s requests, checked (``inputs.checked_budget``); a
@@ -487,13 +487,14 @@ class RolloutEngine:
     def _budgets(self, run: RunningBatch) -> np.ndarray:
         """Per-request node budgets: the pluggable budget's answer, capped by what each request
         can keep. The answer asked in the last step's GPU wait stands, unless it holds one size
-        per request and the batch has changed size since (after a prefill, or when requests
-        ended); then, or when there is none, the budget is asked now."""
+        per request and the running requests have changed since (after a prefill, or when
+        requests ended: a batch of the same size may hold others); then, or when there is none,
+        the budget is asked now."""
         num = len(run.slot)
         if self._drafter is None:
             return np.zeros(num, np.int64)
         ready, self._asked = self._asked, None
-        if ready is not None and (ready[0] == num or np.ndim(ready[1]) == 0):
+        if ready is not None and (np.ndim(ready[1]) == 0 or np.array_equal(ready[0], run.req_id)):
             asked = ready[1]
         else:
             asked = self._ask(run)

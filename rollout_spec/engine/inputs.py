@@ -8,7 +8,8 @@ raises). ``checked_budget`` checks a budget's answer at every decode step, so it
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from numbers import Integral
 from typing import Any, Optional, Union
 
@@ -85,6 +86,9 @@ def check_group_ids(group_ids: Any) -> Optional[list[Optional[int]]]:
         return None
     if isinstance(group_ids, (str, bytes)) or not isinstance(group_ids, Iterable):
         raise TypeError(f"group_ids must be None or a sequence, got {type(group_ids).__name__}")
+    if isinstance(group_ids, (AbstractSet, Mapping)):  # entry i must be prompt i's
+        raise TypeError(f"group_ids must be None or a sequence in the prompts' order, got "
+                        f"{type(group_ids).__name__}, which has no order")
     return [None if g is None else check_int(f"group_ids[{i}]", g, 0, GROUP_ID_MAX)
             for i, g in enumerate(group_ids)]
 
