@@ -29,3 +29,8 @@ def load_traces(parser: argparse.ArgumentParser, paths: Optional[list[str]], ste
         if steps is not None and steps > len(trace.steps):
             parser.error(f"--steps {steps}: trace {path} has only {len(trace.steps)} steps")
     return traces
+
+
+if __name__ == "__main__":
+    raise SystemExit("bench/trace_files.py is the bench scripts' trace loader, not a command: run "
+                     "bench/drafter_bench.py or another script that takes --trace")

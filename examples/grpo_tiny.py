@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, task_arg
+from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, model_arg, task_arg
 from rollout_spec.config import MIN_TEMPERATURE, SamplingParams, SpecConfig
 from rollout_spec.metrics import (DrafterProbe, make_sink, resolve_wandb_mode, stats_from_outputs,
                                   wandb_metrics)
@@ -40,22 +39,10 @@ class Rollouts:
     """Wall time of the engine's generate call alone (scoring excluded)."""
 
 
-def _model_problem(name: str) -> Optional[str]:
-    """Why ``name`` is no model the engine can load (checked without loading it), or None."""
-    from rollout_spec.engine.weights import KNOWN_MODELS
-
-    path = Path(name).expanduser()
-    if name in KNOWN_MODELS or (path / "config.json").is_file():
-        return None
-    if path.is_file() and path.suffix == ".gguf":
-        return None
-    return f"must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a directory with config.json"
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options of the example, every one checked before any model is built."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", type=model_arg, default="smollm2-135m")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=task_arg, default="basic_arithmetic")
     p.add_argument("--steps", type=int_arg("--steps", 1, 100_000), default=10)
@@ -77,9 +64,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None)
     p.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = p.parse_args(argv)
-    problem = _model_problem(args.model)
-    if problem:
-        p.error(f"--model {args.model!r}: {problem}")
     args.device = check_device(p, args.device)
     try:
         args.wandb = resolve_wandb_mode(args.wandb)
@@ -200,9 +184,11 @@ def grpo_update(policy: torch.nn.Module, opt: torch.optim.Optimizer, batch: Roll
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)) if keep else 0.0
     if keep:
         opt.step()
-    return {"actor/pg_loss": loss_sum, "actor/grad_norm": grad_norm,
-            "actor/samples_with_signal": float(len(keep)),
-            "actor/logprob_gap": gap_sum / total_tokens if keep else 0.0}
+    metrics = {"actor/pg_loss": loss_sum, "actor/grad_norm": grad_norm,
+               "actor/samples_with_signal": float(len(keep))}
+    if keep:  # the gap is measured on the trained samples only: none, no figure (not a zero)
+        metrics["actor/logprob_gap"] = gap_sum / total_tokens
+    return metrics
 
 
 def train_step(step: int, args: argparse.Namespace, engine: Any, base: Optional[Any],
@@ -251,12 +237,12 @@ def train(args: argparse.Namespace, reward_fn: Optional[RewardFn] = None,
         m = train_step(step, args, engine, base, policy, opt, workload, reward_fn)
         sink.log(m, step=step)
         history.append(m)
-        speed = m.get("spec/speedup")
+        speed, gap = m.get("spec/speedup"), m.get("actor/logprob_gap")
         console.print(
             f"step {step}: reward {m['critic/score/mean']:.3f}  accept {m['spec/accept_rate']:.1%}  "
             f"TPF {m['spec/tpf']:.2f}  speedup {'-' if speed is None else f'{speed:.2f}x'}  "
             f"loss {m['actor/pg_loss']:+.4f}  grad {m['actor/grad_norm']:.3f}  "
-            f"logprob gap {m['actor/logprob_gap']:.2e}")
+            f"logprob gap {'-' if gap is None else f'{gap:.2e}'}")
     sink.finish()
     return history
 

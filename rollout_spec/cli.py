@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from rollout_spec.cli_args import check_device, check_output, device_arg, float_arg, int_arg, task_arg, temperature_arg
+from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, model_arg, task_arg,
+                                   temperature_arg)
 from rollout_spec.config import SamplingParams
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
                                   summary_table)
@@ -33,7 +34,7 @@ def _top_k_arg(text: str) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
+    p.add_argument("--model", type=model_arg, default="smollm2-135m",
                    help="'smollm2-135m', a .gguf file or a safetensors model directory")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=task_arg, default="gsm_symbolic",
@@ -47,9 +48,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float_arg("--top-p", 0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--top-k", type=_top_k_arg, default=-1, help="-1 keeps all tokens")
     p.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 1024), default=None,
-                   help="most draft nodes per request per verify step (default: 32 on CUDA, where "
-                        "the batch-aware budget picks a size up to it each step; 8 elsewhere, "
-                        "where every step drafts that many)")
+                   help="most draft nodes per request per verify step (default: 32 on CUDA, 8 "
+                        "elsewhere); the batch-aware budget picks a size up to it each step")
     p.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every step (default: the same pool each step, like epochs)")
@@ -59,7 +59,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="skip the speculation-off pass (no speedup figure)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                    help="default: offline when wandb is installed, else disabled")
-    p.add_argument("--wandb-project", default="rollout-spec")
+    p.add_argument("--wandb-project", default="rollout-spec", help="the wandb project the run logs to")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a PNG dashboard here")
     p.add_argument("--record", type=Path, metavar="TRACE.json",
                    help="write the rollouts in the shared trace format (.gz for gzip)")
@@ -68,6 +68,11 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rollout-spec`` and its subcommands."""
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """``build_parser``'s parser, and its subcommands' parsers by name."""
     parser = argparse.ArgumentParser(
         prog="rollout-spec", description="Model-free speculative decoding for RL rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,13 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="draft budget per request and iteration (default 8)")
     replay.add_argument("--max-steps", type=int_arg("--max-steps", 1, 1 << 20), default=None,
                         help="replay only the first RL steps of the trace")
-    return parser
+    return parser, {"bench": bench, "replay": replay}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``rollout-spec`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    top, subcommands = _parsers()
+    args = top.parse_args(argv)
+    parser = subcommands[args.command]  # later checks report with the subcommand's usage and name
     if args.command == "bench":
         from rollout_spec.metrics import resolve_wandb_mode
 
@@ -99,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.draft_tokens is None:
             on_cuda = args.device.startswith("cuda") or (args.device == "auto" and _cuda_available())
             args.draft_tokens = 32 if on_cuda else 8
-        if args.record is not None and args.record.suffix not in (".json", ".gz"):
+        if args.record is not None and not args.record.name.endswith((".json", ".json.gz")):
             parser.error(f"--record must end in .json or .json.gz, got {str(args.record)!r}")
         if args.plot is not None and args.plot.suffix.lower() != ".png":
             parser.error(f"--plot must end in .png, got {str(args.plot)!r}")

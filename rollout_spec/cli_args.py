@@ -102,6 +102,18 @@ def device_arg(text: str) -> str:
     return text
 
 
+def model_arg(text: str) -> str:
+    """An argparse type: a model the engine can load, checked without loading it: a known name,
+    a .gguf file or a directory with config.json."""
+    from rollout_spec.engine.weights import KNOWN_MODELS
+
+    path = Path(text).expanduser()
+    if text in KNOWN_MODELS or (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf"):
+        return text
+    raise argparse.ArgumentTypeError(f"model must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a "
+                                     f"directory with config.json, got {text!r}")
+
+
 def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--device") -> str:
     """The device ``device`` names, ``auto`` resolved (CUDA where torch sees one, else CPU); a
     device this machine lacks is an argument error, raised before any model is built."""

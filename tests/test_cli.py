@@ -37,9 +37,18 @@ from rollout_spec.replay import load_trace
     (["bench", "--record", "out.json", "--json", "./out.json", "--wandb", "disabled"],
      "--record and --json name the same file 'out.json': give each its own"),
     (["bench", "--plot", "d.png", "--json", "d.png", "--wandb", "disabled"], "--plot and --json name the same file"),
+    (["bench", "--model", "no-such-model"], "argument --model: model must be one of ['smollm2-135m'], a .gguf"),
+    (["bench", "--record", "t.tar.gz", "--wandb", "disabled"], "--record must end in .json or .json.gz, got 't.tar.gz'"),
 ])
 def test_argument_errors(capsys, argv, needle):
     assert needle in argument_error(cli.main, argv, capsys)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--plot", "d.jpg"], ["replay", "/no/such/trace.json"]])
+def test_checks_after_parsing_report_as_the_subcommand(capsys, argv):
+    """Their usage line and prefix are the subcommand's, as argparse's own errors are."""
+    err = argument_error(cli.main, argv, capsys)
+    assert err.startswith(f"usage: rollout-spec {argv[0]} ") and f"rollout-spec {argv[0]}: error: " in err
 
 
 @pytest.mark.parametrize("name, content, needle", [

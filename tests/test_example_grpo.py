@@ -53,6 +53,8 @@ def test_one_grpo_step_changes_and_syncs_weights(tmp_path_factory):
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the engine has new weights
     assert torch.equal(after["layers.0.mlp.up_proj.weight"],
                        policy.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    (flat,) = grpo.train(args, reward_fn=lambda prompt, text, ids: 1.0, loaded=loaded)
+    assert flat["actor/samples_with_signal"] == 0 and "actor/logprob_gap" not in flat  # not a zero
 
 
 BAD_OPTIONS = [
@@ -74,7 +76,7 @@ BAD_OPTIONS = [
     (["--seed", "-1"], "--seed must be in [0,"),
     (["--device", "foo"], "device must be auto, cpu, mps, cuda or cuda:N"),
     (["--task", "nosuch"], "task must be a reasoning-gym task"),
-    (["--model", "/no/such/model"], "--model '/no/such/model': must be one of"),
+    (["--model", "/no/such/model"], "argument --model: model must be one of ['smollm2-135m'], a .gguf file"),
 ]
 
 

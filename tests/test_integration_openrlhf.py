@@ -247,6 +247,31 @@ def test_example_reward_and_rollout_spec_flags():
     assert spec.num_draft_tokens == 8 and spec.group_weight == 2.0 and spec.tree is False
 
 
+@pytest.mark.parametrize("baseline", [False, True])
+def test_example_script_launches_with_or_without_speculation(tmp_path, baseline):
+    """The launch script, run against a stand-in ``python`` that records its arguments: the
+    trainer gets the rollout_spec flags, and with BASELINE=1 none of them."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" >> "$CALLS"; echo ---- >> "$CALLS"\n')
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    script = Path(__file__).parents[1] / "examples" / "openrlhf" / "train_grpo_rollout_spec.sh"
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", CALLS=str(calls), OUT=str(tmp_path / "out"),
+               BASELINE="1" if baseline else "0")
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=60)
+    prompts, train = [c.split("\n") for c in calls.read_text().split("----\n")[:2]]
+    assert prompts[0].endswith("make_prompts.py")
+    assert train[:2] == ["-m", "rollout_spec.integrations.openrlhf.train_ppo_ray"]
+    assert ("--rollout_spec" in train) is not baseline
+    assert not baseline or not any(a.startswith("--rollout_spec.") for a in train)
+    assert "--actor.model_name_or_path" in train
+
+
 def test_example_prompts_are_jsonl_with_labels(tmp_path):
     import json
 

@@ -2,7 +2,7 @@
 # GRPO on one 2-GPU node with OpenRLHF 0.11 + vLLM 0.29, rollouts drafted by rollout-spec.
 # Needs: pip install 'rollout-spec[openrlhf,workloads]' on every node, a running Ray cluster
 # (ray start --head --num-gpus 2) and the model reachable from the nodes.
-# Drop the ROLLOUT_SPEC_ARGS line to get the same run without speculation (the baseline).
+# BASELINE=1 runs the same training without speculation (the baseline to compare with).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 MODEL="${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}"
@@ -19,6 +19,9 @@ ROLLOUT_SPEC_ARGS=(
   --rollout_spec.history_steps 4
   --rollout_spec.shared_index grpo-index
 )
+if [[ "${BASELINE:-0}" == 1 ]]; then
+  ROLLOUT_SPEC_ARGS=()
+fi
 
 OPENRLHF_ARGS=(
   --actor.model_name_or_path "$MODEL"
@@ -41,4 +44,6 @@ OPENRLHF_ARGS=(
   ${WANDB_API_KEY:+--logger.wandb.key "$WANDB_API_KEY" --logger.wandb.project rollout_spec_openrlhf}
 )
 
-python -m rollout_spec.integrations.openrlhf.train_ppo_ray "${ROLLOUT_SPEC_ARGS[@]}" "${OPENRLHF_ARGS[@]}"
+# (the +"..." form: an empty array is "unbound" to set -u before bash 4.4)
+python -m rollout_spec.integrations.openrlhf.train_ppo_ray ${ROLLOUT_SPEC_ARGS[@]+"${ROLLOUT_SPEC_ARGS[@]}"} \
+  "${OPENRLHF_ARGS[@]}"
