@@ -90,6 +90,9 @@ def _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, base, bits, vocab, te
     # One exp per element: the smaller of (m, y) relative to the new max; nothing kept: 0.
     e = tl.where(new_m == float("-inf"), 0.0, tl.exp(tl.minimum(m, y) - new_m))
     s = tl.where(y > m, s * e + 1.0, s + e)
+    # A NaN logit poisons its lane's sum (kept through every later fold), so the row's
+    # normaliser and logprobs come out NaN and verify refuses them; max and where skip NaNs.
+    s = tl.where(x != x, float("nan"), s)
     if RACE:
         if EXT_NOISE:
             u = tl.load(noise_ptr + cols, mask=cols < vocab, other=0.0)
@@ -149,7 +152,7 @@ def _row_pass(row_ptr, noise_ptr, k0, k1, pos, vocab, temp, thr, Q: tl.constexpr
                                             HAS_THR, RACE, EXT_NOISE)
     top = tl.max(m, axis=0)
     anchor = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - anchor)), axis=0)
+    total = tl.sum(tl.where((m == float("-inf")) & (s == s), 0.0, s * tl.exp(m - anchor)), axis=0)
     lse = tl.where(top == float("-inf"), top, top + tl.log(total))
     _, amax = _first_max(best, bi)
     _, ridx = _first_max(rbest, ri)
