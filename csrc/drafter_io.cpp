@@ -100,7 +100,8 @@ void check_checksum(std::istream& is, uint64_t payload) {
     left -= n;
   }
   if (get<uint64_t>(is) != sum.digest())
-    throw std::runtime_error("drafter checkpoint is corrupt (its checksum does not match its contents)");
+    throw std::runtime_error("drafter checkpoint is corrupt (its checksum does not match its contents: "
+                             "damaged or truncated)");
   is.clear();
   is.seekg(sizeof(uint64_t), std::ios::beg);
 }

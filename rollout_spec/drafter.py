@@ -177,8 +177,9 @@ class NgramDrafter:
         """Create an empty drafter; ``config.external_corpora`` .npy files go into the global scope.
 
         Raises:
-            TypeError: config is not a SpecConfig, or a corpus file is not a 1-D integer array.
-            ValueError: a corpus file is not a .npy array, or holds token ids outside [0, 2**31-1].
+            TypeError: config is not a SpecConfig, or a corpus file's array is not of integers.
+            ValueError: a corpus file is not a .npy array (an .npz archive, pickled objects),
+                holds an array that is not 1-D, or token ids outside [0, 2**31-1].
             OSError: a corpus file cannot be read.
         """
         if config is None:
@@ -371,8 +372,9 @@ class NgramDrafter:
 
         Raises:
             RuntimeError: the file cannot be read, is no drafter checkpoint, is of a format this
-                build does not read, or is corrupt: truncated, a count larger than the file, or
-                fields that decode but break the core's invariants (``check_integrity``).
+                build does not read, or is corrupt: a checksum that does not match (format 7:
+                any damaged or cut-off file), truncated, a count larger than the file, or fields
+                that decode but break the core's invariants (``check_integrity``).
         """
         # The checkpoint's header carries its SpecConfig: the core is built from it, then loads.
         path = _checkpoint_path(path)
@@ -432,4 +434,8 @@ def _checkpoint_path(path: Union[str, bytes, os.PathLike]) -> str:
     text = os.fsdecode(path)
     if "\0" in text:
         raise ValueError(f"path must not contain a NUL byte, got {text!r}")
+    try:
+        text.encode("utf-8")  # the core takes UTF-8; bytes that are not decode to surrogates
+    except UnicodeEncodeError:
+        raise ValueError(f"path must be valid UTF-8, got {path!r}") from None
     return text

@@ -178,14 +178,18 @@ def row_stats(
 
 
 def row_logsumexp(scores: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """float32 log-sum-exp over the last dim, summed in float64 and then rounded.
+    """Log-sum-exp over the last dim of a [R, V] tensor, the same for a row whatever the other
+    rows are.
 
-    A float32 reduction's order follows how torch splits the tensor over threads, which depends
-    on the number of rows: a row's normaliser (so its logprobs and its top-p cut) then changed
-    with whatever else was in the call. In float64 that order moves the sum far below float32's
-    last bit, so a row's result is the same whatever the batch.
+    On the CPU torch reduces a lone row split over its threads (the one-output path) and two or
+    more rows row by row, which rounds differently: a row's normaliser (so its logprobs and its
+    top-p cut) changed with whatever else was in the call. A lone row is therefore reduced as
+    the first of two copies (tests/test_verify.py). Summing in float64 instead cost 3x on the
+    CPU and has no MPS kernel.
     """
-    return torch.logsumexp(scores.double(), dim=-1, keepdim=keepdim).float()
+    if scores.shape[0] == 1:
+        return torch.logsumexp(scores.repeat(2, 1), dim=-1, keepdim=keepdim)[:1]
+    return torch.logsumexp(scores, dim=-1, keepdim=keepdim)
 
 
 def _check_rows_per_request(counts: np.ndarray, num_requests: int, num_rows: int) -> None:

@@ -185,8 +185,8 @@ def _check_finite(host: HostVerifyResult) -> None:
     bad = ~np.isfinite(host.emitted_logprobs)
     if bad.any():
         req = int(np.searchsorted(host.emitted_offsets, np.flatnonzero(bad)[0], side="right")) - 1
-        raise ValueError(f"logits of request {req} are not finite (a NaN or +inf logit, or every "
-                         f"logit -inf): its emitted logprob is "
+        raise ValueError(f"logits of request {req} (its place in the batch) are not finite (a NaN "
+                         f"or +inf logit, or every logit -inf): its emitted logprob is "
                          f"{host.emitted_logprobs[bad][0]}, not a log-probability")
 
 
@@ -329,7 +329,13 @@ def _race(logits: torch.Tensor, stats: RowStats, table: SamplingTable,
             u = noise[rows_t]
         else:
             u = race_uniforms(keys.seeds[reqs_t], keys.positions[reqs_t] + depth_t, logits.shape[1])
-        raced = (scores - (-u.log()).log()).argmax(dim=-1)
+        race = scores - (-u.log()).log()
+        raced = race.argmax(dim=-1)
+        # A token that drew U = 0 races at -inf. Where every kept token did (a row that keeps one
+        # token: odds 2^-31 a row), the race has no entrant and the row's best wins, as any
+        # other noise would have it (before, token 0 did, with a logprob of -inf).
+        no_entrant = torch.isneginf(race.gather(1, raced[:, None]).squeeze(1))
+        raced = torch.where(no_entrant, win, raced)
         win = torch.where(greedy[reqs_t], win, raced) if table.any_greedy else raced
     score = scores.gather(1, win[:, None]).squeeze(1)
     win_h, score_h = _fetch([win, score])

@@ -155,7 +155,10 @@ def _row_pass(row_ptr, noise_ptr, k0, k1, pos, vocab, temp, thr, Q: tl.constexpr
     total = tl.sum(tl.where((m == float("-inf")) & (s == s), 0.0, s * tl.exp(m - anchor)), axis=0)
     lse = tl.where(top == float("-inf"), top, top + tl.log(total))
     _, amax = _first_max(best, bi)
-    _, ridx = _first_max(rbest, ri)
+    rtop, ridx = _first_max(rbest, ri)
+    # No finite entrant (every kept token drew U = 0: a row that keeps one token, odds 2^-31):
+    # the row's best wins, as in the reference (verify._race).
+    ridx = tl.where(rtop == float("-inf"), amax, ridx)
     return lse, amax, ridx
 
 

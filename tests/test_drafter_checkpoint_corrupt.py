@@ -117,7 +117,7 @@ def test_any_changed_byte_fails_the_checksum(tmp_path, good, where):
         at = int(where * len(good)) if isinstance(where, float) else where % len(good)
     data = bytearray(good)
     data[at] ^= 0x10
-    with pytest.raises(RuntimeError, match=r"corrupt \(its checksum does not match its contents\)"):
+    with pytest.raises(RuntimeError, match=r"corrupt \(its checksum does not match its contents: damaged or truncated\)"):
         NgramDrafter.load(_written(tmp_path, bytes(data)))
 
 
@@ -285,6 +285,8 @@ def test_checkpoint_paths_are_checked(tmp_path, good):
     with pytest.raises(TypeError, match="path must be a str, bytes or os.PathLike, got int"):
         NgramDrafter.load(5)
     assert NgramDrafter.load(str(tmp_path / "a.bin").encode()).is_live(LIVE_IDS[0])
+    with pytest.raises(ValueError, match="path must be valid UTF-8"):
+        NgramDrafter().save(bytes(tmp_path) + b"/\xff.bin")
 
 
 def test_save_into_a_missing_directory_names_the_path(tmp_path):

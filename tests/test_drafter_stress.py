@@ -185,11 +185,12 @@ def test_propose_ahead_on_one_thread_while_another_extends_in_the_background():
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=extender), threading.Thread(target=proposer)]
+    threads = [threading.Thread(target=extender, daemon=True), threading.Thread(target=proposer, daemon=True)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "the threads deadlocked"
     assert not errors, errors
     d.check_integrity()
 

@@ -272,6 +272,17 @@ def test_example_script_launches_with_or_without_speculation(tmp_path, baseline)
     assert "--actor.model_name_or_path" in train
 
 
+def test_example_script_refuses_a_baseline_switch_it_does_not_know(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "openrlhf" / "train_grpo_rollout_spec.sh"
+    run = subprocess.run(["bash", str(script)], env=dict(os.environ, BASELINE="yes", OUT=str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "BASELINE must be 0 (speculation on) or 1" in run.stderr
+
+
 def test_example_prompts_are_jsonl_with_labels(tmp_path):
     import json
 

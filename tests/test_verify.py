@@ -257,10 +257,27 @@ def test_non_finite_logits_are_refused_naming_the_request(poison, sp):
         logits[row] = float("-inf")
     else:
         logits[row, 2] = float(poison)
-    with pytest.raises(ValueError, match="logits of request 1 are not finite"):
+    with pytest.raises(ValueError, match=r"logits of request 1 \(its place in the batch\) are not finite"):
         verify(logits, BATCH, sp)
     logits[row] = 0.0
     assert np.isfinite(verify(logits, BATCH, sp).host.emitted_logprobs).all()
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.8, top_p=1e-6)])
+def test_a_row_whose_only_kept_token_drew_zero_noise_still_emits_it(sp):
+    """A uniform of exactly 0 (odds 2^-31 a draw) races at -inf; on a row that keeps one token
+    that left no entrant, and token 0 was emitted with a logprob of -inf."""
+    from rollout_spec.sampling import SamplingTable
+    from rollout_spec.verify import verify_torch
+
+    logits = torch.randn(5, 9, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    logits[:, 0] = -5.0  # token 0 is never the best
+    noise = torch.full((5, 9), 0.5, device=DEVICE)
+    noise[torch.arange(5), logits.argmax(dim=-1)] = 0.0
+    keys = NoiseKeys(torch.arange(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    host = verify_torch(logits, BATCH, SamplingTable.from_params(sp, 2), keys, noise=noise)
+    assert host.bonus.tolist() == [int(logits[host.num_accepted[0]].argmax()), int(logits[3].argmax())]
+    assert np.allclose(host.emitted_logprobs, 0.0)
 
 
 def test_bad_types_are_refused():

@@ -6,7 +6,13 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 MODEL="${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}"
-OUT="${OUT:-$HERE/runs/grpo_rollout_spec}"
+BASELINE="${BASELINE:-0}"
+if [[ "$BASELINE" != 0 && "$BASELINE" != 1 ]]; then
+  echo "BASELINE must be 0 (speculation on) or 1 (the baseline without it), got '$BASELINE'" >&2
+  exit 2
+fi
+RUN_NAME=$([[ "$BASELINE" == 1 ]] && echo grpo_baseline || echo grpo_rollout_spec)
+OUT="${OUT:-$HERE/runs/$RUN_NAME}"  # each run its own checkpoints and logs
 PROMPTS="$OUT/prompts.jsonl"
 
 python "$HERE/make_prompts.py" --out "$PROMPTS" --size 256
@@ -19,7 +25,7 @@ ROLLOUT_SPEC_ARGS=(
   --rollout_spec.history_steps 4
   --rollout_spec.shared_index grpo-index
 )
-if [[ "${BASELINE:-0}" == 1 ]]; then
+if [[ "$BASELINE" == 1 ]]; then
   ROLLOUT_SPEC_ARGS=()
 fi
 
