@@ -159,8 +159,9 @@ def verify(
     Returns:
         VerifyResult (numpy arrays in ``.host``, device tensors on access).
     Raises:
-        ValueError/TypeError naming the offending argument or field; ValueError naming the
-        request whose logits are not finite (checked on the emitted logprobs, after the walk).
+        ValueError/TypeError naming the offending argument or field; NonFiniteLogits (a
+        ValueError) naming the request whose logits are not finite (checked on the emitted
+        logprobs, after the walk).
     """
     table = _check_inputs(logits, batch, sampling, tree)
     if keys is None:
@@ -179,15 +180,23 @@ def verify(
     return result
 
 
+class NonFiniteLogits(ValueError):
+    """A request's logits held a NaN or +inf, or nothing but -inf: its tokens would not be a
+    sample of anything. ``request`` is its place in the batch (callers name it their way)."""
+
+    def __init__(self, request: int, logprob: float):
+        super().__init__(f"logits of request {request} (its place in the batch) are not finite (a "
+                         f"NaN or +inf logit, or every logit -inf): its emitted logprob is {logprob}, "
+                         f"not a log-probability")
+        self.request = request
+
+
 def _check_finite(host: HostVerifyResult) -> None:
-    """ValueError naming the first request whose emitted logprobs are not finite: its logits
-    held a NaN or +inf, or nothing but -inf, so its tokens are not a sample of anything."""
+    """NonFiniteLogits for the first request whose emitted logprobs are not finite."""
     bad = ~np.isfinite(host.emitted_logprobs)
     if bad.any():
         req = int(np.searchsorted(host.emitted_offsets, np.flatnonzero(bad)[0], side="right")) - 1
-        raise ValueError(f"logits of request {req} (its place in the batch) are not finite (a NaN "
-                         f"or +inf logit, or every logit -inf): its emitted logprob is "
-                         f"{host.emitted_logprobs[bad][0]}, not a log-probability")
+        raise NonFiniteLogits(req, float(host.emitted_logprobs[bad][0]))
 
 
 def verify_torch(logits: torch.Tensor, batch: DraftBatch, table: SamplingTable, keys: NoiseKeys,

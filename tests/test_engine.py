@@ -387,6 +387,30 @@ def test_a_per_request_budget_reaches_the_requests_it_was_asked_for(pair) -> Non
     assert any(b > 0 for r, b in given if r % 2 == 0)
 
 
+def test_non_finite_logits_name_the_prompt_and_sample_and_the_engine_recovers(pair) -> None:
+    _, model = pair
+    eng = engine(model, SpecConfig(num_draft_tokens=4))
+    prompts = mixed_prompts(3, seed=5)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    want = [o.token_ids for o in eng.generate(prompts, params)]
+    forward, calls = eng.runner.verify_forward, []
+
+    def poisoned(*a, **kw):
+        logits, tree = forward(*a, **kw)
+        calls.append(1)
+        if len(calls) == 1:  # the first decode step (the drafter knows the rest): request 3
+            logits = logits.clone()
+            batch = a[3]  # verify_forward(slot, ctx_len, root, batch): request 3's root row
+            logits[int(batch.offsets[3]) + 3, 1] = float("nan")
+        return logits, tree
+
+    eng.runner.verify_forward = poisoned
+    with pytest.raises(ValueError, match=r"the model's logits for prompt 1, sample 1 are not finite"):
+        eng.generate(prompts, params)
+    eng.runner.verify_forward = forward
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+
+
 def test_context_limit_finishes_with_length(pair) -> None:
     _, model = pair
     eng = engine(model, ScriptedDrafter("random"), max_model_len=40)

@@ -30,7 +30,7 @@ from rollout_spec.engine.sequence import Sequence
 from rollout_spec.engine.shadow_acceptance import ShadowAcceptance
 from rollout_spec.noise import NoiseKeys
 from rollout_spec.tree import DraftBatch, to_device
-from rollout_spec.verify import VerifyResult, verify
+from rollout_spec.verify import NonFiniteLogits, VerifyResult, verify
 
 DraftBudget = Callable[[int], Union[int, Seq[int], np.ndarray]]
 """Asked once per decode step, while the GPU runs the decode step before it, with the number of
@@ -378,8 +378,7 @@ class RolloutEngine:
                                        np.array([s.seed for s in seqs], np.int64),
                                        np.array([len(s.prompt) - 1 for s in seqs], np.int64)],
                                       self.device)
-        res = verify(logits[rows], DraftBatch.empty(len(seqs)), _params_of(seqs),
-                     keys=NoiseKeys(seeds, last), backend=self.verify_backend)
+        res = self._verify(seqs, logits[rows], DraftBatch.empty(len(seqs)), keys=NoiseKeys(seeds, last))
         zeros = np.zeros(len(seqs), np.int64)
         run = RunningBatch(zeros, np.array([len(s.prompt) for s in seqs], np.int64), zeros, zeros,
                            np.array([s.req_id for s in seqs], np.int64),
@@ -403,14 +402,23 @@ class RolloutEngine:
             self._drafting_shadow(seqs, run)
         # With drafts, the fused walk hands its rows to the KV compaction before the readback.
         compact = self.runner.compact_kv if batch.num_nodes else None
-        res = verify(logits, batch, _params_of(seqs), keys=self.runner.noise_keys(), tree=tree,
-                     backend=self.verify_backend, on_walk=compact)
+        res = self._verify(seqs, logits, batch, keys=self.runner.noise_keys(), tree=tree, on_walk=compact)
         t2 = self.clock()
         ahead = batch.num_nodes > 0 or self._next_step_drafts()
         accepted, emitted = self._commit(seqs, res, batch, run, feed_now=ahead)
         t3 = self.clock()
         self._unaccounted = (run, budgets, batch, accepted, emitted, (t0, t1, t2, t3), catch_up)
         self._drafted_last = ahead
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, batch: DraftBatch, **kw: Any) -> VerifyResult:
+        """``verify`` of one step's rows; logits the model made non-finite are named by the
+        caller's prompt and sample rather than a place in the step's batch."""
+        try:
+            return verify(logits, batch, _params_of(seqs), backend=self.verify_backend, **kw)
+        except NonFiniteLogits as err:
+            s = seqs[err.request]
+            raise ValueError(f"the model's logits for prompt {s.prompt_index}, sample {s.sample_index} "
+                             f"are not finite (a NaN or +inf logit, or every logit -inf)") from None
 
     def _shadow_observer(self) -> Optional[Callable[[np.ndarray], None]]:
         """The budget's ``observe_plain`` when shadow rounds run for it, else None."""
