@@ -253,7 +253,10 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
                 on_tree: Optional[Callable[[Tree, Sequence[int]], None]] = None) -> StepResult:
     """Replay one step lock-step; requests get ids ``first_id, first_id + 1, ...``.
 
-    ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
+    Every iteration is one verify step per live request. A request's first one stands for its
+    prefill and asks for no draft: an engine draws the first token from the prompt's forward
+    (until session 73 it drafted there too, which let a drafter that knows a group's earlier
+    openings emit up to ``budget + 1`` tokens from the prefill). ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
     engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
     drafter's calls: by default the process's CPU time, which counts every thread's work (a
     drafter that splits its calls over a pool of threads is charged for all of them; the calling
@@ -291,7 +294,9 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
                 continue
         ids = list(live)
         t0 = clock()
-        result = drafter.propose(ids, [budget] * len(ids))
+        # A request's first iteration stands for its prefill, which draws the first token from
+        # the prompt's forward without a draft (as the engine does): budget 0 there.
+        result = drafter.propose(ids, [budget if live[i] else 0 for i in ids])
         t1 = clock()
         emitted, done = [], []
         for rid, tree in zip(ids, as_trees(result, len(ids))):
@@ -421,6 +426,9 @@ class ArcticDrafter:
         """speculate per request."""
         out = []
         for r, k in zip(req_ids, budgets):
+            if k == 0:  # nothing asked (a request's prefill): no call
+                out.append(([], []))
+                continue
             ctx = np.asarray(self.ctx[r][-self.max_depth:], dtype=np.int32)
             d = self.cache.speculate(r, ctx, max_spec_tokens=int(k), min_token_prob=self.min_token_prob,
                                      use_tree_spec=self.tree)

@@ -179,11 +179,16 @@ def test_replay_without_drafts_has_tpf_one():
     assert [r.tokens for r in res] == [12, 8] and [r.verify_steps for r in res] == [12, 8]
 
 
-def test_replay_with_an_oracle_takes_one_verify_per_budget_plus_one():
-    res = replay(OracleDrafter(small_trace()), small_trace(), budget=1)
-    # 4-token responses with 1 drafted + 1 bonus per verify: 2 verifies each
+def test_replay_with_an_oracle_takes_one_verify_per_budget_plus_one_after_the_prefill():
+    """A request's first verify is its prefill: no draft, one token (an oracle knows the first
+    token as well, but no engine verifies a draft there)."""
+    res = replay(OracleDrafter(small_trace()), small_trace(), budget=3)
+    # 4-token responses: the prefill's token, then 3 drafted (all accepted, the bonus cut): 2 each
     assert [r.verify_steps for r in res] == [6, 4] and [r.tpf for r in res] == [2.0, 2.0]
-    assert res[0].accepted == 6
+    assert res[0].accepted == 9 and res[0].drafted == 9
+    res = replay(OracleDrafter(small_trace()), small_trace(), budget=1)
+    # the prefill's token, then 1 drafted + 1 bonus, then the last token drafted: 3 each
+    assert [r.verify_steps for r in res] == [9, 6] and res[0].accepted == 6
 
 
 class PoolDrafter(NullDrafter):
