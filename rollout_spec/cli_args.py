@@ -103,15 +103,13 @@ def device_arg(text: str) -> str:
 
 
 def model_arg(text: str) -> str:
-    """An argparse type: a model the engine can load, checked without loading it: a known name,
-    a .gguf file or a directory with config.json."""
-    from rollout_spec.engine.weights import KNOWN_MODELS
+    """An argparse type: a model the engine can load (``weights.model_kind``), checked without
+    loading it."""
+    from rollout_spec.engine.weights import model_kind, unknown_model
 
-    path = Path(text).expanduser()
-    if text in KNOWN_MODELS or (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf"):
-        return text
-    raise argparse.ArgumentTypeError(f"model must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a "
-                                     f"directory with config.json, got {text!r}")
+    if model_kind(text) is None:
+        raise argparse.ArgumentTypeError(unknown_model(text))
+    return text
 
 
 def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--device") -> str:

@@ -256,7 +256,9 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
     Every iteration is one verify step per live request. A request's first one stands for its
     prefill and asks for no draft: an engine draws the first token from the prompt's forward
     (until session 73 it drafted there too, which let a drafter that knows a group's earlier
-    openings emit up to ``budget + 1`` tokens from the prefill). ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
+    openings emit up to ``budget + 1`` tokens from the prefill).
+
+    ``max_live`` caps concurrent requests (admitting waiting ones as others finish), as an
     engine's batch limit would; None runs all of the step's requests at once. ``clock`` times the
     drafter's calls: by default the process's CPU time, which counts every thread's work (a
     drafter that splits its calls over a pool of threads is charged for all of them; the calling

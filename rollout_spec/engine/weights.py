@@ -84,23 +84,40 @@ def _write_model_dir(hf: Any, gguf_path: Path, out: Path) -> None:
     )
 
 
+def model_kind(name_or_path: str) -> Optional[str]:
+    """What ``name_or_path`` names, checked without loading anything: "known" (a packaged
+    model), "gguf" (a GGUF file), "dir" (a directory with config.json), or None."""
+    if name_or_path in KNOWN_MODELS:
+        return "known"
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "dir"
+    return None
+
+
+def unknown_model(name_or_path: str) -> str:
+    """The error for a ``name_or_path`` that ``model_kind`` does not know."""
+    return (f"model must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a directory with "
+            f"config.json and *.safetensors; got {name_or_path!r}")
+
+
 def resolve_model_dir(name_or_path: str) -> Path:
     """A safetensors directory for a known name, a GGUF file, or a directory (returned as is)."""
-    if name_or_path in KNOWN_MODELS:
+    kind = model_kind(name_or_path)
+    if kind == "known":
         out = cache_root() / "models" / name_or_path
         return out if (out / "config.json").is_file() else convert_gguf(packaged_gguf(name_or_path), out)
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if kind == "gguf":
         stat = path.stat()
         key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
         out = cache_root() / "models" / f"{path.stem}-{key[:12]}"
         return out if (out / "config.json").is_file() else convert_gguf(path, out)
-    if path.is_dir() and (path / "config.json").is_file():
+    if kind == "dir":
         return path
-    raise ValueError(
-        f"model must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a directory with "
-        f"config.json and *.safetensors; got {name_or_path!r}"
-    )
+    raise ValueError(unknown_model(name_or_path))
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
