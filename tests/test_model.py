@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout_spec.engine.kv_cache import KVCache
-from rollout_spec.engine.model import StepContext, Transformer
+from rollout_spec.engine.model import StepContext, Transformer, rope_inverse_frequencies, rope_settings
 from rollout_spec.engine.weights import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -92,6 +92,32 @@ def test_tree_step_matches_full_forward() -> None:
         for col, path in ((0, [5]), (1, [5, 7]), (2, [5, 9]), (3, [5, 7, 11])):
             full = ref(torch.cat([prompt, torch.tensor([path])], dim=1)).logits[0, -1]
             torch.testing.assert_close(got[0, col], full, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_settings_are_read_from_transformers_4_configs() -> None:
+    """transformers 4.x keeps RoPE's variant in ``rope_scaling`` (None when plain; ``type`` in
+    older files) and ``rope_theta`` beside it: a scaled or unsupported variant there is seen, not
+    run as plain RoPE. (Its scaled variants' frequencies need 4.x's own init functions; session 74
+    compared logits against transformers 4.57.1 by hand: docs/engine.md.)"""
+    from types import SimpleNamespace
+
+    v4 = SimpleNamespace(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=10000.0)
+    assert rope_settings(v4) == ("linear", {"type": "linear", "factor": 2.0})
+    llama3 = SimpleNamespace(rope_scaling={"rope_type": "llama3", "factor": 8.0}, rope_theta=5e5)
+    assert rope_settings(llama3)[0] == "llama3"
+    plain = SimpleNamespace(rope_scaling=None, rope_theta=5e5)
+    assert rope_settings(plain) == ("default", {})
+    inv, scale = rope_inverse_frequencies(SimpleNamespace(hf_config=plain, head_dim=8))
+    assert scale == 1.0 and torch.allclose(inv, 1.0 / 5e5 ** (torch.arange(0, 8, 2).float() / 8))
+    for kind in ("dynamic", "longrope"):
+        config = SimpleNamespace(hf_config=SimpleNamespace(rope_scaling={"type": kind, "factor": 2.0},
+                                                           rope_theta=1e4), head_dim=8)
+        with pytest.raises(ValueError, match=f"rope_type '{kind}' is not supported"):
+            rope_inverse_frequencies(config)
+    # transformers 5 configs: rope_parameters wins
+    v5 = transformers.LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "rope_theta": 1e4,
+                                                           "factor": 2.0})
+    assert rope_settings(v5)[0] == "linear"
 
 
 def test_unsupported_family_is_rejected() -> None:

@@ -99,9 +99,17 @@ def rope_inverse_frequencies(config: ModelConfig) -> tuple[Tensor, float]:
         return _rope_inverse_frequencies(config)
 
 
+def rope_settings(hf_config: Any) -> tuple[str, dict]:
+    """The RoPE variant's name and its settings, from either transformers generation's config:
+    5.x keeps them in ``rope_parameters`` (``rope_theta`` included), 4.x in ``rope_scaling``
+    (None for plain RoPE; older files name the variant ``type``) with ``rope_theta`` beside it.
+    Reading only the first made 4.x run scaled models (Llama 3.x, yarn) with plain RoPE."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default"))), dict(params)
+
+
 def _rope_inverse_frequencies(config: ModelConfig) -> tuple[Tensor, float]:
-    params = getattr(config.hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
+    rope_type, params = rope_settings(config.hf_config)
     if rope_type == "default":
         theta = float(params.get("rope_theta", getattr(config.hf_config, "rope_theta", 10000.0)))
         exps = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
