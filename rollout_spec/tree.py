@@ -144,6 +144,19 @@ class DraftBatch:
             raise ValueError(_PARENTS_RULE)
 
 
+def drafter_output(batch: object, budgets: np.ndarray) -> DraftBatch:
+    """A drafter's answer to ``propose(req_ids, budgets)``, checked against the contract: a valid
+    DraftBatch with one tree per request, none larger than its budget. Raises TypeError for
+    anything else than a DraftBatch, ValueError naming what broke."""
+    if not isinstance(batch, DraftBatch):
+        raise TypeError(f"drafter returned {type(batch).__name__}, not a DraftBatch")
+    batch.validate()
+    if batch.num_requests != len(budgets) or (batch.sizes() > budgets).any():
+        raise ValueError(f"drafter returned {batch.num_requests} trees of sizes {batch.sizes().tolist()} "
+                         f"for {len(budgets)} requests with budgets {np.asarray(budgets).tolist()}")
+    return batch
+
+
 _INT32_MAX = 2**31 - 1
 _PARENTS_RULE = ("DraftBatch.parents[i] must be -1 or in [0, i) within its request's slice "
                  "(topological order)")

@@ -473,6 +473,17 @@ def test_drafter_over_budget_is_rejected() -> None:
         engine(model, Greedy("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
 
 
+def test_a_drafter_returning_no_draft_batch_is_named() -> None:
+    _, model = tiny_pair("llama")
+
+    class Lists(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            return [[(1, -1)] for _ in req_ids]
+
+    with pytest.raises(TypeError, match="drafter returned list, not a DraftBatch"):
+        engine(model, Lists("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+
 def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
     """The real drafter through SpecConfig; repeated prompts share a group and get accepted drafts."""
     _, model = pair

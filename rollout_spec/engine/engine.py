@@ -29,7 +29,7 @@ from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.engine.shadow_acceptance import ShadowAcceptance
 from rollout_spec.noise import NoiseKeys
-from rollout_spec.tree import DraftBatch, to_device
+from rollout_spec.tree import DraftBatch, drafter_output, to_device
 from rollout_spec.verify import NonFiniteLogits, VerifyResult, verify
 
 DraftBudget = Callable[[int], Union[int, Seq[int], np.ndarray]]
@@ -563,12 +563,7 @@ class RolloutEngine:
 
     def _checked(self, batch: DraftBatch, budgets: np.ndarray) -> DraftBatch:
         """The drafter's batch, after checking it against the budgets and the vocabulary."""
-        batch.validate()
-        if batch.num_requests != len(budgets) or (batch.sizes() > budgets).any():
-            raise ValueError(
-                f"drafter returned {batch.num_requests} trees of sizes {batch.sizes().tolist()} "
-                f"for {len(budgets)} requests with budgets {budgets.tolist()}"
-            )
+        batch = drafter_output(batch, budgets)
         if batch.num_nodes and int(batch.tokens.max()) >= self.model.config.vocab_size:
             raise ValueError(
                 f"drafter proposed token {int(batch.tokens.max())}, vocab_size is "

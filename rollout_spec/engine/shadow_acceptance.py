@@ -34,7 +34,7 @@ from rollout_spec.engine.commit import RunningBatch
 from rollout_spec.engine.drafter_queue import DrafterQueue
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.replay import accepted_path
-from rollout_spec.tree import DraftBatch
+from rollout_spec.tree import drafter_output
 
 
 class ShadowAcceptance:
@@ -96,11 +96,7 @@ class ShadowAcceptance:
                                             for s, a in zip(seqs, starts)):
                 waiting.append(entry)
                 continue
-            batch: DraftBatch = future.result()
-            batch.validate()
-            if batch.num_requests != len(seqs) or (batch.sizes() > self.budget).any():
-                raise ValueError(f"drafter returned {batch.num_requests} trees of sizes "
-                                 f"{batch.sizes().tolist()} for {len(seqs)} requests with budget {self.budget}")
+            batch = drafter_output(future.result(), np.full(len(seqs), self.budget))
             off = batch.offsets.tolist()
             toks, pars = batch.tokens.tolist(), batch.parents.tolist()
             accepted = np.zeros((len(seqs), self.budget + 1), np.int64)
