@@ -23,7 +23,8 @@ CODE_INSTRUCTION = "Complete the following Python function. Reply with the full 
 HUMANEVAL_TIMEOUT_S = 3.0
 
 _ANSWER_MARK = "####"
-_CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
+_FENCED_BLOCK = re.compile(r"```([^\n`]*)\r?\n(.*?)(?:```|$)", re.DOTALL)  # (tag, code); unclosed runs to the end
+_PYTHON_TAGS = ("", "python", "python3", "py")
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,10 @@ def extract_code(response: str) -> str:
     """The first fenced code block of a reply (untagged, or tagged python, python3 or py in any
     case), else the reply itself."""
     _check_text("response", response)
-    match = _CODE_BLOCK.search(response)
-    return match.group(1) if match else response
+    for block in _FENCED_BLOCK.finditer(response):  # fences paired in order: a closing one opens nothing
+        if block.group(1).strip().lower() in _PYTHON_TAGS:
+            return block.group(2)
+    return response
 
 
 def _check_text(name: str, value: object) -> None:

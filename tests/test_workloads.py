@@ -81,6 +81,11 @@ def test_answer_and_code_extraction():
     for fence in ("```Python\n", "```python3\n", "```python\r\n", "``` python\n", "```\n"):
         assert extract_code(f"Here:\n{fence}x = 1\n```") == "x = 1\n", fence
     assert extract_code("plain") == "plain"
+    # a block in another language is skipped whole: its closing fence opens nothing
+    for other in ("```text\nIt keeps the fraction.\n```\n", "```pycon\n>>> f(3.5)\n0.5\n```\n",
+                  "```bash\npip install x\n```\nThen:\n"):
+        assert extract_code(other + "```python\nx = 1\n```") == "x = 1\n", other
+    assert extract_code("```text\nonly prose\n```") == "```text\nonly prose\n```"
 
 
 def test_trace_round_trip_in_shared_format(tmp_path):
