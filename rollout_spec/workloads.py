@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rollout_spec.config import check_int
+from rollout_spec.config import check_float, check_int
+from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.token_ids import MAX_TOKEN_ID, token_array
 
 HUMANEVAL = "humaneval"
@@ -206,7 +207,12 @@ class TraceRecorder:
         if eos_token_id is not None:
             eos_token_id = check_int("eos_token_id", eos_token_id, 0,
                                      MAX_TOKEN_ID if vocab_size is None else vocab_size - 1)
-        self.meta = {"model": model, "sampling": dict(sampling), "eos_token_id": eos_token_id}
+        if not isinstance(sampling, dict):
+            raise TypeError(f"sampling must be a dict, got {type(sampling).__name__}")
+        sampling = dict(sampling)
+        if sampling.get("temperature") is not None:  # what a replay reads back (load_trace's range)
+            sampling["temperature"] = check_float("sampling['temperature']", sampling["temperature"], 0.0, 100.0)
+        self.meta = {"model": model, "sampling": sampling, "eos_token_id": eos_token_id}
         if vocab_size is not None:
             self.meta["vocab_size"] = vocab_size
         self._prompts: dict[int, Prompt] = {}
@@ -220,6 +226,11 @@ class TraceRecorder:
         (``RolloutOutput.seed``). Everything is checked before anything is recorded."""
         if seeds is not None and len(seeds) != len(responses):
             raise ValueError(f"seeds must have one entry per response ({len(responses)}), got {len(seeds)}")
+        # plain ints in the trace's ranges, so that what is saved loads back (numpy ints would not
+        # even serialise)
+        prompts = [replace(p, group_id=check_int(f"prompts[{i}].group_id", p.group_id, 0, GROUP_ID_MAX),
+                           prompt_ids=tuple(token_array(f"prompts[{i}].prompt_ids", p.prompt_ids).tolist()))
+                   for i, p in enumerate(prompts)]
         rows = []
         for k, response in enumerate(responses):
             try:

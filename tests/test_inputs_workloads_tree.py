@@ -79,6 +79,38 @@ def test_eos_token_id_may_be_absent_or_a_numpy_int():
     assert eos == 2 and type(eos) is int
 
 
+@pytest.mark.parametrize("prompt, error, message", [
+    (Prompt(-1, "math", "x", "q", (1, 2), "3"), ValueError, r"prompts\[0\].group_id must be in \[0, 2147483647\]"),
+    (Prompt(2**31, "math", "x", "q", (1, 2), "3"), ValueError, r"prompts\[0\].group_id must be in"),
+    (Prompt(3, "math", "x", "q", (-7, 2), "3"), ValueError, r"prompts\[0\].prompt_ids .*" + TOKEN_RANGE),
+    (Prompt(3, "math", "x", "q", (1, 2.5), "3"), TypeError, r"prompts\[0\].prompt_ids"),
+])
+def test_prompts_outside_the_trace_format_are_refused(prompt, error, message):
+    """What ``load_trace`` would refuse is refused when recorded, not after the run at save."""
+    rec = TraceRecorder("m", {}, 2)
+    with pytest.raises(error, match=message):
+        rec.add_step([prompt], [(0, [5])])
+    assert rec._steps == [] and rec._prompts == {}
+
+
+def test_numpy_prompts_are_recorded_as_plain_ints_and_load_back(tmp_path):
+    from rollout_spec.replay import load_trace
+
+    rec = TraceRecorder("m", {"temperature": np.float32(0.5)}, 2)
+    rec.add_step([Prompt(np.int64(3), "math", "x", "q", (np.int64(1), 2), "3")], [(0, [5])])
+    trace = load_trace(rec.save(tmp_path / "t.json"))
+    assert trace.prompts == {3: [1, 2]} and trace.steps == [[(3, [5])]]
+    assert trace.meta["sampling"]["temperature"] == 0.5
+
+
+@pytest.mark.parametrize("sampling, error", [
+    ({"temperature": "0.7"}, TypeError), ({"temperature": -1.0}, ValueError), ([("temperature", 1.0)], TypeError),
+])
+def test_sampling_a_replay_could_not_read_is_refused(sampling, error):
+    with pytest.raises(error, match="sampling"):
+        TraceRecorder("m", sampling, 2)
+
+
 # --- prompt_group_id --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ids, error", [
