@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -77,7 +78,7 @@ def load_trace(path: str | Path) -> Trace:
     try:
         with opener(path, "rt") as f:
             raw = json.load(f)
-    except (ValueError, EOFError, gzip.BadGzipFile) as exc:  # JSON and UTF-8 errors are ValueErrors
+    except (ValueError, EOFError, gzip.BadGzipFile, zlib.error) as exc:  # JSON, UTF-8: ValueErrors
         raise ValueError(f"{path}: not a {'gzip ' if path.suffix == '.gz' else ''}JSON trace ({exc})") from None
     if not isinstance(raw, dict) or "prompts" not in raw or "steps" not in raw:
         raise ValueError(f"{path}: a trace needs 'prompts' and 'steps'")

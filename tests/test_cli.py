@@ -1,6 +1,7 @@
 """``rollout-spec`` argument errors and the bench loop over a stand-in engine (engine contract)."""
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ def test_checks_after_parsing_report_as_the_subcommand(capsys, argv):
 @pytest.mark.parametrize("name, content, needle", [
     ("notes.json", b"# not json", "notes.json: not a JSON trace"),
     ("plain.json.gz", b'{"prompts": []}', "plain.json.gz: not a gzip JSON trace"),
+    ("damaged.json.gz", gzip.compress(b'{"prompts": [], "steps": []}', mtime=0)[:10] + b"\xff" * 8,
+     "damaged.json.gz: not a gzip JSON trace (Error -3"),  # a bad deflate block: zlib.error
     ("neg.json", b'{"prompts": [{"group_id": 1, "prompt_ids": [3, -2]}], "steps": []}',
      "prompts[0].prompt_ids[1] must be a token id in [0, 2**31), got -2"),
 ])
