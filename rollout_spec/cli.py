@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def _top_k_arg(text: str) -> int:
     """An argparse type: ``--top-k`` is -1 (keep all) or a positive count."""
-    value = int_arg("--top-k", -1)(text)
+    value = int_arg("--top-k", -1, 1 << 31)(text)  # SamplingParams' range
     if value == 0:
         raise argparse.ArgumentTypeError("--top-k must be -1 (keep all) or >= 1, got 0")
     return value
@@ -102,6 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         check_device(parser, args.device)
+        _check_task_pool(parser, args)
         if args.draft_tokens is None:
             on_cuda = args.device.startswith("cuda") or (args.device == "auto" and _cuda_available())
             args.draft_tokens = 32 if on_cuda else 8
@@ -134,6 +135,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     return run_replay(args, trace)
+
+
+def _check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """HumanEval has a fixed number of problems: a run asking for more is an argument error
+    before any model loads (reasoning-gym tasks generate as many as asked)."""
+    from rollout_spec.workloads import HUMANEVAL, humaneval_size
+
+    if args.task != HUMANEVAL:
+        return
+    count = args.prompts * (args.steps if args.fresh_prompts else 1)
+    if count > humaneval_size():
+        what = "--prompts x --steps (with --fresh-prompts)" if args.fresh_prompts else "--prompts"
+        parser.error(f"{what} must be <= {humaneval_size()} for humaneval, got {count}")
 
 
 def replay_drafters(budget: int, widest_step: int) -> dict[str, Callable[[], Any]]:

