@@ -46,9 +46,22 @@ class Trace:
     seeds: Optional[list[list[Optional[int]]]] = None
 
     def __post_init__(self) -> None:
-        """Seeds that name no seed at all are no seeds: ``noise_keys`` then has nothing to tell."""
+        """Seeds, when given, are one list per step with one entry per response (a ValueError
+        otherwise: ``save_trace`` would drop the unmatched ones); seeds that name no seed at all
+        are no seeds, as ``noise_keys`` then has nothing to tell."""
+        self.check_seeds()
         if self.seeds is not None and all(x is None for step in self.seeds for x in step):
             self.seeds = None
+
+    def check_seeds(self) -> None:
+        """Raise ValueError unless ``seeds`` is None or matches ``steps`` response for response
+        (``save_trace`` checks again: the field may have been set after construction)."""
+        if self.seeds is None:
+            return
+        shape = [len(step) for step in self.steps]
+        if [len(step) for step in self.seeds] != shape:
+            raise ValueError(f"seeds must hold one list per step with one entry per response "
+                             f"({shape}), got {[len(step) for step in self.seeds]}")
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +169,7 @@ def save_trace(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` in the shared format (gzip JSON when the name ends in .gz), whole or not
     at all (``files.replaced_on_success``)."""
     path = Path(path)
+    trace.check_seeds()
     meta = dict(trace.meta)
     records = {int(p["group_id"]): p for p in meta.pop("prompt_records", [])}
     prompts = []

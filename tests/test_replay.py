@@ -94,6 +94,18 @@ def test_recorded_seeds_round_trip(tmp_path):
     assert load_trace(tmp_path / "plain.json").seeds is None  # the shared traces have none
 
 
+def test_seeds_that_do_not_match_the_responses_are_refused(tmp_path):
+    """One seed short, or a step's list missing: refused, never saved with seeds dropped."""
+    t = small_trace()
+    for seeds in ([[11, None], [21, 22]], [[11, None, 13]]):
+        with pytest.raises(ValueError, match=r"seeds must hold one list per step .* \(\[3, 2\]\)"):
+            Trace(prompts=t.prompts, steps=t.steps, seeds=seeds)
+        t.seeds = seeds  # set after construction: save_trace checks again
+        with pytest.raises(ValueError, match="seeds must hold one list per step"):
+            save_trace(t, tmp_path / "t.json")
+        assert not (tmp_path / "t.json").exists()
+
+
 def test_load_rejects_a_bad_seed(tmp_path):
     (tmp_path / "bad.json").write_text('{"prompts": [{"group_id": 0, "prompt_ids": [1]}], '
                                        '"steps": [[{"group_id": 0, "response_ids": [1], "seed": -4}]]}')
