@@ -64,7 +64,7 @@ def test_checks_after_parsing_report_as_the_subcommand(capsys, argv):
      "damaged.json.gz: not a gzip JSON trace (Error -3"),  # a bad deflate block: zlib.error
     ("neg.json", b'{"prompts": [{"group_id": 1, "prompt_ids": [3, -2]}], "steps": []}',
      "prompts[0].prompt_ids[1] must be a token id in [0, 2**31), got -2"),
-])
+], ids=["not-json", "not-gzip", "damaged-deflate", "negative-token"])
 def test_replay_names_what_is_wrong_with_a_trace(capsys, tmp_path, name, content, needle):
     """A file that is not a valid trace is an argument error naming the file and field, not a
     traceback."""
