@@ -14,16 +14,25 @@ BackgroundWorker::~BackgroundWorker() {
   else if (thread_.joinable()) thread_.detach();  // a forked child's copy names no thread
 }
 
+void BackgroundWorker::start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  start_locked();
+}
+
+void BackgroundWorker::start_locked() {
+  const long pid = static_cast<long>(getpid());
+  if (thread_.joinable() && pid_ == pid) return;
+  std::thread started([this] { loop(); });  // may throw: then nothing here has changed
+  if (thread_.joinable()) thread_.detach();
+  thread_ = std::move(started);
+  pid_ = pid;
+}
+
 void BackgroundWorker::post(std::function<void()> job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    start_locked();
     jobs_.push_back(std::move(job));
-    const long pid = static_cast<long>(getpid());
-    if (!thread_.joinable() || pid_ != pid) {
-      if (thread_.joinable()) thread_.detach();
-      pid_ = pid;
-      thread_ = std::thread([this] { loop(); });
-    }
   }
   wake_.notify_one();
 }

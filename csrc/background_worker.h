@@ -20,11 +20,16 @@ class BackgroundWorker {
   BackgroundWorker(const BackgroundWorker&) = delete;
   BackgroundWorker& operator=(const BackgroundWorker&) = delete;
 
-  // Queue `job` behind the jobs posted before it and return at once.
+  // Start the thread in this process if it is not running; throws std::system_error when the
+  // OS refuses it. A caller that changes state before posting starts it first.
+  void start();
+  // Queue `job` behind the jobs posted before it and return at once; a refused thread throws
+  // before anything is queued.
   void post(std::function<void()> job);
 
  private:
   void loop();
+  void start_locked();
 
   std::thread thread_;
   long pid_ = 0;  // process that started thread_

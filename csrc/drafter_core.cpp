@@ -121,8 +121,7 @@ void DrafterCore::index_shared(int32_t slot, int32_t pos) {
 
 void DrafterCore::start(const int64_t* ids, const int32_t* groups, const int32_t* tokens,
                         const int64_t* offsets, size_t n) {
-  auto lock = lock_to_change();
-  check_ids(ids, n, /*must_exist=*/false);
+  auto lock = lock_to_change([&] { check_ids(ids, n, /*must_exist=*/false); });
   for (size_t i = 0; i < n; ++i) {
     int32_t slot = new_slot();
     Sequence& s = seqs_[slot];
@@ -156,12 +155,6 @@ std::unique_lock<std::mutex> DrafterCore::lock_idle() const {
   return lock;
 }
 
-std::unique_lock<std::mutex> DrafterCore::lock_to_change() {
-  auto lock = lock_idle();
-  drop_ahead();
-  return lock;
-}
-
 void DrafterCore::drop_ahead() {
   if (!ahead_.ready) return;
   ahead_.ready = false;
@@ -170,7 +163,7 @@ void DrafterCore::drop_ahead() {
 
 void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                          size_t n) {
-  auto lock = lock_to_change();
+  auto lock = lock_to_change([&] { resolve(ids, n); });
   append_tokens(ids, tokens, offsets, n);
   index_extended(offsets, n);
 }
@@ -178,7 +171,8 @@ void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_
 void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens,
                                        const int64_t* offsets, size_t n) {
   std::lock_guard<std::mutex> posting(post_mu_);  // before the wait: see post_mu_
-  auto lock = lock_to_change();
+  background_.start();  // a refused thread raises here, before anything changes
+  auto lock = lock_to_change([&] { resolve(ids, n); });
   append_tokens(ids, tokens, offsets, n);
   background_offsets_.assign(offsets, offsets + n + 1);
   ++background_jobs_;
@@ -204,6 +198,7 @@ void DrafterCore::propose_ahead(const int64_t* ids, const int32_t* budgets, size
             budgets ? std::vector<int32_t>(budgets, budgets + n) : std::vector<int32_t>{},
             budgets != nullptr, false};
   std::lock_guard<std::mutex> posting(post_mu_);
+  background_.start();  // a refused thread raises here, before the count is raised
   ++background_jobs_;
   background_.post([this, job = std::move(job)]() mutable {
     std::lock_guard<std::mutex> job_lock(mu_);
@@ -230,7 +225,7 @@ void DrafterCore::propose_ahead(const int64_t* ids, const int32_t* budgets, size
 
 void DrafterCore::append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                                 size_t n) {
-  resolve(ids, n);
+  (void)ids;  // resolved into reqs_ by the caller, before anything changed
   for (size_t i = 0; i < n; ++i) {
     Sequence& s = seqs_[reqs_[i]->slot];
     s.tokens.insert(s.tokens.end(), tokens + offsets[i], tokens + offsets[i + 1]);
@@ -365,14 +360,26 @@ void DrafterCore::set_noise(const int64_t* ids, const int64_t* seeds, const doub
     if (seeds[i] >= 0 && !(temperatures[i] > 0.0 && temperatures[i] <= 1e6))
       throw std::invalid_argument("temperatures of seeded requests must be in (0, 1e6]");
   if (q < 1 || q > kMaxNoiseQ) throw std::invalid_argument("q must be in [1, 2**29]");
-  auto lock = lock_to_change();
-  check_ids(ids, n, /*must_exist=*/true);
+  auto lock = lock_to_change([&] {
+    check_ids(ids, n, /*must_exist=*/true);
+    if (q != noise_q_ && keyed_elsewhere(ids, n))
+      throw std::invalid_argument(
+          "vocab_size differs from the one other live requests were keyed with (one vocabulary per "
+          "drafter: their races would move)");
+  });
   noise_q_ = q;
   for (size_t i = 0; i < n; ++i) {
     RequestState& req = requests_.find(ids[i])->second;
     req.noise_seed = seeds[i] < 0 ? -1 : seeds[i];
     req.noise_temperature = seeds[i] < 0 ? 1.0 : temperatures[i];
   }
+}
+
+bool DrafterCore::keyed_elsewhere(const int64_t* ids, size_t n) const {
+  const std::unordered_set<int64_t> these(ids, ids + n);
+  for (const auto& [id, req] : requests_)
+    if (req.noise_seed >= 0 && these.count(id) == 0) return true;
+  return false;
 }
 
 void DrafterCore::finish(const int64_t* ids, size_t n) {
@@ -390,13 +397,14 @@ void DrafterCore::finish(const int64_t* ids, size_t n) {
     s.step = step_;
     refresh_view(slot);
     requests_.erase(it);
+    release_if_empty(slot);
   }
   maybe_evict();
 }
 
 void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
                                 const int64_t* offsets, size_t n, bool pinned) {
-  auto lock = lock_to_change();
+  auto lock = lock_to_change([] {});
   for (size_t i = 0; i < n; ++i) {
     int32_t slot = new_slot();
     Sequence& s = seqs_[slot];
@@ -405,6 +413,7 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
     s.pinned = pinned;
     stored_tokens_ += static_cast<int64_t>(s.tokens.size());
     refresh_view(slot);
+    if (release_if_empty(slot)) continue;
     for (int32_t p = 0; p < s.positions_with_next(); ++p) index_shared(slot, p);
     // Evicting inside the loop keeps a huge ingest within capacity as it streams in.
     if (stored_tokens_ > cfg_.capacity_tokens) maybe_evict();
@@ -413,7 +422,7 @@ void DrafterCore::add_sequences(const int32_t* groups, const int32_t* tokens,
 }
 
 void DrafterCore::end_step() {
-  auto lock = lock_to_change();
+  auto lock = lock_to_change([] {});
   ++step_;
   refresh_all_views();  // Aging: drop group records that fell out of the history window (they stay global).
   for (auto it = groups_.begin(); it != groups_.end();) {

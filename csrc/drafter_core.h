@@ -83,14 +83,25 @@ class DrafterCore {
   // The instance mutex, once no background job (indexing, a proposal drafted ahead) is pending
   // (an error the indexing raised is rethrown here, once).
   std::unique_lock<std::mutex> lock_idle() const;
-  // lock_idle for a call that changes what proposals read: it also drops a proposal drafted
-  // ahead (finish, which changes nothing other requests' proposals read, drops it only when it
-  // evicts).
-  std::unique_lock<std::mutex> lock_to_change();
+  // lock_idle for a call that changes what proposals read: `check` runs first and may throw
+  // (a refused call changes nothing), then a proposal drafted ahead is dropped (finish, which
+  // changes nothing other requests' proposals read, drops it only when it evicts).
+  template <class Check>
+  std::unique_lock<std::mutex> lock_to_change(Check&& check) {
+    auto lock = lock_idle();
+    check();
+    drop_ahead();
+    return lock;
+  }
   void drop_ahead();
+  // Free a stored sequence without tokens at once: it holds nothing to draft from, and it
+  // would never count towards capacity, so eviction would never free it either.
+  bool release_if_empty(int32_t slot);
+  // Whether a live request outside ids[0..n) has noise keys (set_noise's vocabulary check).
+  bool keyed_elsewhere(const int64_t* ids, size_t n) const;
   // check_integrity under a lock the caller holds.
   std::string integrity_problem() const;
-  // extend's two halves: check ids and append tokens (into reqs_); index them.
+  // extend's two halves: append tokens (to reqs_, resolved by the caller); index them.
   void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
   void index_extended(const int64_t* offsets, size_t n);
   int32_t new_slot();

@@ -176,7 +176,7 @@ void DrafterCore::save(std::ostream& out, const std::string& meta) const {
 std::string DrafterCore::read_meta(std::istream& is) { return read_header(is, /*verify=*/false).meta; }
 
 std::string DrafterCore::load(std::istream& is) {
-  auto lock = lock_to_change();
+  auto lock = lock_to_change([] {});
   const Header header = read_header(is, /*verify=*/true);
   const uint64_t size = header.size;
   // Versions 4 and 5 also hold each request's own index log and match state.

@@ -35,6 +35,15 @@ void DrafterCore::maybe_evict() {
   free_slots_.insert(free_slots_.end(), freed.begin(), freed.end());
 }
 
+bool DrafterCore::release_if_empty(int32_t slot) {
+  Sequence& s = seqs_[slot];
+  if (s.live || !s.tokens.empty()) return false;
+  s = Sequence{};
+  refresh_view(slot);
+  free_slots_.push_back(slot);
+  return true;
+}
+
 void DrafterCore::rebuild_shared() {
   auto tokens_of = [&](int32_t seq) { return seqs_[seq].tokens.data(); };
   auto alive = [&](int32_t seq) { return seqs_[seq].alive; };

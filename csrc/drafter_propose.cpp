@@ -205,20 +205,19 @@ void DrafterCore::lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) co
 
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
   auto lock = lock_idle();
+  resolve(ids, n);  // refused ids raise before a proposal drafted ahead is used or dropped
   if (ahead_.ready) {
     const bool same = ahead_.ids.size() == n && std::equal(ids, ids + n, ahead_.ids.begin()) &&
                       ahead_.has_budgets == (budgets != nullptr) &&
                       (!budgets || std::equal(budgets, budgets + n, ahead_.budgets.begin()));
-    if (same) {
+    if (same) {  // the same states as when drafted: nothing changed them since
       ahead_.ready = false;
       ++ahead_hits_;
-      resolve(ids, n);  // the same states as when drafted: nothing changed them since
       commit_parallel(budgets, n, out);
       return;
     }
     drop_ahead();
   }
-  resolve(ids, n);
   if (splits(n)) {
     draft_all(budgets, n, true);
     commit_parallel(budgets, n, out);

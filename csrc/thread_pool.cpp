@@ -4,10 +4,17 @@ namespace rollout_spec {
 
 ThreadPool::ThreadPool(int threads) {
   threads_.reserve(threads > 1 ? threads - 1 : 0);
-  for (int w = 1; w < threads; ++w) threads_.emplace_back([this, w] { loop(w); });
+  try {
+    for (int w = 1; w < threads; ++w) threads_.emplace_back([this, w] { loop(w); });
+  } catch (...) {  // the OS refused a thread: the ones started must stop before the members go
+    stop_and_join();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_and_join(); }
+
+void ThreadPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;

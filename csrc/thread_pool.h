@@ -16,7 +16,8 @@ namespace rollout_spec {
 
 class ThreadPool {
  public:
-  // `threads` workers in all, the caller included (>= 1).
+  // `threads` workers in all, the caller included (>= 1). Throws std::system_error, with no
+  // thread left running, when the OS refuses one.
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -29,6 +30,7 @@ class ThreadPool {
 
  private:
   void loop(int worker);
+  void stop_and_join();
 
   std::vector<std::thread> threads_;
   std::mutex mu_;

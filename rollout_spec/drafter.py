@@ -231,7 +231,9 @@ class NgramDrafter:
 
         Raises:
             ValueError: unknown or repeated ids, lengths differ, a seed outside [0, 2**63-1], a
-                seeded request's temperature outside (0, 1e6], vocab_size outside [1, 2**31-1].
+                seeded request's temperature outside (0, 1e6], vocab_size outside [1, 2**31-1]
+                or other than the one live requests outside this call were keyed with (one
+                vocabulary per drafter).
             TypeError: ids, seeds or vocab_size are not integers.
         """
         from rollout_spec.noise import quarter_block
@@ -260,7 +262,10 @@ class NgramDrafter:
         their indexing (most of an extend's cost) runs on the core's own thread, without the
         GIL, and every later call on this drafter waits for it first, so results are the same
         as after a plain ``extend_batch`` (an engine uses the time for its own bookkeeping).
+        ``background`` must be a bool (TypeError otherwise).
         """
+        if type(background) is not bool:
+            raise TypeError(f"background must be a bool, got {type(background).__name__} {background!r}")
         # Ids and token lists as lists of Python ints (the decode loop's form) are converted
         # natively; anything else, including every invalid input, takes the validating path.
         if self._core.extend_pylists(req_ids, token_lists, background):

@@ -158,6 +158,24 @@ def test_bad_noise_keys_raise_and_change_nothing(ids, seeds, temps, vocab, match
     assert d.propose([0]).tokens.tolist() == [40]
 
 
+def test_one_vocabulary_per_drafter_while_keyed_requests_live():
+    """The noise's layout follows the vocabulary, and it is kept once per drafter: keying one
+    request with another vocab_size would move every other keyed request's race, so it is refused
+    while they live (and taken once they have finished, or when they are keyed again with it)."""
+    d = tied_drafter([[1, 2, 30], [1, 2, 40]], budget=2)
+    d.start(1, [5, 1, 2])
+    d.set_noise_keys([0], [7], [1.0], VOCAB)
+    want = d.propose([0]).tokens.tolist()
+    with pytest.raises(ValueError, match="vocab_size differs from the one other live requests were keyed with"):
+        d.set_noise_keys([1], [8], [1.0], 4 * VOCAB)
+    assert d.propose([0]).tokens.tolist() == want
+    d.set_noise_keys([1], [8], [1.0], VOCAB)  # the same vocabulary: fine
+    d.set_noise_keys([0, 1], [7, 8], [1.0, 1.0], 4 * VOCAB)  # every keyed request at once: fine
+    d.finish_batch([0, 1])
+    d.start(2, [5, 1, 2])
+    d.set_noise_keys([2], [7], [1.0], VOCAB)  # none left keyed with the other one
+
+
 def test_a_greedy_requests_temperature_is_not_read():
     d = tied_drafter([[1, 2, 30], [1, 2, 40]], budget=1)
     d.set_noise_keys([0], [None], [0.0], VOCAB)

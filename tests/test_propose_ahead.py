@@ -66,6 +66,31 @@ def test_a_change_or_other_arguments_drop_it(change):
     assert (a.stats()["ahead_hits"], a.stats()["ahead_dropped"]) == (0, 1)
 
 
+@pytest.mark.parametrize("refused", ["extend unknown", "extend repeated", "background extend unknown",
+                                     "propose unknown", "propose repeated", "propose finished"])
+def test_a_refused_call_keeps_it(refused):
+    """A call that raises changes nothing, the proposal drafted ahead included: the propose with
+    the same arguments still takes it."""
+    a, b = started(), started()
+    a.propose_ahead([0, 1], [4, 4])
+    if refused == "propose finished":  # a finish keeps it; the propose naming the finished id is refused
+        for d in (a, b):
+            d.finish_batch([1])
+    calls = {"extend unknown": lambda d: d.extend_batch([99], [[1]]),
+             "extend repeated": lambda d: d.extend_batch([0, 0], [[1], [2]]),
+             "background extend unknown": lambda d: d.extend_batch([99], [[1]], background=True),
+             "propose unknown": lambda d: d.propose([99]),
+             "propose repeated": lambda d: d.propose([2, 2]),
+             "propose finished": lambda d: d.propose([0, 1], [4, 4])}
+    before = a.stats()
+    with pytest.raises(ValueError, match="request id"):
+        calls[refused](a)
+    assert a.stats() == before
+    if refused != "propose finished":
+        assert_same(a.propose([0, 1], [4, 4]), b.propose([0, 1], [4, 4]))
+        assert (a.stats()["ahead_hits"], a.stats()["ahead_dropped"]) == (1, 0)
+
+
 def test_a_finish_keeps_it_unless_it_evicts():
     a, b = started(), started()
     a.propose_ahead([0, 1], [4, 4])
