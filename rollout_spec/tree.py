@@ -228,21 +228,31 @@ def index_arrays(batch: DraftBatch, width: int) -> tuple[np.ndarray, np.ndarray,
 
 
 def _host_vector(name: str, value: object, num_req: int) -> np.ndarray | None:
-    """int64[B] host copy of a root argument given as a numpy array or a CPU tensor; None for
-    a tensor on another device; ValueError naming the argument for anything else."""
+    """int64[B] host copy of a root argument given as a numpy array or a CPU tensor, each entry
+    in [0, 2**31-1] (token ids and positions alike); None for a tensor on another device (not
+    read back to be checked); ValueError naming the argument for anything else."""
     import torch
 
     if isinstance(value, torch.Tensor):
         if value.shape != (num_req,) or value.is_floating_point() or value.is_complex():
             raise ValueError(f"{name} must be integers of shape [B]=[{num_req}], got "
                              f"{value.dtype} {tuple(value.shape)}")
-        return value.numpy().astype(np.int64) if value.device.type == "cpu" else None
+        return _in_range(name, value.numpy()) if value.device.type == "cpu" else None
     if isinstance(value, np.ndarray) and value.shape == (num_req,) and value.dtype.kind in "iu":
-        return value.astype(np.int64)
+        return _in_range(name, value)
     got = (f"{value.dtype} {value.shape}" if isinstance(value, np.ndarray)
            else type(value).__name__)
     raise ValueError(f"{name} must be an integer numpy array or tensor of shape "
                      f"[B]=[{num_req}], got {got}")
+
+
+def _in_range(name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as int64 if all lie in [0, 2**31-1] (checked before the cast, which would wrap
+    a uint64 above 2**63), else a ValueError naming ``name``."""
+    if values.size and (values.min() < 0 or values.max() > _INT32_MAX):
+        bad = values[(values < 0) | (values > _INT32_MAX)][0]
+        raise ValueError(f"{name} must be in [0, {_INT32_MAX}], got {bad}")
+    return values.astype(np.int64)
 
 
 def build_tree_inputs(
