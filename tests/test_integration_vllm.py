@@ -78,6 +78,7 @@ class FakeRunner:
             token_ids_cpu=np.zeros((len(rows), width), np.int32),
             num_tokens_no_spec=np.array([len(p) + len(o) for _, p, o in rows], np.int32),
             num_prompt_tokens=np.array([len(p) for _, p, _ in rows], np.int32),
+            req_id_to_index={r: i for i, (r, _, _) in enumerate(rows)},
         )
         for i, (_, prompt, out) in enumerate(rows):
             seq = prompt + out
@@ -154,9 +155,12 @@ def test_proposer_lifecycle_over_vllm_steps():
     assert prop.propose_for_runner(runner, sched(k=2), [[21, 22, 30], [40]]) == [[31, 32], [41, 42]]
     assert drafter.context[0] == [10, 11, 20, 21, 22, 30]
     assert drafter.started[1] == ([10, 11, 12], prompt_group_id([10, 11, 12]))
-    # step 3: "a" finished last step; "b" is near max_model_len=64
+    # step 3: "a" finished last step (the runner's state update says so); "b" is near
+    # max_model_len=64
+    prop.update_states(runner, sched(finished={"a"}))  # the runner of step 2: "a" is still in it
+    assert drafter.finished == [0]
     runner = FakeRunner([("b", [10, 11, 12], [40] + [1] * 58)])  # 62 of 64: room for 1
-    assert prop.propose_for_runner(runner, sched(finished={"a"}), [[1]]) == [[2]]
+    assert prop.propose_for_runner(runner, sched(), [[1]]) == [[2]]
     assert drafter.finished == [0]
     stats = prop.end_step()
     assert drafter.finished == [0, 1] and drafter.steps == 1
@@ -175,15 +179,18 @@ def make_runner_cls():
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata):
             return "vllm's own path"
 
+        def _update_states(self, scheduler_output):
+            self.updated = scheduler_output
+
     return Runner
 
 
 def test_plugin_routes_only_our_proposer_and_is_idempotent():
     runner_cls, worker_cls = make_runner_cls(), type("Worker", (), {})
     install(runner_cls, worker_cls)
-    wrapped = runner_cls.propose_draft_token_ids
+    wrapped = runner_cls.propose_draft_token_ids, runner_cls._update_states
     install(runner_cls, worker_cls)
-    assert runner_cls.propose_draft_token_ids is wrapped
+    assert (runner_cls.propose_draft_token_ids, runner_cls._update_states) == wrapped
     other = runner_cls()
     other.drafter = object()
     assert other.propose_draft_token_ids(sched(), [[1]], None) == "vllm's own path"
@@ -197,6 +204,33 @@ def test_plugin_routes_only_our_proposer_and_is_idempotent():
     worker.model_runner = other
     with pytest.raises(RuntimeError, match="not rollout-spec's proposer"):
         worker.rollout_spec_stats()
+
+
+def test_tokens_of_skipped_draft_steps_and_their_finishes_reach_the_drafter():
+    """vLLM skips the draft step for the whole batch while any row is within k tokens of
+    max_model_len (and runs steps without a forward to deliver finishes): the tokens committed
+    meanwhile arrive with the next draft step, read from the runner's token table, and the
+    finishes through the runner's state update, which runs every step."""
+    runner_cls = make_runner_cls()
+    install(runner_cls, type("Worker", (), {}))
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+
+    def step(rows, sampled, finished=()):
+        runner = FakeRunner(rows)
+        runner.__class__ = type("R", (runner_cls,), {"__init__": lambda self: None})
+        runner.drafter = prop
+        runner._update_states(sched(finished=finished))
+        assert runner.updated.finished_req_ids == set(finished)  # vLLM's own update still runs
+        return runner.propose_draft_token_ids(sched(), sampled, None) if sampled is not None else None
+
+    step([("a", [1, 2], [3]), ("b", [7], [8])], [[3], [8]])
+    # two steps without a draft step: "a" commits 4, then 5 and 6; "b" commits 9 and finishes
+    step([("a", [1, 2], [3, 4]), ("b", [7], [8, 9])], None)
+    step([("a", [1, 2], [3, 4, 5, 6]), ("b", [7], [8, 9])], None, finished={"b"})
+    assert drafter.finished == [1] and drafter.context[1] == [7, 8, 9]  # 9 taken at its finish
+    step([("a", [1, 2], [3, 4, 5, 6, 7])], [[7]])
+    assert drafter.context[0] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_plugin_refuses_a_changed_upstream_signature():

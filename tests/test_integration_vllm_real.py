@@ -65,6 +65,7 @@ def test_speculative_config_selects_custom_class_and_builds_our_proposer(plugged
 def test_plugin_patches_the_real_runner_and_worker(plugged):
     runner_cls, worker_cls = plugged
     assert getattr(runner_cls.propose_draft_token_ids, "_rollout_spec_wrapped", False)
+    assert getattr(runner_cls._update_states, "_rollout_spec_wrapped", False)
     assert callable(worker_cls.rollout_spec_end_step) and callable(worker_cls.rollout_spec_stats)
 
 

@@ -4,7 +4,10 @@ vLLM loads general plugins in every process it starts (engine core, workers) bef
 model runner. ``register`` wraps ``GPUModelRunner.propose_draft_token_ids`` once: when the runner's
 drafter is a ``RolloutSpecProposer`` (vLLM built it because ``speculative_config.model`` names it),
 the wrapper hands it the runner, so it sees request ids, prompts and sampling params that vLLM's
-plain ``custom_class`` call leaves out; every other method runs vLLM's code untouched. vLLM
+plain ``custom_class`` call leaves out. It also wraps ``GPUModelRunner._update_states``, which
+runs every step (the draft step does not: vLLM skips it near ``max_model_len`` and on steps
+without a forward), so that finished requests are finished in the drafter then. Runners with
+any other drafter run vLLM's code untouched. vLLM
 instantiates ``VllmProposer``, which refuses to start if the patch is not in place. It also adds
 two worker methods for ``collective_rpc``: ``rollout_spec_end_step`` (the trainer's RL step
 boundary) and ``rollout_spec_stats``. This is the only file that patches vLLM.
@@ -24,7 +27,8 @@ TESTED_VLLM = ("0.29.0", "0.33.0")
 """vLLM releases whose runner source this patch was checked against (OpenRLHF 0.11 pins 0.29)."""
 DISABLE_ENV = "ROLLOUT_SPEC_VLLM_PLUGIN"
 """Set to 0 (or false/no/off) to keep the plugin from touching vLLM in a process."""
-_EXPECTED_PARAMS = ("self", "scheduler_output", "sampled_token_ids")
+_EXPECTED_PARAMS = {"propose_draft_token_ids": ("self", "scheduler_output", "sampled_token_ids"),
+                    "_update_states": ("self", "scheduler_output")}
 _MARK = "_rollout_spec_wrapped"
 logger = logging.getLogger(__name__)
 
@@ -82,20 +86,22 @@ def _drafts_are_used() -> bool:
 
 
 def check_runner(runner_cls: type) -> None:
-    """Raise if vLLM's draft-step method no longer has the shape the wrapper relies on.
+    """Raise if vLLM's draft-step or state-update method no longer has the shape the wrappers
+    rely on.
 
     Raises:
-        RuntimeError: naming the vLLM version and what changed.
+        RuntimeError: naming the vLLM version, the method and what changed.
     """
-    method = getattr(runner_cls, "propose_draft_token_ids", None)
-    if method is None:
-        raise RuntimeError(f"{_vllm_version()}: GPUModelRunner.propose_draft_token_ids is gone")
-    params = tuple(inspect.signature(method).parameters)[: len(_EXPECTED_PARAMS)]
-    if params != _EXPECTED_PARAMS and not getattr(method, _MARK, False):
-        raise RuntimeError(
-            f"{_vllm_version()}: GPUModelRunner.propose_draft_token_ids starts with {params}, "
-            f"expected {_EXPECTED_PARAMS}; rollout-spec's plugin was checked on {TESTED_VLLM}"
-        )
+    for name, expected in _EXPECTED_PARAMS.items():
+        method = getattr(runner_cls, name, None)
+        if method is None:
+            raise RuntimeError(f"{_vllm_version()}: GPUModelRunner.{name} is gone")
+        params = tuple(inspect.signature(method).parameters)[: len(expected)]
+        if params != expected and not getattr(method, _MARK, False):
+            raise RuntimeError(
+                f"{_vllm_version()}: GPUModelRunner.{name} starts with {params}, expected "
+                f"{expected}; rollout-spec's plugin was checked on {TESTED_VLLM}"
+            )
 
 
 def install(runner_cls: type, worker_cls: type) -> None:
@@ -114,6 +120,18 @@ def install(runner_cls: type, worker_cls: type) -> None:
 
         setattr(propose_draft_token_ids, _MARK, True)
         runner_cls.propose_draft_token_ids = propose_draft_token_ids
+    update = runner_cls._update_states
+    if not getattr(update, _MARK, False):
+
+        @functools.wraps(update)
+        def _update_states(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            drafter = getattr(self, "drafter", None)
+            if isinstance(drafter, RolloutSpecProposer):
+                drafter.update_states(self, scheduler_output)
+            return update(self, scheduler_output, *args, **kwargs)
+
+        setattr(_update_states, _MARK, True)
+        runner_cls._update_states = _update_states
     worker_cls.rollout_spec_end_step = worker_end_step
     worker_cls.rollout_spec_stats = worker_stats
 

@@ -29,8 +29,10 @@ class RolloutSpecProposer:
     """Drafts chains for vLLM from one ``NgramDrafter`` per worker process.
 
     Request ids (strings in vLLM) map to fresh ints; a request starts in the drafter on its first
-    sampled token, is extended with every committed token, and finishes when vLLM's scheduler
-    reports it finished or when the trainer signals the RL step boundary (``end_step``).
+    sampled token, is extended with every committed token (read from the runner's token table,
+    so tokens of steps where vLLM skipped the draft step arrive with the next one), and finishes
+    when vLLM's scheduler reports it finished (``update_states``, every step) or when the trainer
+    signals the RL step boundary (``end_step``).
 
     With ``SpecConfig.shared_index`` set and ``share_index`` true (the worker whose drafts vLLM
     uses), the drafter is wrapped by ``rollout_spec.distributed.share_drafter``: finished samples
@@ -51,6 +53,7 @@ class RolloutSpecProposer:
             drafter = share_drafter(drafter, self.spec, placement_from_vllm_config(vllm_config))
         self.drafter = drafter
         self._ids: dict[str, int] = {}
+        self._known: dict[str, int] = {}  # tokens (prompt + output) the drafter holds, by request
         self._next_id = 0
         self.counters = {"requests_started": 0, "requests_finished": 0, "rows_drafted": 0,
                          "chain_tokens_proposed": 0, "steps_ended": 0}
@@ -73,11 +76,30 @@ class RolloutSpecProposer:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No weights: the drafter is model-free (vLLM calls this for every proposer)."""
 
+    def update_states(self, runner: Any, scheduler_output: Any) -> None:
+        """The runner's per-step state update (every step, also those that skip the draft step
+        or run no forward), before vLLM's own: the requests vLLM's scheduler reports finished get
+        what the drafter has not seen of their tokens (committed in skipped draft steps, still in
+        the runner's token table) and are finished."""
+        batch = runner.input_batch
+        ids, tails = [], []
+        for rid in scheduler_output.finished_req_ids:
+            row = batch.req_id_to_index.get(rid)
+            if rid not in self._ids or row is None:
+                continue
+            n = int(batch.num_tokens_no_spec[row])
+            if n > self._known[rid]:
+                ids.append(self._ids[rid])
+                tails.append([int(t) for t in batch.token_ids_cpu[row, self._known[rid]:n]])
+                self._known[rid] = n
+        if ids:
+            self.drafter.extend_batch(ids, tails)
+        self.finish(scheduler_output.finished_req_ids)
+
     def propose_for_runner(
         self, runner: Any, scheduler_output: Any, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[list[int]]:
         """Draft for every row of the GPU model runner's persistent batch (one chain per row)."""
-        self.finish(scheduler_output.finished_req_ids)
         k = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 0) or 0)
         k = min(k, self.num_speculative_tokens) if k > 0 else self.num_speculative_tokens
         batch = runner.input_batch
@@ -100,7 +122,9 @@ class RolloutSpecProposer:
         """Commit each row's new tokens to the drafter and return its best chain (<= k tokens).
 
         Rows with no sampled token (a prefill chunk) or at the model's length limit get no draft.
-        ``token_ids[i, :num_tokens[i]]`` is row i's prompt followed by its committed output.
+        ``token_ids[i, :num_tokens[i]]`` is row i's prompt followed by its committed output; what
+        the drafter has not seen of it is committed, not only this step's ``sampled_token_ids``:
+        vLLM skips the draft step for the whole batch when a row nears ``max_model_len``.
         """
         drafts: list[list[int]] = [[] for _ in req_ids]
         rows, ids, tails, caps = [], [], [], []
@@ -112,7 +136,9 @@ class RolloutSpecProposer:
             if int_id is None:
                 p = int(num_prompt_tokens[i])
                 int_id = self._start(rid, token_ids[i, :p], group_of(rid, token_ids[i, :p]))
-                new = token_ids[i, p:n]  # all output so far: covers requests seen mid-flight
+                self._known[rid] = p  # all output so far follows: covers requests seen mid-flight
+            new = token_ids[i, self._known[rid]:n]
+            self._known[rid] = n
             rows.append(i)
             ids.append(int_id)
             tails.append([int(t) for t in new])
@@ -129,7 +155,11 @@ class RolloutSpecProposer:
 
     def finish(self, req_ids: Iterable[str]) -> None:
         """Mark requests done; their tokens stay in the group and global indexes."""
-        done = [self._ids.pop(r) for r in req_ids if r in self._ids]
+        done = []
+        for r in req_ids:
+            if r in self._ids:
+                done.append(self._ids.pop(r))
+                del self._known[r]
         if done:
             self.drafter.finish_batch(done)
             self.counters["requests_finished"] += len(done)
