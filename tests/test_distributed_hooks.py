@@ -54,6 +54,12 @@ def test_verl_balancer_bounds_load_and_keeps_multi_turn_requests() -> None:
         lb.acquire_server("no-prompt")
     with pytest.raises(ValueError, match="unknown keys"):
         GroupStickyLoadBalancer(_servers(2), {"load_factr": 1.2})
+    with pytest.raises(ValueError, match="seed cannot be set"):  # it must match the shared index's
+        GroupStickyLoadBalancer(_servers(2), {"seed": 5})
+    for bad, error in (("10k", TypeError), (None, TypeError), (2.5, TypeError), (True, TypeError),
+                       (0, ValueError), (-1, ValueError)):
+        with pytest.raises(error, match="router config max_cache_size"):
+            GroupStickyLoadBalancer(_servers(2), {"max_cache_size": bad})
 
 
 def test_verl_balancer_follows_removed_and_returning_servers() -> None:
@@ -72,6 +78,28 @@ def test_verl_balancer_follows_removed_and_returning_servers() -> None:
         empty.acquire_server("x", prompt_ids=[1])
     empty.add_servers({"s": "h"})
     assert empty.acquire_server("x", prompt_ids=[1]) == ("s", "h")
+
+
+def test_verl_balancer_counts_nothing_a_removed_server_held() -> None:
+    """verl's separate-async trainer removes servers when it trains and adds them back to roll
+    out; what they held in flight is aborted and released while they are out. Their counts start
+    again from zero, as in verl's own balancer, instead of weighing on them forever."""
+    lb = GroupStickyLoadBalancer(_servers(2))
+    placed = [lb.acquire_server(f"r{i}", prompt_ids=_prompt(i))[0] for i in range(40)]
+    out = placed[0]
+    lb.remove_servers([out])
+    for sid in placed:
+        lb.release_server(sid)
+    lb.add_servers({out: "back"})
+    assert lb.get_total_inflight() == 0 and lb.get_status()["servers"] == {sid: 0 for sid in _servers(2)}
+    for cycle in range(2):
+        held = [lb.acquire_server(f"q{cycle}-{i}", prompt_ids=_prompt(100 + i))[0] for i in range(20)]
+        lb.remove_servers([out])
+        assert lb.get_total_inflight() == sum(sid != out for sid in held)
+        for sid in held:
+            lb.release_server(sid)
+        lb.add_servers({out: "back"})
+        assert lb.get_total_inflight() == 0
 
 
 def test_openrlhf_engine_choice_is_sticky_and_balanced() -> None:

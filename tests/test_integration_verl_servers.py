@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID
 from rollout_spec.integrations.sglang.config import ENV_VAR, spec_from_env
 from rollout_spec.integrations.sglang.rid import group_from_rid
 
@@ -66,11 +67,12 @@ def sglang_server(monkeypatch):
     fake = types.ModuleType("verl.workers.rollout.sglang_rollout.async_sglang_server")
     fake.SGLangHttpServer, fake.SGLangReplica = SGLangHttpServer, SGLangReplica
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    for var in (ENV_VAR, ENV_REPLICA_ID, ENV_NUM_REPLICAS):  # what a launch writes is undone after
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     sys.modules.pop("rollout_spec.integrations.verl.sglang_server", None)
     yield importlib.import_module("rollout_spec.integrations.verl.sglang_server")
     sys.modules.pop("rollout_spec.integrations.verl.sglang_server", None)
-    os.environ.pop(ENV_VAR, None)
 
 
 def test_flag_off_is_verls_server_unchanged(sglang_server):
@@ -107,7 +109,7 @@ def test_bad_flag_fails_when_the_replica_is_built(sglang_server):
 
 def test_shared_index_reaches_the_server_and_our_servers_route_group_sticky(sglang_server, monkeypatch):
     from rollout_spec.distributed import sharing
-    from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID, placement_from_env
+    from rollout_spec.distributed.placement import placement_from_env
 
     made = []
     monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: made.append((spec.shared_index, n)))
@@ -115,8 +117,6 @@ def test_shared_index_reaches_the_server_and_our_servers_route_group_sticky(sgla
     router.get_router_handle = lambda servers, router_config_path=None, full_determinism=False, \
         load_balancer_cls=None: ("verl's", router_config_path)
     monkeypatch.setitem(sys.modules, router.__name__, router)
-    for var in (ENV_REPLICA_ID, ENV_NUM_REPLICAS):
-        monkeypatch.delenv(var, raising=False)
     flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-7"}}
     replicas = [sglang_server.RolloutSpecSGLangReplica(r, config(dict(flag, rollout_spec=dict(flag["rollout_spec"]))))
                 for r in range(3)]
@@ -137,6 +137,7 @@ def test_shared_index_reaches_the_server_and_our_servers_route_group_sticky(sgla
     assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == list(ours)
     assert router.get_router_handle(ours, router_config_path="mine.yaml") == ("verl's", "mine.yaml")
     assert router.get_router_handle({"reward:1": "h"}) == ("verl's", None)  # not our replicas' servers
+    assert router.get_router_handle(ours, full_determinism=True) == ("verl's", None)  # routes by request id
     unplaced = sglang_server.RolloutSpecSGLangHttpServer(config(flag), replica_rank=0)
     with pytest.raises(ValueError, match="replica count is missing"):
         asyncio.run(unplaced.launch_server())

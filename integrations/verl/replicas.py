@@ -96,8 +96,9 @@ def install_router_hook() -> bool:
     """Make verl's router factory pick ``GroupStickyLoadBalancer`` for our servers; idempotent.
 
     It applies only when verl would build its default balancer (no ``router_config_path``, no
-    injected ``load_balancer_cls``) and every server belongs to a replica with the flag on, so a
-    user's own router and other models' servers (reward, teacher) keep verl's choice. Returns True
+    injected ``load_balancer_cls``, no ``full_determinism``: verl then routes by request id so
+    that a rerun samples on the same replicas) and every server belongs to a replica with the flag
+    on, so a user's own router and other models' servers (reward, teacher) keep verl's choice. Returns True
     when the hook was installed by this call.
     """
     from importlib import import_module
@@ -110,7 +111,10 @@ def install_router_hook() -> bool:
     def get_router_handle(servers: dict[str, Any], router_config_path: Optional[str] = None,
                           full_determinism: bool = False, load_balancer_cls: Optional[type] = None) -> Any:
         ours = {r._server_address for r in list(_SPEC_REPLICAS) if getattr(r, "_server_address", None)}
-        if router_config_path is None and load_balancer_cls is None and servers and set(servers) <= ours:
+        if full_determinism and servers and set(servers) <= ours:
+            logger.warning("rollout-spec: full_determinism keeps verl's deterministic routing (by request "
+                           "id); group-sticky routing is off, so a prompt's samples may scatter over replicas")
+        elif router_config_path is None and load_balancer_cls is None and servers and set(servers) <= ours:
             import ray
 
             from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer

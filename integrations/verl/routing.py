@@ -25,11 +25,14 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from rollout_spec.config import check_int
 from rollout_spec.distributed import GroupRouter, group_key
 
 logger = logging.getLogger(__name__)
 
-_ROUTER_ARGS = ("load_factor", "slack", "seed", "max_sticky_groups")
+# GroupRouter's arguments a router YAML may set; not its seed, which must stay the shared index's
+# (SharedIndexConfig.router_seed) so that a group's replica is the one that owns its index share.
+_ROUTER_ARGS = ("load_factor", "slack", "max_sticky_groups")
 
 
 class GroupStickyLoadBalancer:
@@ -42,9 +45,13 @@ class GroupStickyLoadBalancer:
 
     def __init__(self, servers: Mapping[str, Any], config: Optional[Mapping[str, Any]] = None) -> None:
         config = dict(config or {})
-        unknown = set(config) - set(_ROUTER_ARGS) - {"router_class", "max_cache_size"}
+        if "seed" in config:
+            raise ValueError("router config: seed cannot be set: the ranking must match the shared index's, "
+                             "which places each group's index share on the replica it routes to")
+        allowed = ["router_class", *_ROUTER_ARGS, "max_cache_size"]
+        unknown = set(config) - set(allowed)
         if unknown:
-            raise ValueError(f"router config: unknown keys {sorted(unknown)}; allowed: {list(_ROUTER_ARGS)}")
+            raise ValueError(f"router config: unknown keys {sorted(unknown)}; allowed: {allowed}")
         self._ids: list[str] = list(servers)
         self._handles: dict[str, Any] = dict(servers)
         self._slot = {sid: i for i, sid in enumerate(self._ids)}
@@ -52,7 +59,8 @@ class GroupStickyLoadBalancer:
         if not self._ids:
             self._router.set_available(0, False)
         self._by_request: OrderedDict[str, str] = OrderedDict()  # request id -> server, LRU
-        self._max_requests = int(config.get("max_cache_size", 10_000))
+        self._max_requests = check_int("router config max_cache_size", config.get("max_cache_size", 10_000),
+                                       1, 1 << 30)
 
     def require_acquire_fields(self) -> list[str]:
         """verl serialises only these ``generate()`` kwargs into :meth:`acquire_server`."""
@@ -104,14 +112,19 @@ class GroupStickyLoadBalancer:
                 self._slot[sid] = len(self._ids)
                 self._ids.append(sid)
         for sid, handle in servers.items():
+            if sid not in self._handles:  # (re)joining: it starts with nothing in flight, as in verl's
+                self._router.reset_load(self._slot[sid])
             self._handles[sid] = handle
             self._router.set_available(self._slot[sid], True)
 
     def remove_servers(self, server_ids: list[str]) -> None:
-        """Take servers out; their groups move to their next ranked choices."""
+        """Take servers out; their groups move to their next ranked choices, and what they held
+        in flight is no longer counted (verl aborts it; its releases for a removed server are
+        ignored)."""
         for sid in server_ids:
             if self._handles.pop(sid, None) is not None:
                 self._router.set_available(self._slot[sid], False)
+                self._router.reset_load(self._slot[sid])
 
     def get_all_servers(self) -> list[str]:
         """Active server ids."""

@@ -147,6 +147,12 @@ class GroupRouter:
             raise ValueError(f"replica {replica} has no request in flight to release")
         self._inflight[replica] -= 1
 
+    def reset_load(self, replica: int) -> None:
+        """Forget the requests counted in flight on ``replica`` (its server left or came back:
+        the releases of what it held no longer reach this router)."""
+        replica = check_int("replica", replica, 0, self.num_replicas - 1)
+        self._inflight[replica] = 0
+
     def set_available(self, replica: int, available: bool) -> None:
         """Take a replica out of (or back into) service; its groups move to their next choices."""
         replica = check_int("replica", replica, 0, self.num_replicas - 1)
