@@ -48,8 +48,9 @@ def test_launcher_refuses_bad_options_before_touching_openrlhf():
         main(["--rollout_spec", "--rollout_spec.num_speculative_tokens", "0"])
     with pytest.raises(SystemExit, match=r"num_draft_tokens is 0 \(speculation off\): drop --rollout_spec"):
         main(["--rollout_spec", "--rollout_spec.num_draft_tokens", "0"])
-    with pytest.raises(SystemExit, match="does not support --train.async_enable"):
-        main(["--rollout_spec", "--train.async_enable"])
+    for flag in ("--train.async_enable", "--train.async_e", "--train.async_ena"):  # argparse's prefixes too
+        with pytest.raises(SystemExit, match="does not support --train.async_enable"):
+            main(["--rollout_spec", flag])
     with pytest.raises(SystemExit):  # argparse: not a bool
         split_argv(["--rollout_spec", "--rollout_spec.tree", "maybe"])
 

@@ -88,6 +88,14 @@ def install(spec: SpecConfig, num_speculative_tokens: Optional[int] = None) -> d
     return kwargs
 
 
+def _asks_async(argv: Sequence[str]) -> bool:
+    """Whether OpenRLHF's parser would read ``--train.async_enable`` from ``argv``: argparse takes
+    any unambiguous prefix of it too (``--train.async_e`` on, as ``--train.async_queue_size``
+    shares ``--train.async_``)."""
+    flag = "--train.async_enable"
+    return any(len(a) >= len("--train.async_e") and flag.startswith(a) for a in argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse ``--rollout_spec*``, install the hooks, run OpenRLHF's launcher on the rest."""
     ours, rest = split_argv(sys.argv[1:] if argv is None else argv)
@@ -96,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (TypeError, ValueError) as err:
         raise SystemExit(f"rollout-spec: {err}") from err
     if parsed is not None:
-        if "--train.async_enable" in rest:
+        if _asks_async(rest):
             raise SystemExit(
                 "rollout-spec: --rollout_spec does not support --train.async_enable yet (its "
                 "generation overlaps training, so there is no single step boundary to refresh at)"
