@@ -1,8 +1,9 @@
 // One persistent thread that runs posted jobs in order, so that a caller can hand off work that
 // needs no Python (the drafter's indexing after an extend) and go on with its own.
 //
-// The thread starts on the first post (again in a forked child, which has no copy of it). A job
-// must not throw: the owner catches and keeps its errors (DrafterCore::extend_in_background).
+// The thread starts at start() or the first post (again in a forked child, which has no copy of
+// it). A job must not throw: the owner catches and keeps its errors
+// (DrafterCore::extend_in_background).
 #pragma once
 
 #include <condition_variable>

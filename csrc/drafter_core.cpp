@@ -163,8 +163,8 @@ void DrafterCore::drop_ahead() {
 
 void DrafterCore::extend(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
                          size_t n) {
-  auto lock = lock_to_change([&] { resolve(ids, n); });
-  append_tokens(ids, tokens, offsets, n);
+  auto lock = lock_to_change([&] { prepare_call(ids, n); });
+  append_tokens(tokens, offsets, n);
   index_extended(offsets, n);
 }
 
@@ -172,8 +172,8 @@ void DrafterCore::extend_in_background(const int64_t* ids, const int32_t* tokens
                                        const int64_t* offsets, size_t n) {
   std::lock_guard<std::mutex> posting(post_mu_);  // before the wait: see post_mu_
   background_.start();  // a refused thread raises here, before anything changes
-  auto lock = lock_to_change([&] { resolve(ids, n); });
-  append_tokens(ids, tokens, offsets, n);
+  auto lock = lock_to_change([&] { prepare_call(ids, n); });
+  append_tokens(tokens, offsets, n);
   background_offsets_.assign(offsets, offsets + n + 1);
   ++background_jobs_;
   background_.post([this, n] {
@@ -223,9 +223,12 @@ void DrafterCore::propose_ahead(const int64_t* ids, const int32_t* budgets, size
   });
 }
 
-void DrafterCore::append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets,
-                                size_t n) {
-  (void)ids;  // resolved into reqs_ by the caller, before anything changed
+void DrafterCore::prepare_call(const int64_t* ids, size_t n) {
+  resolve(ids, n);
+  if (splits(n)) pool();  // a refused thread raises here, not halfway through the indexing
+}
+
+void DrafterCore::append_tokens(const int32_t* tokens, const int64_t* offsets, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     Sequence& s = seqs_[reqs_[i]->slot];
     s.tokens.insert(s.tokens.end(), tokens + offsets[i], tokens + offsets[i + 1]);

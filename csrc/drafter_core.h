@@ -101,8 +101,11 @@ class DrafterCore {
   bool keyed_elsewhere(const int64_t* ids, size_t n) const;
   // check_integrity under a lock the caller holds.
   std::string integrity_problem() const;
-  // extend's two halves: append tokens (to reqs_, resolved by the caller); index them.
-  void append_tokens(const int64_t* ids, const int32_t* tokens, const int64_t* offsets, size_t n);
+  // What a call on ids[0..n) needs before it changes anything: the ids resolved into reqs_
+  // (unknown or repeated ones raise) and, for a call that splits, the thread pool made.
+  void prepare_call(const int64_t* ids, size_t n);
+  // extend's two halves: append tokens (to reqs_, resolved by prepare_call); index them.
+  void append_tokens(const int32_t* tokens, const int64_t* offsets, size_t n);
   void index_extended(const int64_t* offsets, size_t n);
   int32_t new_slot();
   // A new, empty global scope index: its chains keep what a search of either walk length reads.

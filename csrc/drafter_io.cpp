@@ -236,6 +236,10 @@ std::string DrafterCore::load(std::istream& is) {
   }
   global_ = empty_global_index(cfg_);
   get_index(is, size, global_, seqs_);
+  // Checkpoints written before session 74 may keep finished sequences without tokens, which are
+  // freed at once now (nothing refers to them: they have no positions to index).
+  for (int32_t slot = 0; slot < static_cast<int32_t>(seqs_.size()); ++slot)
+    if (seqs_[slot].alive) release_if_empty(slot);
   // Fields that decode but disagree (a flag, a group, a slot shared by two requests) would make
   // later calls read out of bounds: the whole state is checked before it is used.
   const std::string problem = integrity_problem();

@@ -95,6 +95,7 @@ std::string DrafterCore::integrity_problem() const {
   size_t live = 0;
   for (const Sequence& s : seqs_) {
     if (!s.alive && !s.tokens.empty()) return "dead sequence still holds tokens";
+    if (s.alive && !s.live && s.tokens.empty()) return "finished sequence without tokens still kept";
     stored += static_cast<int64_t>(s.tokens.size());
     live += s.live;
   }

@@ -205,7 +205,7 @@ void DrafterCore::lookup_walk(const Lookup& lk, std::vector<Occurrence>& occ) co
 
 void DrafterCore::propose(const int64_t* ids, const int32_t* budgets, size_t n, DraftOutput& out) {
   auto lock = lock_idle();
-  resolve(ids, n);  // refused ids raise before a proposal drafted ahead is used or dropped
+  prepare_call(ids, n);  // refusals raise before a proposal drafted ahead is used or dropped
   if (ahead_.ready) {
     const bool same = ahead_.ids.size() == n && std::equal(ids, ids + n, ahead_.ids.begin()) &&
                       ahead_.has_budgets == (budgets != nullptr) &&

@@ -57,6 +57,10 @@ CASE = textwrap.dedent("""
             d.propose(ids)
         elif mode == "background":
             d.extend_batch([0], [[1, 2]], background=True)
+        elif mode == "extend 64":  # split over the pool
+            d.extend_batch(ids, [[1, 2]] * 64)
+        elif mode == "background extend 64":
+            d.extend_batch(ids, [[1, 2]] * 64, background=True)
         else:
             d.propose_ahead(ids)
         outcome = "returned"
@@ -82,7 +86,8 @@ def shim(tmp_path_factory) -> Path:
     return folder / "refuse.so"
 
 
-@pytest.mark.parametrize("mode, allow", [("pool", 0), ("pool", 1), ("background", 0), ("ahead", 0)])
+@pytest.mark.parametrize("mode, allow", [("pool", 0), ("pool", 1), ("background", 0), ("ahead", 0),
+                                         ("extend 64", 0), ("background extend 64", 1)])
 def test_a_refused_thread_is_an_error_that_changes_nothing(shim, tmp_path, mode, allow):
     env = dict(os.environ, REFUSE_THREADS_WHILE=str(tmp_path / "armed"), ALLOW_THREADS=str(allow),
                LD_PRELOAD=":".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)])))
