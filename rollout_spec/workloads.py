@@ -8,6 +8,7 @@ comparison can replay them.
 """
 from __future__ import annotations
 
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,9 @@ CODE_INSTRUCTION = "Complete the following Python function. Reply with the full 
 HUMANEVAL_TIMEOUT_S = 3.0
 
 _ANSWER_MARK = "####"
-_FENCED_BLOCK = re.compile(r"```([^\n`]*)\r?\n(.*?)(?:```|$)", re.DOTALL)  # (tag, code); unclosed runs to the end
+# (tag, code) of a block whose opening fence starts a line (``` inside prose opens nothing); an
+# unclosed block runs to the end of the reply
+_FENCED_BLOCK = re.compile(r"^[ \t]*```([^\n`]*)\r?\n(.*?)(?:```|\Z)", re.DOTALL | re.MULTILINE)
 _PYTHON_TAGS = ("", "python", "python3", "py")
 
 
@@ -222,6 +225,10 @@ class TraceRecorder:
         if sampling.get("temperature") is not None:  # what a replay reads back (load_trace's range)
             sampling["temperature"] = check_float("sampling['temperature']", sampling["temperature"], 0.0, 100.0)
         self.meta = {"model": model, "sampling": sampling, "eos_token_id": eos_token_id}
+        try:  # what save writes: refused now, not after the run
+            json.dumps(self.meta)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"model and sampling must be JSON values (str, numbers, lists, dicts): {exc}") from None
         if vocab_size is not None:
             self.meta["vocab_size"] = vocab_size
         self._prompts: dict[int, Prompt] = {}

@@ -54,8 +54,10 @@ def test_verl_balancer_bounds_load_and_keeps_multi_turn_requests() -> None:
         lb.acquire_server("no-prompt")
     with pytest.raises(ValueError, match="unknown keys"):
         GroupStickyLoadBalancer(_servers(2), {"load_factr": 1.2})
-    with pytest.raises(ValueError, match="seed cannot be set"):  # it must match the shared index's
-        GroupStickyLoadBalancer(_servers(2), {"seed": 5})
+    for seed in (5, "0", True):  # it must match the shared index's
+        with pytest.raises(ValueError, match="seed must be 0"):
+            GroupStickyLoadBalancer(_servers(2), {"seed": seed})
+    assert GroupStickyLoadBalancer(_servers(2), {"seed": 0}).get_all_servers() == list(_servers(2))
     for bad, error in (("10k", TypeError), (None, TypeError), (2.5, TypeError), (True, TypeError),
                        (0, ValueError), (-1, ValueError)):
         with pytest.raises(error, match="router config max_cache_size"):

@@ -231,6 +231,10 @@ def test_tokens_of_skipped_draft_steps_and_their_finishes_reach_the_drafter():
     assert drafter.finished == [1] and drafter.context[1] == [7, 8, 9]  # 9 taken at its finish
     step([("a", [1, 2], [3, 4, 5, 6, 7])], [[7]])
     assert drafter.context[0] == [1, 2, 3, 4, 5, 6, 7]
+    # finishes are taken in the batch's row order, not the set's (which moves with the hash seed)
+    step([("z", [5], [6]), ("c", [5], [7]), ("a", [1, 2], [3, 4, 5, 6, 7])], [[6], [7], []])
+    step([("z", [5], [6]), ("c", [5], [7]), ("a", [1, 2], [3, 4, 5, 6, 7])], None, finished={"a", "c", "z"})
+    assert drafter.finished == [1, 2, 3, 0]
 
 
 def test_plugin_refuses_a_changed_upstream_signature():
@@ -238,8 +242,15 @@ def test_plugin_refuses_a_changed_upstream_signature():
         def propose_draft_token_ids(self, sampled_token_ids, scheduler_output):
             return None
 
-    with pytest.raises(RuntimeError, match="expected \\('self', 'scheduler_output'"):
+    with pytest.raises(RuntimeError, match="propose_draft_token_ids starts with .*expected \\('self', 'scheduler_output'"):
         check_runner(Runner)
+    runner = make_runner_cls()
+    del runner._update_states
+    with pytest.raises(RuntimeError, match="GPUModelRunner._update_states is gone"):
+        check_runner(runner)
+    runner._update_states = lambda self, new_reqs, scheduler_output: None  # its arguments changed
+    with pytest.raises(RuntimeError, match=r"_update_states starts with \('self', 'new_reqs'\)"):
+        check_runner(runner)
 
 
 def test_counters_from_a_metrics_snapshot():

@@ -86,6 +86,9 @@ def test_answer_and_code_extraction():
                   "```bash\npip install x\n```\nThen:\n"):
         assert extract_code(other + "```python\nx = 1\n```") == "x = 1\n", other
     assert extract_code("```text\nonly prose\n```") == "```text\nonly prose\n```"
+    # ``` inside a line of prose opens no block
+    assert extract_code("Wrap it in ``` fences:\n```python\nx = 1\n```") == "x = 1\n"
+    assert extract_code("  ```python\nx = 1\n```") == "x = 1\n"  # an indented fence still opens one
 
 
 def test_trace_round_trip_in_shared_format(tmp_path):

@@ -31,7 +31,7 @@ from rollout_spec.distributed import GroupRouter, group_key
 logger = logging.getLogger(__name__)
 
 # GroupRouter's arguments a router YAML may set; not its seed, which must stay the shared index's
-# (SharedIndexConfig.router_seed) so that a group's replica is the one that owns its index share.
+# (SharedIndexConfig.router_seed, 0 through verl) so that a group's replica owns its index share.
 _ROUTER_ARGS = ("load_factor", "slack", "max_sticky_groups")
 
 
@@ -45,9 +45,10 @@ class GroupStickyLoadBalancer:
 
     def __init__(self, servers: Mapping[str, Any], config: Optional[Mapping[str, Any]] = None) -> None:
         config = dict(config or {})
-        if "seed" in config:
-            raise ValueError("router config: seed cannot be set: the ranking must match the shared index's, "
-                             "which places each group's index share on the replica it routes to")
+        seed = config.pop("seed", 0)
+        if type(seed) is not int or seed != 0:
+            raise ValueError("router config: seed must be 0, the shared index's (a group's requests must reach "
+                             f"the replica that owns its share of the index), got {seed!r}")
         allowed = ["router_class", *_ROUTER_ARGS, "max_cache_size"]
         unknown = set(config) - set(allowed)
         if unknown:

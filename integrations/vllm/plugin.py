@@ -105,7 +105,8 @@ def check_runner(runner_cls: type) -> None:
 
 
 def install(runner_cls: type, worker_cls: type) -> None:
-    """Wrap ``runner_cls.propose_draft_token_ids`` and add the worker RPC methods (idempotent)."""
+    """Wrap ``runner_cls.propose_draft_token_ids`` and ``runner_cls._update_states`` and add the
+    worker RPC methods (idempotent)."""
     check_runner(runner_cls)
     original = runner_cls.propose_draft_token_ids
     if not getattr(original, _MARK, False):

@@ -9,6 +9,7 @@ sampling params from the runner. Nothing in this file imports vLLM.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -82,8 +83,11 @@ class RolloutSpecProposer:
         what the drafter has not seen of their tokens (committed in skipped draft steps, still in
         the runner's token table) and are finished."""
         batch = runner.input_batch
+        # in the batch's row order: a set's order moves with the hash seed, and the drafts with it
+        done = sorted(scheduler_output.finished_req_ids,
+                      key=lambda r: (batch.req_id_to_index.get(r, sys.maxsize), r))
         ids, tails = [], []
-        for rid in scheduler_output.finished_req_ids:
+        for rid in done:
             row = batch.req_id_to_index.get(rid)
             if rid not in self._ids or row is None:
                 continue
@@ -94,7 +98,7 @@ class RolloutSpecProposer:
                 self._known[rid] = n
         if ids:
             self.drafter.extend_batch(ids, tails)
-        self.finish(scheduler_output.finished_req_ids)
+        self.finish(done)
 
     def propose_for_runner(
         self, runner: Any, scheduler_output: Any, sampled_token_ids: Sequence[Sequence[int]]
