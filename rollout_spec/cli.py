@@ -144,10 +144,10 @@ def _check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
     if args.task != HUMANEVAL:
         return
-    count = args.prompts * (args.steps if args.fresh_prompts else 1)
-    if count > humaneval_size():
+    count, available = args.prompts * (args.steps if args.fresh_prompts else 1), humaneval_size()
+    if count > available:
         what = "--prompts x --steps (with --fresh-prompts)" if args.fresh_prompts else "--prompts"
-        parser.error(f"{what} must be <= {humaneval_size()} for humaneval, got {count}")
+        parser.error(f"{what} must be <= {available} for humaneval, got {count}")
 
 
 def replay_drafters(budget: int, widest_step: int) -> dict[str, Callable[[], Any]]:
