@@ -237,9 +237,10 @@ def train(args: argparse.Namespace, reward_fn: Optional[RewardFn] = None,
         m = train_step(step, args, engine, base, policy, opt, workload, reward_fn)
         sink.log(m, step=step)
         history.append(m)
-        speed, gap = m.get("spec/speedup"), m.get("actor/logprob_gap")
-        console.print(
-            f"step {step}: reward {m['critic/score/mean']:.3f}  accept {m['spec/accept_rate']:.1%}  "
+        speed, gap, accept = m.get("spec/speedup"), m.get("actor/logprob_gap"), m.get("spec/accept_rate")
+        console.print(  # '-' for a figure not measured: no baseline, no gap, nothing drafted
+            f"step {step}: reward {m['critic/score/mean']:.3f}  "
+            f"accept {'-' if accept is None else f'{accept:.1%}'}  "
             f"TPF {m['spec/tpf']:.2f}  speedup {'-' if speed is None else f'{speed:.2f}x'}  "
             f"loss {m['actor/pg_loss']:+.4f}  grad {m['actor/grad_norm']:.3f}  "
             f"logprob gap {'-' if gap is None else f'{gap:.2e}'}")

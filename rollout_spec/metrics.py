@@ -119,22 +119,25 @@ class SpecStats:
         return self.spec_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
-    def accept_rate(self) -> float:
-        """Accepted draft tokens over drafted tokens, pooled over the step."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+    def accept_rate(self) -> Optional[float]:
+        """Accepted draft tokens over drafted tokens, pooled over the step; None when nothing was
+        drafted (a plain step has no acceptance to report, not an acceptance of zero)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
-    def budget_used(self) -> float:
-        """Fraction of the draft budget the drafter filled (drafted / (verify steps x budget))."""
+    def budget_used(self) -> Optional[float]:
+        """Fraction of the draft budget the drafter filled (drafted / (verify steps x budget));
+        None when there was no budget to fill."""
         room = self.verify_steps * self.draft_budget
-        return self.draft_tokens / room if room else 0.0
+        return self.draft_tokens / room if room else None
 
     @property
-    def accept_by_depth(self) -> Optional[list[float]]:
-        """P(at least d draft tokens accepted | the draft reached depth d), for d = 1, 2, ..."""
+    def accept_by_depth(self) -> Optional[list[Optional[float]]]:
+        """P(at least d draft tokens accepted | the draft reached depth d), for d = 1, 2, ...;
+        None at a depth no draft reached."""
         if self.depth_drafted is None or self.depth_accepted is None:
             return None
-        return [a / d if d else 0.0 for a, d in zip(self.depth_accepted, self.depth_drafted)]
+        return [a / d if d else None for a, d in zip(self.depth_accepted, self.depth_drafted)]
 
     def to_dict(self) -> dict:
         """Plain fields plus derived figures, for JSON output."""
@@ -240,8 +243,9 @@ def stats_from_outputs(
 def wandb_metrics(stats: SpecStats) -> dict[str, float]:
     """The step's panels: verl's two ``rollout/`` names, counters, and ``spec/`` figures.
 
-    Figures that were not measured (no baseline, no per-depth counters, no drafter timing) are
-    left out rather than logged as zeros.
+    Figures that were not measured (no baseline, no per-depth counters, no drafter timing,
+    nothing drafted: no acceptance) are left out rather than logged as zeros. verl's two names
+    keep verl's own rule, which counts a request without drafts as 0.
     """
     out: dict[str, float] = {
         "rollout/spec_accept_rate": stats.verl_accept_rate,
@@ -250,11 +254,11 @@ def wandb_metrics(stats: SpecStats) -> dict[str, float]:
         "rollout/spec_num_accepted_tokens": stats.accepted_tokens,
         "rollout/spec_num_verify_steps": stats.verify_steps,
         "spec/tpf": stats.tpf,
-        "spec/accept_rate": stats.accept_rate,
-        "spec/draft_budget_used": stats.budget_used,
         "spec/tokens_per_s": stats.spec_tokens_per_s,
     }
     optional = {
+        "spec/accept_rate": stats.accept_rate,
+        "spec/draft_budget_used": stats.budget_used,
         "spec/tokens_per_s_baseline": stats.base_tokens_per_s,
         "spec/speedup": stats.speedup,
         "spec/same_samples": stats.same_rate,
@@ -265,7 +269,8 @@ def wandb_metrics(stats: SpecStats) -> dict[str, float]:
     }
     out.update({k: v for k, v in optional.items() if v is not None})
     for depth, value in enumerate(stats.accept_by_depth or [], start=1):
-        out[f"spec/accept_by_depth/{depth}"] = value
+        if value is not None:
+            out[f"spec/accept_by_depth/{depth}"] = value
     return out
 
 
@@ -361,7 +366,8 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
 
     steps = [s.step for s in history]
     fig, (ax_acc, ax_speed, ax_depth) = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax_acc.plot(steps, [s.accept_rate for s in history], "o-", label="accept rate")
+    drafted = [s for s in history if s.accept_rate is not None]  # plain steps have no rate
+    ax_acc.plot([s.step for s in drafted], [s.accept_rate for s in drafted], "o-", label="accept rate")
     ax_acc.set_xlabel("RL step"), ax_acc.set_ylabel("accept rate"), ax_acc.set_ylim(0, 1)
     ax_tpf = ax_acc.twinx()
     ax_tpf.plot(steps, [s.tpf for s in history], "s--", color="tab:orange", label="TPF")
@@ -402,7 +408,8 @@ def _plot_depth(ax: Any, history: Sequence[SpecStats]) -> None:
                 transform=ax.transAxes)
         return
     for step, curve in curves:
-        ax.plot(range(1, len(curve) + 1), curve, "o-", label=f"step {step}")
+        reached = [(depth, p) for depth, p in enumerate(curve, start=1) if p is not None]
+        ax.plot([d for d, _ in reached], [p for _, p in reached], "o-", label=f"step {step}")
     ax.set_ylabel("P(accept | depth reached)"), ax.set_ylim(0, 1)
     ax.legend()
 
@@ -465,7 +472,7 @@ def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
         "spec_tokens": spec_tokens, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
         "speedup": matched_tps / base_tps if base_tps else None,
         "tpf": spec_tokens / verifies if verifies else 0.0,
-        "accept_rate": sum(s.accepted_tokens for s in history) / drafted if drafted else 0.0,
+        "accept_rate": sum(s.accepted_tokens for s in history) / drafted if drafted else None,
         "mean_reward": sum(rewards) / len(rewards) if rewards else None,
     }
 

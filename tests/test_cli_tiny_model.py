@@ -69,7 +69,11 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path, capsys):
         assert r["base_tokens"] is not None and r["speedup"] > 0
         # Keyed noise, fp32 on the CPU: both passes sample exactly the same tokens.
         assert r["same_samples"] == 4 and r["base_tokens"] == r["spec_tokens"]
-        assert r["tpf"] >= 1.0 and 0.0 <= r["accept_rate"] <= 1.0
+        assert r["tpf"] >= 1.0
+        if r["draft_tokens"]:
+            assert 0.0 <= r["accept_rate"] <= 1.0
+        else:  # nothing drafted: no acceptance to report, not an acceptance of 0
+            assert r["accept_rate"] is None
         assert r["mean_reward"] is not None
         assert r["drafter_us_per_request"] > 0
         # The probe's per-depth counts, from walking each tree along the committed tokens, add

@@ -72,6 +72,27 @@ def test_depth_counters_summed_when_engine_reports_them():
     assert m["spec/drafter_us_per_request"] == 12.5 and m["spec/index_bytes"] == 4000
 
 
+def test_nothing_drafted_is_left_out_not_logged_as_zero(tmp_path):
+    plain = [Out(list(range(12)), 12, 0, 0), Out(list(range(6)), 6, 0, 0)]
+    s = stats_from_outputs(0, plain, 1.0, draft_budget=0)
+    assert s.accept_rate is None and s.budget_used is None
+    m = wandb_metrics(s)
+    assert "spec/accept_rate" not in m and "spec/draft_budget_used" not in m
+    assert m["rollout/spec_accept_rate"] == 0.0  # verl's own rule: a request without drafts is 0
+    assert metrics.pooled([s])["accept_rate"] is None
+    # a depth no draft reached has no acceptance; a depth reached and never accepted has 0
+    outs = _outputs()
+    outs[0].extra = {"num_drafted_by_depth": [4, 0, 1], "num_accepted_by_depth": [3, 0, 0]}
+    outs[1].extra = {"num_drafted_by_depth": [2], "num_accepted_by_depth": [1]}
+    deep = stats_from_outputs(1, outs, 1.0, draft_budget=8)
+    assert deep.accept_by_depth == [pytest.approx(4 / 6), None, 0.0]
+    m = wandb_metrics(deep)
+    assert "spec/accept_by_depth/2" not in m and m["spec/accept_by_depth/3"] == 0.0
+    assert metrics.pooled([s, deep])["accept_rate"] == pytest.approx(8 / 24)
+    path = metrics.plot_dashboard([s, deep], tmp_path / "mixed.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_pooled_speedup_uses_only_steps_with_baseline():
     a = SpecStats(0, 1, 100, 1.0, 50, 10, 5, 0.5, 2.0, 8, base_tokens=100, base_seconds=2.0)
     b = SpecStats(1, 1, 100, 4.0, 50, 10, 5, 0.5, 2.0, 8)
