@@ -134,10 +134,10 @@ def test_sglang_counters_give_verls_accept_metrics():
 def test_vllm_counters_give_verls_accept_metrics():
     compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
     stats = SimpleNamespace(num_draft_tokens=40, num_accepted_tokens=30, num_verify_steps=10)
-    f = metrics.from_vllm_stats(stats)
+    f = metrics.from_vllm_stats(stats, response_tokens=41)  # the prefill's token + 10 x (1 + 3)
     out = compute([f["spec_num_draft_tokens"]], [f["spec_num_accepted_tokens"]], [f["spec_num_verify_steps"]])
     assert out == {"rollout/spec_accept_rate": 0.75, "rollout/spec_accept_length": 4.0}
-    assert metrics.from_vllm_stats(None) == {}
+    assert metrics.from_vllm_stats(None, response_tokens=41) == {}
 
 
 @needs_verl_source
@@ -147,14 +147,32 @@ def test_vllms_per_request_histogram_gives_verls_accept_metrics(caplog):
     request without counters warns once, not once per request."""
     compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
     stats = SimpleNamespace(num_spec_tokens=4, histogram=[3, 2, 2, 3, 0], num_draft_tokens=40)
-    f = metrics.from_vllm_stats(stats)
+    f = metrics.from_vllm_stats(stats, response_tokens=26)  # the prefill's token + 10 + 15
     assert f == {"spec_num_draft_tokens": 40, "spec_num_accepted_tokens": 15, "spec_num_verify_steps": 10}
     out = compute([40], [15], [10])
     assert out == {"rollout/spec_accept_rate": 0.375, "rollout/spec_accept_length": 2.5}
     metrics._warned_no_vllm_stats = False
     with caplog.at_level("WARNING", logger=metrics.__name__):
-        assert metrics.from_vllm_stats(None) == metrics.from_vllm_stats(None) == {}
+        assert metrics.from_vllm_stats(None, 26) == metrics.from_vllm_stats(None, 26) == {}
     assert len(caplog.records) == 1 and "per_request_spec_decode_metrics" in caplog.text
+
+
+@needs_verl_source
+def test_vllm_steps_without_drafts_count_as_verify_steps():
+    """vLLM's histogram counts only the steps that drafted; verl's accept length counts every
+    decode forward (as SGLang's spec_verify_ct does). A request never drafted for emits one token
+    per forward, length 1, not verl's 0 for a request without verify steps; one that drafted on
+    some steps has the others' forwards in its denominator."""
+    compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
+    never = SimpleNamespace(num_spec_tokens=4, histogram=[0, 0, 0, 0, 0], num_draft_tokens=0)
+    f = metrics.from_vllm_stats(never, response_tokens=12)
+    assert f == {"spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 11}
+    some = SimpleNamespace(num_spec_tokens=4, histogram=[3, 2, 2, 3, 0], num_draft_tokens=40)
+    g = metrics.from_vllm_stats(some, response_tokens=30)  # 10 drafted steps, 4 plain ones
+    assert g["spec_num_verify_steps"] == 14 and g["spec_num_accepted_tokens"] == 15
+    out = compute(*([x[k] for x in (f, f, f, g)] for k in metrics.SPEC_FIELDS))
+    assert out["rollout/spec_accept_length"] == pytest.approx((1 + 1 + 1 + (1 + 15 / 14)) / 4)
+    assert metrics.from_vllm_stats(never, response_tokens=1)["spec_num_verify_steps"] == 0
 
 
 @needs_verl_source

@@ -166,8 +166,11 @@ class _VllmEngine:
     async def collective_rpc(self, method):
         self.rpcs.append(method)
 
-    async def generate(self, *args, **kwargs):
-        yield SimpleNamespace(metrics=None)
+    async def generate(self, prompt_ids, sampling_params, request_id=None):
+        """Two tokens drafted for and both rejected, then nothing drafted: 5 response tokens."""
+        counters = SimpleNamespace(num_spec_tokens=2, histogram=[1, 0, 0], num_draft_tokens=2)
+        yield SimpleNamespace(metrics=None, outputs=[SimpleNamespace(token_ids=[7, 8, 9, 10, 11],
+                                                                     spec_decode_metrics=counters)])
 
 
 class vLLMHttpServer:
@@ -182,6 +185,11 @@ class vLLMHttpServer:
 
     async def set_global_steps(self, global_steps):
         self.global_steps = global_steps
+
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        async for final in self.engine.generate(prompt_ids, sampling_params, request_id=request_id):
+            pass
+        return SimpleNamespace(token_ids=list(final.outputs[0].token_ids), extra_fields={})
 
 
 @pytest.fixture
@@ -210,3 +218,16 @@ def test_vllm_server_places_its_engine_and_ends_the_step_when_weights_change(vll
     asyncio.run(off.launch_server())
     asyncio.run(off.set_global_steps(5))
     assert off.engine.rpcs == [] and "additional_config" not in off.launched_with
+
+
+def test_vllm_server_reports_every_decode_forward_as_a_verify_step(vllm_server):
+    """vLLM counted one verify step (the one that drafted); the response's 5 tokens took the
+    prefill and 4 decode forwards, which verl's accept length divides by."""
+    flag = {"speculative": "rollout_spec"}
+    cfg = SimpleNamespace(name="vllm", custom=flag, engine_kwargs={}, mtp=None, disaggregation=None)
+    server = vllm_server.RolloutSpecvLLMHttpServer(cfg)
+    asyncio.run(server.launch_server())
+    out = asyncio.run(server.generate([1, 2, 3], {}, "req-1"))
+    assert out.extra_fields == {"spec_num_draft_tokens": 2, "spec_num_accepted_tokens": 0,
+                                "spec_num_verify_steps": 4}
+    assert server._spec_stats == {}  # popped once reported

@@ -159,5 +159,8 @@ def test_verl_reads_vllms_per_request_counters():
     counters = RequestSpecDecodeMetrics.new(4)
     counters.observe(num_draft_tokens=4, num_accepted=3)
     counters.observe(num_draft_tokens=2, num_accepted=0)
-    assert metrics.from_vllm_stats(counters) == {
+    # the prefill's token, then two drafted steps emitting 1 + 3 and 1 + 0
+    assert metrics.from_vllm_stats(counters, response_tokens=6) == {
         "spec_num_draft_tokens": 6, "spec_num_accepted_tokens": 3, "spec_num_verify_steps": 2}
+    # three more forwards that drafted nothing, one token each
+    assert metrics.from_vllm_stats(counters, response_tokens=9)["spec_num_verify_steps"] == 5

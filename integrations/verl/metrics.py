@@ -34,14 +34,19 @@ def from_sglang_meta(meta_info: Mapping[str, Any]) -> dict[str, int]:
 _warned_no_vllm_stats = False
 
 
-def from_vllm_stats(stats: Any) -> dict[str, int]:
-    """verl's three counters from vLLM's per-request counters (``capture.vllm_spec_stats``).
+def from_vllm_stats(stats: Any, response_tokens: int) -> dict[str, int]:
+    """verl's three counters from vLLM's per-request counters (``capture.vllm_spec_stats``) and
+    the length of the response they belong to.
 
     A ``RequestSpecDecodeMetrics`` (vLLM 0.29-0.33) holds a histogram of accepted drafts per
-    verify step that had drafts: its sum is the verify steps, ``sum(j * count)`` the accepted
-    tokens. The ``request_spec_decode_stats`` form verl reads has the three counts. None (the
-    engine reported nothing) gives no fields, so verl logs no acceptance metric rather than a
-    made-up zero; that is logged once per process, not per request.
+    verify step that had drafts: ``sum(j * count)`` is the accepted tokens. The
+    ``request_spec_decode_stats`` form verl reads has the three counts. vLLM counts only the
+    steps that drafted; SGLang, and verl's accept length (1 + accepted / verify steps), count
+    every decode forward, so the verify steps here are the response's decode forwards: one per
+    token after the prefill's, less the accepted ones (at least vLLM's own count). A request the
+    drafter never drafted for then reads 1 token per forward, not verl's 0 for no verify step.
+    None (the engine reported nothing) gives no fields, so verl logs no acceptance metric rather
+    than a made-up zero; that is logged once per process, not per request.
     """
     global _warned_no_vllm_stats
     if stats is None:
@@ -52,13 +57,12 @@ def from_vllm_stats(stats: Any) -> dict[str, int]:
         return {}
     histogram = getattr(stats, "histogram", None)
     if histogram is not None:
-        return {
-            "spec_num_draft_tokens": int(stats.num_draft_tokens),
-            "spec_num_accepted_tokens": sum(j * int(count) for j, count in enumerate(histogram)),
-            "spec_num_verify_steps": sum(int(count) for count in histogram),
-        }
+        accepted = sum(j * int(count) for j, count in enumerate(histogram))
+        verified = sum(int(count) for count in histogram)
+    else:
+        accepted, verified = int(stats.num_accepted_tokens), int(stats.num_verify_steps)
     return {
         "spec_num_draft_tokens": int(stats.num_draft_tokens),
-        "spec_num_accepted_tokens": int(stats.num_accepted_tokens),
-        "spec_num_verify_steps": int(stats.num_verify_steps),
+        "spec_num_accepted_tokens": accepted,
+        "spec_num_verify_steps": max(verified, response_tokens - 1 - accepted),
     }

@@ -49,7 +49,8 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
             return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
         try:
             out = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
-            out.extra_fields.update(metrics.from_vllm_stats(self._spec_stats.get(request_id)))
+            out.extra_fields.update(metrics.from_vllm_stats(self._spec_stats.get(request_id),
+                                                            response_tokens=len(out.token_ids)))
             return out
         finally:
             self._spec_stats.pop(request_id, None)
