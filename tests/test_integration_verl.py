@@ -11,13 +11,15 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from rollout_spec.config import SpecConfig
-from rollout_spec.integrations.verl import capture, metrics
+from rollout_spec.integrations.verl import capture, metrics, trainer_metrics
 from rollout_spec.integrations.verl.config import (
     FLAG_PATH,
     backend_engine_kwargs,
@@ -175,6 +177,96 @@ def test_vllm_steps_without_drafts_count_as_verify_steps():
     assert metrics.from_vllm_stats(never, response_tokens=1)["spec_num_verify_steps"] == 0
 
 
+class _Column(list):
+    def tolist(self):
+        return list(self)
+
+
+def _v1_trainer_module(compute):
+    """A stand-in for verl's v1 trainer_base: PPOTrainer._compute_metrics with verl's MTP-only
+    spec branch, the transfer queue's kv_batch_get, and verl's real compute_spec_decode_metrics."""
+    module = types.ModuleType(trainer_metrics.V1_TRAINER_MODULE)
+    module.fetched = []
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        module.fetched.append((tuple(keys), partition_id, tuple(select_fields)))
+        return {"extra_fields": _Column(module.extra_fields)}
+
+    class PPOTrainer:
+        def __init__(self, config):
+            self.config = config
+
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+            mtp = self.config.actor_rollout_ref.model.mtp
+            if mtp is not None and mtp.enable and mtp.enable_rollout:  # verl 0.9.1's gate
+                raise AssertionError("the stand-in covers the flag's case only: MTP off")
+            metrics.update({"training/global_step": global_steps})
+
+    module.tq = SimpleNamespace(kv_batch_get=kv_batch_get)
+    module.compute_spec_decode_metrics = compute
+    module.PPOTrainer = PPOTrainer
+    return module
+
+
+def _plugin_over_a_stand_in_registry(monkeypatch):
+    """Our plugin module, imported (it registers on import) over a stand-in of verl's registry."""
+    registry = SimpleNamespace(_registry={"sglang": lambda: None, "vllm": lambda: None})
+    registry.register = registry._registry.__setitem__
+    for name in ("verl", "verl.workers", "verl.workers.rollout", "verl.workers.rollout.replica"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["verl.workers.rollout.replica"].RolloutReplicaRegistry = registry
+    monkeypatch.delitem(sys.modules, "rollout_spec.integrations.verl.plugin", raising=False)
+    plugin = importlib.import_module("rollout_spec.integrations.verl.plugin")
+    monkeypatch.delitem(sys.modules, "rollout_spec.integrations.verl.plugin")  # not kept past the test
+    assert registry._registry["sglang"].rollout_spec_wrapped
+    return plugin
+
+
+@needs_verl_source
+def test_v1_trainer_logs_our_counters(monkeypatch):
+    """verl's default trainer (v1) reads the spec_* counters only for MTP rollouts; with the flag
+    on, the wrapper installed by the plugin's replica loader fetches them as verl's MTP branch does
+    and logs verl's two metrics over the real (non-padding) samples."""
+    compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
+    module = _v1_trainer_module(compute)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    plugin = _plugin_over_a_stand_in_registry(monkeypatch)
+    upstream_calls = []
+    load = plugin._wrap(lambda: upstream_calls.append(1), "sglang")
+    with pytest.raises(ImportError):  # our server module needs verl's; the wrap happened first
+        load()
+    assert upstream_calls == [1] and module.PPOTrainer._compute_metrics.rollout_spec_wrapped
+    assert not trainer_metrics.install()  # once only
+
+    counters = [{"spec_num_draft_tokens": 16, "spec_num_accepted_tokens": 8, "spec_num_verify_steps": 4},
+                {"spec_num_draft_tokens": 8, "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 6},
+                {"spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0}]
+    module.extra_fields = counters
+    batch = SimpleNamespace(keys=["a", "b", "pad"], partition_id="train_0",
+                            tags=[{}, {}, {"is_padding": True}])
+
+    def config(custom, mtp=None):
+        return SimpleNamespace(actor_rollout_ref=SimpleNamespace(
+            rollout=rollout(custom), model=SimpleNamespace(mtp=mtp)))
+
+    flag = {"speculative": "rollout_spec"}
+    metrics_out = {}
+    module.PPOTrainer(config(flag))._compute_metrics(batch, metrics_out, {}, global_steps=3, epoch=0)
+    assert metrics_out == {"training/global_step": 3,
+                           "rollout/spec_accept_rate": pytest.approx((8 / 16 + 0) / 2),
+                           "rollout/spec_accept_length": pytest.approx((1 + 8 / 4 + 1) / 2)}
+    assert module.fetched == [(("a", "b", "pad"), "train_0", ("extra_fields",))]
+
+    module.fetched.clear()
+    plain = {}
+    module.PPOTrainer(config(None))._compute_metrics(batch, plain, {}, global_steps=3, epoch=0)
+    assert plain == {"training/global_step": 3} and module.fetched == []  # flag off: untouched
+    module.extra_fields = counters[:2] + [{"other": 1}]  # verl's rule: all samples or none
+    partial = {}
+    module.PPOTrainer(config(flag))._compute_metrics(batch, partial, {}, global_steps=4, epoch=0)
+    assert partial == {"training/global_step": 4}
+
+
 @needs_verl_source
 def test_verl_still_has_the_shape_the_hook_relies_on():
     trainer = (VERL / "trainer/ppo/ray_trainer.py").read_text()
@@ -189,6 +281,15 @@ def test_verl_still_has_the_shape_the_hook_relies_on():
     assert 'RolloutReplicaRegistry.register("sglang"' in replica and "_registry" in replica
     init = (VERL / "__init__.py").read_text()
     assert '"verl.plugins"' in init, "verl no longer loads verl.plugins entry points"
+    v1 = (VERL / "trainer/ppo/v1/trainer_base.py").read_text()  # trainer_metrics' assumptions
+    assert "import transfer_queue as tq" in v1 and "class PPOTrainer(" in v1
+    assert "def _compute_metrics(self, batch: KVBatchMeta, metrics, timing_raw, global_steps, epoch):" in v1
+    assert "import apply_kl_penalty, compute_spec_decode_metrics" in v1
+    assert 'select_fields=["extra_fields"]' in v1 and 'tag.get("is_padding", False)' in v1
+    assert "mtp_config.enable and mtp_config.enable_rollout" in v1, "v1 may read our counters now"
+    assert "LLMServerManager.create(" in v1  # the replica class is looked up in the trainer's process
+    assert "get_rollout_replica_class(" in (VERL / "workers/rollout/llm_server.py").read_text()
+    assert "use_v1: true" in (VERL / "trainer/config/ppo_trainer.yaml").read_text()
     rollout_cfg = (VERL / "workers/config/rollout.py").read_text()
     assert "custom: Optional[dict] = None" in rollout_cfg and '"engine_kwargs"' in rollout_cfg
     # scale-out (replicas.py): replica start methods, the servers' rank, the router factory

@@ -1,5 +1,6 @@
 """verl plugin (entry point ``verl.plugins: rollout_spec``): route verl's sglang/vllm replicas
-through rollout-spec's subclasses (``sglang_server.py``, ``vllm_server.py``), which act only when the config flag is on.
+through rollout-spec's subclasses (``sglang_server.py``, ``vllm_server.py``), which act only when the config flag is on,
+and let verl's v1 trainer log their acceptance counters (``trainer_metrics.py``).
 
 verl loads every ``verl.plugins`` entry point when ``verl`` is imported, in every process (the
 trainer, the agent-loop workers, the rollout servers). Registration only wraps the loaders of
@@ -20,6 +21,9 @@ _REPLICAS = {
 def _wrap(upstream: Callable[[], type], backend: str) -> Callable[[], type]:
     def load() -> type:
         upstream()  # verl's own loader first: it prepares the environment its imports need
+        # The trainer's process looks the replica class up while building its servers: the v1
+        # trainer is loaded there by then, and its metrics need our counters passed through.
+        import_module("rollout_spec.integrations.verl.trainer_metrics").install()
         module, name = _REPLICAS[backend]
         return getattr(import_module(module), name)
 
