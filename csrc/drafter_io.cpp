@@ -3,9 +3,11 @@
 // logged positions in that order, which reproduces them exactly; a request's own index is
 // rebuilt from its tokens).
 #include <algorithm>
+#include <cstdio>
 #include <istream>
 #include <ostream>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "checksum.h"
@@ -24,6 +26,16 @@ namespace {
 // 4 and 5 are checked and their match states skipped; version 4's have no noise keys.
 constexpr uint64_t kMagic = 0x3752444150535352ULL;
 constexpr char kVersion = '7', kOldestVersion = '4', kFirstSummed = '7';
+
+// A version byte as an error message may show it: the character when printable ASCII, else its
+// value (a damaged byte of 0x80 or more would make the message invalid UTF-8 for Python).
+std::string version_name(char version) {
+  const auto byte = static_cast<unsigned char>(version);
+  if (byte > 0x20 && byte < 0x7F) return std::string(1, version);
+  char hex[16];
+  std::snprintf(hex, sizeof hex, "byte 0x%02X", byte);
+  return hex;
+}
 
 template <class T>
 void put(std::ostream& os, const T& v) { os.write(reinterpret_cast<const char*>(&v), sizeof(T)); }
@@ -120,7 +132,7 @@ Header read_header(std::istream& is, bool verify) {
     throw std::runtime_error("not a rollout-spec drafter checkpoint");
   const char version = static_cast<char>(magic >> 56);
   if (version < kOldestVersion || version > kVersion)
-    throw std::runtime_error("drafter checkpoint of another format version (" + std::string(1, version) +
+    throw std::runtime_error("drafter checkpoint of another format version (" + version_name(version) +
                              ", this build reads " + std::string(1, kOldestVersion) + " to " +
                              std::string(1, kVersion) + ")");
   uint64_t payload = size;

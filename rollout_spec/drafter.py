@@ -368,8 +368,12 @@ class NgramDrafter:
         leaves the checkpoint that was there before (RuntimeError when writing fails).
         """
         meta = json.dumps({"config": asdict(self.config), "live": sorted(self._live)})
-        with replaced_on_success(_checkpoint_path(path)) as tmp:
-            self._core.save(os.fspath(tmp), meta)
+        target = _checkpoint_path(path)
+        try:
+            with replaced_on_success(target) as tmp:
+                self._core.save(os.fspath(tmp), meta)
+        except OSError as exc:  # the rename: onto a directory, across devices, no permission
+            raise RuntimeError(f"cannot write the checkpoint {target!r}: {exc.strerror or exc}") from exc
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "NgramDrafter":

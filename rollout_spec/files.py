@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,11 +13,22 @@ from pathlib import Path
 def replaced_on_success(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` for the block to write; renamed onto ``path`` when the
     block succeeds, removed when it fails or is interrupted. A checkpoint or cache stopped
-    mid-write thus leaves the file that was there before (or none), never half of a new one."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    mid-write thus leaves the file that was there before (or none), never half of a new one.
+
+    Each call gets its own temporary, so two writers of one path (two threads of a process too)
+    never write into each other's; the last rename wins whole. A path ending in a separator
+    names a directory and is refused (IsADirectoryError), as opening it would be.
+    """
+    text = os.fspath(path)
+    if text.endswith(os.sep) or (os.altsep is not None and text.endswith(os.altsep)):
+        raise IsADirectoryError(errno.EISDIR, "names a directory, not a file", text)
+    path = Path(text)
+    # 200 bytes of the name at most, so that the temporary's stays within 255
+    stem = os.fsencode(path.name)[:200].decode("utf-8", "ignore")
+    tmp = path.with_name(f"{stem}.{uuid.uuid4().hex}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # never hide the block's own error behind this one
+            tmp.unlink(missing_ok=True)

@@ -336,3 +336,7 @@ def test_load_rejects_a_checkpoint_of_an_unknown_format(tmp_path):
         path.write_bytes(bytes(data))
         with pytest.raises(RuntimeError, match=rf"another format version \({version}, this build reads 4 to 7\)"):
             NgramDrafter.load(path)
+    data[7] = 0x80  # a damaged version byte: named by value (as a character it was not UTF-8)
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"another format version \(byte 0x80, this build reads 4 to 7\)"):
+        NgramDrafter.load(path)

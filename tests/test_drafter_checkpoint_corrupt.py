@@ -292,3 +292,14 @@ def test_checkpoint_paths_are_checked(tmp_path, good):
 def test_save_into_a_missing_directory_names_the_path(tmp_path):
     with pytest.raises(RuntimeError, match="cannot open .*missing.* for writing"):
         NgramDrafter().save(tmp_path / "missing" / "drafter.bin")
+
+
+def test_save_onto_a_directory_is_a_runtime_error_naming_the_path(tmp_path):
+    """As the docstring says (RuntimeError when writing fails), for the rename too; a trailing
+    separator names a directory, not the file before it."""
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(RuntimeError, match=r"cannot write the checkpoint .*ckpt'"):
+        NgramDrafter().save(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match=r"cannot write the checkpoint .*other/'.*directory"):
+        NgramDrafter().save(f"{tmp_path}/other/")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

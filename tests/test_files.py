@@ -46,3 +46,44 @@ def test_an_interrupted_trace_save_keeps_the_earlier_trace(tmp_path, monkeypatch
     monkeypatch.undo()
     assert load_trace(path).prompts == {1: [5, 6]}
     assert [p.name for p in tmp_path.iterdir()] == ["t.json.gz"]
+
+
+def test_two_writers_of_one_path_never_share_a_temporary(tmp_path):
+    """Both blocks are open at once (two threads of one process): each writes its own temporary,
+    and the file ends whole, as one of them wrote it."""
+    import threading
+
+    path = tmp_path / "out.txt"
+    both_open = threading.Barrier(2)
+    temporaries = []
+
+    def write(text):
+        with replaced_on_success(path) as tmp:
+            temporaries.append(tmp)
+            with open(tmp, "w") as f:
+                f.write(text[:500])
+                both_open.wait()
+                f.write(text[500:])
+
+    threads = [threading.Thread(target=write, args=(c * 1000,)) for c in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(temporaries)) == 2
+    assert path.read_text() in ("a" * 1000, "b" * 1000)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_a_directory_path_long_names_and_the_blocks_own_error(tmp_path):
+    with pytest.raises(IsADirectoryError, match="names a directory"):
+        with replaced_on_success(f"{tmp_path}/sub/"):
+            pass
+    long = tmp_path / ("n" * 250)  # a legal name; name + suffix would not be
+    with replaced_on_success(long) as tmp:
+        tmp.write_text("x")
+    assert long.read_text() == "x"
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RuntimeError, match="the block's"):  # not the cleanup's NotADirectoryError
+        with replaced_on_success(tmp_path / "a_file" / "out.txt"):
+            raise RuntimeError("the block's")
