@@ -94,7 +94,7 @@ class Replica:
         self.drafter.end_step()
 
     def stats(self) -> dict:
-        return self.client.stats()
+        return {**self.client.stats(), "step_at_join": self.client.step_at_join}
 
     def _req(self) -> int:
         self.next_req += 1
@@ -166,6 +166,7 @@ def test_killed_replica_recovers_its_and_others_publications(ray_cluster) -> Non
     assert ray.get(reborn.apply_staged.remote(1)) == 1  # the owner applies in small installments
     stats = ray.get(reborn.wait_applied.remote(8))  # catch-up: its own last step + the copy of `other`
     assert stats["fetched_tokens"] == 8 * 40
+    assert ray.get(reborn.stats.remote())["step_at_join"] == 0  # step 0 was the newest at its first pull
     _assert_continues(ray.get(reborn.propose.remote(own, own_resp[1][:6])), own_resp[1][6:])
     _assert_continues(ray.get(reborn.propose.remote(other, other_resp[3][:6])), other_resp[3][6:])
     # after catching up it ingests only others' new publications, not its own again

@@ -195,8 +195,9 @@ def test_embedded_engines_share_through_attach_shared_index(ray_cluster) -> None
 class _FakeIndex:
     """What SharingDrafter needs of SharedIndexClient, recorded."""
 
-    def __init__(self, latest_step: int = -1) -> None:
-        self.latest_step, self.recorded, self.published = latest_step, [], []
+    def __init__(self, latest_step: int = -1, step_at_join: int = -1) -> None:
+        self.latest_step, self.step_at_join = latest_step, step_at_join
+        self.recorded, self.published = [], []
 
     def record(self, group_id: int, tokens: list[int]) -> None:
         self.recorded.append((group_id, list(tokens)))
@@ -211,7 +212,7 @@ class _FakeIndex:
 def test_sharing_drafter_records_grouped_responses_and_numbers_steps_like_the_job() -> None:
     from rollout_spec.drafter import NgramDrafter
 
-    index = _FakeIndex(latest_step=6)  # a restarted replica: the others are at step 6
+    index = _FakeIndex(latest_step=6, step_at_join=5)  # restarted in step 6, which a peer has ended
     shared = SharingDrafter(NgramDrafter(SpecConfig()), index)
     shared.start_batch([1, 2], [[5, 6], [5, 6]], [9, None])
     shared.extend_batch([1, 2], [[7, 8], [7]])
@@ -224,6 +225,25 @@ def test_sharing_drafter_records_grouped_responses_and_numbers_steps_like_the_jo
     shared.end_step()
     assert index.published == [6, 7] and shared.stats()["shared_index/publishes"] == 2.0
     assert shared.is_live(1) is False  # everything else reaches the wrapped drafter
+
+
+@pytest.mark.parametrize("latest_at_end", [3, 2], ids=["a-peer-ended-first", "it-ends-first"])
+def test_a_replica_restarted_mid_step_labels_it_as_the_step_it_is_in(latest_at_end: int) -> None:
+    """Joined when step 2 was the newest published, it generates for step 3: labelled 3 whether
+    or not a peer has ended step 3 first (labelled 2, the coordinators would evict it with step 2's
+    publications, one step early), then 4, 5 as the job goes on."""
+    from rollout_spec.drafter import NgramDrafter
+
+    index = _FakeIndex(latest_step=latest_at_end, step_at_join=2)
+    shared = SharingDrafter(NgramDrafter(SpecConfig()), index)
+    shared.end_step()
+    index.latest_step = 4  # the peers are ahead again by its next boundary: it follows them
+    shared.end_step()
+    shared.end_step()
+    assert index.published == [3, 4, 5]
+    fresh = _FakeIndex()  # a job's first step: no step published when it joined
+    SharingDrafter(NgramDrafter(SpecConfig()), fresh).end_step()
+    assert fresh.published == [0]
 
 
 def test_sharing_drafter_takes_group_ids_as_an_array() -> None:

@@ -118,6 +118,7 @@ class SharedIndexClient:
         self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
         self._cursor = -1  # -1: the first pull also takes our own history
         self._latest_step = -1
+        self._step_at_join = -1
         self._published_steps: set[int] = set()  # ours from this process: never re-ingested
         self._inflight_publishes: list[Any] = []
         self._poll_lock = threading.Lock()
@@ -197,6 +198,8 @@ class SharedIndexClient:
             t0 = time.perf_counter()
             got: Pulled = ray.get(self._coords[self._shard].pull.remote(
                 self.config.replica_id, self._cursor, self.config.ingest_budget_tokens, own))
+            if self._cursor < 0:
+                self._step_at_join = got.latest_step
             self._cursor = got.head
             self._latest_step = max(self._latest_step, got.latest_step)
             batches = [unpack(bucket) for bucket in got.buckets()]
@@ -212,6 +215,12 @@ class SharedIndexClient:
     def latest_step(self) -> int:
         """Newest step any replica had published at this replica's last pull (-1: none)."""
         return self._latest_step
+
+    @property
+    def step_at_join(self) -> int:
+        """Newest step any replica had published at this replica's first pull (-1: none, or no
+        pull yet): a replica (re)started mid-job is generating for the step after it."""
+        return self._step_at_join
 
     def apply(self, max_sequences: Optional[int] = None) -> int:
         """Ingest staged responses into the drafter on the calling thread; never waits on Ray.

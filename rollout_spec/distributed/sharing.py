@@ -81,10 +81,16 @@ class SharingDrafter:
     def end_step(self) -> None:
         """RL step boundary: publish this step's responses, then age the drafter's history.
 
-        Steps are numbered like the other replicas' (a restarted replica continues from the
-        newest step it has seen), so the coordinators retain and evict them together.
+        Steps are numbered like the other replicas', so the coordinators retain and evict them
+        together: at least the newest step published so far (others may have ended this step
+        first), and at a replica's first boundary the step after the newest one published when it
+        joined, since a replica (re)started mid-job generates for that step. (Were it to join just
+        after a peer ended the step it is in, it labels its step one too new: kept a step longer,
+        never evicted early.)
         """
         step = max(self._next_step, self.index.latest_step)
+        if self._next_step == 0:
+            step = max(step, self.index.step_at_join + 1)
         self.index.publish(step)
         self._next_step = step + 1
         self.drafter.end_step()
