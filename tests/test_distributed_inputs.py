@@ -97,14 +97,17 @@ def test_record_refuses_tokens_it_would_coerce(monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.parametrize("call, exc, field", [
-    (lambda: pack([1], [np.array([2**40])]), ValueError, "tokens"),
-    (lambda: pack([1], [np.array([1.7, 2.9])]), TypeError, "tokens"),
-    (lambda: pack([1], [np.array([-5, 2])]), ValueError, "tokens"),
+    (lambda: pack([1], [np.array([2**40])]), ValueError, r"sequences\[0\] must hold token ids"),
+    (lambda: pack([1], [np.array([1.7, 2.9])]), TypeError, r"sequences\[0\] must be a 1-D array of integers"),
+    (lambda: pack([1], [np.array([-5, 2])]), ValueError, r"sequences\[0\] must hold token ids"),
     (lambda: pack([1.9], [np.array([1])]), TypeError, "groups"),
     (lambda: pack([True], [np.array([1])]), TypeError, "groups"),
     (lambda: pack(np.array([[1], [2]]), [[1], [2]]), TypeError, "groups"),
     (lambda: pack([1], [np.array([[1, 2], [3, 4]])]), TypeError, "sequences"),
     (lambda: pack([1], [5]), TypeError, "sequences"),
+    (lambda: pack([1], [[True, 2]]), TypeError, r"sequences\[0\]"),  # numpy would join True as 1
+    (lambda: pack([1, 2], [np.array([3]), np.array([True])]), TypeError, r"sequences\[1\]"),
+    (lambda: pack([1, 2], [[3], "ab"]), TypeError, r"sequences\[1\]"),
     (lambda: unpack(np.array([2, 1, 1, -1, 2, 7], np.int32)), ValueError, "corrupt bucket"),  # negative length
     (lambda: unpack(np.array([1, -5, 1, 7], np.int32)), ValueError, "corrupt bucket"),
     (lambda: unpack(np.array([1, 1, 1, -7], np.int32)), ValueError, "corrupt bucket"),

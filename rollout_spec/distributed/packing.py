@@ -30,15 +30,10 @@ def pack(groups: Sequence[int] | np.ndarray, sequences: Sequence[np.ndarray]) ->
     if len(gids) != len(sequences):
         raise ValueError(f"groups ({len(gids)}) and sequences ({len(sequences)}) differ in length")
     num = len(sequences)
-    try:
-        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=num)
-        parts = [s for s, n in zip(sequences, lengths) if n]  # an empty [] would make the rest float
-        joined = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    except (TypeError, ValueError):  # a scalar, a str, a mix of 1-D and 2-D arrays
-        joined = None
-    if joined is None or joined.ndim != 1 or len(joined) != lengths.sum():
-        raise TypeError("sequences must be 1-D integer arrays of token ids")
-    tokens = token_array("sequences' tokens", joined)
+    # each sequence checked on its own: joined first, numpy would turn a bool beside ints into 1
+    parts = [token_array(f"sequences[{i}]", s) for i, s in enumerate(sequences)]
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=num)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     out = np.empty(1 + 2 * num + len(tokens), np.int32)
     out[0] = num
     out[1 : 1 + num] = gids
