@@ -88,9 +88,11 @@ class GroupRouter:
 
         ``weights`` (default 1 each) is the number of requests a group brings, e.g. its n;
         ``base_load`` (default 0) is what each replica already runs; both are ints in
-        ``[0, 2**32]``. Heavy groups are placed first; each takes its first preference with room,
-        else the least-loaded replica, so no replica ends above ``capacity(total)`` unless its
-        base load alone exceeds it.
+        ``[0, 2**32]``. Heavy groups are placed first; each takes its first preference with room
+        for it under ``capacity(total)`` (or under its own weight, for a group heavier than that),
+        else the least-loaded replica. A group is never split, so a replica can end above the
+        capacity: by at most the weight of a group that found no preference with room, or by what
+        its base load alone exceeds it.
         """
         keys = _as_keys(groups)
         w = np.ones(len(keys), np.int64) if weights is None else int_array("weights", weights, 0, _MAX_LOAD)
