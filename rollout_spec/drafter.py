@@ -326,17 +326,22 @@ class NgramDrafter:
         self._core.propose_ahead(ids, _budget_array(budgets, len(ids)))
 
     # ----------------------------------------------------------------- shared scopes
-    def add_sequences(self, group_ids: Sequence[Optional[int]], sequences: Sequence[TokenIds]) -> None:
+    def add_sequences(self, group_ids: Sequence[Optional[int]], sequences: Sequence[TokenIds], *,
+                      pinned: bool = False) -> None:
         """Ingest finished responses produced elsewhere (another replica, a recorded step).
 
         They enter the group scope of their group id (None: global only) and the global scope as
         if generated in the current RL step; every position of them is indexed, so pass the
-        response tokens (a prompt prefix, if included, is indexed as well).
+        response tokens (a prompt prefix, if included, is indexed as well). ``pinned`` ones are
+        kept like ``SpecConfig.external_corpora``: never aged or evicted (a corpus loaded at run
+        time, e.g. through SGLang's API).
         """
+        if type(pinned) is not bool:
+            raise TypeError(f"pinned must be a bool, got {type(pinned).__name__}")
         if len(group_ids) != len(sequences):
             raise ValueError(f"group_ids and sequences must have the same length ({len(group_ids)} != {len(sequences)})")
         groups = np.array([_group_id(f"group_ids[{i}]", g) for i, g in enumerate(group_ids)], np.int32)
-        self._add(groups, *_flatten("sequences", sequences, len(groups)), pinned=False)
+        self._add(groups, *_flatten("sequences", sequences, len(groups)), pinned=pinned)
 
     def _add(self, groups: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *, pinned: bool) -> None:
         self._core.add_sequences(groups, tokens, offsets, pinned)

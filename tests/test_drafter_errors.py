@@ -58,6 +58,7 @@ def snapshot(d: NgramDrafter):
         (lambda d: d.extend_batch([0, 1], [np.array([3]), [True, 2]]), TypeError, r"token_ids\[1\] .*bool"),
         (lambda d: d.extend_batch(np.array([0, 1]), [(3,), (2, np.True_)]), TypeError, "token_ids .*bool"),
         (lambda d: d.add_sequences([1, None], [[3, 4], [1, True]]), TypeError, "sequences .*bool"),
+        (lambda d: d.add_sequences([None], [[3, 4]], pinned=1), TypeError, "pinned must be a bool, got int"),
         (lambda d: d.finish_batch([0, True]), TypeError, "req_ids .*bool"),
         (lambda d: d.propose([0, 1], budgets=[4, True]), TypeError, "budgets .*bool"),
     ],

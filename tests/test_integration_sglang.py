@@ -6,9 +6,11 @@ done here (see docs/sglang.md for what is and is not tested against the real pac
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -219,6 +221,53 @@ def test_external_corpus_budget_and_listing():
         c.load_external_corpus_named("big", [list(range(6))])
 
 
+def _sglang_corpus_chunks(path: Path, docs: list[str], chunk_size: int) -> list[list[int]]:
+    """SGLang's own chunking of a JSONL corpus (``cpp_ngram/external_corpus.py``, loaded by path:
+    the sglang package itself needs its whole runtime to import), one token per character."""
+    if SGLANG_DIR is None:
+        pytest.skip("sglang not installed (pip install --no-deps sglang)")
+    source = SGLANG_DIR / "srt/speculative/cpp_ngram/external_corpus.py"
+    spec = importlib.util.spec_from_file_location("sglang_external_corpus", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [1000 + ord(c) for c in text])
+    return list(module.iter_external_corpus_chunks(str(path), tokenizer, 10_000, chunk_size=chunk_size))
+
+
+def test_external_corpus_as_sglang_streams_it(tmp_path):
+    """SGLang sends documents as one stream in fixed-size chunks, a separator (-2**31) before each
+    document after the first: the chunks of a document are joined, the separator splits them,
+    and the corpus stays (pinned) however much traffic the index takes in afterwards."""
+    chunks = _sglang_corpus_chunks(tmp_path / "c.jsonl", ["abcdefgh", "xyzw"], chunk_size=3)
+    assert min(map(min, chunks)) == -(2**31) and max(map(len, chunks)) == 3
+    c = corpus(spec=SpecConfig(num_draft_tokens=4, capacity_tokens=1024))
+    assert c.load_external_corpus_named("docs", chunks) == 8 + 1 + 4  # SGLang counts the separator
+    tok = {ch: 1000 + ord(ch) for ch in "abcdefghxyzw"}
+    queries = iter(range(100))
+    chain = lambda q: get(c, [q], rids=[f"q{next(queries)}"])[0][0, 1:4].tolist()  # noqa: E731
+    assert chain([tok["b"], tok["c"]]) == [tok["d"], tok["e"], tok["f"]]  # across a chunk's end
+    assert chain([tok["x"], tok["y"]]) == [tok["z"], tok["w"], 0]
+    assert chain([tok["g"], tok["h"]]) == [0, 0, 0]  # the next document does not continue this one
+    rng = np.random.default_rng(0)
+    for i in range(40):  # 40 x 64 tokens of traffic through a 1,024-token index
+        c.batch_put([tuple(rng.integers(1, 900, 64).tolist())])
+        c.reset()
+    assert c.drafter.stats()["evictions"] > 0
+    assert chain([tok["b"], tok["c"]]) == [tok["d"], tok["e"], tok["f"]]
+
+
+def test_any_request_id_is_served(tmp_path):
+    """A client's id that merely contains the separator, and SGLang's batch renaming of a tagged
+    id (``f"{rid}_{i}"``), draft like any other; the first has no group, the second keeps it."""
+    c = corpus_with_seeds()
+    rids = ["user|rsg=v2", rid_with_group("job", [1, 2]) + "_0"]
+    ids, _ = get(c, [[1, 2, 3], [1, 2, 3]], rids=rids)
+    assert ids[0, 1] == ids[1, 1] in (4, 44)  # a seed's continuation
+    c.erase_match_state(rids)
+    c.reset()
+
+
 # ---------------------------------------------------------------- ids, config, plugin
 def test_group_travels_in_request_id():
     rid = rid_with_group("abc", [1, 2, 3])
@@ -226,8 +275,13 @@ def test_group_travels_in_request_id():
     assert group_from_rid(rid) == group_from_rid(rid_with_group("other", [1, 2, 3]))
     assert group_from_rid(rid) != group_from_rid(rid_with_group("abc", [1, 2, 4]))
     assert 0 <= group_from_rid(rid) < 2**31 and group_from_rid("plain-id") is None
-    with pytest.raises(ValueError, match="8 lowercase hex"):
-        group_from_rid("x|rsg=zz")
+    # SGLang's batch renaming of one id (io_struct's _normalize_rid) keeps the group
+    assert group_from_rid(f"{rid}_0") == group_from_rid(f"{rid}_12") == group_from_rid(rid)
+    # any other text after the separator is a client's id, not ours: no group, and tagged anew
+    for other in ("x|rsg=zz", "user|rsg=v2", "a|rsg=8000000a", "a|rsg=0000000a_", "a|rsg=0000000a_x",
+                  "a|rsg=0000000A"):
+        assert group_from_rid(other) is None
+        assert group_from_rid(rid_with_group(other, [1, 2, 3])) == group_from_rid(rid)
 
 
 def test_spec_travels_in_env_and_server_args():

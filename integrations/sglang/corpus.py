@@ -24,6 +24,8 @@ from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask
 logger = logging.getLogger(__name__)
 
 MATCH_TYPES = ("BFS", "PROB")
+SEPARATOR_TOKEN = -(2**31)
+"""What SGLang puts between the documents of an external corpus (``cpp_ngram/external_corpus.py``)."""
 
 
 @dataclass
@@ -218,22 +220,33 @@ class RolloutSpecCorpus:
         return self.external_corpus_max_tokens - sum(self._corpora.values())
 
     def load_external_corpus_named(self, corpus_id: str, chunks: Iterable[Sequence[int]]) -> int:
-        """Index token chunks into the global scope; returns how many tokens were loaded.
+        """Index a corpus into the global scope, pinned (never aged or evicted, as SGLang keeps its
+        own until removed); returns how many tokens were loaded, separators included as SGLang
+        counts them.
+
+        SGLang streams one token sequence in fixed-size chunks, documents after the first opening
+        with ``SEPARATOR_TOKEN`` (``cpp_ngram/external_corpus.py``, and its ``documents`` API):
+        the chunks are joined and split at the separators, one stored sequence per document.
 
         Raises:
             ValueError: ``corpus_id`` is loaded already, or the chunks exceed the token budget.
         """
         if corpus_id in self._corpora:
             raise ValueError(f"external corpus {corpus_id!r} is loaded already")
-        seqs = [[int(t) for t in chunk] for chunk in chunks]
-        total = sum(map(len, seqs))
+        stream = [int(t) for chunk in chunks for t in chunk]
+        total = len(stream)
         if total > self.remaining_token_budget:
             raise ValueError(
                 f"external corpus {corpus_id!r} has {total} tokens, over the remaining budget "
                 f"of {self.remaining_token_budget} (external_corpus_max_tokens)"
             )
-        if seqs:
-            self.drafter.add_sequences([None] * len(seqs), seqs)
+        docs, start = [], 0
+        for end in [i for i, t in enumerate(stream) if t == SEPARATOR_TOKEN] + [total]:
+            if end > start:
+                docs.append(stream[start:end])
+            start = end + 1
+        if docs:
+            self.drafter.add_sequences([None] * len(docs), docs, pinned=True)
         return total
 
     def commit_external_corpus_load(self, corpus_id: str, loaded_token_count: int) -> None:

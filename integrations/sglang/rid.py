@@ -17,14 +17,15 @@ GROUP_SEPARATOR = "|rsg="
 
 
 def rid_with_group(request_id: str, prompt_ids: Sequence[int] | np.ndarray) -> str:
-    """``request_id`` tagged with the stable group id of ``prompt_ids``.
+    """``request_id`` tagged with the stable group id of ``prompt_ids`` (kept as it is when it
+    carries a group already).
 
     Identical prompts give the same group in every process and RL step, so verl's n samples of
     one prompt (one ``uid``) and the same prompt in later epochs share a group.
     """
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-    if GROUP_SEPARATOR in request_id:
+    if group_from_rid(request_id) is not None:
         return request_id
     return f"{request_id}{GROUP_SEPARATOR}{prompt_group_id(prompt_ids):08x}"
 
@@ -32,12 +33,18 @@ def rid_with_group(request_id: str, prompt_ids: Sequence[int] | np.ndarray) -> s
 def group_from_rid(rid: str) -> Optional[int]:
     """The group id a request id carries, or None when it carries none.
 
-    Raises:
-        ValueError: the suffix is present but is not 8 lowercase hex digits of a 31-bit id.
+    Any request id works, as with SGLang's own corpus: one whose text after the last
+    ``GROUP_SEPARATOR`` is not ours (8 lowercase hex digits of a 31-bit id) carries no group.
+    SGLang renames a batch request's one id ``f"{rid}_{i}"``; that index is allowed after the
+    digits, so the group survives it.
     """
-    head, sep, tail = rid.rpartition(GROUP_SEPARATOR)
-    if not sep:
+    _, sep, tail = rid.rpartition(GROUP_SEPARATOR)
+    tag, underscore, index = tail.partition("_")
+    if (not sep or len(tag) != 8 or any(c not in _HEX for c in tag)
+            or (underscore and not (index and all(c in _DIGITS for c in index)))):
         return None
-    if len(tail) != 8 or any(c not in "0123456789abcdef" for c in tail) or int(tail, 16) > GROUP_ID_MAX:
-        raise ValueError(f"request id {rid!r}: group suffix must be 8 lowercase hex digits <= 7fffffff")
-    return int(tail, 16)
+    group = int(tag, 16)
+    return group if group <= GROUP_ID_MAX else None
+
+
+_HEX, _DIGITS = frozenset("0123456789abcdef"), frozenset("0123456789")
