@@ -400,6 +400,10 @@ def test_replay_walks_trees_and_siblings_speed_up_later_steps():
     assert first["generated"] == again["generated"] == len(answer) - 1
     assert first["verifies"] == len(answer) - 1  # nothing to draft from yet
     assert again["verifies"] <= -(-(len(answer) - 1) // D) + 1  # the previous step's response is drafted
+    # responses that end at their prefill (one token, or none) take no decode step
+    short = replay_step(c, 2, prompts, [(0, [5]), (0, []), (0, answer)], tail=16)
+    assert (short["verifies"], short["generated"]) == (again["verifies"], again["generated"])
+    assert short["accepted"] == again["accepted"] >= 0
 
 
 def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):

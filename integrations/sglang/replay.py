@@ -37,10 +37,13 @@ def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
 def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[int]],
                 responses: list[tuple[int, list[int]]], tail: int) -> dict:
     """One RL step of lock-step decoding of ``(group_id, response_ids)`` pairs (a ``Trace`` step);
-    returns its totals and the adapter's seconds."""
+    returns its totals (decode steps only: a response's first token comes from its prefill) and
+    the adapter's seconds."""
     d = corpus.draft_token_num
     live = {}
     for i, (group_id, response) in enumerate(responses):
+        if len(response) <= 1:  # finished at its prefill: SGLang's NGRAM worker never sees it
+            continue
         prompt = prompts[group_id]
         live[rid_with_group(f"s{step}-{i}", prompt)] = (prompt, response, [1])  # token 0 from prefill
     verifies = accepted = generated = 0
