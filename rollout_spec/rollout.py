@@ -20,6 +20,7 @@ import numpy as np
 
 from rollout_spec.config import SamplingParams, SpecConfig
 from rollout_spec.groups import prompt_group_id
+from rollout_spec.engine.inputs import vocab_ids
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.noise import sample_seed
@@ -95,8 +96,10 @@ class RolloutSession:
     def __init__(self, engine: "RolloutEngine", params: SamplingParams, progress: bool = False) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop_token_ids:
+            vocab_ids("stop_token_ids", params.stop_token_ids, engine.model.config.vocab_size)
         self.engine, self.params, self.progress = engine, params, progress
-        attach_shared_index(engine)
+        attach_shared_index(engine)  # after the checks: it wraps the engine's drafter for good
         stops = params.stop_token_ids if params.stop_token_ids is not None else engine.eos_token_ids
         self.stop_ids = frozenset(stops)
 

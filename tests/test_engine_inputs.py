@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_spec import SamplingParams, SpecConfig
+from rollout_spec import SamplingParams, SpecConfig, rollout
 from rollout_spec.drafter import NgramDrafter
 from rollout_spec.engine import RolloutEngine
 from test_engine import VOCAB, engine, tiny_pair  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -156,14 +156,17 @@ def test_switches_must_be_bools(model, option, value) -> None:
         engine(model, **{option: value})
 
 
-def test_stop_token_ids_outside_the_vocabulary_are_refused(model, plain) -> None:
+def test_stop_token_ids_outside_the_vocabulary_are_refused(model, plain, monkeypatch) -> None:
     """They could never match: the samples would silently run to max_new_tokens."""
     eng = engine(model)
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[3, VOCAB])
     want = rf"stop_token_ids\[1\] must be in \[0, {VOCAB - 1}\], got {VOCAB} .*\[0, {VOCAB}\)"
+    attached = []
+    monkeypatch.setattr(rollout, "attach_shared_index", attached.append)
     with pytest.raises(ValueError, match=want):
         eng.generate(PROMPTS, params)
-    assert eng.prefill_tokens == 0
+    assert eng.prefill_tokens == 0 and attached == []  # refused before the drafter could be wrapped
+    monkeypatch.undo()
     assert tokens(eng) == plain
 
 

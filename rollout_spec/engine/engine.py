@@ -302,9 +302,7 @@ class RolloutEngine:
         running = self.num_slots if max_running is None else check_int(
             "max_running", max_running, 1, self.num_slots)
         group_ids = check_group_ids(group_ids)
-        session = RolloutSession(self, params, progress=progress)  # checks params' type
-        if params.stop_token_ids:
-            vocab_ids("stop_token_ids", params.stop_token_ids, self.model.config.vocab_size)
+        session = RolloutSession(self, params, progress=progress)  # checks params
         first_req_id = self._next_req_id
         try:
             with self._queue.responsive():  # the drafter's worker gets the GIL without a 5 ms wait
