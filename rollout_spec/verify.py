@@ -168,7 +168,8 @@ def verify(
         keys = NoiseKeys.fresh(generator, batch.num_requests, logits.device)
     else:
         keys.check(batch.num_requests, logits.device)
-    if use_triton(backend, logits.device):
+    logits = logits.detach()  # sampling is not differentiable; logits of a graph are read as values
+    if batch.num_requests and use_triton(backend, logits.device):  # no request: nothing to launch
         from rollout_spec.verify_fused import verify_fused
 
         result = VerifyResult(*verify_fused(logits, batch, table, keys, tree, on_walk=on_walk),

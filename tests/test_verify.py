@@ -136,6 +136,19 @@ def test_empty_batch_is_plain_sampling_with_same_logprobs():
     assert int(res.bonus[0]) == int(logits[0].argmax())
 
 
+def test_a_batch_of_no_requests_and_logits_of_a_graph_are_verified():
+    """No request: an empty result on every device (the fused path had nothing to launch and
+    indexed a missing first request). Logits that require grad are read as values."""
+    res = verify(torch.zeros(0, 8, device=DEVICE), DraftBatch.empty(0), SamplingParams(), gen_on_device(0))
+    assert res.emitted_offsets.tolist() == [0] and len(res.emitted_tokens) == 0
+    batch = random_batch(np.random.default_rng(1), num_req=6, max_size=5, vocab=9)
+    logits = draft_friendly_logits(batch, 9, 1).to(DEVICE)
+    plain = verify(logits, batch, SamplingParams(temperature=1.0), gen_on_device(2))
+    graph = verify(logits.clone().requires_grad_(), batch, SamplingParams(temperature=1.0), gen_on_device(2))
+    assert torch.equal(plain.emitted_tokens, graph.emitted_tokens)
+    assert torch.equal(plain.emitted_logprobs, graph.emitted_logprobs)
+
+
 def test_seeded_runs_reproduce_and_seeds_matter():
     batch = random_batch(np.random.default_rng(0), num_req=64, max_size=8, vocab=5)
     logits = draft_friendly_logits(batch, 5, 0)
