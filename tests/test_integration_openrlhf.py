@@ -109,6 +109,11 @@ def test_merge_sums_engines_and_counts_each_engines_drafter_once():
     assert logs["rollout/spec_accept_length"] == pytest.approx(1 + 12 / 10)
     assert logs["rollout/spec_chain_tokens_proposed"] == 40.0
     assert logs["rollout/spec_drafter_x"] == 1.0 and "rollout/spec_active" not in logs
+    # two engines after their third step: the step is 3 on both, the totals add up
+    third = {"steps_ended": 3, "drafter/step": 3, "requests_started": 24, "drafter/index_tokens": 500}
+    logs = merge_step_results([(SpecDecodeCounters(), [third]), (SpecDecodeCounters(), [third])])
+    assert logs["rollout/spec_steps_ended"] == logs["rollout/spec_drafter_step"] == 3.0
+    assert logs["rollout/spec_requests_started"] == 48.0 and logs["rollout/spec_drafter_index_tokens"] == 1000.0
 
 
 def test_inject_kwargs_keeps_openrlhfs_options_call():

@@ -79,9 +79,15 @@ def end_step_and_collect(engines: Sequence[Any]) -> dict[str, float]:
     return merge_step_results(results)
 
 
+MAX_OVER_ENGINES = frozenset({"steps_ended", "drafter/step", "drafter/shared_index/apply_max_s"})
+"""Worker figures that are the same RL step on every engine, or a maximum: merged by max, not
+summed (two engines after three steps have ended step 3, not 6)."""
+
+
 def merge_step_results(results: Sequence[tuple[SpecDecodeCounters, list[dict]]]) -> dict[str, float]:
-    """Sum engines' counters; add the drafter counters of each engine's first worker (its
-    tensor-parallel peers hold identical drafters)."""
+    """Sum engines' spec-decode counters of the step; add the proposer and drafter figures of
+    each engine's first worker (its tensor-parallel peers hold identical drafters): summed over
+    engines (totals since launch, index sizes at the step's end), except ``MAX_OVER_ENGINES``."""
     total = SpecDecodeCounters()
     drafter: dict[str, float] = {}
     for counters, workers in results:
@@ -89,7 +95,8 @@ def merge_step_results(results: Sequence[tuple[SpecDecodeCounters, list[dict]]])
         for key, value in (workers[0] if workers else {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 name = "rollout/spec_" + key.replace("/", "_")
-                drafter[name] = drafter.get(name, 0.0) + float(value)
+                merge = max if key in MAX_OVER_ENGINES else float.__add__
+                drafter[name] = merge(drafter[name], float(value)) if name in drafter else float(value)
     return {**total.as_log_dict("rollout/"), **drafter}
 
 

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(FLAG, action="store_true", default=False,
                        help="draft with rollout-spec's n-gram/suffix drafter in every vLLM engine")
     group.add_argument(f"{FLAG}.num_speculative_tokens", type=int, default=None,
-                       help="draft tokens vLLM verifies per step (default: num_draft_tokens)")
+                       help="draft tokens vLLM verifies per step (default: min(num_draft_tokens, max_depth))")
     defaults = SpecConfig()
     for f in dataclasses.fields(SpecConfig):
         default = getattr(defaults, f.name)
