@@ -81,7 +81,7 @@ class CallFigures:
 def plain_seconds(cost: CostModel, lengths: list[int]) -> float:
     """Plain decoding of one call: a step per token of its longest response, over the live ones."""
     lengths_arr = np.asarray(lengths)
-    return sum(step_seconds(cost, int((lengths_arr > t).sum()), 1, 0) for t in range(max(lengths)))
+    return sum(step_seconds(cost, int((lengths_arr > t).sum()), 1, 0) for t in range(max(lengths, default=0)))
 
 
 def run_call(drafter: NgramDrafter, budget: DraftBudget, rule: str, cost: CostModel, max_draft: int,
@@ -89,10 +89,13 @@ def run_call(drafter: NgramDrafter, budget: DraftBudget, rule: str, cost: CostMo
     """Decode one call lock-step under ``rule``; its figures are added to ``out``."""
     sizes = np.arange(max_draft + 1)
     done_len = {r: 0 for r in ids}
-    live, cursor, step = list(ids), 0, 0
+    empty = [r for r in ids if not responses[r]]
+    if empty:  # nothing to decode (as replay.replay_step): finished at once, no forward
+        drafter.finish_batch(empty)
+    live, cursor, step = [r for r in ids if responses[r]], 0, 0
     # The engine reports the length cap's room; a recorded response ends where it ends, and the
     # longest response of the call stands for the cap every request could still reach.
-    cap = max(len(responses[r]) for r in ids)
+    cap = max((len(responses[r]) for r in ids), default=0)
     while live:
         room = np.array([len(responses[r]) - done_len[r] for r in live], np.int64)
         budget.set_running(np.array(live), np.array([cap - done_len[r] for r in live]), rule == "drained")
@@ -183,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = trace.steps[s]
             plain = sum(plain_seconds(cost, [len(r) for _, r in rows[lo:lo + args.batch]])
                         for lo in range(0, len(rows), args.batch))
-            cells = [f"{plain / runs[r][s].seconds:.3f}x ({runs[r][s].tpf:.2f})"
-                     for r in RULES]
+            cells = [f"{plain / runs[r][s].seconds:.3f}x ({runs[r][s].tpf:.2f})" if runs[r][s].seconds
+                     else "- (nothing decoded)" for r in RULES]
             print(f"| {Path(path).name} | {s} | {plain:.2f} | " + " | ".join(cells) + " |", flush=True)
         print(f"  [{Path(path).name}: replayed in {time.perf_counter() - t0:.0f}s]", file=sys.stderr)
 

@@ -107,6 +107,20 @@ def test_drained_call_prints_both_rules_per_step(tmp_path, capsys) -> None:
     assert all(t >= 1.0 for t in tpfs) and max(speedups) > 1.0
 
 
+def test_drained_call_skips_empty_responses(tmp_path, capsys) -> None:
+    """An empty response (load_trace takes it) decodes nothing: no forward, no step, and a call of
+    only empty ones costs nothing (it raised: a step of 0 tokens)."""
+    trace = make_synthetic_trace(SyntheticSpec(prompts=2, n=2, steps=2, max_tokens=120, seed=1))
+    trace.steps[0][1] = (trace.steps[0][1][0], [])
+    trace.steps[1] = [(g, []) for g, _ in trace.steps[1]]
+    path = tmp_path / "t.json.gz"
+    save_trace(trace, path)
+    drained_call.main(["--trace", str(path), "--batch", "1"])
+    rows = table_rows(capsys.readouterr().out)
+    assert [r[1] for r in rows] == ["0", "1"] and float(rows[0][2]) > 0 and float(rows[1][2]) == 0
+    assert rows[1][3:] == ["- (nothing decoded)"] * 2 and all("x (" in c for c in rows[0][3:])
+
+
 def test_drained_call_reads_a_cost_grid(tmp_path, capsys) -> None:
     """``--cost-grid`` replaces the modelled grid: plain seconds follow the file's."""
     trace = tmp_path / "t.json.gz"
