@@ -224,7 +224,7 @@ void DraftBuilder::race_ratios(const TrieNode& parent, int32_t first_child) {
     seen += r;
     if (r <= 0.0) continue;
     const float u = race_uniform(key_.seed, position, node.token, key_.q, kRaceTag);
-    const float noise = -std::log(-std::log(u));
+    const float noise = -std::log(-std::log1p(-u));  // verify's Gumbel draw of this token
     const float score = rank_power_ * std::log(static_cast<float>(r)) + noise;
     if (score > best) {
       best = score;

@@ -24,12 +24,15 @@ Words philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, ui
   return Words{{c0, c1, c2, c3}};
 }
 
-// triton's uint_to_uniform_float for a 32-bit word: the word as int32, negatives folded onto
-// ~x, times a scale just below 2^-31 (the product of two floats, as on the GPU).
+// A 32-bit word as a uniform in (0, 1): the word as int32, negatives folded onto ~x (31 bits, as
+// triton's uint_to_uniform_float), at the middle of its cell, times a scale just below 2^-31
+// (float operations, as the kernel's). The race's exponential is -log1p(-u), which needs u fine
+// near 0, where it is: float32's spacing near 1 (2^-24) would leave the exponential's smallest
+// values, the ones that let a token far below the best win, half their probability or none.
 float to_uniform(uint32_t word) {
   int32_t x = static_cast<int32_t>(word);
   if (x < 0) x = ~x;
-  return static_cast<float>(x) * 4.6566127342e-10f;
+  return (static_cast<float>(x) + 0.5f) * 4.6566127342e-10f;
 }
 
 }  // namespace

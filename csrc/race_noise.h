@@ -12,10 +12,10 @@ constexpr uint32_t kRaceTag = 0x5EED0C0Fu;  // noise.NOISE_TAG
 // The largest quarter block q the column layout takes: its blocks of 4q columns fit in 32 bits.
 constexpr uint32_t kMaxNoiseQ = uint32_t(1) << 29;
 
-// Fill out[a * vocab + v] (num_rows rows) with the uniform in [0, 1) of column v of the row keyed
+// Fill out[a * vocab + v] (num_rows rows) with the uniform in (0, 1) of column v of the row keyed
 // (seeds[a], positions[a]): word (v mod 4q) / q of Philox-4x32-10 at counter
-// (v / 4q * q + v mod q, pos_lo, pos_hi, tag) under key (seed_lo, seed_hi), converted as triton's
-// uint_to_uniform_float does.
+// (v / 4q * q + v mod q, pos_lo, pos_hi, tag) under key (seed_lo, seed_hi), its 31 bits x as
+// triton's uint_to_uniform_float takes them, as (x + 1/2) 2^-31 (the kernel's _uniform).
 void race_uniforms(const int64_t* seeds, const int64_t* positions, size_t num_rows, size_t vocab,
                    size_t q, uint32_t tag, float* out);
 

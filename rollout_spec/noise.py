@@ -11,7 +11,9 @@ drafter on or off, and engines can be compared on identical samples).
 Column layout (shared with verify_triton's kernel, which draws the same bits on the GPU): a row
 is read in super-blocks of 4Q columns (Q = ``quarter_block(V)``); column ``s + w * Q + i`` of the
 super-block at ``s`` takes word w of Philox's output for counter ``(s / 4 + i, pos_lo, pos_hi,
-NOISE_TAG)`` under key ``(seed_lo, seed_hi)``.
+NOISE_TAG)`` under key ``(seed_lo, seed_hi)``. The word's 31 bits x (as triton's
+``uint_to_uniform_float`` folds it) give the uniform (x + 1/2) 2^-31, in (0, 1) and fine near 0,
+and the race's exponential is -log1p(-u) (docs/verification.md, "The noise's range").
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def sample_seed(call_seed: int, prompt_index: int, sample_index: int) -> int:
 
 
 def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32[A, V] on the keys' device: the uniforms of rows keyed (seeds[a], positions[a]),
+    """float32[A, V] on the keys' device: the uniforms, in (0, 1), of rows keyed (seeds[a], positions[a]),
     every column (computed by the native core on the host). ``seeds`` and ``positions`` are 1-D
     integer tensors of one length, ``vocab`` in [1, MAX_VERIFY_VOCAB]; anything else raises."""
     import torch

@@ -9,12 +9,12 @@ rejected follows p with the children removed, renormalised. Greedy requests take
 sibling repeating an earlier sibling's token is never accepted. The emitted tokens have exactly
 the law of plain sampling from the target, one token at a time.
 
-Coupled noise. x is drawn by a Gumbel race, argmax of ``log p(v) + G_v`` with ``G_v = -log(-log
-U_v)``, whose uniforms are keyed by (request seed, row position, token) (noise.py), not drawn
+Coupled noise. x is drawn by a Gumbel race, argmax of ``log p(v) + G_v`` with ``G_v = -log(-log1p(
+-U_v))``, whose uniforms are keyed by (request seed, row position, token) (noise.py), not drawn
 from a stream. A request at a given position races the same noise on every step, so from the
 same logits a speculative step emits exactly the tokens that plain decoding would, and an
-empty DraftBatch is plain sampling. U in [0, 1) makes G finite or -inf, never +inf, so a draw
-never lands outside p's support.
+empty DraftBatch is plain sampling. U in (0, 1) makes every G finite, so every kept token
+enters the race and no draw lands outside p's support.
 
 Where the work runs. Two implementations. On CUDA (``backend="auto"``) the whole walk runs in one
 Triton kernel, one program per request reading only the rows on its accepted path
@@ -339,13 +339,9 @@ def _race(logits: torch.Tensor, stats: RowStats, table: SamplingTable,
             u = noise[rows_t]
         else:
             u = race_uniforms(keys.seeds[reqs_t], keys.positions[reqs_t] + depth_t, logits.shape[1])
-        race = scores - (-u.log()).log()
-        raced = race.argmax(dim=-1)
-        # A token that drew U = 0 races at -inf. Where every kept token did (a row that keeps one
-        # token: odds 2^-31 a row), the race has no entrant and the row's best wins, as any
-        # other noise would have it (before, token 0 did, with a logprob of -inf).
-        no_entrant = torch.isneginf(race.gather(1, raced[:, None]).squeeze(1))
-        raced = torch.where(no_entrant, win, raced)
+        # Exponential variates -log1p(-u), exact near 0 where u is fine (noise.py): the small
+        # ones are what let a token far below the best win, at its probability.
+        raced = (scores - (-torch.log1p(-u)).log()).argmax(dim=-1)
         win = torch.where(greedy[reqs_t], win, raced) if table.any_greedy else raced
     score = scores.gather(1, win[:, None]).squeeze(1)
     win_h, score_h = _fetch([win, score])

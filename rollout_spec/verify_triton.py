@@ -30,20 +30,30 @@ import triton.language as tl
 
 from rollout_spec.noise import NOISE_TAG as _NOISE_TAG, NoiseKeys, quarter_block
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels: its log is exact
+if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels, without libdevice
 
     @triton.jit
-    def _precise_log(x):
-        """log (numpy's, exact enough)."""
-        return tl.log(x)
+    def _precise_log1p(x):
+        """log(1 + x), accurate for small x (Goldberg's form: the rounding of 1 + x cancels)."""
+        w = 1.0 + x
+        return tl.where(w == 1.0, x, tl.log(w) * x / (w - 1.0))
 
 else:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _precise_log(x):
-        """Correctly rounded log: exponential variates near 0 decide the race."""
-        return libdevice.log(x)
+    def _precise_log1p(x):
+        """log(1 + x), accurate for small x: exponential variates near 0 decide the race."""
+        return libdevice.log1p(x)
+
+
+@triton.jit
+def _uniform(bits):
+    """A Philox word as a uniform in (0, 1), as the host's race_noise.cpp converts it: its 31 bits
+    as ``tl.uint_to_uniform_float`` takes them, at the middle of their cell."""
+    x = bits.to(tl.int32, bitcast=True)
+    x = tl.where(x < 0, -x - 1, x)
+    return (x.to(tl.float32) + 0.5) * 4.6566127342e-10
 
 # Kernel constants (constexpr: jitted code may only read constexpr globals).
 NOISE_TAG = tl.constexpr(_NOISE_TAG)  # counter word 3 of the race's Philox calls (noise.py)
@@ -95,10 +105,10 @@ def _absorb(m, s, best, bi, rbest, ri, row_ptr, noise_ptr, base, bits, vocab, te
     s = tl.where(x != x, float("nan"), s)
     if RACE:
         if EXT_NOISE:
-            u = tl.load(noise_ptr + cols, mask=cols < vocab, other=0.0)
+            u = tl.load(noise_ptr + cols, mask=cols < vocab, other=0.5)
         else:
-            u = tl.uint_to_uniform_float(bits)
-        ex = -_precise_log(u)  # u in [0, 1): ex in (0, inf]; the race is max of y - log(ex)
+            u = _uniform(bits)
+        ex = -_precise_log1p(-u)  # u in (0, 1): ex in (0, 16.7]; the race is max of y - log(ex)
         r = tl.where(y > float("-inf"), y - tl.log(ex), float("-inf"))
         take_r = r > rbest
         ri = tl.where(take_r, cols, ri)
@@ -155,10 +165,7 @@ def _row_pass(row_ptr, noise_ptr, k0, k1, pos, vocab, temp, thr, Q: tl.constexpr
     total = tl.sum(tl.where((m == float("-inf")) & (s == s), 0.0, s * tl.exp(m - anchor)), axis=0)
     lse = tl.where(top == float("-inf"), top, top + tl.log(total))
     _, amax = _first_max(best, bi)
-    rtop, ridx = _first_max(rbest, ri)
-    # No finite entrant (every kept token drew U = 0: a row that keeps one token, odds 2^-31):
-    # the row's best wins, as in the reference (verify._race).
-    ridx = tl.where(rtop == float("-inf"), amax, ridx)
+    _, ridx = _first_max(rbest, ri)
     return lse, amax, ridx
 
 

@@ -31,8 +31,10 @@ class KeyRecorder(NgramDrafter):
 
 
 def race_noise(seed: int, position: int) -> np.ndarray:
-    """The uniforms the verifier races for a request of this seed at this position."""
-    return race_uniforms(torch.tensor([seed]), torch.tensor([position]), VOCAB)[0].numpy()
+    """The Gumbel draws the verifier races for a request of this seed at this position (verify:
+    -log of the exponential -log1p(-u) of each token's uniform): the larger one wins a tie."""
+    u = race_uniforms(torch.tensor([seed]), torch.tensor([position]), VOCAB)[0].double().numpy()
+    return -np.log(-np.log1p(-u))
 
 
 def tied_drafter(sequences: list[list[int]], budget: int) -> NgramDrafter:

@@ -30,14 +30,20 @@ GROUP_KEYS = (4, 1)
 GLOBAL_KEYS = (2, 1)
 VOCAB = 5  # every test's tokens are below it
 
-# The C library's single-precision log, which the core's ranking calls (numpy's may round its
+# The C library's single-precision log and log1p, which the core's ranking calls (numpy's may round their
 # last bit differently).
 _logf = ctypes.CDLL(ctypes.util.find_library("m")).logf
 _logf.restype, _logf.argtypes = ctypes.c_float, [ctypes.c_float]
+_log1pf = ctypes.CDLL(ctypes.util.find_library("m")).log1pf
+_log1pf.restype, _log1pf.argtypes = ctypes.c_float, [ctypes.c_float]
 
 
 def logf(x) -> np.float32:
     return np.float32(_logf(float(np.float32(x))))
+
+
+def log1pf(x) -> np.float32:
+    return np.float32(_log1pf(float(np.float32(x))))
 
 
 def race_chances(ratios: list[float], tokens: list[int], seed: int, position: int, temperature: float) -> list[float]:
@@ -52,7 +58,7 @@ def race_chances(ratios: list[float], tokens: list[int], seed: int, position: in
         seen += r
         if r <= 0.0:
             continue
-        noise = -logf(-logf(u[tok]))
+        noise = -logf(-log1pf(-u[tok]))  # verify's Gumbel draw
         score = power * logf(r) + noise
         if score > best:
             best, best_noise, leader = score, noise, c

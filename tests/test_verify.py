@@ -276,21 +276,32 @@ def test_non_finite_logits_are_refused_naming_the_request(poison, sp):
     assert np.isfinite(verify(logits, BATCH, sp).host.emitted_logprobs).all()
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.8, top_p=1e-6)])
-def test_a_row_whose_only_kept_token_drew_zero_noise_still_emits_it(sp):
-    """A uniform of exactly 0 (odds 2^-31 a draw) races at -inf; on a row that keeps one token
-    that left no entrant, and token 0 was emitted with a logprob of -inf."""
+def test_keyed_uniforms_lie_inside_the_unit_interval_at_their_cells_middle():
+    """(x + 1/2) 2^-31 for the word's 31 bits x: never 0 or 1, and fine near 0, where the race's
+    exponentials -log1p(-u) are the small ones that let a token far below the best win. (With
+    -log u those came from u near 1, 2^-24 apart in float32: tokens 16-20 nats below the best were
+    drawn at 4-60% of their probability.)"""
+    u = race_uniforms(torch.arange(64), torch.zeros(64, dtype=torch.int64), 50_000).double()
+    assert 0 < u.min() and u.max() < 1
+    cells = u[u < 2**-16] / 4.6566126e-10  # float32's exact scale: the word's 31 bits, plus 1/2
+    assert len(cells) > 10 and torch.allclose(cells - cells.floor(), torch.full_like(cells, 0.5), atol=0.01)
+
+
+def test_a_tiny_uniform_lets_a_token_far_below_the_best_win():
+    """Its exponential is -log1p(-u), about u: 1e-10 against the best token's 0.5 (about 0.69)
+    puts a token 20 nats down ahead by log(0.69 / 1e-10) - 20 = 2.6 nats."""
     from rollout_spec.sampling import SamplingTable
     from rollout_spec.verify import verify_torch
 
-    logits = torch.randn(5, 9, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    logits[:, 0] = -5.0  # token 0 is never the best
-    noise = torch.full((5, 9), 0.5, device=DEVICE)
-    noise[torch.arange(5), logits.argmax(dim=-1)] = 0.0
+    logits = torch.zeros(2, 9, device=DEVICE)
+    logits[:, 3] = 20.0
+    noise = torch.full((2, 9), 0.5, device=DEVICE)
+    noise[:, 7] = 1e-10
     keys = NoiseKeys(torch.arange(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE))
-    host = verify_torch(logits, BATCH, SamplingTable.from_params(sp, 2), keys, noise=noise)
-    assert host.bonus.tolist() == [int(logits[host.num_accepted[0]].argmax()), int(logits[3].argmax())]
-    assert np.allclose(host.emitted_logprobs, 0.0)
+    table = SamplingTable.from_params(SamplingParams(temperature=1.0), 2)
+    host = verify_torch(logits, DraftBatch.empty(2), table, keys, noise=noise)
+    assert host.bonus.tolist() == [7, 7]
+    assert np.allclose(host.emitted_logprobs, -20.0 - np.log1p(8 * np.exp(-20.0)), atol=1e-5)
 
 
 def test_bad_types_are_refused():
