@@ -55,7 +55,7 @@ def test_spec_config_shared_index_errors(value, error, message):
         ({"stop_token_ids": [1, -2]}, r"stop_token_ids\[1\]"),
         ({"seed": "x"}, "seed"),
         ({"temperature": 10**400}, r"temperature must be in \[0.0, 100.0\], got an integer beyond"),
-        ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or in \[1e-06, 100.0\], got 1e-30"),
+        ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or in \[0.01, 100.0\], got 1e-30"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, field):

@@ -218,19 +218,19 @@ def test_tpf_is_one_without_speculation(pair) -> None:
     assert all(o.num_verify_steps == 9 and o.num_draft_tokens == 0 for o in outs)
 
 
-def test_the_lowest_temperature_samples_greedily_with_finite_logprobs(pair) -> None:
-    """At MIN_TEMPERATURE the scaled logits stay finite: samples are the greedy tokens, with and
-    without drafts, and every logprob is ~0 (at 1e-38, logits / T overflowed float32: other
-    tokens and NaN logprobs)."""
+def test_the_lowest_temperature_samples_with_finite_logprobs_and_lower_is_refused(pair) -> None:
+    """At MIN_TEMPERATURE drafts change nothing and every logprob is finite; a lower positive
+    temperature is refused (float32 would draw another law there: config.MIN_TEMPERATURE)."""
     _, model = pair
     prompts = mixed_prompts(4, seed=3)
-    greedy = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
     params = SamplingParams(temperature=MIN_TEMPERATURE, max_new_tokens=8, seed=2)
-    for spec in (None, ScriptedDrafter("random", seed=1)):
-        outs = engine(model, spec, draft_budget=lambda b: 6).generate(prompts, params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in greedy]
-        logprobs = np.concatenate([o.logprobs for o in outs])
-        assert np.isfinite(logprobs).all() and (logprobs <= 0).all() and (logprobs > -1e-3).all()
+    plain = engine(model).generate(prompts, params)
+    outs = engine(model, ScriptedDrafter("random", seed=1), draft_budget=lambda b: 6).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    logprobs = np.concatenate([o.logprobs for o in outs])
+    assert np.isfinite(logprobs).all() and (logprobs <= 0).all()
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or in \[0.01, 100.0\]"):
+        SamplingParams(temperature=MIN_TEMPERATURE / 2)
 
 
 def test_seeded_sampling_reproduces(pair) -> None:

@@ -139,3 +139,19 @@ def test_the_check_detects_a_wrong_law():
     emitted = sample_emitted(nodes, logits, SETTINGS["t1.0"], N_SAMPLES, 3)
     pvalues = node_pvalues(nodes, logits, SETTINGS["t0.7"], emitted)
     assert min(pvalues) < ALPHA / len(pvalues)
+
+
+def test_the_lowest_temperature_draws_tied_tokens_evenly_with_their_logprob():
+    """Two tied logits of 50 at MIN_TEMPERATURE (5,000 scaled): each drawn half the time, with a
+    logprob of log 1/2 (at the 1e-6 allowed before, 62 / 38 and logprobs off by 0.3)."""
+    from rollout_spec.config import MIN_TEMPERATURE
+    from rollout_spec.noise import NoiseKeys
+
+    n = 50_000
+    keys = NoiseKeys(torch.arange(n, dtype=torch.int64, device=DEVICE) * 7919 + 11,
+                     torch.full((n,), 5, dtype=torch.int64, device=DEVICE))
+    logits = torch.full((n, 2), 50.0, device=DEVICE)
+    host = verify(logits, DraftBatch.empty(n), SamplingParams(temperature=MIN_TEMPERATURE), keys=keys).host
+    share = float((host.bonus == 0).mean())
+    assert abs(share - 0.5) < 5 * 0.5 / np.sqrt(n), share
+    assert np.allclose(host.emitted_logprobs, -np.log(2), atol=1e-3)
