@@ -54,10 +54,11 @@ def check_float(
 
 MIN_TEMPERATURE = 0.01
 """Smallest positive sampling temperature (0 is greedy). The race and the logprobs work on
-logits / T in float32, whose spacing grows with it: at T = 0.01 and logits of 50 (5,000 scaled)
-a reported logprob is off by 3e-4 and the drawn law is exact to the noise of 10^6 draws; at 1e-3
-the logprob is off by 2e-3, at 1e-4 two equal tokens were drawn 50.3 / 49.7, at 1e-6 62 / 38
-(logit 10) with logprobs off by 0.3. Near-greedy sampling below 0.01 is thus refused rather than
+logits / T in float32, whose spacing grows with it. Two tied logits of 50 at T = 0.01 (5,000
+scaled): 56 of 10^6 draws differ from T = 1's on the same noise, and the logprob is off by 2e-4.
+At 1e-3 the logprob is off by 2e-3; at 1e-4 (logits of 30) the tied tokens were drawn
+50.3 / 49.7 where T = 1 drew 49.9 / 50.1 on the same noise (400k draws); at 1e-6 (logits of 10)
+62 / 38, with logprobs off by 0.3. Near-greedy sampling below 0.01 is thus refused rather than
 drawn from another law; use 0 for greedy."""
 
 
