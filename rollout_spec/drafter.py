@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import asdict
 from itertools import chain
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -49,6 +50,23 @@ CHAIN_WALK = 16
 GLOBAL_UNIGRAM_WALK = 32
 MATCH_POWER = 2
 EVIDENCE_DISCOUNT = 1.0
+
+
+_DRAFTERS: "weakref.WeakSet[NgramDrafter]" = weakref.WeakSet()
+"""This process's drafters, whose background work a fork waits for (``_finish_background``)."""
+
+
+def _finish_background() -> None:
+    """Before a fork: wait until no drafter has background work (an extend indexing, a proposal
+    drafted ahead) queued or running. A child copies the count of queued jobs but not the core's
+    thread, so its first call would wait for them forever, and a job caught midway would leave it
+    half-indexed state or a held lock."""
+    for drafter in list(_DRAFTERS):
+        drafter._core.stats()  # returns once the core is idle
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_finish_background)
 
 
 def _listed(budgets: object) -> object:
@@ -188,6 +206,7 @@ class NgramDrafter:
             raise TypeError(f"config must be a SpecConfig, got {type(config).__name__}")
         self.config = config
         self._core = _core.DrafterCore(_core_config(config))
+        _DRAFTERS.add(self)
         self._live: set[int] = set()
         if _load_from is None:
             for i, path in enumerate(config.external_corpora):
@@ -232,8 +251,8 @@ class NgramDrafter:
         Raises:
             ValueError: unknown or repeated ids, lengths differ, a seed outside [0, 2**63-1], a
                 seeded request's temperature outside (0, 1e6], vocab_size outside [1, 2**31-1]
-                or other than the one live requests outside this call were keyed with (one
-                vocabulary per drafter).
+                or of another noise layout (``noise.quarter_block``) than the one live requests
+                outside this call were keyed with (one layout per drafter).
             TypeError: ids, seeds or vocab_size are not integers.
         """
         from rollout_spec.noise import quarter_block

@@ -221,3 +221,29 @@ def test_forked_child_proposes_on_a_fresh_pool():
     with os.fdopen(read_end, "rb") as f:
         got = f.read()
     assert got and got == one.propose(ids).tokens.tobytes()
+
+
+def test_a_fork_waits_for_background_work():
+    """Forked right after a background extend was queued, the child's first call returns (it
+    copied the queued job's count, not the core's thread, and waited for it forever), and it
+    holds the extended tokens."""
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(SpecConfig(propose_threads=1))
+    ids = list(range(512))
+    d.start_batch(ids, [rng.integers(0, 50_000, 200).tolist() for _ in ids])
+    d.extend_batch(ids, [rng.integers(0, 50_000, 400).tolist() for _ in ids], background=True)
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        try:
+            d.check_integrity()
+            os._exit(0 if d.stats()["index_tokens"] >= 512 * 600 else 3)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's first call hung")
+        time.sleep(0.01)
+    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
