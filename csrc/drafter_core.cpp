@@ -367,8 +367,8 @@ void DrafterCore::set_noise(const int64_t* ids, const int64_t* seeds, const doub
     check_ids(ids, n, /*must_exist=*/true);
     if (q != noise_q_ && keyed_elsewhere(ids, n))
       throw std::invalid_argument(
-          "vocab_size differs from the one other live requests were keyed with (one vocabulary per "
-          "drafter: their races would move)");
+          "vocab_size gives another noise layout than the one other live requests were keyed with "
+          "(one layout per drafter: their races would move)");
   });
   noise_q_ = q;
   for (size_t i = 0; i < n; ++i) {

@@ -12,7 +12,7 @@ import torch
 from rollout_spec import _core
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter, takes_noise_keys
-from rollout_spec.noise import NOISE_TAG, race_uniforms
+from rollout_spec.noise import NOISE_TAG, quarter_block, race_uniforms
 
 VOCAB = 100
 
@@ -168,10 +168,13 @@ def test_one_vocabulary_per_drafter_while_keyed_requests_live():
     d.start(1, [5, 1, 2])
     d.set_noise_keys([0], [7], [1.0], VOCAB)
     want = d.propose([0]).tokens.tolist()
-    with pytest.raises(ValueError, match="vocab_size differs from the one other live requests were keyed with"):
+    with pytest.raises(ValueError, match="vocab_size gives another noise layout than the one other live requests"):
         d.set_noise_keys([1], [8], [1.0], 4 * VOCAB)
     assert d.propose([0]).tokens.tolist() == want
     d.set_noise_keys([1], [8], [1.0], VOCAB)  # the same vocabulary: fine
+    assert quarter_block(VOCAB + 1) == quarter_block(VOCAB)
+    d.set_noise_keys([1], [8], [1.0], VOCAB + 1)  # another size of the same layout: nothing moves
+    assert d.propose([0]).tokens.tolist() == want
     d.set_noise_keys([0, 1], [7, 8], [1.0, 1.0], 4 * VOCAB)  # every keyed request at once: fine
     d.finish_batch([0, 1])
     d.start(2, [5, 1, 2])
