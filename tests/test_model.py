@@ -126,6 +126,19 @@ def test_unsupported_family_is_rejected() -> None:
         build_model(cfg, {}, torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_an_mlp_other_than_swiglu_is_refused(act: str) -> None:
+    """The MLP is SwiGLU: another hidden_act was run as SiLU (logits off by up to 2 on a tiny
+    model), now refused by name; silu and its alias swish load."""
+    _, ours = reference_and_ours("llama")
+    cfg = tiny_config("llama")
+    cfg.hidden_act = act
+    with pytest.raises(ValueError, match=f"hidden_act must be 'silu' \\(a SwiGLU MLP\\), got '{act}'"):
+        build_model(cfg, ours.state_dict(), torch.device("cpu"), torch.float32)
+    cfg.hidden_act = "swish"
+    build_model(cfg, ours.state_dict(), torch.device("cpu"), torch.float32)
+
+
 def test_mismatched_checkpoint_names_the_keys() -> None:
     _, ours = reference_and_ours("llama")
     state = {k: v for k, v in ours.state_dict().items() if "layers.1.mlp" not in k}

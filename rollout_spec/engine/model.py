@@ -50,6 +50,9 @@ class ModelConfig:
             raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {mt!r}")
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported (full attention only)")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the MLP is SwiGLU; another one would give other logits
+            raise ValueError(f"hidden_act must be 'silu' (a SwiGLU MLP), got {act!r}")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         attn_bias = bool(getattr(cfg, "attention_bias", False))
