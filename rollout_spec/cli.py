@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, model_arg, task_arg,
                                    temperature_arg)
 from rollout_spec.config import SamplingParams
+from rollout_spec.files import replaced_on_success
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
                                   summary_table)
 
@@ -122,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     parser.error(f"{flag} and {other} name the same file {str(path)!r}: give each its own")
         try:
             run_bench(args)
-        except StepFailed as exc:
+        except (StepFailed, ModelNotLoaded) as exc:
             print(f"rollout-spec bench: error: {exc}", file=sys.stderr)
             return 1
         return 0
@@ -233,19 +234,30 @@ def open_engines(args: argparse.Namespace) -> Engines:
     Both engines wrap one ``Transformer`` (weights loaded once); only the drafter differs, so the
     speedup compares speculation against nothing else.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from safetensors import SafetensorError
+    from transformers import AutoConfig
 
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine import RolloutEngine
-    from rollout_spec.engine.weights import resolve_model_dir
+    from rollout_spec.engine.weights import TOKENIZER_FILES, load_tokenizer, resolve_model_dir
 
-    model_dir = str(resolve_model_dir(args.model))
-    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
-    sizes = engine_sizes(args, AutoTokenizer.from_pretrained(model_dir), limit)
-    # The batch-aware budget on every device: on a CPU a fixed budget made speculation a loss.
-    spec = RolloutEngine.from_pretrained(
-        model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens),
-        batch_aware_budget=True, **sizes)
+    unloadable = (OSError, ValueError, ImportError, SafetensorError)  # missing, damaged, unsupported
+    try:
+        model_dir = str(resolve_model_dir(args.model))
+        limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        tokenizer = load_tokenizer(Path(model_dir))
+    except unloadable as exc:
+        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
+    if tokenizer is None:
+        raise ModelNotLoaded(f"cannot load --model {args.model}: {model_dir} has no tokenizer "
+                             f"(one of {', '.join(TOKENIZER_FILES)})")
+    sizes = engine_sizes(args, tokenizer, limit)
+    try:  # the batch-aware budget on every device: on a CPU a fixed budget made speculation a loss
+        spec = RolloutEngine.from_pretrained(
+            model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens),
+            batch_aware_budget=True, **sizes)
+    except unloadable as exc:
+        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
     spec.drafter = DrafterProbe(spec.drafter)
     base = None
     if not args.no_baseline:
@@ -320,6 +332,11 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
         recorder.add_step(prompts, [(o.prompt_index, o.token_ids) for o in spec_out],
                           seeds=[o.seed for o in spec_out])
     return stats
+
+
+class ModelNotLoaded(RuntimeError):
+    """``--model`` could not be loaded: a file missing or damaged, a package not installed, a
+    model of a family or feature the engine does not run."""
 
 
 class StepFailed(RuntimeError):
@@ -404,7 +421,8 @@ def _write_results(args: argparse.Namespace, history: list[SpecStats], recorder:
     if recorder is not None:
         console.print(f"trace: {recorder.save(args.record)}")
     if args.json is not None:
-        args.json.write_text(json.dumps([s.to_dict() for s in history], indent=1))
+        with replaced_on_success(args.json) as tmp:  # a failed write keeps the file there before
+            tmp.write_text(json.dumps([s.to_dict() for s in history], indent=1))
         console.print(f"figures: {args.json}")
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from rollout_spec.config import check_float, check_int
 from rollout_spec.drafter import background_kwargs
+from rollout_spec.files import replaced_on_success
 from rollout_spec.replay import accepted_length
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -382,8 +383,11 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    try:
+        with replaced_on_success(path) as tmp:  # a failed write keeps the file there before
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 

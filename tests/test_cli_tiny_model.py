@@ -88,3 +88,44 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path, capsys):
     assert all(isinstance(r["seed"], int) for step in trace["steps"] for r in step)
     assert len({r["seed"] for step in trace["steps"] for r in step}) == 8 and trace["vocab_size"] > 0
     assert (tmp_path / "d.png").stat().st_size > 10_000
+
+
+def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(tiny_model, tmp_path, capsys):
+    """No tokenizer, an unsupported activation, damaged weights: the bench stops with one line
+    naming --model and the reason (rc 1), before any step; a folder without *.safetensors is
+    refused as --model is parsed."""
+    import shutil
+
+    from argument_errors import argument_error
+    from rollout_spec import cli
+
+    def broken(name: str, change) -> Path:
+        out = tmp_path / name
+        shutil.copytree(tiny_model, out)
+        change(out)
+        return out
+
+    def no_tokenizer(d: Path) -> None:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (d / f).unlink(missing_ok=True)
+
+    def gelu(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+
+    def damaged(d: Path) -> None:
+        (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100])
+
+    cases = [(no_tokenizer, "has no tokenizer"), (gelu, "hidden_act must be 'silu'"),
+             (damaged, "cannot load --model")]
+    for change, why in cases:
+        model = broken(change.__name__, change)
+        argv = ["bench", "--model", str(model), "--device", "cpu", "--steps", "1", "--prompts", "1",
+                "--n", "1", "--max-new-tokens", "4", "--wandb", "disabled"]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"rollout-spec bench: error: cannot load --model {model}") and why in err, err
+        assert "Traceback" not in err
+    empty = broken("no_weights", lambda d: (d / "model.safetensors").unlink())
+    assert "config.json and *.safetensors" in argument_error(
+        cli.main, ["bench", "--model", str(empty), "--device", "cpu"], capsys)

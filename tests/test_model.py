@@ -165,3 +165,25 @@ def test_an_interrupted_gguf_conversion_leaves_nothing_behind(monkeypatch, tmp_p
     with pytest.raises(KeyboardInterrupt):
         weights.convert_gguf(gguf, tmp_path / "cache" / "models" / "tiny")
     assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_a_gguf_conversion_replaces_an_incomplete_cache_folder(tmp_path, monkeypatch) -> None:
+    """A cache folder without config.json (emptied by hand, left by another tool) was kept, and
+    every run converted again and returned it; now the conversion takes its place, once."""
+    import transformers
+
+    from rollout_spec.engine import weights
+
+    converted = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **kw: converted.append(1) or object())
+    monkeypatch.setattr(weights, "_write_model_dir", lambda hf, gguf, out: (out / "config.json").write_text("{}"))
+    out = tmp_path / "models" / "tiny"
+    out.mkdir(parents=True)
+    (out / "stale.bin").write_text("x")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert weights.convert_gguf(gguf, out) == out
+    assert (out / "config.json").is_file() and not (out / "stale.bin").exists() and converted == [1]
+    assert weights.convert_gguf(gguf, out) == out and converted == [1, 1]  # a finished one is kept
+    assert (out / "config.json").is_file()

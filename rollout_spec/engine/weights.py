@@ -57,9 +57,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         _write_model_dir(hf, gguf_path, tmp)
-        if out_dir.exists():  # another process finished first; keep theirs
+        if (out_dir / "config.json").is_file():  # another process finished first; keep theirs
             shutil.rmtree(tmp)
         else:
+            shutil.rmtree(out_dir, ignore_errors=True)  # an incomplete folder (emptied by hand)
             os.replace(tmp, out_dir)
     except BaseException:  # Ctrl-C included: the half-written copy is ~0.5 GB for the default
         shutil.rmtree(tmp, ignore_errors=True)
@@ -86,13 +87,13 @@ def _write_model_dir(hf: Any, gguf_path: Path, out: Path) -> None:
 
 def model_kind(name_or_path: str) -> Optional[str]:
     """What ``name_or_path`` names, checked without loading anything: "known" (a packaged
-    model), "gguf" (a GGUF file), "dir" (a directory with config.json), or None."""
+    model), "gguf" (a GGUF file), "dir" (a directory with config.json and *.safetensors), or None."""
     if name_or_path in KNOWN_MODELS:
         return "known"
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "dir"
     return None
 
