@@ -263,6 +263,7 @@ def test_checkpoint_engines_run_the_prompts_checked_before_they_were_built(
 
 def test_checkpoint_without_a_tokenizer_exits(tmp_path: Path, no_model, capsys) -> None:
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a checkpoint folder, as --model checks
     err = argument_error(eb.main, CHECKPOINT + ["--model", str(tmp_path)], capsys)
     assert f"--model {tmp_path}: {tmp_path} has no tokenizer (tokenizer.json or tokenizer_config.json)" in err
 

@@ -106,5 +106,6 @@ def test_wandb_mode_is_checked_up_front(monkeypatch, capsys):
 def test_good_options_parse(tmp_path):
     grpo = _example()
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a checkpoint folder, as --model checks
     args = grpo.parse_args(["--model", str(tmp_path), "--device", "cpu", "--micro-batch", "1", "--n", "2"])
     assert args.micro_batch == 1 and args.n == 2 and args.device == "cpu" and args.lr == 1e-6
