@@ -9,6 +9,7 @@ own ``compute_spec_decode_metrics``. The v0 trainer (``main_ppo_v0``) reads them
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Optional
 
@@ -33,6 +34,7 @@ def install() -> bool:
 
 
 def _wrap(original: Callable[..., Any], module: Any) -> Callable[..., Any]:
+    @functools.wraps(original)
     def _compute_metrics(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
         counters = spec_counters(self.config, batch, module.tq.kv_batch_get)
         result = original(self, batch, metrics, *args, **kwargs)
@@ -41,7 +43,6 @@ def _wrap(original: Callable[..., Any], module: Any) -> Callable[..., Any]:
         return result
 
     _compute_metrics.rollout_spec_wrapped = True  # type: ignore[attr-defined]
-    _compute_metrics.__doc__ = original.__doc__
     return _compute_metrics
 
 
