@@ -84,13 +84,19 @@ class FakeRunner:
             seq = prompt + out
             self.input_batch.token_ids_cpu[i, : len(seq)] = seq
         self.requests = {
-            r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=(extra_args or {}).get(r)))
-            for r, _, _ in rows
+            r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=(extra_args or {}).get(r)),
+                               num_prompt_tokens=len(p))
+            for r, p, _ in rows
         }
 
 
-def sched(finished=(), k=0):
-    return SimpleNamespace(finished_req_ids=set(finished), num_spec_tokens_to_schedule=k)
+def sched(finished=(), k=0, cached=()):
+    """A scheduler output; ``cached`` lists (req_id, num_output_tokens) of scheduled running requests."""
+    return SimpleNamespace(
+        finished_req_ids=set(finished), num_spec_tokens_to_schedule=k,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
+                                              num_output_tokens=[n for _, n in cached]),
+    )
 
 
 def test_engine_kwargs_round_trip_and_name_the_proposer():
@@ -235,6 +241,26 @@ def test_tokens_of_skipped_draft_steps_and_their_finishes_reach_the_drafter():
     step([("z", [5], [6]), ("c", [5], [7]), ("a", [1, 2], [3, 4, 5, 6, 7])], [[6], [7], []])
     step([("z", [5], [6]), ("c", [5], [7]), ("a", [1, 2], [3, 4, 5, 6, 7])], None, finished={"a", "c", "z"})
     assert drafter.finished == [1, 2, 3, 0]
+
+
+def test_tokens_vllm_discards_after_the_draft_step_are_taken_back():
+    """A failed KV load makes vLLM's scheduler drop tokens the runner sampled (and our draft step
+    saw); it reports the shorter output in ``scheduled_cached_reqs.num_output_tokens`` and the
+    runner truncates its token table. The drafter must not keep the dropped token, nor skip the
+    one sampled in its place at the same position."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    prop.propose_for_runner(FakeRunner([("a", [1, 2], [3])]), sched(), [[3]])
+    runner = FakeRunner([("a", [1, 2], [3, 4])])
+    prop.propose_for_runner(runner, sched(), [[4]])
+    prop.update_states(runner, sched(cached=[("a", 1)]))  # token 4 was dropped
+    # vLLM recomputes "a" (a prefill chunk, no draft), then samples 9 where 4 was
+    assert prop.propose_for_runner(FakeRunner([("a", [1, 2], [3])]), sched(), [[]]) == [[]]
+    assert prop.propose_for_runner(FakeRunner([("a", [1, 2], [3, 9])]), sched(), [[9]]) == [[10, 11, 12]]
+    assert drafter.context[prop._ids["a"]] == [1, 2, 3, 9]
+    assert drafter.finished == [0]  # the stale copy is let go, not kept live
+    prop.update_states(runner, sched(cached=[("a", 2)]))  # nothing dropped: no restart
+    assert drafter.finished == [0]
 
 
 def test_plugin_refuses_a_changed_upstream_signature():

@@ -81,7 +81,14 @@ class RolloutSpecProposer:
         """The runner's per-step state update (every step, also those that skip the draft step
         or run no forward), before vLLM's own: the requests vLLM's scheduler reports finished get
         what the drafter has not seen of their tokens (committed in skipped draft steps, still in
-        the runner's token table) and are finished."""
+        the runner's token table) and are finished.
+
+        A scheduled request whose output the scheduler reports shorter than what the drafter
+        holds had tokens discarded after our draft step saw them (a failed KV load: vLLM's own
+        update truncates the runner's copy next): it is finished and starts over, from the
+        runner's token table, at its next draft step. Its stale copy, as any finished request's,
+        stays in the group and global indexes (the drafter has no call that takes tokens back).
+        """
         batch = runner.input_batch
         # in the batch's row order: a set's order moves with the hash seed, and the drafts with it
         done = sorted(scheduler_output.finished_req_ids,
@@ -99,6 +106,11 @@ class RolloutSpecProposer:
         if ids:
             self.drafter.extend_batch(ids, tails)
         self.finish(done)
+        cached = scheduler_output.scheduled_cached_reqs
+        self.finish([
+            rid for rid, kept in zip(cached.req_ids, cached.num_output_tokens)
+            if rid in self._known and runner.requests[rid].num_prompt_tokens + kept < self._known[rid]
+        ])
 
     def propose_for_runner(
         self, runner: Any, scheduler_output: Any, sampled_token_ids: Sequence[Sequence[int]]
