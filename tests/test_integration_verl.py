@@ -177,6 +177,36 @@ def test_vllm_steps_without_drafts_count_as_verify_steps():
     assert metrics.from_vllm_stats(never, response_tokens=1)["spec_num_verify_steps"] == 0
 
 
+@needs_verl_source
+def test_a_batch_with_a_vllm_request_aborted_before_its_first_token_keeps_verls_metrics(caplog):
+    """verl returns a request aborted or refused before its first token with no tokens, and vLLM
+    reports no counters for it: it ran no verify step, zero of each (as SGLang's), without the
+    missing-counters warning. verl's agent loop makes one column per extra_fields key, None where a
+    sample lacks the key; verl's v0 trainer fails on such a column, its v1 trainer (our wrapper)
+    logs nothing for the whole batch."""
+    import numpy as np
+
+    compute = verl_function("trainer/ppo/ray_trainer.py", "compute_spec_decode_metrics")
+    drafted = SimpleNamespace(num_spec_tokens=4, histogram=[3, 2, 2, 3, 0], num_draft_tokens=40)
+    metrics._warned_no_vllm_stats = False
+    with caplog.at_level("WARNING", logger=metrics.__name__):
+        extras = [{"global_steps": 1, **metrics.from_vllm_stats(drafted, response_tokens=26)},
+                  {"global_steps": 1, **metrics.from_vllm_stats(None, response_tokens=0)}]
+    assert extras[1] == {"global_steps": 1, **dict.fromkeys(metrics.SPEC_FIELDS, 0)} and not caplog.records
+    columns = {}  # verl's AgentLoopManager._postprocess, as it builds non_tensor_batch
+    for key in set().union(*extras):
+        columns[key] = np.empty(len(extras), dtype=object)
+        columns[key][:] = [e.get(key) for e in extras]
+    expected = {"rollout/spec_accept_rate": pytest.approx((15 / 40 + 0) / 2),
+                "rollout/spec_accept_length": pytest.approx((1 + 15 / 10 + 0) / 2)}
+    assert compute(*(columns.get(k) for k in metrics.SPEC_FIELDS)) == expected  # verl's v0 trainer
+    config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(
+        rollout=rollout({"speculative": "rollout_spec"}, name="vllm"), model=SimpleNamespace(mtp=None)))
+    counters = trainer_metrics.spec_counters(config, SimpleNamespace(keys=["a", "b"], partition_id="train_0"),
+                                             lambda keys, partition_id, select_fields: {"extra_fields": _Column(extras)})
+    assert counters == ([40, 0], [15, 0], [10, 0])  # verl's v1 trainer, through our wrapper
+
+
 class _Column(list):
     def tolist(self):
         return list(self)

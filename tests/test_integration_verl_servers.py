@@ -189,6 +189,8 @@ class vLLMHttpServer:
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
         async for final in self.engine.generate(prompt_ids, sampling_params, request_id=request_id):
             pass
+        if not final.outputs:  # verl's abort case: no tokens
+            return SimpleNamespace(token_ids=[], extra_fields={})
         return SimpleNamespace(token_ids=list(final.outputs[0].token_ids), extra_fields={})
 
 
@@ -231,3 +233,22 @@ def test_vllm_server_reports_every_decode_forward_as_a_verify_step(vllm_server):
     assert out.extra_fields == {"spec_num_draft_tokens": 2, "spec_num_accepted_tokens": 0,
                                 "spec_num_verify_steps": 4}
     assert server._spec_stats == {}  # popped once reported
+
+
+def test_vllm_server_reports_zero_counters_for_a_request_aborted_before_its_first_token(vllm_server, monkeypatch):
+    """vLLM's final output of a request aborted before its first token has no sample, so no
+    counters: the response ran no verify step, and reports zero of each like every other
+    response of the batch (verl aggregates a batch only when every sample has the fields)."""
+    async def aborted(self, prompt_ids, sampling_params, request_id=None):
+        yield SimpleNamespace(metrics=None, outputs=[])
+
+    monkeypatch.setattr(_VllmEngine, "generate", aborted)
+    cfg = SimpleNamespace(name="vllm", custom={"speculative": "rollout_spec"}, engine_kwargs={}, mtp=None,
+                          disaggregation=None)
+    server = vllm_server.RolloutSpecvLLMHttpServer(cfg)
+    asyncio.run(server.launch_server())
+    out = asyncio.run(server.generate([1, 2, 3], {}, "req-aborted"))
+    assert out.token_ids == []
+    assert out.extra_fields == {"spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
+                                "spec_num_verify_steps": 0}
+    assert server._spec_stats == {}

@@ -46,9 +46,14 @@ def from_vllm_stats(stats: Any, response_tokens: int) -> dict[str, int]:
     token after the prefill's, less the accepted ones (at least vLLM's own count). A request the
     drafter never drafted for then reads 1 token per forward, not verl's 0 for no verify step.
     None (the engine reported nothing) gives no fields, so verl logs no acceptance metric rather
-    than a made-up zero; that is logged once per process, not per request.
+    than a made-up zero; that is logged once per process, not per request. A response with no
+    tokens (verl's aborted or refused request, which may never reach the engine) ran no verify
+    step: zero of each, as SGLang's, so that every sample of a batch carries the three fields
+    (verl's v0 trainer fails on a batch where only some do, its v1 trainer logs nothing).
     """
     global _warned_no_vllm_stats
+    if stats is None and response_tokens == 0:
+        return dict.fromkeys(SPEC_FIELDS, 0)
     if stats is None:
         if not _warned_no_vllm_stats:
             _warned_no_vllm_stats = True
