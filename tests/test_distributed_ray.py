@@ -17,6 +17,8 @@ from rollout_spec.distributed import (  # noqa: E402
     GroupRouter,
     SharedIndexClient,
     SharedIndexConfig,
+    SharingDrafter,
+    coordinator_handles,
     create_coordinators,
     destroy_coordinators,
 )
@@ -252,4 +254,59 @@ def test_ingest_budget_keeps_the_newest_steps_and_bad_tokens_are_refused(ray_clu
         writer.record(gid, [5, -1])
     with pytest.raises(ValueError, match="group_id"):
         writer.record(2**31, [5])
+    destroy_coordinators(name, 1)
+
+
+def _sharing(name: str, replica_id: int, drafter: NgramDrafter) -> SharingDrafter:
+    cfg = SharedIndexConfig(replica_id=replica_id, num_replicas=2, name=name, poll_interval_s=0.01,
+                            max_poll_interval_s=0.02, lookup_timeout_s=5.0)
+    return SharingDrafter(drafter, SharedIndexClient(drafter, cfg))
+
+
+def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(ray_cluster) -> None:
+    """The coordinator dies: each step boundary raises the puller's error, and the wrapped drafter
+    still ends its step each time (stuck, it would keep group history past ``history_steps``)."""
+    name = f"dead-{uuid.uuid4().hex[:8]}"
+    (coord,) = create_coordinators(name, 1, 4)
+    drafter = NgramDrafter(SpecConfig(history_steps=1))
+    shared = _sharing(name, 0, drafter)
+    shared.end_step()
+    ray.kill(coord)
+    deadline = time.monotonic() + 60
+    while True:  # until the puller has hit the dead actor
+        try:
+            shared.index.stats()
+        except RuntimeError:
+            break
+        assert time.monotonic() < deadline, "the puller did not notice the dead coordinator"
+        time.sleep(0.02)
+    for step in (2, 3):
+        with pytest.raises(RuntimeError, match="puller thread failed") as err:
+            shared.end_step()
+        assert isinstance(err.value.__cause__, ray.exceptions.RayActorError)
+        assert drafter.stats()["step"] == step
+    with pytest.raises(RuntimeError, match="puller thread failed"):
+        shared.close()
+
+
+def test_a_replica_joining_mid_job_numbers_its_first_step_from_the_job(ray_cluster) -> None:
+    """Its first boundary comes before its puller's first pull returned: the step is still the
+    job's (6 here, after steps 0-5), not 0, which the coordinator would evict a step later."""
+    name = _coordinator()
+    peer = SharedIndexClient(_Sink(), SharedIndexConfig(replica_id=1, num_replicas=2, name=name), start=False)
+    for step in range(6):
+        peer.record(3, [100 + step, 1, 2])
+        peer.publish(step)
+    peer.flush()
+    drafter = NgramDrafter()
+    shared = _sharing(name, 0, drafter)  # its puller's first pull is in flight ...
+    shared.start(1, PROMPT, group_id=3)
+    shared.extend(1, [7, 8, 9])
+    shared.finish(1)
+    shared.end_step()  # ... while the replica reaches a boundary at once
+    shared.index.flush()
+    (coord,) = coordinator_handles(name, 1)
+    got = ray.get(coord.pull.remote(1, -1))
+    assert [(e.src, e.step) for e in got.entries] == [(0, 6)]
+    shared.close()
     destroy_coordinators(name, 1)

@@ -202,6 +202,9 @@ class _FakeIndex:
     def record(self, group_id: int, tokens: list[int]) -> None:
         self.recorded.append((group_id, list(tokens)))
 
+    def join(self) -> None:
+        """Its first pull has returned: ``step_at_join`` is what the test set."""
+
     def publish(self, step: int) -> None:
         self.published.append(step)
 

@@ -187,7 +187,8 @@ class SharedIndexClient:
     def poll(self) -> int:
         """Pull what the coordinator holds for this replica and stage it; returns sequences staged.
 
-        The background thread calls this in a loop; call it yourself only with ``start=False``.
+        The background thread calls this in a loop; call it yourself only with ``start=False``
+        (:meth:`join` takes the first pull on the owner's thread; pulls are serialised).
         """
         import ray
 
@@ -215,6 +216,14 @@ class SharedIndexClient:
     def latest_step(self) -> int:
         """Newest step any replica had published at this replica's last pull (-1: none)."""
         return self._latest_step
+
+    def join(self) -> None:
+        """Take the first pull on the calling thread unless one has returned, so ``step_at_join``
+        is known (this waits on the coordinator, as the puller's pull does); re-raises an error
+        the puller hit."""
+        self._raise_background_error()
+        if self._cursor < 0:
+            self.poll()
 
     @property
     def step_at_join(self) -> int:

@@ -86,14 +86,21 @@ class SharingDrafter:
         first), and at a replica's first boundary the step after the newest one published when it
         joined, since a replica (re)started mid-job generates for that step. (Were it to join just
         after a peer ended the step it is in, it labels its step one too new: kept a step longer,
-        never evicted early.)
+        never evicted early.) A first boundary reached before the index's first pull returned
+        takes that pull itself, so the step is numbered from what the job had published.
+
+        The drafter ages even when sharing fails; then the index's error is raised.
         """
-        step = max(self._next_step, self.index.latest_step)
-        if self._next_step == 0:
-            step = max(step, self.index.step_at_join + 1)
-        self.index.publish(step)
-        self._next_step = step + 1
-        self.drafter.end_step()
+        try:
+            if self._next_step == 0:
+                self.index.join()
+            step = max(self._next_step, self.index.latest_step)
+            if self._next_step == 0:
+                step = max(step, self.index.step_at_join + 1)
+            self.index.publish(step)
+            self._next_step = step + 1
+        finally:
+            self.drafter.end_step()
 
     def stats(self) -> dict[str, Any]:
         """The drafter's statistics plus the shared index's counters under ``shared_index/``."""
