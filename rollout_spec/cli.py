@@ -235,16 +235,15 @@ def open_engines(args: argparse.Namespace) -> Engines:
     speedup compares speculation against nothing else.
     """
     from safetensors import SafetensorError
-    from transformers import AutoConfig
 
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine import RolloutEngine
-    from rollout_spec.engine.weights import TOKENIZER_FILES, load_tokenizer, resolve_model_dir
+    from rollout_spec.engine.weights import TOKENIZER_FILES, load_config, load_tokenizer, resolve_model_dir
 
     unloadable = (OSError, ValueError, ImportError, SafetensorError)  # missing, damaged, unsupported
     try:
         model_dir = str(resolve_model_dir(args.model))
-        limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        limit = load_config(Path(model_dir)).max_position_embeddings
         tokenizer = load_tokenizer(Path(model_dir))
     except unloadable as exc:
         raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc

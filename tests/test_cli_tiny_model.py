@@ -15,12 +15,12 @@ def _default_tokenizer():
     """The SmolLM2 tokenizer: from the converted default model if cached, else from its GGUF."""
     from transformers import AutoTokenizer
 
-    from rollout_spec.engine.weights import cache_root, packaged_gguf
+    from rollout_spec.engine.weights import gguf_cache_dir, packaged_gguf
 
-    cached = cache_root() / "models" / "smollm2-135m"
+    gguf = packaged_gguf("smollm2-135m")
+    cached = gguf_cache_dir(gguf, "smollm2-135m", by_content=True)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    gguf = packaged_gguf("smollm2-135m")
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
@@ -91,7 +91,8 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path, capsys):
 
 
 def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(tiny_model, tmp_path, capsys):
-    """No tokenizer, an unsupported activation, damaged weights: the bench stops with one line
+    """No tokenizer, an unsupported activation, damaged weights, a config.json whose sizes do not
+    match the weights or that transformers refuses: the bench stops with one line
     naming --model and the reason (rc 1), before any step; a folder without *.safetensors is
     refused as --model is parsed."""
     import shutil
@@ -116,8 +117,17 @@ def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(tiny_model, t
     def damaged(d: Path) -> None:
         (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100])
 
+    def narrower(d: Path) -> None:  # sizes that do not match the weights: torch's RuntimeError
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 48}))
+
+    def text_eps(d: Path) -> None:  # a value transformers 5's config validation refuses
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": "small"}))
+
     cases = [(no_tokenizer, "has no tokenizer"), (gelu, "hidden_act must be 'silu'"),
-             (damaged, "cannot load --model")]
+             (damaged, "cannot load --model"), (narrower, "the config makes [32, 48]"),
+             (text_eps, "rms_norm_eps")]
     for change, why in cases:
         model = broken(change.__name__, change)
         argv = ["bench", "--model", str(model), "--device", "cpu", "--steps", "1", "--prompts", "1",

@@ -15,7 +15,7 @@ import torch
 
 from rollout_spec import SamplingParams, SpecConfig
 from rollout_spec.engine import RolloutEngine
-from rollout_spec.engine.weights import cache_root, packaged_gguf
+from rollout_spec.engine.weights import packaged_gguf, resolve_model_dir
 
 _ENV_DEVICE = os.environ.get("ROLLOUT_SPEC_TEST_DEVICE")
 # Run on the device the env var names; otherwise on the CPU, plus CUDA under ``-m gpu``.
@@ -62,7 +62,7 @@ def test_smollm2_default_model_end_to_end(device: str) -> None:
     dev = torch.device(device)
     kw = dict(device=dev, num_slots=8, max_model_len=512)
     plain = RolloutEngine.from_pretrained("smollm2-135m", spec=None, **kw)  # converts once
-    model_dir = cache_root() / "models" / "smollm2-135m"
+    model_dir = resolve_model_dir("smollm2-135m")  # the cached conversion
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "config.json").is_file()
     start = time.perf_counter()
     spec = RolloutEngine.from_pretrained("smollm2-135m", spec=SpecConfig(num_draft_tokens=8), **kw)

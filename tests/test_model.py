@@ -187,3 +187,91 @@ def test_a_gguf_conversion_replaces_an_incomplete_cache_folder(tmp_path, monkeyp
     assert (out / "config.json").is_file() and not (out / "stale.bin").exists() and converted == [1]
     assert weights.convert_gguf(gguf, out) == out and converted == [1, 1]  # a finished one is kept
     assert (out / "config.json").is_file()
+
+
+def test_a_checkpoint_whose_shapes_differ_from_its_config_is_a_value_error() -> None:
+    """config.json's sizes not matching the weights (here intermediate_size) raised torch's
+    RuntimeError, which the CLI printed as a traceback; now a ValueError naming the tensor and
+    both shapes."""
+    ref = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    narrower = tiny_config("llama")
+    narrower.intermediate_size = 48
+    with pytest.raises(ValueError, match=r"6 tensors .* layers\.0\.mlp\.down_proj\.weight is \[64, 96\], "
+                                         r"the config makes \[64, 48\]"):
+        build_model(narrower, state, torch.device("cpu"), torch.float32)
+
+
+def _save_tiny_llama(out) -> None:
+    """A 2-layer random Llama checkpoint (config.json eos_token_id 2) written by transformers."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(out))
+
+
+def test_generation_config_eos_ids_stop_generation(tmp_path) -> None:
+    """transformers' generate stops at generation_config.json's eos_token_id (instruct models put
+    their end-of-turn token there); the engine read only config.json's and ran on past it."""
+    import json
+
+    from rollout_spec import SamplingParams
+    from rollout_spec.engine import RolloutEngine
+
+    _save_tiny_llama(tmp_path)
+    kw = dict(device="cpu", spec=None, cuda_graphs=False, num_slots=1, max_model_len=32)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompt = [5, 6, 7]
+    first = RolloutEngine.from_pretrained(str(tmp_path), **kw).generate([prompt], params)[0].token_ids[0]
+    assert first != 2
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": [2, first]}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    assert hf_out.tolist() == [first]  # the reference stops at the generation config's EOS
+    engine = RolloutEngine.from_pretrained(str(tmp_path), **kw)
+    assert engine.eos_token_ids == (2, first)  # config.json's first, then the ones added
+    out = engine.generate([prompt], params)[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_a_malformed_generation_config_names_the_file(tmp_path) -> None:
+    from rollout_spec.engine import RolloutEngine
+
+    _save_tiny_llama(tmp_path)
+    (tmp_path / "generation_config.json").write_text("[2, 3]")
+    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+        RolloutEngine.from_pretrained(str(tmp_path), device="cpu", spec=None, cuda_graphs=False)
+
+
+def test_the_default_model_is_converted_again_when_its_file_changes(tmp_path, monkeypatch) -> None:
+    """The named model's conversion was cached under its name alone: a package shipping another
+    GGUF file under that name (another version, a re-quantised copy) kept loading the first
+    file's weights. Now its cache is keyed by the file's content, which another virtual
+    environment's copy of the same file shares."""
+    from rollout_spec.engine import weights
+
+    gguf = tmp_path / "pkg" / weights.SMOLLM2_GGUF
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF one")
+    converted = []
+
+    def convert(path, out):
+        converted.append(path.read_bytes())
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(weights, "packaged_gguf", lambda name: gguf)
+    monkeypatch.setattr(weights, "convert_gguf", convert)
+    first = weights.resolve_model_dir("smollm2-135m")
+    assert weights.resolve_model_dir("smollm2-135m") == first and converted == [b"GGUF one"]
+    gguf.write_bytes(b"GGUF two, another file")
+    second = weights.resolve_model_dir("smollm2-135m")
+    assert second != first and converted == [b"GGUF one", b"GGUF two, another file"]
+    assert second.parent == tmp_path / "cache" / "models" and second.name.startswith("smollm2-135m-")
+    other_venv = tmp_path / "venv2" / weights.SMOLLM2_GGUF  # the same file, installed elsewhere
+    other_venv.parent.mkdir()
+    other_venv.write_bytes(gguf.read_bytes())
+    monkeypatch.setattr(weights, "packaged_gguf", lambda name: other_venv)
+    assert weights.resolve_model_dir("smollm2-135m") == second and len(converted) == 2  # shared
