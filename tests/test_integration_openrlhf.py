@@ -217,6 +217,55 @@ def test_trainer_mixin_makes_openrlhfs_dispatch_sticky_by_prompt(monkeypatch):
     assert [r[0] for r in again] == [r[0] for r in refs][::-1]  # next step: same prompt, same engine
 
 
+def _openrlhf_engine_prompt(ids: list, max_len: int, max_new_tokens) -> list:
+    """What OpenRLHF 0.11.2's SingleTurnAgentExecutor.execute (openrlhf/utils/agent.py) hands vLLM:
+    the last max_len - max_tokens tokens of a longer prompt."""
+    max_tokens = max_new_tokens if max_new_tokens is not None else max(1, max_len - len(ids))
+    keep = max_len - max_tokens
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+@pytest.mark.parametrize("max_new_tokens", [8, None])
+def test_dispatch_keys_a_truncated_prompt_by_the_tokens_its_engine_sees(monkeypatch, max_new_tokens):
+    """A prompt over OpenRLHF's max_len budget reaches vLLM cut to its tail; the engine's drafter
+    groups it (and the shared index places its history) by those tokens, so routing must too."""
+    from rollout_spec.distributed import GroupRouter, group_key
+    from rollout_spec.integrations.openrlhf.routing import route_dispatch_by_group
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=lambda refs: refs))
+    gen = _SamplesGenerator([_Engine(f"e{i}", pending=0) for i in range(8)])
+    route_dispatch_by_group(gen)
+    prompts = [f"a long shared instruction, then question {i:02d}" for i in range(16)] + [f"q{i}" for i in range(8)]
+    prompts += ["x" * 40 + "the very same tail, kept", "y" * 9 + "the very same tail, kept"]  # one, once cut
+    refs = gen._dispatch_prompts_to_vllm(prompts, ["l"] * len(prompts), max_len=24, max_new_tokens=max_new_tokens)
+    seen = [_openrlhf_engine_prompt([ord(c) for c in p], 24, max_new_tokens) for p in prompts]
+    expected = GroupRouter(8).assign([group_key(s) for s in seen], weights=[4] * len(prompts)).tolist()
+    assert [r[0] for r in refs] == [f"e{e}" for e in expected] and [r[1] for r in refs] == prompts
+    assert refs[-1][0] == refs[-2][0]
+
+
+def test_dispatch_with_a_vlm_processor_keys_its_one_row(monkeypatch):
+    """For a VLM, OpenRLHF's tokenizer is an AutoProcessor (openrlhf/utils/utils.py get_tokenizer),
+    whose input_ids hold one row per text; the engine takes row 0 (openrlhf/utils/vlm_utils.py)."""
+    from rollout_spec.distributed import GroupRouter, group_key
+    from rollout_spec.integrations.openrlhf.routing import route_dispatch_by_group
+
+    class Processor:
+        image_processor = object()
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [[ord(c) for c in text]]}
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=lambda refs: refs))
+    gen = _SamplesGenerator([_Engine(f"e{i}", pending=0) for i in range(4)])
+    gen.tokenizer = Processor()
+    route_dispatch_by_group(gen)
+    prompts = [f"describe image {i}" for i in range(8)]
+    refs = gen._dispatch_prompts_to_vllm(prompts, ["l"] * 8, images=[None] * 8, max_new_tokens=16)
+    expected = GroupRouter(4).assign([group_key([ord(c) for c in p]) for p in prompts], weights=[4] * 8).tolist()
+    assert [r[0] for r in refs] == [f"e{e}" for e in expected]
+
+
 def test_check_openrlhf_names_a_changed_dispatch():
     from rollout_spec.integrations.openrlhf.train_ppo_ray import _dispatch_problems
 

@@ -36,7 +36,8 @@ def assign_prompts_to_engines(
         num_engines: ``len(self.vllm_engines)``.
         n_samples_per_prompt: requests each prompt brings (its weight in the balance).
         pending: requests already running per engine (``get_num_unfinished_requests``).
-        tokenize: maps a text prompt to the token ids the engine will see; with it the routing key
+        tokenize: maps a text prompt to the token ids the engine will see (after OpenRLHF's
+            truncation: :func:`engine_prompt_ids`); with it the routing key
             equals the group id the engine-side drafter uses (the prompt-token hash), so the
             shared index sends a group's history to the engine that serves it. Without it text
             prompts are keyed by their text: routing stays sticky, index placement may differ.
@@ -52,14 +53,28 @@ def assign_prompts_to_engines(
     return placed.tolist()
 
 
+def engine_prompt_ids(ids: Sequence[int], max_len: int, max_new_tokens: Optional[int]) -> Sequence[int]:
+    """The prompt tokens OpenRLHF's rollout executor hands vLLM for a prompt tokenized as ``ids``.
+
+    OpenRLHF (0.11, ``SingleTurnAgentExecutor.execute``; the multi-turn executor cuts its first
+    observation the same way) keeps the last ``max_len - max_tokens`` tokens of a longer prompt,
+    where ``max_tokens`` is ``max_new_tokens`` or, when that is None, ``max(1, max_len - len(ids))``.
+    The engine's drafter groups requests by these tokens, so the routing key must be their hash too.
+    """
+    max_tokens = max_new_tokens if max_new_tokens is not None else max(1, max_len - len(ids))
+    keep = max_len - max_tokens
+    return ids[-keep:] if len(ids) > keep else ids  # OpenRLHF's own slice, for any keep
+
+
 def route_dispatch_by_group(generator: Any, router: Optional[GroupRouter] = None) -> None:
     """Make ``generator._dispatch_prompts_to_vllm`` (OpenRLHF's ``SamplesGenerator``) sticky by prompt.
 
     OpenRLHF's own method still builds the sampling parameters and submits the requests: it is
     called once per chosen engine with that engine's prompts and ``vllm_engines`` narrowed to it,
     so its least-pending choice has only that engine to pick. Refs come back in prompt order.
-    Prompts are keyed by their token ids as the engine tokenizes them (``add_special_tokens=False``),
-    which is the group id the engine's drafter uses.
+    Prompts are keyed by the token ids the engine hands vLLM (:func:`engine_prompt_ids`: tokenized
+    with ``add_special_tokens=False``, then cut to the call's ``max_len`` budget), which is the
+    group id the engine's drafter uses.
     """
     import ray
 
@@ -67,12 +82,17 @@ def route_dispatch_by_group(generator: Any, router: Optional[GroupRouter] = None
     engines = list(generator.vllm_engines)
     router = router or GroupRouter(len(engines))
     tokenizer = generator.tokenizer
-
-    def tokenize(text: str) -> Sequence[int]:
-        return tokenizer(text=text, add_special_tokens=False)["input_ids"]
+    batched = hasattr(tokenizer, "image_processor")  # a VLM's AutoProcessor: input_ids is [ids]
 
     def sticky_dispatch(prompts: list, labels: list, *, images: Optional[list] = None, **generate_kwargs: Any) -> list:
         n = generate_kwargs.get("n_samples_per_prompt", generator.args.rollout.n_samples_per_prompt)
+        max_len = generate_kwargs.get("max_len", 2048)  # OpenRLHF's defaults, as its dispatch reads them
+        max_new_tokens = generate_kwargs.get("max_new_tokens")
+
+        def tokenize(text: str) -> Sequence[int]:
+            ids = tokenizer(text=text, add_special_tokens=False)["input_ids"]
+            return engine_prompt_ids(ids[0] if batched else ids, max_len, max_new_tokens)
+
         pending = ray.get([e.get_num_unfinished_requests.remote() for e in engines])
         placed = assign_prompts_to_engines(prompts, len(engines), n, pending, tokenize, router)
         images = [None] * len(prompts) if images is None else images
