@@ -48,8 +48,10 @@ class KVCache:
     def move(self, slots: Tensor, src: Tensor, dst: Tensor) -> None:
         """Copy position ``src[i]`` to ``dst[i]`` of slot ``slots[i]`` in every layer.
 
-        Used to pack accepted draft nodes onto their path positions. Callers guarantee that no
-        destination is the source of another entry (``dst <= src`` along one path holds that).
+        Used to pack accepted draft nodes onto their path positions. Every source is read (the
+        indexed read makes a copy) before anything is written, so a destination may be another
+        entry's source (a path with skips: columns 2, 3 move 2 -> 1 and 3 -> 2); destinations
+        must be distinct.
         """
         if slots.numel() == 0:
             return
