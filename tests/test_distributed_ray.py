@@ -263,9 +263,10 @@ def _sharing(name: str, replica_id: int, drafter: NgramDrafter) -> SharingDrafte
     return SharingDrafter(drafter, SharedIndexClient(drafter, cfg))
 
 
-def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(ray_cluster) -> None:
-    """The coordinator dies: each step boundary raises the puller's error, and the wrapped drafter
-    still ends its step each time (stuck, it would keep group history past ``history_steps``)."""
+def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(ray_cluster, caplog) -> None:
+    """The coordinator dies: the puller logs it at once, each step boundary raises its error, and
+    the wrapped drafter still ends its step each time (stuck, it would keep group history past
+    ``history_steps``)."""
     name = f"dead-{uuid.uuid4().hex[:8]}"
     (coord,) = create_coordinators(name, 1, 4)
     drafter = NgramDrafter(SpecConfig(history_steps=1))
@@ -280,6 +281,7 @@ def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(
             break
         assert time.monotonic() < deadline, "the puller did not notice the dead coordinator"
         time.sleep(0.02)
+    assert any(r.levelname == "ERROR" and "puller of replica 0 stopped" in r.getMessage() for r in caplog.records)
     for step in (2, 3):
         with pytest.raises(RuntimeError, match="puller thread failed") as err:
             shared.end_step()

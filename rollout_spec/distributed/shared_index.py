@@ -10,6 +10,7 @@ included.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -25,6 +26,8 @@ from rollout_spec.distributed.packing import split_by_destination, unpack
 from rollout_spec.token_ids import token_array
 from rollout_spec.distributed.router import GroupRouter
 from rollout_spec.groups import GROUP_ID_MAX
+
+logger = logging.getLogger(__name__)
 
 
 class IngestingDrafter(Protocol):
@@ -288,6 +291,8 @@ class SharedIndexClient:
                 self._stop.wait(wait)
         except BaseException as exc:  # surfaced on the owner's next publish/stats/close
             self._error = exc
+            logger.error("shared-index puller of replica %d stopped (raised at the next step "
+                         "boundary): %r", self.config.replica_id, exc)
 
     def _ingest(self, groups: list[Optional[int]], seqs: list[list[int]]) -> int:
         t0 = time.perf_counter()
