@@ -248,6 +248,12 @@ std::string DrafterCore::load(std::istream& is) {
   }
   global_ = empty_global_index(cfg_);
   get_index(is, size, global_, seqs_);
+  // The state ends where the file does (format 7: where its checksum starts). A format-7 file
+  // whose version byte was damaged into an older, unsummed one would otherwise be read without
+  // its checksum, the 8 bytes of it left over.
+  const std::streamoff end = is.tellg();
+  if (end < 0 || static_cast<uint64_t>(end) != size)
+    throw std::runtime_error("drafter checkpoint is corrupt (bytes after its state)");
   // Checkpoints written before session 74 may keep finished sequences without tokens, which are
   // freed at once now (nothing refers to them: they have no positions to index).
   for (int32_t slot = 0; slot < static_cast<int32_t>(seqs_.size()); ++slot)

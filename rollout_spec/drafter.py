@@ -102,8 +102,24 @@ def _load_corpus(index: int, path: str) -> np.ndarray:
     return arr
 
 
+def _sized(name: str, values: object) -> int:
+    """``len(values)``; TypeError naming ``name`` for anything without a length (None, a number,
+    a generator), where ``len`` would not say which argument it was."""
+    if not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a sequence with one entry per request, got {type(values).__name__}")
+    return len(values)
+
+
+def _per_request(name: str, values: object, count: int) -> None:
+    """Raise unless ``values`` has one entry per request (TypeError or ValueError naming ``name``)."""
+    if _sized(name, values) != count:
+        raise ValueError(f"{name} must have one entry per request ({count})")
+
+
 def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate per-request token lists into (int32 tokens, int64 offsets[count+1])."""
+    if not isinstance(lists, (str, bytes)) and not hasattr(lists, "__len__"):
+        raise TypeError(f"{name} must be a sequence of token lists, one per request, got {type(lists).__name__}")
     if isinstance(lists, (str, bytes)) or len(lists) != count:
         raise ValueError(f"{name} must have one token list per request ({count})")
     any_array = False
@@ -229,8 +245,7 @@ class NgramDrafter:
         ids = self._ids(req_ids, must_be_live=False)
         if group_ids is None:
             group_ids = [None] * len(ids)
-        if len(group_ids) != len(ids):
-            raise ValueError(f"group_ids must have one entry per request ({len(ids)})")
+        _per_request("group_ids", group_ids, len(ids))
         groups = np.array([_group_id(f"group_ids[{i}]", g) for i, g in enumerate(group_ids)], np.int32)
         tokens, offsets = _flatten("prompts", prompts, len(ids))
         self._core.start(ids, groups, tokens, offsets)
@@ -259,8 +274,7 @@ class NgramDrafter:
 
         ids = self._ids(req_ids, must_be_live=True)
         for name, values in (("seeds", seeds), ("temperatures", temperatures)):
-            if len(values) != len(ids):
-                raise ValueError(f"{name} must have one entry per request ({len(ids)})")
+            _per_request(name, values, len(ids))
         keys = np.array([-1 if s is None else check_int(f"seeds[{i}]", s, 0, _MAX_REQ_ID)
                          for i, s in enumerate(seeds)], np.int64)
         # A greedy request races no noise: it has seed None, and its temperature is not read.
@@ -287,12 +301,14 @@ class NgramDrafter:
             raise TypeError(f"background must be a bool, got {type(background).__name__} {background!r}")
         # Ids and token lists as lists of Python ints (the decode loop's form) are converted
         # natively; anything else, including every invalid input, takes the validating path.
-        if self._core.extend_pylists(req_ids, token_lists, background):
+        # (The native calls refuse None arguments in their own words: None is named below.)
+        lists_given = token_lists is not None
+        if req_ids is not None and lists_given and self._core.extend_pylists(req_ids, token_lists, background):
             return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         # Other id forms (numpy arrays) with token lists of Python ints: the lists are still
         # converted natively; anything else goes through the validating path below.
-        if self._core.extend_lists(ids, token_lists, background):
+        if lists_given and self._core.extend_lists(ids, token_lists, background):
             return
         tokens, offsets = _flatten("token_ids", token_lists, len(ids))
         self._core.extend(ids, tokens, offsets, background)
@@ -321,7 +337,8 @@ class NgramDrafter:
         """
         # Lists of Python ints are converted natively; anything else, including every invalid
         # input, takes the validating path below with the arguments as given.
-        fast = self._core.propose_lists(req_ids, _listed(budgets))
+        # (The native call refuses None ids in its own words: _ids names them.)
+        fast = None if req_ids is None else self._core.propose_lists(req_ids, _listed(budgets))
         if fast is not None:
             return DraftBatch.trusted(*fast)
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
@@ -339,7 +356,7 @@ class NgramDrafter:
         next step's proposal is built while the engine commits this one. Malformed arguments
         raise here; unknown or repeated ids raise in the ``propose`` that names them.
         """
-        if self._core.propose_ahead_lists(req_ids, _listed(budgets)):
+        if req_ids is not None and self._core.propose_ahead_lists(req_ids, _listed(budgets)):
             return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         self._core.propose_ahead(ids, _budget_array(budgets, len(ids)))
@@ -357,7 +374,7 @@ class NgramDrafter:
         """
         if type(pinned) is not bool:
             raise TypeError(f"pinned must be a bool, got {type(pinned).__name__}")
-        if len(group_ids) != len(sequences):
+        if _sized("group_ids", group_ids) != _sized("sequences", sequences):
             raise ValueError(f"group_ids and sequences must have the same length ({len(group_ids)} != {len(sequences)})")
         groups = np.array([_group_id(f"group_ids[{i}]", g) for i, g in enumerate(group_ids)], np.int32)
         self._add(groups, *_flatten("sequences", sequences, len(groups)), pinned=pinned)
@@ -440,6 +457,8 @@ class NgramDrafter:
         ``core_checks``: leave the repeat and liveness checks to the native call, which makes
         them (ValueError, before any state changes) with one hash lookup per id.
         """
+        if not hasattr(req_ids, "__iter__"):  # None, a single id: list() would not name the argument
+            raise TypeError(f"req_ids must be a sequence of request ids, got {type(req_ids).__name__} {req_ids!r}")
         ids = int_array("req_ids", req_ids if isinstance(req_ids, np.ndarray) else list(req_ids), 0, _MAX_REQ_ID,
                         kind="request ids")
         if core_checks:
@@ -460,11 +479,13 @@ class NgramDrafter:
 
 
 def _checkpoint_path(path: Union[str, bytes, os.PathLike]) -> str:
-    """``path`` as the str the core opens: bytes decoded as the OS does; a NUL byte is refused,
-    since the core's C file calls would stop at it and use another file."""
+    """``path`` as the str the core opens: bytes decoded as the OS does; an empty path is refused,
+    and so is a NUL byte, since the core's C file calls would stop at it and use another file."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path must be a str, bytes or os.PathLike, got {type(path).__name__}")
     text = os.fsdecode(path)
+    if not text:  # else the temporary beside it is named from Path("."), whose error names no path
+        raise ValueError("path must name a file, got an empty path")
     if "\0" in text:
         raise ValueError(f"path must not contain a NUL byte, got {text!r}")
     try:

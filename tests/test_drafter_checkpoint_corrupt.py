@@ -289,6 +289,27 @@ def test_checkpoint_paths_are_checked(tmp_path, good):
         NgramDrafter().save(bytes(tmp_path) + b"/\xff.bin")
 
 
+def test_an_empty_path_is_named(tmp_path):
+    """An empty path names no file: a ValueError naming the argument, not pathlib's error about
+    the temporary it would have named beside ``Path(".")``."""
+    with pytest.raises(ValueError, match="path must name a file, got an empty path"):
+        NgramDrafter().save("")
+    with pytest.raises(ValueError, match="path must name a file, got an empty path"):
+        NgramDrafter.load(b"")
+
+
+def test_a_format_7_file_relabelled_as_an_older_format_is_refused(tmp_path, good):
+    """Format 6 has no checksum: a format-7 file whose version byte was damaged into '6' must not
+    be read without one. It is refused by the 8 bytes (its checksum) left after its state, even
+    with other damage that only the checksum would have caught (a changed token id)."""
+    data = bytearray(good)
+    data[7] = ord("6")
+    at = split(good)[1] + 28 + 8 + 8  # the first token (see test_any_changed_byte_fails_the_checksum)
+    for damaged in (bytes(data), bytes(data[:at]) + struct.pack("<i", 3) + bytes(data[at + 4 :])):
+        with pytest.raises(RuntimeError, match="corrupt"):
+            NgramDrafter.load(_written(tmp_path, damaged))
+
+
 def test_save_into_a_missing_directory_names_the_path(tmp_path):
     with pytest.raises(RuntimeError, match="cannot open .*missing.* for writing"):
         NgramDrafter().save(tmp_path / "missing" / "drafter.bin")

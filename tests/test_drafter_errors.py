@@ -61,6 +61,21 @@ def snapshot(d: NgramDrafter):
         (lambda d: d.add_sequences([None], [[3, 4]], pinned=1), TypeError, "pinned must be a bool, got int"),
         (lambda d: d.finish_batch([0, True]), TypeError, "req_ids .*bool"),
         (lambda d: d.propose([0, 1], budgets=[4, True]), TypeError, "budgets .*bool"),
+        # arguments that are not sequences at all (a single id, None): named, not len()'s error
+        (lambda d: d.propose(0), TypeError, "req_ids must be a sequence of request ids, got int"),
+        (lambda d: d.propose(None), TypeError, "req_ids must be a sequence of request ids, got NoneType"),
+        (lambda d: d.propose_ahead(None), TypeError, "req_ids must be a sequence"),
+        (lambda d: d.finish_batch(0), TypeError, "req_ids must be a sequence"),
+        (lambda d: d.extend_batch(0, [[1]]), TypeError, "req_ids must be a sequence"),
+        (lambda d: d.extend_batch([0], None), TypeError, "token_ids must be a sequence of token lists"),
+        (lambda d: d.extend_batch(np.array([0]), None), TypeError, "token_ids must be a sequence"),
+        (lambda d: d.start_batch(5, [[1]]), TypeError, "req_ids must be a sequence"),
+        (lambda d: d.start_batch([5], None), TypeError, "prompts must be a sequence of token lists"),
+        (lambda d: d.start_batch([5], [[1]], 3), TypeError, "group_ids must be a sequence .*got int"),
+        (lambda d: d.add_sequences(None, [[1]]), TypeError, "group_ids must be a sequence"),
+        (lambda d: d.add_sequences([1], None), TypeError, "sequences must be a sequence"),
+        (lambda d: d.set_noise_keys([0], None, [1.0], 5), TypeError, "seeds must be a sequence"),
+        (lambda d: d.set_noise_keys([0], [1], 1.0, 5), TypeError, "temperatures must be a sequence"),
     ],
 )
 def test_bad_input_raises_and_leaves_state_unchanged(drafter, call, error, match):
