@@ -98,12 +98,15 @@ def run_call(drafter: NgramDrafter, budget: DraftBudget, rule: str, cost: CostMo
     cap = max((len(responses[r]) for r in ids), default=0)
     while live:
         room = np.array([len(responses[r]) - done_len[r] for r in live], np.int64)
+        # A request's first forward stands for its prefill, which draws the first token without a
+        # draft (as in the engine and replay.replay_step): nothing is proposed or offered there.
+        drafting = np.array([done_len[r] > 0 for r in live])
         budget.set_running(np.array(live), np.array([cap - done_len[r] for r in live]), rule == "drained")
         k = min(int(budget(len(live))), max_draft)
-        trees = as_trees(drafter.propose(live, [max_draft] * len(live)), len(live))
+        trees = as_trees(drafter.propose(live, [max_draft if d else 0 for d in drafting.tolist()]), len(live))
         kept = np.array([np.searchsorted(accepted_path(t, p, responses[r][done_len[r]:]), sizes)
                          for r, (t, p) in zip(live, trees)])
-        offered = np.minimum(k, room - 1).clip(0)
+        offered = np.where(drafting, np.minimum(k, room - 1), 0).clip(0)
         got = kept[np.arange(len(live)), offered]
         emitted = np.minimum(got + 1, room)
         drafted = [min(len(t), o) for (t, _), o in zip(trees, offered.tolist())]  # nodes per request
@@ -112,9 +115,10 @@ def run_call(drafter: NgramDrafter, budget: DraftBudget, rule: str, cost: CostMo
         if offered.sum():
             budget.observe(offered, got)
             budget.observe_requests(np.array(live), offered, got)
-        if step % SHADOW_EVERY == 0:  # a shadow round: every size, measured on a few requests
-            rows = (cursor + np.arange(min(SHADOW_REQUESTS, len(live)))) % len(live)
-            cursor = (cursor + len(rows)) % len(live)
+        if step % SHADOW_EVERY == 0 and drafting.any():  # a shadow round: every size, on a few
+            pool = np.flatnonzero(drafting)  # requests past their prefill (it has no proposal)
+            rows = pool[(cursor + np.arange(min(SHADOW_REQUESTS, len(pool)))) % len(pool)]
+            cursor = (cursor + len(rows)) % len(pool)
             budget.observe_plain(kept[rows])
         budget.record_step(len(live), int(offered.sum()), nodes, width, seconds, tokens=int(emitted.sum()))
         out.seconds += seconds

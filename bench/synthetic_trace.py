@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from rollout_spec.cli_args import check_output, int_arg
+from rollout_spec.config import check_float, check_int
 from rollout_spec.replay import Trace, save_trace
+from rollout_spec.token_ids import MAX_TOKEN_ID
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,19 @@ class SyntheticSpec:
     max_tokens: int = 384
     eos: int = 2
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Check every field (an error names it and its range), so that a spec either builds a
+        trace that ``load_trace`` reads back or fails here, not deep inside numpy; the counts are
+        the command line's ranges, tokens are drawn from [3, vocab), and numbers are stored as
+        plain int/float (the trace's metadata is JSON)."""
+        ints = {"prompts": (1, 100_000), "n": (1, 1024), "steps": (1, 1000), "vocab": (4, MAX_TOKEN_ID + 1),
+                "phrases": (1, 1 << 20), "max_tokens": (2, 1 << 20), "eos": (0, MAX_TOKEN_ID),
+                "seed": (0, None)}
+        for name, (lo, hi) in ints.items():
+            object.__setattr__(self, name, check_int(name, getattr(self, name), lo, hi))
+        for name in ("follow", "drift"):
+            object.__setattr__(self, name, check_float(name, getattr(self, name), 0.0, 1.0))
 
 
 def _span(rng: np.random.Generator, bank: list[np.ndarray], vocab: int) -> np.ndarray:
@@ -81,7 +96,9 @@ def make_synthetic_trace(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
     for g in range(spec.prompts):
         question = rng.integers(3, spec.vocab, rng.integers(30, 120))
         prompts[g] = np.concatenate([head, question, tail]).tolist()
-        solutions[g] = _solution(rng, bank, spec.vocab, question, int(rng.integers(100, spec.max_tokens)))
+        # about 100 tokens at least (fewer where max_tokens is smaller), up to max_tokens
+        length = int(rng.integers(min(100, spec.max_tokens - 1), spec.max_tokens))
+        solutions[g] = _solution(rng, bank, spec.vocab, question, length)
     steps = []
     for _ in range(spec.steps):
         rows = []

@@ -135,6 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         trace = load_trace(args.trace)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
+    if not trace.steps or not all(trace.steps):  # nothing to replay: a table without figures
+        parser.error(f"{args.trace}: every step must hold responses (it has {len(trace.steps)} steps)")
     return run_replay(args, trace)
 
 

@@ -279,8 +279,9 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
     drafter that splits its calls over a pool of threads is charged for all of them; the calling
     thread's time alone would miss the pool's share), or ``time.perf_counter`` for wall time.
     ``on_tree(tree, continuation)``, if given, sees every proposed tree with the response tokens
-    still to come (outside the timed calls). Where the trace recorded its samples' seeds, a
-    drafter that takes noise keys is told them at start (``Trace.noise_keys``).
+    still to come (outside the timed calls), a prefill's excepted: it asks for no draft, so its
+    empty tree would count as a draft that found nothing. Where the trace recorded its samples'
+    seeds, a drafter that takes noise keys is told them at start (``Trace.noise_keys``).
     """
     if not trace.steps:
         raise ValueError("the trace has no steps to replay")
@@ -318,7 +319,7 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
         emitted, done = [], []
         for rid, tree in zip(ids, as_trees(result, len(ids))):
             resp, pos = rows[rid - first_id][1], live[rid]
-            if on_tree is not None:
+            if on_tree is not None and pos:
                 on_tree(tree, resp[pos:])
             acc = accepted_length(tree[0], tree[1], resp[pos:])
             n = min(acc + 1, len(resp) - pos)

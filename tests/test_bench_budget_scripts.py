@@ -19,7 +19,7 @@ import drained_call  # noqa: E402
 import engine_bench  # noqa: E402
 import idle_overhead  # noqa: E402
 from rollout_spec.engine.budget import CostModel, budget_from_cost  # noqa: E402
-from rollout_spec.replay import load_trace, save_trace  # noqa: E402
+from rollout_spec.replay import Trace, load_trace, save_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
 from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
 
@@ -159,3 +159,35 @@ def test_engine_bench_budget_state_counts_asks_priced_by_the_call_end(capsys) ->
     budget(4)
     engine_bench.print_budget_state(budget, [4], 0)
     assert "priced by the call's end (nothing waiting): 2" in capsys.readouterr().out
+
+
+def test_drained_call_drafts_nothing_at_a_requests_prefill(monkeypatch) -> None:
+    """A request's first forward is its prefill: no draft there, as in the engine and
+    ``replay_step``. With an oracle drafter every 4-token response thus takes two forwards (it
+    took one: the prefill drafted the whole response, TPF 4.0)."""
+    from test_replay import OracleDrafter  # tests/ is on sys.path under pytest
+
+    trace = Trace(prompts={g: [5, g] for g in range(16)},
+                  steps=[[(g, [100 + g, 200 + g, 300 + g, 2]) for g in range(16)]] * 2)
+    monkeypatch.setattr(drained_call, "NgramDrafter", lambda config: OracleDrafter(trace))
+    for rule in drained_call.RULES:
+        figures = drained_call.replay_rule(trace, rule, 16, 2, 8, drained_call.modelled_grid(8))
+        assert [f.tokens for f in figures] == [64, 64]
+        assert all(f.forwards >= 2 * 16 for f in figures) and all(f.tpf <= 2.0 for f in figures)
+
+
+def test_draft_size_yield_counts_no_prefill_as_a_draft(tmp_path, monkeypatch, capsys) -> None:
+    """E(k) is what a drafting step yields: with an oracle drafter every estimate is 1 + k. A
+    prefill asks for no draft; counted as a tree that found nothing, it pulled the replayed
+    estimates below the per-depth model's (8.27 at k = 8)."""
+    from test_replay import OracleDrafter
+
+    response = list(range(10, 100)) + [2]  # the prefill's token, then 90 = a multiple of 2, 3, 5, 9
+    trace = Trace(prompts={0: [1, 2, 3]}, steps=[[(0, response), (0, response[::-1])]])
+    path = tmp_path / "t.json"
+    save_trace(trace, path)
+    monkeypatch.setattr(draft_size_yield, "NgramDrafter", lambda config: OracleDrafter(trace))
+    draft_size_yield.main(["--trace", str(path)])
+    rows = {r[1]: [float(x) for x in r[2:]] for r in table_rows(capsys.readouterr().out)}
+    expected = [1.0 + k for k in draft_size_yield.SIZES]
+    assert rows == {"proposed at k": expected, "prefix of 8-node trees": expected, "per-depth model": expected}

@@ -47,3 +47,19 @@ def test_replay_of_a_step_of_empty_responses_shows_no_tpf(tmp_path, capsys):
     assert cli.main(["replay", str(path), "--draft-tokens", "2"]) == 0
     rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.count("│") > 5]
     assert rows and all(float(r[2]) >= 1.0 and r[3].strip() == "-" for r in rows)
+
+
+def test_replay_of_a_trace_without_responses_is_an_argument_error(tmp_path, capsys):
+    """A trace with no steps, or a step with no responses, has nothing to replay: an error naming
+    the file (it printed a table without figures and exited 0), as the bench scripts say."""
+    import pytest
+
+    from rollout_spec.replay import Trace, save_trace
+
+    for steps in ([], [[]]):
+        path = tmp_path / f"t{len(steps)}.json"
+        save_trace(Trace(prompts={0: [1, 2, 3]}, steps=steps), path)
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["replay", str(path)])
+        assert exc.value.code == 2
+        assert f"{path}: every step must hold responses (it has {len(steps)} steps)" in capsys.readouterr().err

@@ -112,3 +112,48 @@ def test_shared_index_bench_bad_flags_exit_before_ray_starts(tmp_path, argv, mes
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init ran before the flags were checked"))
     argv = [a.format(trace=trace) for a in argv]
     assert message.format(trace=trace) in argument_error(shared_index_bench.main, argv, capsys)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("prompts", 0, "prompts must be in [1, 100000], got 0"),  # wrote a trace of empty steps
+    ("n", 0, "n must be in [1, 1024], got 0"),
+    ("steps", 0, "steps must be in [1, 1000], got 0"),
+    ("vocab", 3, "vocab must be in [4, 2147483648], got 3"),  # numpy's "low >= high"
+    ("phrases", 0, "phrases must be in [1, 1048576], got 0"),
+    ("max_tokens", 1, "max_tokens must be in [2, 1048576], got 1"),
+    ("eos", -5, "eos must be in [0, 2147483647], got -5"),  # a trace load_trace refuses
+    ("follow", 1.5, "follow must be in [0.0, 1.0], got 1.5"),
+    ("drift", -1.0, "drift must be in [0.0, 1.0], got -1.0"),
+    ("seed", -1, "seed must be in [0, inf], got -1"),
+])
+def test_synthetic_spec_refuses_a_bad_field_naming_it(field, value, message) -> None:
+    with pytest.raises(ValueError) as exc:
+        SyntheticSpec(**{field: value})
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("max_tokens", [2, 50, 100])
+def test_synthetic_traces_of_short_responses_are_made_and_load(tmp_path, max_tokens) -> None:
+    """Up to 100 tokens raised numpy's "low >= high" (a solution was drawn at least 100 long)."""
+    trace = make_synthetic_trace(SyntheticSpec(prompts=2, n=2, steps=1, max_tokens=max_tokens, seed=1))
+    assert all(1 <= len(r) <= max_tokens for _, r in trace.steps[0])
+    save_trace(trace, tmp_path / "t.json.gz")
+    assert load_trace(tmp_path / "t.json.gz").steps == trace.steps
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("prompts", 0, "prompts must be in [1, 100000], got 0"),
+    ("file_tokens", 0, "file_tokens must be in [1, 1048576], got 0"),
+    ("instruction_tokens", -1, "instruction_tokens must be in [0, 1048576], got -1"),
+    ("vocab", 0, "vocab must be in [1, 2147483648], got 0"),
+    ("zipf", -1, "zipf must be in [0.0, 100.0], got -1.0"),
+    ("edit_rate", 2.0, "edit_rate must be in [0.0, 1.0], got 2.0"),
+    ("max_edit", 0, "max_edit must be in [1, 1048576], got 0"),
+    ("seed", -1, "seed must be in [0, inf], got -1"),
+])
+def test_edit_spec_refuses_a_bad_field_naming_it(field, value, message) -> None:
+    from edit_trace import EditSpec
+
+    with pytest.raises(ValueError) as exc:
+        EditSpec(**{field: value})
+    assert message in str(exc.value)
