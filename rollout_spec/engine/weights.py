@@ -110,8 +110,11 @@ def gguf_cache_dir(gguf_path: Path, prefix: str, *, by_content: bool = False) ->
     (``by_content``: a named model's packaged file, 0.15 s for SmolLM2's 98 MB) by its SHA-1,
     which every virtual environment holding the same file shares."""
     if by_content:
+        digest = hashlib.sha1()
         with gguf_path.open("rb") as f:
-            key = hashlib.file_digest(f, "sha1").hexdigest()
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        key = digest.hexdigest()
     else:
         stat = gguf_path.stat()
         key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
