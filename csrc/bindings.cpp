@@ -309,8 +309,10 @@ NB_MODULE(_core, m) {
         check_csr(ids.shape(0), toks, offs);
         run_extend(c, ids.data(), toks.data(), offs.data(), ids.shape(0), background);
       }, "ids"_a, "tokens"_a, "offsets"_a, "background"_a = false)
-      .def("extend_lists", &extend_lists, "ids"_a, "lists"_a, "background"_a = false)
-      .def("extend_pylists", &extend_pylists, "ids"_a, "lists"_a, "background"_a = false)
+      // The list fast paths take None too (.none()), and answer it as any other non-list: the
+      // facade's validating path then names the argument.
+      .def("extend_lists", &extend_lists, "ids"_a, "lists"_a.none(), "background"_a = false)
+      .def("extend_pylists", &extend_pylists, "ids"_a.none(), "lists"_a.none(), "background"_a = false)
       .def("finish", [](DrafterCore& c, Vec<int64_t> ids) {
         nb::gil_scoped_release release;
         c.finish(ids.data(), ids.shape(0));
@@ -322,13 +324,13 @@ NB_MODULE(_core, m) {
         c.set_noise(ids.data(), seeds.data(), temps.data(), ids.shape(0), q);
       }, "ids"_a, "seeds"_a, "temperatures"_a, "q"_a)
       .def("propose", &propose, "ids"_a, "budgets"_a = nb::none())
-      .def("propose_lists", &propose_lists, "ids"_a, "budgets"_a = nb::none())
+      .def("propose_lists", &propose_lists, "ids"_a.none(), "budgets"_a = nb::none())
       .def("propose_ahead", [](DrafterCore& c, Vec<int64_t> ids, std::optional<Vec<int32_t>> budgets) {
         check_budgets(ids, budgets);
         nb::gil_scoped_release release;
         c.propose_ahead(ids.data(), budgets ? budgets->data() : nullptr, ids.shape(0));
       }, "ids"_a, "budgets"_a = nb::none())
-      .def("propose_ahead_lists", &propose_ahead_lists, "ids"_a, "budgets"_a = nb::none())
+      .def("propose_ahead_lists", &propose_ahead_lists, "ids"_a.none(), "budgets"_a = nb::none())
       .def("add_sequences", [](DrafterCore& c, Vec<int32_t> groups, Vec<int32_t> toks, Vec<int64_t> offs, bool pinned) {
         check_csr(groups.shape(0), toks, offs);
         nb::gil_scoped_release release;

@@ -301,14 +301,12 @@ class NgramDrafter:
             raise TypeError(f"background must be a bool, got {type(background).__name__} {background!r}")
         # Ids and token lists as lists of Python ints (the decode loop's form) are converted
         # natively; anything else, including every invalid input, takes the validating path.
-        # (The native calls refuse None arguments in their own words: None is named below.)
-        lists_given = token_lists is not None
-        if req_ids is not None and lists_given and self._core.extend_pylists(req_ids, token_lists, background):
+        if self._core.extend_pylists(req_ids, token_lists, background):
             return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         # Other id forms (numpy arrays) with token lists of Python ints: the lists are still
         # converted natively; anything else goes through the validating path below.
-        if lists_given and self._core.extend_lists(ids, token_lists, background):
+        if self._core.extend_lists(ids, token_lists, background):
             return
         tokens, offsets = _flatten("token_ids", token_lists, len(ids))
         self._core.extend(ids, tokens, offsets, background)
@@ -337,8 +335,7 @@ class NgramDrafter:
         """
         # Lists of Python ints are converted natively; anything else, including every invalid
         # input, takes the validating path below with the arguments as given.
-        # (The native call refuses None ids in its own words: _ids names them.)
-        fast = None if req_ids is None else self._core.propose_lists(req_ids, _listed(budgets))
+        fast = self._core.propose_lists(req_ids, _listed(budgets))
         if fast is not None:
             return DraftBatch.trusted(*fast)
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
@@ -356,7 +353,7 @@ class NgramDrafter:
         next step's proposal is built while the engine commits this one. Malformed arguments
         raise here; unknown or repeated ids raise in the ``propose`` that names them.
         """
-        if req_ids is not None and self._core.propose_ahead_lists(req_ids, _listed(budgets)):
+        if self._core.propose_ahead_lists(req_ids, _listed(budgets)):
             return
         ids = self._ids(req_ids, must_be_live=True, core_checks=True)
         self._core.propose_ahead(ids, _budget_array(budgets, len(ids)))
