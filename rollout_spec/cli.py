@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, model_arg, task_arg,
-                                   temperature_arg)
+from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, load_trace_arg, model_arg,
+                                   task_arg, temperature_arg)
 from rollout_spec.config import SamplingParams
 from rollout_spec.files import replaced_on_success
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
@@ -127,17 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"rollout-spec bench: error: {exc}", file=sys.stderr)
             return 1
         return 0
-    if not args.trace.is_file():
-        parser.error(f"trace file not found: {args.trace}")
-    from rollout_spec.replay import load_trace
-
-    try:
-        trace = load_trace(args.trace)
-    except (OSError, ValueError) as exc:
-        parser.error(str(exc))
-    if not trace.steps or not all(trace.steps):  # nothing to replay: a table without figures
-        parser.error(f"{args.trace}: every step must hold responses (it has {len(trace.steps)} steps)")
-    return run_replay(args, trace)
+    # a trace with nothing to replay is refused too: it would print a table without figures
+    return run_replay(args, load_trace_arg(parser, "TRACE.json", args.trace, need_responses=True))
 
 
 def _check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
