@@ -94,9 +94,10 @@ class SharingDrafter:
         try:
             if self._next_step == 0:
                 self.index.join()
-            step = max(self._next_step, self.index.latest_step)
-            if self._next_step == 0:
-                step = max(step, self.index.step_at_join + 1)
+                first = self.index.step_at_join + 1
+            else:
+                first = self._next_step
+            step = max(first, self.index.latest_step)
             self.index.publish(step)
             self._next_step = step + 1
         finally:
