@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_spec.cli_args import check_output, int_arg
-from rollout_spec.config import check_float, check_int
+from rollout_spec.config import check_fields
 from rollout_spec.replay import Trace, save_trace
 from rollout_spec.token_ids import MAX_TOKEN_ID
 
@@ -40,12 +40,10 @@ class EditSpec:
         """Check every field (an error names it and its range) rather than fail deep inside
         numpy; the counts are the command line's ranges, tokens are drawn from [0, vocab), and
         numbers are stored as plain int/float (the trace's metadata is JSON)."""
-        ints = {"prompts": (1, 100_000), "file_tokens": (1, 1 << 20), "instruction_tokens": (0, 1 << 20),
-                "vocab": (1, MAX_TOKEN_ID + 1), "max_edit": (1, 1 << 20), "seed": (0, None)}
-        for name, (lo, hi) in ints.items():
-            object.__setattr__(self, name, check_int(name, getattr(self, name), lo, hi))
-        object.__setattr__(self, "zipf", check_float("zipf", self.zipf, 0.0, 100.0))
-        object.__setattr__(self, "edit_rate", check_float("edit_rate", self.edit_rate, 0.0, 1.0))
+        check_fields(self, ints={"prompts": (1, 100_000), "file_tokens": (1, 1 << 20),
+                                 "instruction_tokens": (0, 1 << 20), "vocab": (1, MAX_TOKEN_ID + 1),
+                                 "max_edit": (1, 1 << 20), "seed": (0, None)},
+                     floats={"zipf": (0.0, 100.0), "edit_rate": (0.0, 1.0)})
 
 
 def _edited_copy(rng: np.random.Generator, file: list[int], spec: EditSpec, p: np.ndarray) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_spec.cli_args import check_output, int_arg
-from rollout_spec.config import check_float, check_int
+from rollout_spec.config import check_fields
 from rollout_spec.replay import Trace, save_trace
 from rollout_spec.token_ids import MAX_TOKEN_ID
 
@@ -41,13 +41,10 @@ class SyntheticSpec:
         trace that ``load_trace`` reads back or fails here, not deep inside numpy; the counts are
         the command line's ranges, tokens are drawn from [3, vocab), and numbers are stored as
         plain int/float (the trace's metadata is JSON)."""
-        ints = {"prompts": (1, 100_000), "n": (1, 1024), "steps": (1, 1000), "vocab": (4, MAX_TOKEN_ID + 1),
-                "phrases": (1, 1 << 20), "max_tokens": (2, 1 << 20), "eos": (0, MAX_TOKEN_ID),
-                "seed": (0, None)}
-        for name, (lo, hi) in ints.items():
-            object.__setattr__(self, name, check_int(name, getattr(self, name), lo, hi))
-        for name in ("follow", "drift"):
-            object.__setattr__(self, name, check_float(name, getattr(self, name), 0.0, 1.0))
+        check_fields(self, ints={"prompts": (1, 100_000), "n": (1, 1024), "steps": (1, 1000),
+                                 "vocab": (4, MAX_TOKEN_ID + 1), "phrases": (1, 1 << 20),
+                                 "max_tokens": (2, 1 << 20), "eos": (0, MAX_TOKEN_ID), "seed": (0, None)},
+                     floats={"follow": (0.0, 1.0), "drift": (0.0, 1.0)})
 
 
 def _span(rng: np.random.Generator, bank: list[np.ndarray], vocab: int) -> np.ndarray:

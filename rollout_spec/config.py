@@ -142,18 +142,16 @@ class SpecConfig:
     def __post_init__(self) -> None:
         """Check every field; numbers are stored as plain int/float (a numpy scalar would not
         survive the JSON that carries a config to a framework's workers)."""
-        ints = {"num_draft_tokens": (0, 1024), "max_batch_draft_tokens": (0, 1 << 24),
-                "max_depth": (1, 1024), "max_match_len": (1, 1024), "history_steps": (0, 1 << 20),
-                "capacity_tokens": (1024, 1 << 40), "propose_threads": (0, 256)}
-        for name, (lo, hi) in ints.items():
-            _store(self, name, check_int(name, getattr(self, name), lo, hi))
+        check_fields(self, ints={
+            "num_draft_tokens": (0, 1024), "max_batch_draft_tokens": (0, 1 << 24), "max_depth": (1, 1024),
+            "max_match_len": (1, 1024), "history_steps": (0, 1 << 20), "capacity_tokens": (1024, 1 << 40),
+            "propose_threads": (0, 256)})
         _store(self, "min_match_len", check_int("min_match_len", self.min_match_len, 1, self.max_match_len))
         _store(self, "min_token_prob", check_float("min_token_prob", self.min_token_prob, 0.0, 1.0))
         for name in ("tree", "adaptive_budget"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("request_weight", "group_weight", "global_weight"):
-            _store(self, name, check_float(name, getattr(self, name), 0.0, 1e6))
+        check_fields(self, floats=dict.fromkeys(("request_weight", "group_weight", "global_weight"), (0.0, 1e6)))
         corpora = self.external_corpora
         if not isinstance(corpora, (list, tuple)) or not all(isinstance(p, str) for p in corpora):
             raise TypeError("external_corpora must be a list or tuple of file paths (str), "
@@ -170,6 +168,17 @@ class SpecConfig:
 def _store(config: object, name: str, value: object) -> None:
     """Set a field of a frozen config to its checked, normalised value."""
     object.__setattr__(config, name, value)
+
+
+def check_fields(config: object, ints: Optional[dict[str, tuple[int, Optional[int]]]] = None,
+                 floats: Optional[dict[str, tuple[float, float]]] = None) -> None:
+    """Check the named fields of a frozen dataclass, integers in ``[lo, hi]`` (hi None: no upper
+    bound) and then numbers in ``[lo, hi]``, and store each as the plain int or float the check
+    returns; the first bad field raises, naming itself and its range."""
+    for name, (lo, hi) in (ints or {}).items():
+        _store(config, name, check_int(name, getattr(config, name), lo, hi))
+    for name, (lo, hi) in (floats or {}).items():
+        _store(config, name, check_float(name, getattr(config, name), lo, hi))
 
 
 @dataclass(frozen=True)
