@@ -418,3 +418,35 @@ def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):
     replay_main([str(path), "--max-responses", "1"])
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [r.split()[:3] for r in rows] == [["0", "1", str(len(answer) - 1)], ["1", "1", str(len(answer) - 1)]]
+
+
+def test_a_rejected_batch_get_leaves_the_corpus_usable():
+    """A call the adapter rejects changes nothing; one whose tokens the drafter rejects drops the
+    batch's requests. Either way the same ids draft on the next call and erase/reset still work
+    (no request is left known to the adapter but never started in the drafter)."""
+    c = corpus_with_seeds()
+    get(c, [[1, 2]], rids=["live"])
+    with pytest.raises(ValueError, match="request 'b' is empty"):
+        c.batch_get(["a", "b"], [[1, 2], []], [2, 0])
+    with pytest.raises(ValueError, match="total_lens for request 'live' is 1, below its 2 tokens"):
+        c.batch_get(["a", "live"], [[1, 2], [1, 2]], [2, 1])
+    assert (c.stats()["requests"], c.stats()["live_requests"]) == (1, 1)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 2147483647\]"):
+        c.batch_get(["a", "live"], [[1, 2], [1, 2, -5]], [2, 3])
+    ids, _ = get(c, [[1, 2, 3], [1, 2, 3]], rids=["a", "live"])
+    assert set(ids[:, 1].tolist()) <= {4, 44} and c.stats()["live_requests"] == 2
+    c.erase_match_state(["a"])
+    c.reset()
+    assert c.stats()["live_requests"] == 0
+
+
+def test_replay_counts_every_draft_of_a_final_verify_as_accepted():
+    """When the drafts cover the rest of a response, its last verify has no bonus token: every
+    token it commits is an accepted draft (SGLang counts accept_len - 1 = all of them)."""
+    from rollout_spec.integrations.sglang.replay import replay_step
+
+    c = corpus()
+    prompts = {0: [1, 2, 3]}
+    replay_step(c, 0, prompts, [(0, [100, 101, 102, 103, 104])], tail=16)
+    r = replay_step(c, 1, prompts, [(0, [100, 101, 102, 103])], tail=16)
+    assert (r["verifies"], r["generated"], r["accepted"]) == (1, 3, 3)

@@ -120,8 +120,12 @@ class RolloutSpecCorpus:
         ``batch_tokens[i]`` are the last tokens of request ``req_ids[i]`` and ``total_lens[i]`` its
         full length; tokens beyond what the drafter saw are committed to it before drafting.
 
+        A rejected call changes nothing the adapter knows; should the drafter reject the tokens
+        (e.g. ids out of range), the batch's requests are dropped, to start over on their next get.
+
         Raises:
-            ValueError: lengths differ, a tail is empty, or a request id repeats.
+            ValueError: lengths differ, a tail is empty, a total length is below its tail, or a
+                request id repeats.
         """
         if not len(req_ids) == len(batch_tokens) == len(total_lens):
             raise ValueError(
@@ -130,10 +134,20 @@ class RolloutSpecCorpus:
             )
         if len(set(req_ids)) != len(req_ids):
             raise ValueError("req_ids must not repeat within one batch_get")
+        tails = [tuple(toks) for toks in batch_tokens]
+        lens = [int(n) for n in total_lens]
+        for rid, tail, total_len in zip(req_ids, tails, lens):
+            if not tail:
+                raise ValueError(f"batch_tokens for request {rid!r} is empty; SGLang always sends >= 1 token")
+            if total_len < len(tail):
+                raise ValueError(f"total_lens for request {rid!r} is {total_len}, below its {len(tail)} tokens")
         pending = _Pending()
-        drafter_ids = [self._sync(rid, tuple(toks), int(n), pending)
-                       for rid, toks, n in zip(req_ids, batch_tokens, total_lens)]
-        pending.flush(self.drafter)
+        try:
+            drafter_ids = [self._sync(rid, tail, n, pending) for rid, tail, n in zip(req_ids, tails, lens)]
+            pending.flush(self.drafter)
+        except Exception:
+            self._drop(req_ids)
+            raise
         self._last_get = list(req_ids)
         self._counters["gets"] += 1
         batch = self.drafter.propose(drafter_ids, [self._budget] * len(drafter_ids))
@@ -182,11 +196,8 @@ class RolloutSpecCorpus:
 
     # ------------------------------------------------------------ request bookkeeping
     def _sync(self, rid: str, tail: tuple[int, ...], total_len: int, pending: "_Pending") -> int:
-        """Queue in ``pending`` what the drafter lacks of request ``rid``; returns its drafter id."""
-        if not tail:
-            raise ValueError(f"batch_tokens for request {rid!r} is empty; SGLang always sends >= 1 token")
-        if total_len < len(tail):
-            raise ValueError(f"total_lens for request {rid!r} is {total_len}, below its {len(tail)} tokens")
+        """Queue in ``pending`` what the drafter lacks of request ``rid`` (a non-empty ``tail``
+        within ``total_len``, checked by ``batch_get``); returns its drafter id."""
         req = self._live.get(rid)
         if req is not None and total_len < req.known_len:
             # The request was rolled back (e.g. retracted and re-run): start it over.
@@ -208,6 +219,14 @@ class RolloutSpecCorpus:
             self._commit(min(new, len(tail)))
         req.known_len, req.last_tail = total_len, tail
         return req.drafter_id
+
+    def _drop(self, req_ids: Sequence[str]) -> None:
+        """Forget requests whose tokens the drafter rejected, finishing those it has started, so
+        their next ``batch_get`` starts them over instead of failing on a half-known request."""
+        dropped = [self._live.pop(rid).drafter_id for rid in req_ids if rid in self._live]
+        started = [i for i in dropped if self.drafter.is_live(i)]
+        if started:
+            self.drafter.finish_batch(started)
 
     def _commit(self, count: int) -> None:
         self._counters["committed_tokens"] += count

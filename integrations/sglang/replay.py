@@ -61,9 +61,10 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
         for b, rid in enumerate(rids):
             _, out, n = live[rid]
             a = accepted_length(ids[b], mask[b], out[n[0]:])
+            # a <= tokens left; the bonus token exists only when the response goes on past the drafts
             step_tokens = min(a + 1, len(out) - n[0])
             n[0] += step_tokens
-            verifies, accepted, generated = verifies + 1, accepted + step_tokens - 1, generated + step_tokens
+            verifies, accepted, generated = verifies + 1, accepted + a, generated + step_tokens
             if n[0] >= len(out):
                 done.append(rid)
         for rid in done:
