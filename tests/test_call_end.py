@@ -122,6 +122,19 @@ def test_drained_budget_stops_drafting_for_a_straggler_the_drafter_misses():
     assert budget.best(len(IDS)) > 0
 
 
+def test_a_pick_under_the_throughput_rule_does_not_outlive_the_drain():
+    """The budget reuses its pick for a few calls of one batch bucket; once nothing waits, the
+    next call is priced by the call's end (and counted so), not the throughput rule's pick, and
+    once samples wait again the throughput rule decides at once."""
+    budget, room = with_stragglers()
+    budget.set_running(IDS, room, draining=False)
+    assert budget(len(IDS)) > 0
+    budget.set_running(IDS, room, draining=True)
+    assert budget(len(IDS)) == 0 and budget.drained_asks == 1
+    budget.set_running(IDS, room, draining=False)
+    assert budget(len(IDS)) > 0 and budget.drained_asks == 1
+
+
 def test_drained_pricing_needs_the_reported_batch():
     """A report for another batch size (the batch changed since) falls back to the throughput rule."""
     budget, room = with_stragglers()

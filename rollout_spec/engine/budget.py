@@ -274,7 +274,8 @@ class DraftBudget:
         self._since_plain_observed = 1 << 30  # calls since ``observe_plain`` last reported
         self._drafts = 0  # drafting picks since the last plain step the guard asked for
         self.reuse = 8  # calls a pick is reused for (see _pick)
-        self._last: tuple[int, int, int] = (-1, 0, 0)  # (batch bucket, pick, calls left)
+        # ((batch bucket, priced drained), pick, calls left)
+        self._last: tuple[tuple[int, bool], int, int] = ((-1, False), 0, 0)
         self._gpu_cache: dict[int, np.ndarray] = {}
         self._grid_cache: dict[tuple[int, int], float] = {}
         self._gain: tuple[bytes, np.ndarray] = (b"", np.ones(0))  # (means it came from, E(k))
@@ -413,11 +414,16 @@ class DraftBudget:
         rates[0] *= 1.0 + self.min_gain  # candidates[0] is k = 0
         return self.candidates[int(np.argmax(rates))]  # argmax takes the first, i.e. smallest k
 
+    def _priced_drained(self, batch: int) -> bool:
+        """Whether a call of ``batch`` requests is priced by the call's end: nothing waits and the
+        requests last reported (``set_running``) are the batch."""
+        return self._drained is not None and len(self._drained[0]) == batch
+
     def _gains(self, batch: int) -> np.ndarray:
         """What each candidate size multiplies progress by: E(k), or while drained and the
         reported requests are the batch, the slowest request's steps saved (``call_end``)."""
         sizes = np.minimum(np.asarray(self.candidates), len(self.tracker.accepted) - 1)
-        if self._drained is not None and len(self._drained[0]) == batch:
+        if self._priced_drained(batch):
             ids, room = self._drained
             return self.call_end.gains(ids, room, self.tracker.accepted[sizes])
         key = self.tracker.accepted.tobytes()
@@ -435,15 +441,18 @@ class DraftBudget:
 
     def _pick(self, batch: int) -> int:
         """``best(batch)``, reused for up to ``reuse`` calls while the batch stays in its
-        half-octave (``batch_bucket``).
+        half-octave (``batch_bucket``) and the pricing rule (throughput, or drained: ``_gains``)
+        stays the same.
 
         Acceptance and the host model move a little every drafting step and the pick rarely;
         re-deciding every step cost more host time (0.1-0.2 ms on the H100 host) than a decision
         up to ``reuse`` steps stale loses. Keyed on the exact size, the reuse never happened
         with a queue: the batch changes whenever a sample ends or is admitted."""
-        bucket = batch_bucket(batch)
-        if bucket != self._last[0] or self._last[2] <= 0:
-            self._last = (bucket, self.best(batch), self.reuse)
+        # A pick made under the throughput rule must not stand once the call drains (or the
+        # reverse): the drained rule prices another objective, and ``drained_asks`` counts it.
+        key = (batch_bucket(batch), self._priced_drained(batch))
+        if key != self._last[0] or self._last[2] <= 0:
+            self._last = (key, self.best(batch), self.reuse)
         self._last = (self._last[0], self._last[1], self._last[2] - 1)
         return self._last[1]
 
@@ -451,7 +460,7 @@ class DraftBudget:
         """Draft nodes per request for the next step of ``batch_size`` running requests."""
         k, why = self._decide(batch_size)
         self.decisions[why] += 1
-        self.drained_asks += self._drained is not None and len(self._drained[0]) == batch_size
+        self.drained_asks += self._priced_drained(batch_size)
         return k
 
     def _decide(self, batch_size: int) -> tuple[int, str]:
