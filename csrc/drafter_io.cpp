@@ -85,8 +85,9 @@ void check_own_log(std::istream& is, uint64_t size, int32_t slot, const Sequence
 void get_index(std::istream& is, uint64_t size, ChainIndex& index, const std::vector<Sequence>& seqs) {
   std::vector<ChainRecord> log = get_vec<ChainRecord>(is, size);
   for (const ChainRecord& r : log)
+    // In 64 bits: a damaged pos of 2**31-1 would wrap pos + 1 below the bound and be read.
     if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs.size()) || r.pos < 0 ||
-        r.pos + 1 >= static_cast<int32_t>(seqs[r.seq].tokens.size()))
+        int64_t{r.pos} + 1 >= static_cast<int64_t>(seqs[r.seq].tokens.size()))
       throw std::runtime_error("drafter checkpoint is corrupt (record out of range)");
   index.restore(log, [&](int32_t seq) { return seqs[seq].tokens.data(); });
 }

@@ -130,7 +130,7 @@ std::string DrafterCore::integrity_problem() const {
   auto shared_ok = [&](const ChainIndex& index) {
     for (const ChainRecord& r : index.log())
       if (r.seq < 0 || r.seq >= static_cast<int32_t>(seqs_.size()) || !seqs_[r.seq].alive ||
-          r.pos < 0 || r.pos + 1 >= static_cast<int32_t>(seqs_[r.seq].tokens.size()))
+          r.pos < 0 || int64_t{r.pos} + 1 >= static_cast<int64_t>(seqs_[r.seq].tokens.size()))
         return false;
     return index.check(tokens_of);
   };

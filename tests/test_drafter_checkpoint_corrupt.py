@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -324,3 +326,32 @@ def test_save_onto_a_directory_is_a_runtime_error_naming_the_path(tmp_path):
     with pytest.raises(RuntimeError, match=r"cannot write the checkpoint .*other/'.*directory"):
         NgramDrafter().save(f"{tmp_path}/other/")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+LOAD_IN_CHILD = (
+    "import sys\n"
+    "from rollout_spec.drafter import NgramDrafter\n"
+    "try:\n"
+    "    NgramDrafter.load(sys.argv[1])\n"
+    "except RuntimeError as err:\n"
+    "    sys.exit(0 if 'corrupt (record out of range)' in str(err) else f'another error: {err}')\n"
+    "sys.exit('loaded')\n"
+)
+
+
+@pytest.mark.parametrize("version", ["7", "6"])
+def test_a_shared_record_at_the_largest_position_is_refused(tmp_path, good, version):
+    """The global index's last record (seq, pos: the 8 bytes before the checksum) at position
+    2**31-1: its pos + 1 must not wrap below the range check, which would let load read past
+    the sequence (a crash). Format 7 resealed; format 6, which has no checksum, as damaged.
+    Loaded in a child process, so that a crash fails this test rather than the run."""
+    payload = bytearray(good[:-8])
+    payload[-4:] = struct.pack("<i", 2**31 - 1)
+    if version == "7":
+        data = resealed(bytes(payload) + bytes(8))
+    else:
+        payload[7] = ord("6")
+        data = bytes(payload)
+    done = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(_written(tmp_path, data))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
