@@ -182,12 +182,13 @@ def verify(
 
 
 class NonFiniteLogits(ValueError):
-    """A request's logits held a NaN or +inf, or nothing but -inf: its tokens would not be a
-    sample of anything. ``request`` is its place in the batch (callers name it their way)."""
+    """A request's logits held a NaN or +inf (or a finite logit that overflows float32 once divided
+    by the temperature), or nothing but -inf: its tokens would not be a sample of anything. ``request`` is its place in the batch (callers name it their way)."""
 
     def __init__(self, request: int, logprob: float):
         super().__init__(f"logits of request {request} (its place in the batch) are not finite (a "
-                         f"NaN or +inf logit, or every logit -inf): its emitted logprob is {logprob}, "
+                         f"NaN or +inf logit, a finite one that overflows once divided by the temperature, "
+                         f"or every logit -inf): its emitted logprob is {logprob}, "
                          f"not a log-probability")
         self.request = request
 

@@ -276,6 +276,15 @@ def test_non_finite_logits_are_refused_naming_the_request(poison, sp):
     assert np.isfinite(verify(logits, BATCH, sp).host.emitted_logprobs).all()
 
 
+def test_a_finite_logit_that_overflows_at_the_temperature_is_refused_naming_the_cause():
+    """1e37 / 0.01 is beyond float32: the row cannot be sampled, and the error says why (it was
+    read as a NaN or +inf logit, which the row does not hold)."""
+    logits = torch.randn(5, 5, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    logits[3, 2] = 1e37
+    with pytest.raises(ValueError, match=r"request 1 .*overflows once divided by the temperature"):
+        verify(logits, BATCH, SamplingParams(temperature=0.01))
+
+
 def test_keyed_uniforms_lie_inside_the_unit_interval_at_their_cells_middle():
     """(x + 1/2) 2^-31 for the word's 31 bits x: never 0 or 1, and fine near 0, where the race's
     exponentials -log1p(-u) are the small ones that let a token far below the best win. (With
