@@ -12,6 +12,7 @@ while the policy changes, which is the point of a model-free drafter.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -41,6 +42,8 @@ class Rollouts:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options of the example, every one checked before any model is built."""
+    from rollout_spec.cli import check_task_pool
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=model_arg, default="smollm2-135m")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
@@ -65,6 +68,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = p.parse_args(argv)
     args.device = check_device(p, args.device)
+    check_task_pool(p, args)  # humaneval's fixed pool, before any model loads
     try:
         args.wandb = resolve_wandb_mode(args.wandb)
     except ValueError as exc:
@@ -74,22 +78,31 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace) -> tuple[Any, Optional[Any], torch.nn.Module]:
     """The speculative engine, a plain engine on the same weights, and the trainable policy."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_spec.cli import engine_sizes
+    from rollout_spec.cli import ModelNotLoaded, engine_sizes
     from rollout_spec.engine import RolloutEngine
     from rollout_spec.engine.weights import resolve_model_dir
 
-    model_dir = str(resolve_model_dir(args.model))
-    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
-    sizes = engine_sizes(args, AutoTokenizer.from_pretrained(model_dir), limit)
-    # fp32 on every device: the engine's weights are copied from the policy after each update.
-    engine = RolloutEngine.from_pretrained(model_dir, device=args.device, dtype=torch.float32,
-                                           spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
+    unloadable = (OSError, ValueError, ImportError, SafetensorError)  # missing, damaged, unsupported
+    try:
+        model_dir = str(resolve_model_dir(args.model))
+        limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except unloadable as exc:
+        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
+    sizes = engine_sizes(args, tokenizer, limit)
+    try:
+        # fp32 on every device: the engine's weights are copied from the policy after each update.
+        engine = RolloutEngine.from_pretrained(model_dir, device=args.device, dtype=torch.float32,
+                                               spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device)
+    except unloadable as exc:
+        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
     engine.drafter = DrafterProbe(engine.drafter)
     base = None if args.no_baseline else RolloutEngine(
         engine.model, engine.tokenizer, None, eos_token_ids=engine.eos_token_ids, **sizes)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device)
     return engine, base, policy
 
 
@@ -249,8 +262,16 @@ def train(args: argparse.Namespace, reward_fn: Optional[RewardFn] = None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: parse options and train."""
-    train(parse_args(argv))
+    """Entry point: parse options and train; a model that cannot be loaded exits with status 1
+    and its reason, as ``rollout-spec bench`` does."""
+    from rollout_spec.cli import ModelNotLoaded
+
+    args = parse_args(argv)
+    try:
+        train(args)
+    except ModelNotLoaded as exc:
+        print(f"grpo_tiny.py: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -101,9 +101,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             args.wandb = resolve_wandb_mode(args.wandb)
         except ValueError as exc:
-            parser.error(str(exc))
+            parser.error(f"--wandb: {exc}")
         check_device(parser, args.device)
-        _check_task_pool(parser, args)
+        check_task_pool(parser, args)
         if args.draft_tokens is None:
             on_cuda = args.device.startswith("cuda") or (args.device == "auto" and _cuda_available())
             args.draft_tokens = 32 if on_cuda else 8
@@ -131,14 +131,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_replay(args, load_trace_arg(parser, "TRACE.json", args.trace, need_responses=True))
 
 
-def _check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """HumanEval has a fixed number of problems: a run asking for more is an argument error
-    before any model loads (reasoning-gym tasks generate as many as asked)."""
-    from rollout_spec.workloads import HUMANEVAL, humaneval_size
+def check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The prompts a run asks for, checked before any model loads: HumanEval has a fixed number
+    of problems, and a reasoning-gym task must make its pool at ``--seed`` (``composite`` needs
+    a config, not just a name; ``pool_matrix`` seeds numpy with seed + index, below 2**32), so its
+    first and last prompt are drawn here; either failure is an argument error."""
+    from rollout_spec.workloads import HUMANEVAL, gym_dataset, humaneval_size
 
+    count = args.prompts * (args.steps if args.fresh_prompts else 1)
     if args.task != HUMANEVAL:
+        try:
+            dataset = gym_dataset(args.task, count, args.seed)
+            dataset[0], dataset[count - 1]
+        except Exception as exc:  # the task's own generator: any error means no prompts
+            parser.error(f"--task {args.task} with --seed {args.seed}: reasoning-gym cannot make "
+                         f"{count} prompts ({type(exc).__name__}: {exc})")
         return
-    count, available = args.prompts * (args.steps if args.fresh_prompts else 1), humaneval_size()
+    available = humaneval_size()
     if count > available:
         what = "--prompts x --steps (with --fresh-prompts)" if args.fresh_prompts else "--prompts"
         parser.error(f"{what} must be <= {available} for humaneval, got {count}")

@@ -91,7 +91,8 @@ def load_trace(path: str | Path) -> Trace:
     try:
         with opener(path, "rt") as f:
             raw = json.load(f)
-    except (ValueError, EOFError, gzip.BadGzipFile, zlib.error) as exc:  # JSON, UTF-8: ValueErrors
+    # JSON, UTF-8: ValueErrors; JSON nested deeper than Python's recursion limit: RecursionError
+    except (ValueError, RecursionError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ValueError(f"{path}: not a {'gzip ' if path.suffix == '.gz' else ''}JSON trace ({exc})") from None
     if not isinstance(raw, dict) or "prompts" not in raw or "steps" not in raw:
         raise ValueError(f"{path}: a trace needs 'prompts' and 'steps'")

@@ -95,7 +95,7 @@ class Workload:
         self.num_prompts = num_prompts
         self.fresh_each_step = fresh_each_step
         pool = num_prompts * (max_steps if fresh_each_step else 1)
-        self._dataset = None if task == HUMANEVAL else _gym_dataset(task, pool, seed)
+        self._dataset = None if task == HUMANEVAL else gym_dataset(task, pool, seed)
         if self._dataset is None:
             entries = _humaneval_entries(pool)
         else:
@@ -182,7 +182,8 @@ def _humaneval_reward(problem: dict, response: str) -> float:
     return 1.0 if result["passed"] else 0.0
 
 
-def _gym_dataset(task: str, size: int, seed: int) -> Any:
+def gym_dataset(task: str, size: int, seed: int) -> Any:
+    """reasoning-gym's dataset of ``size`` prompts of ``task`` at ``seed`` (items drawn lazily)."""
     import reasoning_gym
 
     return reasoning_gym.create_dataset(task, size=size, seed=seed)

@@ -49,15 +49,39 @@ def test_make_prompts_failure_midway_leaves_no_truncated_file(prompts, tmp_path,
     out.write_text("old\n")
     real = prompts.reasoning_gym.create_dataset
 
+    class Midway:  # chain_sum's middle prompt fails: its first and last draw fine
+        def __init__(self, dataset):
+            self.dataset = dataset
+
+        def __getitem__(self, i):
+            if i == 1:
+                raise RuntimeError("boom")
+            return self.dataset[i]
+
+        def __iter__(self):
+            return (self[i] for i in range(len(self.dataset)))
+
     def flaky(task, size, seed):
-        if task == "chain_sum":
-            raise RuntimeError("boom")
-        return real(task, size=size, seed=seed)
+        dataset = real(task, size=size, seed=seed)
+        return Midway(dataset) if task == "chain_sum" else dataset
 
     monkeypatch.setattr(prompts.reasoning_gym, "create_dataset", flaky)
     with pytest.raises(RuntimeError):
-        prompts.main(["--out", str(out), "--size", "2", "--tasks", "basic_arithmetic", "chain_sum"])
+        prompts.main(["--out", str(out), "--size", "3", "--tasks", "basic_arithmetic", "chain_sum"])
     assert out.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tasks", "composite"], "--tasks composite with --seed 0: reasoning-gym cannot make 2 prompts"),
+    (["--tasks", "pool_matrix", "--seed", str(2**32 - 1)],
+     f"--tasks pool_matrix with --seed {2**32 - 1}: reasoning-gym cannot make 2 prompts (ValueError"),
+])
+def test_make_prompts_refuses_a_task_that_cannot_make_its_prompts(prompts, tmp_path, capsys, argv, message):
+    """Registered tasks that fail to generate (composite needs a config; pool_matrix seeds numpy
+    with seed + index, below 2**32) were a traceback after the write had begun."""
+    out = tmp_path / "p.jsonl"
+    assert message in argument_error(prompts.main, ["--out", str(out), "--size", "2", *argv], capsys)
+    assert not out.exists()
 
 
 def test_make_prompts_writes_every_task(prompts, tmp_path, capsys):

@@ -61,6 +61,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         parser.error(f"--out {args.out}: cannot create its folder ({exc.strerror})")
     check_output(parser, "--out", args.out)
+    for task in args.tasks:  # a task that cannot make its prompts fails here, not mid-write
+        try:
+            dataset = reasoning_gym.create_dataset(task, size=args.size, seed=args.seed)
+            dataset[0], dataset[args.size - 1]
+        except Exception as exc:  # the task's own generator: any error means no prompts
+            parser.error(f"--tasks {task} with --seed {args.seed}: reasoning-gym cannot make "
+                         f"{args.size} prompts ({type(exc).__name__}: {exc})")
     print(f"wrote {write_prompts(args.out, args.tasks, args.size, args.seed)} prompts to {args.out}")
     return 0
 

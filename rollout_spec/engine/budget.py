@@ -96,7 +96,10 @@ class CostModel:
     @staticmethod
     def from_json(text: str) -> "CostModel":
         """Inverse of ``to_json``; raises ValueError on a malformed or inconsistent file."""
-        raw = json.loads(text)
+        try:
+            raw = json.loads(text)
+        except RecursionError as err:  # nested deeper than Python's recursion limit
+            raise ValueError(f"not a cost model: {err}") from None
         try:
             return CostModel(tuple(raw["batch_sizes"]), tuple(raw["widths"]),
                              tuple(tuple(r) for r in raw["seconds"]))
