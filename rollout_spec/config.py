@@ -64,9 +64,18 @@ drawn from another law; use 0 for greedy."""
 
 def check_temperature(name: str, value: object) -> float:
     """A sampling temperature: 0 (greedy) or in [MIN_TEMPERATURE, 100], else raise naming ``name``."""
-    temperature = check_float(name, value, 0.0, 100.0)
-    if 0.0 < temperature < MIN_TEMPERATURE:
-        raise ValueError(f"{name} must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100.0], got {temperature}")
+    rule = f"0 (greedy) or in [{MIN_TEMPERATURE}, 100.0]"
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, {rule}, got {type(value).__name__} {value!r}")
+    try:
+        temperature = check_float(name, value, 0.0, 100.0)
+        shown = repr(temperature)
+    except ValueError:  # outside [0, 100] (NaN included), or an int beyond a float's range
+        temperature = math.nan
+        huge = isinstance(value, Integral) and not -1e300 < value < 1e300
+        shown = "an integer beyond a float's range" if huge else repr(float(value))
+    if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= 100.0):  # NaN fails both
+        raise ValueError(f"{name} must be {rule}, got {shown}")
     return temperature
 
 

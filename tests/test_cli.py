@@ -19,7 +19,7 @@ from rollout_spec.replay import load_trace
 @pytest.mark.parametrize("argv, needle", [
     (["bench", "--steps", "0"], "--steps: --steps must be in [1, 100000], got 0"),
     (["bench", "--n", "four"], "--n: --n must be an integer in [1, 1024], got 'four'"),
-    (["bench", "--temperature", "-1"], "--temperature: --temperature must be in [0.0, 100.0]"),
+    (["bench", "--temperature", "-1"], "--temperature: --temperature must be 0 (greedy) or in [0.01, 100.0], got -1.0"),
     (["bench", "--temperature", "1e-9"], "--temperature: --temperature must be 0 (greedy) or in [0.01, 100.0]"),
     (["bench", "--top-p", "0"], "--top-p: --top-p must be in (0.0, 1.0]"),
     (["bench", "--top-k", "0"], "--top-k: --top-k must be -1 (keep all) or >= 1"),

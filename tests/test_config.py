@@ -48,13 +48,15 @@ def test_spec_config_shared_index_errors(value, error, message):
     "kwargs, field",
     [
         ({"n": 0}, "n must"),
-        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": -1.0}, r"temperature must be 0 \(greedy\) or in \[0.01, 100.0\], got -1.0"),
+        ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or in \[0.01, 100.0\], got nan"),
+        ({"temperature": "1"}, r"temperature must be a number, 0 \(greedy\) or in \[0.01, 100.0\], got str"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"stop_token_ids": [1, -2]}, r"stop_token_ids\[1\]"),
         ({"seed": "x"}, "seed"),
-        ({"temperature": 10**400}, r"temperature must be in \[0.0, 100.0\], got an integer beyond"),
+        ({"temperature": 10**400}, r"temperature must be 0 \(greedy\) or in \[0.01, 100.0\], got an integer beyond"),
         ({"temperature": 1e-30}, r"temperature must be 0 \(greedy\) or in \[0.01, 100.0\], got 1e-30"),
     ],
 )

@@ -64,7 +64,7 @@ def test_bad_batch_size_names_the_flag(capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--temperature", "-1"], "argument --temperature: --temperature must be in [0.0, 100.0], got -1.0"),
+    (["--temperature", "-1"], "argument --temperature: --temperature must be 0 (greedy) or in [0.01, 100.0], got -1.0"),
     (["--min-ms", "-1"], "argument --min-ms: --min-ms must be in [0.0, 1000000.0]"),
     (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N"),
     (["--device", "cpu", "--random-weights", "--max-new-tokens", "1000"],
