@@ -32,6 +32,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import Counter
 from typing import Callable
@@ -159,7 +160,7 @@ def print_step_table(grid: dict, batches: list[int], widths: list[int]) -> None:
 def attention_table(bench: StepBench, batches: list[int], widths: list[int], iters: int) -> None:
     """One layer's attention alone: torch reference (reading only ctx+W) vs the Triton kernel."""
     if bench.device.type != "cuda" or not triton_attention.is_available():
-        print("\n(attention kernel table skipped: needs CUDA and triton)")
+        print("attention kernel table skipped: needs CUDA and triton", file=sys.stderr)
         return
     from rollout_spec.engine.attention import tree_attention
 
@@ -473,7 +474,8 @@ def engine_rows(args: argparse.Namespace) -> None:
     pool, warm, stop = checked_workload(build_parser(), args)
     t0 = time.perf_counter()
     spec_eng, base_eng = build_engines(args)
-    print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)")
+    print(f"engines built in {time.perf_counter() - t0:.1f}s (graph capture and budget timing included)",
+          file=sys.stderr)
     budget = spec_eng.draft_budget
     if hasattr(budget, "cost"):  # the engine's own batch-aware budget: show what it measured
         top = args.draft_tokens + 1
@@ -512,7 +514,7 @@ def engine_rows(args: argparse.Namespace) -> None:
         theirs = hf_generate_tokens_per_s(spec_eng.model.config.hf_config, dev, spec_eng.runner.dtype,
                                           b, 128, args.max_new_tokens)
         print(f"\ntransformers generate, B={b}, prompt 128, {args.max_new_tokens} new: {theirs:.0f} tok/s")
-    print(f"\nwhole engine run: {time.perf_counter() - t0:.0f}s")
+    print(f"whole engine run: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
 
 def print_phase_table(rows: list) -> None:
@@ -645,7 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default="1,8,32,64,128,256",
                     help="samples decoded at once (engine mode: max_running; n=8 samples per prompt)")
     ap.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 16), default=256)
-    ap.add_argument("--max-model-len", type=int_arg("--max-model-len", 2, 1 << 20), default=1024)
+    ap.add_argument("--max-model-len", type=int_arg("--max-model-len", 2, 1 << 20), default=None,
+                    help="engine mode: most tokens (prompt + output) of one request (default 1024; steps "
+                         "mode sizes its cache to --ctx and --max-new-tokens)")
     ap.add_argument("--ctx", type=int_arg("--ctx", 1, 1 << 20), default=384,
                     help="cached context of the timed steps")
     ap.add_argument("--temperatures", type=numbers_arg("--temperatures", float, 0.0, 100.0), default="0.6,1.0")
@@ -687,8 +691,9 @@ def check_length(ap: argparse.ArgumentParser, prompt_len: int, max_new: int, max
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What parsing alone cannot see, refused before any model is built: the device, the Triton
-    backend, --profile against the engines' slots, the random-weight prompts' length (the
-    checkpoint's prompts are checked once drawn with its tokenizer alone, ``checked_workload``)."""
+    backend, --profile and --max-model-len outside engine mode, --profile against the engines'
+    slots, the random-weight prompts' length (the checkpoint's prompts are checked once drawn with
+    its tokenizer alone, ``checked_workload``). An unset --max-model-len becomes 1024."""
     args.device = check_device(ap, args.device)
     for t in args.temperatures:
         try:
@@ -699,6 +704,11 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")
     if args.profile and args.mode != "engine":
         ap.error("--profile is an engine-mode option (add --mode engine)")
+    if args.max_model_len is not None and args.mode != "engine":
+        ap.error("--max-model-len is an engine-mode option (add --mode engine): steps mode sizes its "
+                 "cache to --ctx and --max-new-tokens")
+    if args.max_model_len is None:
+        args.max_model_len = 1024
     too_big = [b for b in args.profile if b > max(args.batch_sizes)]
     if too_big:
         ap.error(f"every --profile value must be in [1, {max(args.batch_sizes)}] (the largest --batch-sizes "

@@ -3,13 +3,16 @@
 ``bench`` runs S GRPO-style rollout steps: each step samples n responses per prompt with
 speculation off and on (same prompts, same seeds, one run), scores them with the task's own
 checker, ends the RL step for the drafter, and prints a table; then a summary, optional wandb
-panels, a PNG dashboard and a recorded trace.
+panels, a PNG dashboard and a recorded trace. Results (the workload line, the tables) go to
+stdout; status (loading, the progress bar, warnings, the files written) goes to stderr, so
+``rollout-spec bench > out.md`` keeps only the results.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -369,10 +372,13 @@ def _warm_up(engines: Engines, prompt_ids: list[int], args: argparse.Namespace) 
         engines.spec.drafter = DrafterProbe(NgramDrafter(probe.config))
 
 
-def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[SpecStats]:
+def run_bench(args: argparse.Namespace, console: Optional[Any] = None,
+              status: Optional[Any] = None) -> list[SpecStats]:
     """The main job: ``args.steps`` RL steps; prints tables, logs panels, writes the plot, the
     trace and the JSON. When a step fails (or is interrupted), what the steps before it
-    measured is still summarised and written before the error propagates."""
+    measured is still summarised and written before the error propagates. Results go to
+    ``console`` (default: stdout), the spinner, progress bar and status lines to ``status``
+    (default: stderr)."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -380,7 +386,8 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
     from rollout_spec.workloads import TraceRecorder, Workload
 
     console = console or Console()
-    with console.status(f"loading {args.model} ..."):
+    status = status or Console(stderr=True)
+    with status.status(f"loading {args.model} ..."):
         engines = open_engines(args)
         tok = engines.spec.tokenizer
         workload = Workload(args.task, tok, args.prompts, seed=args.seed,
@@ -393,38 +400,52 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None) -> list[S
     sink = make_sink(args.wandb, args.wandb_project, _jsonable(vars(args)))
     history: list[SpecStats] = []
     try:
-        with Progress(console=console, transient=True) as progress:
+        with Progress(console=status, transient=True, redirect_stdout=False, redirect_stderr=False) as progress:
             bar = progress.add_task("RL steps", total=args.steps)
+            tables = progress.console if _one_terminal(console, status) else console
             for step in range(args.steps):
                 stats = run_step(step, args, engines, workload, recorder)
                 history.append(stats)
                 sink.log(wandb_metrics(stats), step=step)
-                progress.console.print(step_table(stats))
+                tables.print(step_table(stats))
                 progress.advance(bar)
     finally:
         sink.finish()
-        _write_results(args, history, recorder, console)
+        _write_results(args, history, recorder, console, status)
     return history
 
 
+def _one_terminal(console: Any, status: Any) -> bool:
+    """Whether the results console and the status console write to one terminal: then a table
+    printed during the progress bar goes through the bar's console, which draws it above the bar
+    (printed to the other stream, it would land in the middle of the bar's line)."""
+    if not (console.is_terminal and status.is_terminal):
+        return False
+    try:
+        return os.path.samestat(os.fstat(console.file.fileno()), os.fstat(status.file.fileno()))
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        return False
+
+
 def _write_results(args: argparse.Namespace, history: list[SpecStats], recorder: Optional[Any],
-                   console: Any) -> None:
-    """The summary table, and the plot, trace and JSON asked for, of the steps that finished."""
+                   console: Any, status: Any) -> None:
+    """The summary table (to ``console``), and the plot, trace and JSON asked for, of the steps
+    that finished; what was written, or why not, to ``status``."""
     if not history:
-        console.print("no RL step finished: no summary, plot, trace or JSON written")
+        status.print("no RL step finished: no summary, plot, trace or JSON written")
         return
     if len(history) < args.steps:
-        console.print(f"[bold red]the bench stopped after {len(history)} of {args.steps} RL steps; "
-                      f"the results below are theirs[/]")
+        status.print(f"[bold red]the bench stopped after {len(history)} of {args.steps} RL steps; "
+                     f"the results are theirs[/]")
     console.print(summary_table(history))
     if args.plot is not None:
-        console.print(f"dashboard: {plot_dashboard(history, args.plot, title=_title(args))}")
+        status.print(f"dashboard: {plot_dashboard(history, args.plot, title=_title(args))}")
     if recorder is not None:
-        console.print(f"trace: {recorder.save(args.record)}")
+        status.print(f"trace: {recorder.save(args.record)}")
     if args.json is not None:
         with replaced_on_success(args.json) as tmp:  # a failed write keeps the file there before
             tmp.write_text(json.dumps([s.to_dict() for s in history], indent=1))
-        console.print(f"figures: {args.json}")
+        status.print(f"figures: {args.json}")
 
 
 def workload_line(args: argparse.Namespace, num_slots: int, device: str) -> str:

@@ -211,6 +211,22 @@ def test_a_failed_step_keeps_what_the_steps_before_it_measured(tmp_path, monkeyp
     assert "stopped after 1 of 3 RL steps" in console.export_text()
 
 
+def test_a_stopped_bench_summarises_on_stdout_and_warns_on_stderr(tmp_path, monkeypatch, capsys):
+    """``rollout-spec bench > out.md``: the tables land in the file, the warning that the bench
+    stopped early and the files written stay on the terminal (stderr)."""
+    from rollout_spec.workloads import Workload
+
+    answer = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)[0].answer
+    engines = cli.Engines(spec=FailingEngine(True, answer, fail_at=2, how="request"), base=None)
+    monkeypatch.setattr(cli, "open_engines", lambda args: engines)
+    assert cli.main(["bench", "--task", "chain_sum", "--steps", "3", "--prompts", "2", "--no-baseline",
+                     "--wandb", "disabled", "--json", str(tmp_path / "r.json")]) == 1
+    out, err = (" ".join(text.split()) for text in capsys.readouterr())
+    assert "samples per step" in out and "step 0 (8 requests)" in out and "summary" in out
+    assert "stopped after 1 of 3 RL steps" in err and "figures:" in err and "step 1: 1 requests failed" in err
+    assert "stopped" not in out and "figures:" not in out and "summary" not in err
+
+
 def test_a_bench_failing_in_its_first_step_writes_nothing(tmp_path, monkeypatch, capsys):
     from rollout_spec.workloads import Workload
 

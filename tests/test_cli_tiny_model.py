@@ -90,6 +90,28 @@ def test_bench_runs_on_a_model_directory(tiny_model, tmp_path, capsys):
     assert (tmp_path / "d.png").stat().st_size > 10_000
 
 
+def test_bench_results_on_stdout_and_status_on_stderr(tiny_model, tmp_path, capsys, monkeypatch):
+    """``rollout-spec bench > out.md`` keeps the results: the workload line, the step tables and the
+    summary go to stdout; the loading spinner, the progress bar and the files written to stderr."""
+    import re
+
+    from rollout_spec import cli
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # both consoles draw as on a terminal: the bar shows
+    argv = ["bench", "--model", str(tiny_model), "--device", "cpu", "--task", "basic_arithmetic",
+            "--steps", "1", "--prompts", "1", "--n", "2", "--max-new-tokens", "4",
+            "--wandb", "disabled", "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    out, err = (re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text) for text in capsys.readouterr())
+    flat = " ".join(out.split())
+    assert f"{tiny_model} on cpu: 1 prompts x n=2 = 2 samples per step" in flat
+    assert "step 0 (2 requests)" in flat and "summary" in flat
+    assert re.search(r"│\s+all\s+│\s+\d+\s+│", out)  # the summary's pooled row
+    assert f"loading {tiny_model}" in err and "RL steps" in err and f"figures: {tmp_path / 'r.json'}" in err
+    assert "loading" not in out and "RL steps" not in out and "figures:" not in out
+    assert "summary" not in err and "samples per step" not in err
+
+
 def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(tiny_model, tmp_path, capsys):
     """No tokenizer, an unsupported activation, damaged weights, a config.json whose sizes do not
     match the weights or that transformers refuses: the bench stops with one line

@@ -44,6 +44,17 @@ def test_a_single_run_has_no_range_column(tmp_path, capsys) -> None:
     assert "median" not in out and all(len(r) == 7 for r in table_rows(out))
 
 
+def test_tables_on_stdout_and_progress_on_stderr(tmp_path, capsys) -> None:
+    """``drafter_bench.py > out.md`` keeps the header line (machine, settings, date) and the
+    tables; the per-replay progress lines go to stderr."""
+    drafter_bench.main(["--trace", str(small_trace(tmp_path)), "--drafters", "ours", "--max-live", "8"])
+    out, err = capsys.readouterr()
+    assert out.startswith("# drafter bench on ") and "## t.json.gz: 4 prompts, 2 steps" in out
+    assert [(r[0], r[1]) for r in table_rows(out)] == [("0", "ours"), ("1", "ours")]
+    assert "[t.json.gz] ours: replayed in " in err and "replayed in" not in out
+    assert "| ours |" not in err
+
+
 @pytest.mark.parametrize("name, threads", [("ours", 1), ("ours-full", 1), ("ours@4", 4), ("ours@0", 0)])
 def test_ours_runs_on_the_threads_its_name_says(name, threads) -> None:
     # The plain name is the one-thread row, timed by CPU time: SpecConfig's default (0, auto)

@@ -96,6 +96,16 @@ def test_cold_table_and_prompts_new_to_the_spec_engine(calls: list[tuple], capsy
     assert [c[4] for c in timed_base] == [1, 1, 2, 2]  # max_running = B
 
 
+def test_tables_on_stdout_and_status_lines_on_stderr(calls: list[tuple], capsys) -> None:
+    """``engine_bench.py > out.md`` keeps the header and the tables; the timings of the run
+    itself (engines built, whole run) are status, on stderr."""
+    eb.main(TINY + ["--batch-sizes", "1", "--repeats", "1"])
+    out, err = capsys.readouterr()
+    assert out.startswith("device=cpu ") and len(engine_table(out)) == 1
+    assert "engines built in" in err and "whole engine run:" in err
+    assert "engines built" not in out and "whole engine run" not in out
+
+
 def test_warm_history_runs_an_untimed_step_first(calls: list[tuple], capsys) -> None:
     out = run(TINY + ["--batch-sizes", "2", "--history", "warm"], capsys)
     assert "history=warm" in out and len(engine_table(out)) == 1
@@ -193,6 +203,9 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--profile", "16", "--batch-sizes", "1"],
      "every --profile value must be in [1, 1] (the largest --batch-sizes value"),
     (["--profile", "2", "--mode", "steps", "--device", "cpu"], "--profile is an engine-mode option"),
+    # steps mode sizes its cache to --ctx and --max-new-tokens: the flag was silently ignored there
+    (["--mode", "steps", "--device", "cpu", "--max-model-len", "512"],
+     "--max-model-len is an engine-mode option (add --mode engine)"),
     (["--random-weights", "--device", "cpu", "--quick", "--max-model-len", "100"],
      "--max-new-tokens 8: prompt length 128 + 8 new tokens exceeds --max-model-len 100"),
     (["--random-weights", "--device", "cpu", "--max-new-tokens", "8", "--max-model-len", "130"],

@@ -84,6 +84,14 @@ def test_make_prompts_refuses_a_task_that_cannot_make_its_prompts(prompts, tmp_p
     assert not out.exists()
 
 
+def test_make_prompts_refused_leaves_no_folder_behind(prompts, tmp_path, capsys):
+    """The task check runs before ``--out``'s folder is made: a refused run creates nothing."""
+    out = tmp_path / "new" / "sub" / "p.jsonl"
+    err = argument_error(prompts.main, ["--out", str(out), "--size", "2", "--tasks", "composite"], capsys)
+    assert "--tasks composite with --seed 0: reasoning-gym cannot make 2 prompts" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_make_prompts_writes_every_task(prompts, tmp_path, capsys):
     out = tmp_path / "sub" / "p.jsonl"
     assert prompts.main(["--out", str(out), "--size", "2", "--tasks", "basic_arithmetic", "chain_sum"]) == 0

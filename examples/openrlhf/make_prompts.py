@@ -56,11 +56,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--size", type=int_arg("--size", 1, 1_000_000), default=256, help="prompts per task")
     parser.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = parser.parse_args(argv)
-    try:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"--out {args.out}: cannot create its folder ({exc.strerror})")
-    check_output(parser, "--out", args.out)
     for task in args.tasks:  # a task that cannot make its prompts fails here, not mid-write
         try:
             dataset = reasoning_gym.create_dataset(task, size=args.size, seed=args.seed)
@@ -68,6 +63,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except Exception as exc:  # the task's own generator: any error means no prompts
             parser.error(f"--tasks {task} with --seed {args.seed}: reasoning-gym cannot make "
                          f"{args.size} prompts ({type(exc).__name__}: {exc})")
+    try:  # after every other check: a refused run leaves no folder behind
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot create its folder ({exc.strerror})")
+    check_output(parser, "--out", args.out)
     print(f"wrote {write_prompts(args.out, args.tasks, args.size, args.seed)} prompts to {args.out}")
     return 0
 
