@@ -244,7 +244,18 @@ def _plugin_over_a_stand_in_registry(monkeypatch):
     registry.register = registry._registry.__setitem__
     for name in ("verl", "verl.workers", "verl.workers.rollout", "verl.workers.rollout.replica"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules["verl.workers.rollout.replica"].RolloutReplicaRegistry = registry
+    replica = sys.modules["verl.workers.rollout.replica"]
+    replica.RolloutReplicaRegistry = registry
+
+    class PDReplica:  # verl's SGLangPDReplica / vLLMPDReplica: resolved without the registry's loaders
+        def __init__(self, replica_rank, config, *args, **kwargs):
+            self.replica_rank, self.config = replica_rank, config
+
+    def get_rollout_replica_class(rollout, disaggregation_enabled=False):  # verl 0.9.1's resolver
+        return PDReplica if disaggregation_enabled else registry.get(rollout)
+
+    registry.get = lambda name: registry._registry[name]()
+    replica.PDReplica, replica.get_rollout_replica_class = PDReplica, get_rollout_replica_class
     monkeypatch.delitem(sys.modules, "rollout_spec.integrations.verl.plugin", raising=False)
     plugin = importlib.import_module("rollout_spec.integrations.verl.plugin")
     monkeypatch.delitem(sys.modules, "rollout_spec.integrations.verl.plugin")  # not kept past the test
@@ -297,6 +308,38 @@ def test_v1_trainer_logs_our_counters(monkeypatch):
     assert partial == {"training/global_step": 4}
 
 
+def test_flag_is_refused_when_verl_builds_a_pd_disaggregated_replica(monkeypatch):
+    """With rollout.disaggregation.enabled, verl's get_rollout_replica_class returns its own PD
+    replica classes without calling the registry loaders the plugin wraps (vLLM) or after calling
+    them only for their imports (SGLang): the flag's documented refusal of PD must still come when
+    the replica is built, not never (vLLM: no drafting, no metrics, no error) or at the first
+    step's metrics (SGLang: the v1 trainer wrapper reads the flag after a whole step ran)."""
+    _plugin_over_a_stand_in_registry(monkeypatch)
+    replica = sys.modules["verl.workers.rollout.replica"]
+    pd = {"enabled": True}
+    for backend in ("sglang", "vllm"):
+        cls = replica.get_rollout_replica_class(backend, disaggregation_enabled=True)
+        with pytest.raises(ValueError, match=r"custom\.speculative=rollout_spec does not support "
+                                             r"actor_rollout_ref\.rollout\.disaggregation"):
+            cls(0, rollout({"speculative": "rollout_spec"}, name=backend, disaggregation=pd))
+        plain = cls(1, rollout(None, name=backend, disaggregation=pd))  # flag off: verl's PD replica
+        assert isinstance(plain, replica.PDReplica) and plain.replica_rank == 1
+    monkeypatch.setattr(replica.RolloutReplicaRegistry, "get", lambda name: f"verl's {name} loader")
+    assert replica.get_rollout_replica_class("vllm") == "verl's vllm loader"  # without PD: as before
+
+
+def test_an_already_imported_llm_server_resolves_through_the_wrapped_resolver(monkeypatch):
+    """llm_server.py binds get_rollout_replica_class by name at import: were it imported before the
+    plugin, its copy must be the wrapped resolver too, or a PD replica would skip the refusal."""
+    server = types.ModuleType("verl.workers.rollout.llm_server")
+    server.get_rollout_replica_class = lambda rollout, disaggregation_enabled=False: None
+    monkeypatch.setitem(sys.modules, server.__name__, server)
+    _plugin_over_a_stand_in_registry(monkeypatch)
+    replica = sys.modules["verl.workers.rollout.replica"]
+    assert server.get_rollout_replica_class is replica.get_rollout_replica_class
+    assert replica.get_rollout_replica_class.rollout_spec_wrapped
+
+
 @needs_verl_source
 def test_verl_still_has_the_shape_the_hook_relies_on():
     trainer = (VERL / "trainer/ppo/ray_trainer.py").read_text()
@@ -309,6 +352,9 @@ def test_verl_still_has_the_shape_the_hook_relies_on():
     assert "self.engine.generate(" in vllm_server and "request_id=request_id" in vllm_server
     replica = (VERL / "workers/rollout/replica.py").read_text()
     assert 'RolloutReplicaRegistry.register("sglang"' in replica and "_registry" in replica
+    assert "def get_rollout_replica_class(rollout: str, disaggregation_enabled: bool = False)" in replica
+    assert "disaggregation_enabled=self.rollout_config.disaggregation.enabled" in (
+        VERL / "workers/rollout/llm_server.py").read_text()  # PD replicas bypass the registry's loaders
     init = (VERL / "__init__.py").read_text()
     assert '"verl.plugins"' in init, "verl no longer loads verl.plugins entry points"
     v1 = (VERL / "trainer/ppo/v1/trainer_base.py").read_text()  # trainer_metrics' assumptions

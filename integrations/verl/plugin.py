@@ -4,12 +4,16 @@ and let verl's v1 trainer log their acceptance counters (``trainer_metrics.py``)
 
 verl loads every ``verl.plugins`` entry point when ``verl`` is imported, in every process (the
 trainer, the agent-loop workers, the rollout servers). Registration only wraps the loaders of
-verl's ``RolloutReplicaRegistry``; verl's server modules are imported only when a replica class is looked up.
+verl's ``RolloutReplicaRegistry`` and its ``get_rollout_replica_class``; verl's server modules are
+imported only when a replica class is looked up.
 """
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from typing import Callable
+
+from rollout_spec.integrations.verl.config import spec_from_rollout_config
 
 BACKENDS = ("sglang", "vllm")
 _REPLICAS = {
@@ -31,8 +35,39 @@ def _wrap(upstream: Callable[[], type], backend: str) -> Callable[[], type]:
     return load
 
 
+def _refusing_flag(pd_class: type) -> type:
+    """verl's PD replica class, refusing the flag when a replica is built (ours do not do PD)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pd_class.__init__(self, *args, **kwargs)
+        spec_from_rollout_config(self.config)  # with the flag on, the ValueError naming disaggregation
+
+    return type(pd_class.__name__, (pd_class,), {"__init__": __init__, "__module__": __name__,
+                                                 "__doc__": pd_class.__doc__})
+
+
+def _wrap_resolver(upstream: Callable[..., type]) -> Callable[..., type]:
+    """verl's ``get_rollout_replica_class``: a PD-disaggregated rollout resolves to verl's own PD
+    replica classes without our loaders, so the flag would be ignored (vLLM) or refused only by
+    the trainer's metrics after a whole step (SGLang); refuse it when the replica is built."""
+    pd_classes: dict[type, type] = {}
+
+    def get_rollout_replica_class(rollout: str, disaggregation_enabled: bool = False) -> type:
+        cls = upstream(rollout, disaggregation_enabled=disaggregation_enabled)
+        if not disaggregation_enabled or rollout not in BACKENDS:
+            return cls
+        if cls not in pd_classes:
+            pd_classes[cls] = _refusing_flag(cls)
+        return pd_classes[cls]
+
+    get_rollout_replica_class.rollout_spec_wrapped = True  # type: ignore[attr-defined]
+    return get_rollout_replica_class
+
+
 def register() -> list[str]:
-    """Wrap the sglang and vllm replica loaders once; returns the backends wrapped now."""
+    """Wrap the sglang and vllm replica loaders, and verl's PD resolution, once; returns the
+    backends wrapped now."""
+    from verl.workers.rollout import replica
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     done = []
@@ -44,6 +79,16 @@ def register() -> list[str]:
             continue
         RolloutReplicaRegistry.register(backend, _wrap(upstream, backend))
         done.append(backend)
+    resolver = getattr(replica, "get_rollout_replica_class", None)
+    if resolver is None:
+        raise RuntimeError("verl.workers.rollout.replica has no get_rollout_replica_class to wrap")
+    if not getattr(resolver, "rollout_spec_wrapped", False):
+        replica.get_rollout_replica_class = _wrap_resolver(resolver)
+    # llm_server.py imports the resolver by name: verl loads plugins before that module, but
+    # should it be loaded already, its copy of the name is rebound too.
+    server = sys.modules.get("verl.workers.rollout.llm_server")
+    if server is not None and hasattr(server, "get_rollout_replica_class"):
+        server.get_rollout_replica_class = replica.get_rollout_replica_class
     return done
 
 
