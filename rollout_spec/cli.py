@@ -219,10 +219,12 @@ class Engines:
 
 
 def engine_sizes(args: argparse.Namespace, tokenizer: Any, model_limit: int) -> dict[str, int]:
-    """KV slots and context length sized to this run, not the engine's generous defaults.
+    """KV slots, context length and draft cap sized to this run, not the engine's defaults.
 
     The static cache holds ``num_slots x max_model_len`` tokens per engine; sizing it to
     P x n requests of (longest prompt + max_new_tokens) keeps the CPU default in a few GB.
+    ``max_draft_tokens`` is ``--draft-tokens``: the engine's own cap (64) would cut a larger
+    budget silently.
     """
     from rollout_spec.workloads import Workload
 
@@ -230,7 +232,8 @@ def engine_sizes(args: argparse.Namespace, tokenizer: Any, model_limit: int) -> 
                         fresh_each_step=args.fresh_prompts, max_steps=args.steps)
     longest = max(len(p.prompt_ids) for p in workload.prompts)
     return {"num_slots": min(args.prompts * args.n, args.max_batch),
-            "max_model_len": min(longest + args.max_new_tokens + 1, model_limit)}
+            "max_model_len": min(longest + args.max_new_tokens + 1, model_limit),
+            "max_draft_tokens": args.draft_tokens}
 
 
 def open_engines(args: argparse.Namespace) -> Engines:

@@ -161,3 +161,19 @@ def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(tiny_model, t
     empty = broken("no_weights", lambda d: (d / "model.safetensors").unlink())
     assert "config.json and *.safetensors" in argument_error(
         cli.main, ["bench", "--model", str(empty), "--device", "cpu"], capsys)
+
+
+def test_draft_tokens_above_the_engines_default_cap_reach_the_budget(tiny_model, tmp_path, monkeypatch):
+    """``--draft-tokens`` is the most draft nodes per request per step, in [1, 1024]: the engine the
+    bench builds must offer that many, not cut it silently at the engine's default cap (64), while
+    "budget used" divides by the flag's value."""
+    from rollout_spec import cli
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path))  # the timed cost grid goes here
+    top, _ = cli._parsers()
+    args = top.parse_args(["bench", "--model", str(tiny_model), "--device", "cpu",
+                           "--task", "basic_arithmetic", "--prompts", "1", "--n", "2",
+                           "--max-new-tokens", "8", "--draft-tokens", "100", "--no-baseline"])
+    engine = cli.open_engines(args).spec
+    assert engine.max_draft_tokens == 100
+    assert max(engine.draft_budget.candidates) == 100
