@@ -145,7 +145,7 @@ def check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.task != HUMANEVAL:
         try:
             dataset = gym_dataset(args.task, count, args.seed)
-            dataset[0], dataset[count - 1]
+            _ = dataset[0], dataset[count - 1]  # items are made when read: draw the ends now
         except Exception as exc:  # the task's own generator: any error means no prompts
             parser.error(f"--task {args.task} with --seed {args.seed}: reasoning-gym cannot make "
                          f"{count} prompts ({type(exc).__name__}: {exc})")
@@ -403,7 +403,8 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None,
     sink = make_sink(args.wandb, args.wandb_project, _jsonable(vars(args)))
     history: list[SpecStats] = []
     try:
-        with Progress(console=status, transient=True, redirect_stdout=False, redirect_stderr=False) as progress:
+        with Progress(console=status, transient=True, redirect_stdout=False,
+                      redirect_stderr=False) as progress:
             bar = progress.add_task("RL steps", total=args.steps)
             tables = progress.console if _one_terminal(console, status) else console
             for step in range(args.steps):

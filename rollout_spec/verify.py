@@ -183,7 +183,8 @@ def verify(
 
 class NonFiniteLogits(ValueError):
     """A request's logits held a NaN or +inf (or a finite logit that overflows float32 once divided
-    by the temperature), or nothing but -inf: its tokens would not be a sample of anything. ``request`` is its place in the batch (callers name it their way)."""
+    by the temperature), or nothing but -inf: its tokens would not be a sample of anything.
+    ``request`` is its place in the batch (callers name it their way)."""
 
     def __init__(self, request: int, logprob: float):
         super().__init__(f"logits of request {request} (its place in the batch) are not finite (a "

@@ -59,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for task in args.tasks:  # a task that cannot make its prompts fails here, not mid-write
         try:
             dataset = reasoning_gym.create_dataset(task, size=args.size, seed=args.seed)
-            dataset[0], dataset[args.size - 1]
+            _ = dataset[0], dataset[args.size - 1]  # items are made when read: draw the ends now
         except Exception as exc:  # the task's own generator: any error means no prompts
             parser.error(f"--tasks {task} with --seed {args.seed}: reasoning-gym cannot make "
                          f"{args.size} prompts ({type(exc).__name__}: {exc})")
