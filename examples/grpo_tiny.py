@@ -68,7 +68,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = p.parse_args(argv)
     args.device = check_device(p, args.device)
-    check_task_pool(p, args)  # humaneval's fixed pool, before any model loads
+    check_task_pool(p, args)  # the prompts can be made (humaneval's pool, the task's generator)
     try:
         args.wandb = resolve_wandb_mode(args.wandb)
     except ValueError as exc:
