@@ -15,6 +15,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -78,28 +79,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace) -> tuple[Any, Optional[Any], torch.nn.Module]:
     """The speculative engine, a plain engine on the same weights, and the trainable policy."""
-    from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_spec.cli import ModelNotLoaded, engine_sizes
+    from rollout_spec.cli import engine_sizes, loading_model
     from rollout_spec.engine import RolloutEngine
-    from rollout_spec.engine.weights import resolve_model_dir
+    from rollout_spec.engine.weights import load_config, resolve_model_dir
 
-    unloadable = (OSError, ValueError, ImportError, SafetensorError)  # missing, damaged, unsupported
-    try:
+    with loading_model(args.model):
         model_dir = str(resolve_model_dir(args.model))
-        limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+        limit = load_config(Path(model_dir)).max_position_embeddings
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except unloadable as exc:
-        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
     sizes = engine_sizes(args, tokenizer, limit)
-    try:
+    with loading_model(args.model):
         # fp32 on every device: the engine's weights are copied from the policy after each update.
         engine = RolloutEngine.from_pretrained(model_dir, device=args.device, dtype=torch.float32,
                                                spec=SpecConfig(num_draft_tokens=args.draft_tokens), **sizes)
         policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device)
-    except unloadable as exc:
-        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
     engine.drafter = DrafterProbe(engine.drafter)
     base = None if args.no_baseline else RolloutEngine(
         engine.model, engine.tokenizer, None, eos_token_ids=engine.eos_token_ids, **sizes)

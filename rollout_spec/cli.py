@@ -15,9 +15,10 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, load_trace_arg, model_arg,
                                    task_arg, temperature_arg)
@@ -242,29 +243,23 @@ def open_engines(args: argparse.Namespace) -> Engines:
     Both engines wrap one ``Transformer`` (weights loaded once); only the drafter differs, so the
     speedup compares speculation against nothing else.
     """
-    from safetensors import SafetensorError
-
     from rollout_spec.config import SpecConfig
     from rollout_spec.engine import RolloutEngine
     from rollout_spec.engine.weights import TOKENIZER_FILES, load_config, load_tokenizer, resolve_model_dir
 
-    unloadable = (OSError, ValueError, ImportError, SafetensorError)  # missing, damaged, unsupported
-    try:
+    with loading_model(args.model):
         model_dir = str(resolve_model_dir(args.model))
         limit = load_config(Path(model_dir)).max_position_embeddings
         tokenizer = load_tokenizer(Path(model_dir))
-    except unloadable as exc:
-        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
     if tokenizer is None:
         raise ModelNotLoaded(f"cannot load --model {args.model}: {model_dir} has no tokenizer "
                              f"(one of {', '.join(TOKENIZER_FILES)})")
     sizes = engine_sizes(args, tokenizer, limit)
-    try:  # the batch-aware budget on every device: on a CPU a fixed budget made speculation a loss
+    # the batch-aware budget on every device: on a CPU a fixed budget made speculation a loss
+    with loading_model(args.model):
         spec = RolloutEngine.from_pretrained(
             model_dir, device=args.device, spec=SpecConfig(num_draft_tokens=args.draft_tokens),
             batch_aware_budget=True, **sizes)
-    except unloadable as exc:
-        raise ModelNotLoaded(f"cannot load --model {args.model}: {exc}") from exc
     spec.drafter = DrafterProbe(spec.drafter)
     base = None
     if not args.no_baseline:
@@ -344,6 +339,18 @@ def run_step(step: int, args: argparse.Namespace, engines: Engines, workload: An
 class ModelNotLoaded(RuntimeError):
     """``--model`` could not be loaded: a file missing or damaged, a package not installed, a
     model of a family or feature the engine does not run."""
+
+
+@contextmanager
+def loading_model(model: str) -> Iterator[None]:
+    """Turn what loading ``--model`` raises for a missing, damaged or unsupported model (OSError,
+    ValueError, ImportError, safetensors' error) into ModelNotLoaded naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, ImportError, SafetensorError) as exc:
+        raise ModelNotLoaded(f"cannot load --model {model}: {exc}") from exc
 
 
 class StepFailed(RuntimeError):
