@@ -137,19 +137,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The prompts a run asks for, checked before any model loads: HumanEval has a fixed number
-    of problems, and a reasoning-gym task must make its pool at ``--seed`` (``composite`` needs
-    a config, not just a name; ``pool_matrix`` seeds numpy with seed + index, below 2**32), so its
-    first and last prompt are drawn here; either failure is an argument error."""
-    from rollout_spec.workloads import HUMANEVAL, gym_dataset, humaneval_size
+    of problems, and a reasoning-gym task must make its pool at ``--seed``
+    (``workloads.checked_gym_dataset``); either failure is an argument error."""
+    from rollout_spec.workloads import HUMANEVAL, checked_gym_dataset, humaneval_size
 
     count = args.prompts * (args.steps if args.fresh_prompts else 1)
     if args.task != HUMANEVAL:
         try:
-            dataset = gym_dataset(args.task, count, args.seed)
-            _ = dataset[0], dataset[count - 1]  # items are made when read: draw the ends now
-        except Exception as exc:  # the task's own generator: any error means no prompts
-            parser.error(f"--task {args.task} with --seed {args.seed}: reasoning-gym cannot make "
-                         f"{count} prompts ({type(exc).__name__}: {exc})")
+            checked_gym_dataset(args.task, count, args.seed)
+        except ValueError as exc:
+            parser.error(f"--task {args.task} with --seed {args.seed}: {exc}")
         return
     available = humaneval_size()
     if count > available:

@@ -189,6 +189,19 @@ def gym_dataset(task: str, size: int, seed: int) -> Any:
     return reasoning_gym.create_dataset(task, size=size, seed=seed)
 
 
+def checked_gym_dataset(task: str, size: int, seed: int) -> Any:
+    """``gym_dataset`` with its first and last prompt drawn now: reasoning-gym makes items when
+    read, so a task that cannot make this pool (``composite`` needs a config, not just a name;
+    ``pool_matrix`` seeds numpy with seed + index, below 2**32) fails here, as a ValueError
+    naming the count, rather than after a model has loaded or a file is half written."""
+    try:
+        dataset = gym_dataset(task, size, seed)
+        _ = dataset[0], dataset[size - 1]
+    except Exception as exc:  # the task's own generator: any error means no prompts
+        raise ValueError(f"reasoning-gym cannot make {size} prompts ({type(exc).__name__}: {exc})") from exc
+    return dataset
+
+
 def humaneval_size() -> int:
     """How many HumanEval problems there are (the most prompts a humaneval workload can pose)."""
     return len(_humaneval_problems())

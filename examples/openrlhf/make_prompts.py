@@ -18,6 +18,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
 from rollout_spec.cli_args import check_output, int_arg
+from rollout_spec.workloads import checked_gym_dataset
 
 INSTRUCTION = "Solve the problem. End your reply with 'Answer: <number>'.\n\n"
 
@@ -58,11 +59,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     for task in args.tasks:  # a task that cannot make its prompts fails here, not mid-write
         try:
-            dataset = reasoning_gym.create_dataset(task, size=args.size, seed=args.seed)
-            _ = dataset[0], dataset[args.size - 1]  # items are made when read: draw the ends now
-        except Exception as exc:  # the task's own generator: any error means no prompts
-            parser.error(f"--tasks {task} with --seed {args.seed}: reasoning-gym cannot make "
-                         f"{args.size} prompts ({type(exc).__name__}: {exc})")
+            checked_gym_dataset(task, args.size, args.seed)
+        except ValueError as exc:
+            parser.error(f"--tasks {task} with --seed {args.seed}: {exc}")
     try:  # after every other check: a refused run leaves no folder behind
         args.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
