@@ -280,7 +280,7 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
     drafter that splits its calls over a pool of threads is charged for all of them; the calling
     thread's time alone would miss the pool's share), or ``time.perf_counter`` for wall time.
     ``on_tree(tree, continuation)``, if given, sees every proposed tree with the response tokens
-    still to come (outside the timed calls), a prefill's excepted: it asks for no draft, so its
+    still to come (outside the timed calls), except a prefill's: it asks for no draft, so its
     empty tree would count as a draft that found nothing. Where the trace recorded its samples'
     seeds, a drafter that takes noise keys is told them at start (``Trace.noise_keys``).
     """
