@@ -171,12 +171,15 @@ def _flat_probs(probs: object, sizes: list[int]) -> np.ndarray:
         shaped = False
     if not shaped:
         raise ValueError(f"probs must hold one list per tree ({len(sizes)}) with one entry per node")
+    flat = [p for ps in probs for p in ps]
     try:
-        arr = np.asarray([p for ps in probs for p in ps])
+        arr = np.asarray(flat)
     except ValueError:  # ragged nested entries
         arr = np.asarray(None)
     if arr.ndim != 1 or arr.dtype.kind not in "fiu":
         raise TypeError(f"probs must hold numbers (one per node), got dtype {arr.dtype}")
+    if any(isinstance(p, (bool, np.bool_)) for p in flat):  # numpy reads one among numbers as 0/1
+        raise TypeError("probs must hold numbers (one per node), got a bool")
     with np.errstate(over="ignore"):  # 1e300 becomes inf, which validate rejects
         return arr.astype(np.float32)
 
@@ -233,8 +236,9 @@ def _host_vector(name: str, value: object, num_req: int) -> np.ndarray | None:
     read back to be checked); ValueError naming the argument for anything else."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        if value.shape != (num_req,) or value.is_floating_point() or value.is_complex():
+    if isinstance(value, torch.Tensor):  # bool is refused here as numpy's is below
+        if (value.shape != (num_req,) or value.is_floating_point() or value.is_complex()
+                or value.dtype == torch.bool):
             raise ValueError(f"{name} must be integers of shape [B]=[{num_req}], got "
                              f"{value.dtype} {tuple(value.shape)}")
         return _in_range(name, value.numpy()) if value.device.type == "cpu" else None

@@ -169,6 +169,8 @@ def test_from_lists_rejects_bad_nodes(trees, error, message):
     ([[0.5], [0.4, 1.5]], ValueError),
     ([["0.5"], [0.4, 0.3]], TypeError),
     ([[True], [False, True]], TypeError),
+    ([[True], [0.4, 0.3]], TypeError),  # one bool among numbers was read as 1.0
+    ([[0.5], [np.False_, 0.3]], TypeError),
     ([[None], [0.4, 0.3]], TypeError),
     (5, ValueError),
 ])

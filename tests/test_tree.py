@@ -250,6 +250,9 @@ def test_empty_batch_is_roots_only():
         (dict(root_tokens=torch.tensor([0, 2**40])), r"root_tokens must be in \[0, 2147483647\], got 1099511627776"),
         (dict(root_tokens=np.array([2**64 - 1, 0], np.uint64)), r"root_tokens must be in .*, got 18446744073709551615"),
         (dict(root_positions=np.array([3, -2])), r"root_positions must be in \[0, 2147483647\], got -2"),
+        (dict(root_tokens=np.array([True, False])), "root_tokens"),
+        (dict(root_tokens=torch.tensor([True, False])), "root_tokens must be integers"),
+        (dict(root_positions=torch.tensor([True, False])), "root_positions must be integers"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, message):
