@@ -180,9 +180,13 @@ def _depth_counts(outputs: Sequence[Any], name: str) -> Optional[tuple[int, ...]
 
 
 def _verl_ratios(outputs: Sequence[Any]) -> tuple[float, float]:
+    """verl's two per-sample means; each sample's accepted tokens must lie in [0, its drafted]
+    (the step's totals alone let one sample's excess hide behind another's rejections)."""
     rates, lengths = [], []
-    for o in outputs:
-        drafted, accepted, verifies = o.num_draft_tokens, o.num_accepted_tokens, o.num_verify_steps
+    for i, o in enumerate(outputs):
+        drafted, verifies = o.num_draft_tokens, o.num_verify_steps
+        accepted = check_int(f"spec_outputs[{i}].num_accepted_tokens", o.num_accepted_tokens, 0,
+                             drafted)
         rates.append(accepted / drafted if drafted else 0.0)
         lengths.append(1.0 + accepted / verifies if verifies else 0.0)
     n = max(len(outputs), 1)

@@ -82,6 +82,18 @@ def test_stats_from_outputs_refuses_fractional_output_counters():
     hash(s)
 
 
+@pytest.mark.parametrize("first", [
+    Out([1], num_draft_tokens=0, num_accepted_tokens=2),  # verl's rate read it as 0
+    Out([1], num_draft_tokens=1, num_accepted_tokens=2),  # rate 2.0, averaged to 1.0: in range
+    Out([1], num_draft_tokens=1, num_accepted_tokens=3),  # the error named verl_accept_rate
+])
+def test_stats_from_outputs_checks_each_samples_accepted_against_its_drafted(first):
+    """The step's totals (2-3 accepted of 11 drafted) hid one sample's excess."""
+    with pytest.raises(ValueError, match=r"spec_outputs\[0\]\.num_accepted_tokens must be in \[0, 1?0?\]"):
+        stats_from_outputs(0, [first, Out([2], num_draft_tokens=10, num_accepted_tokens=0)], 1.0,
+                           draft_budget=8)
+
+
 @pytest.mark.parametrize("history, path, error, match", [
     ([SpecStats(**STATS)], "noext", ValueError, "must be a file path ending in .png"),
     ([SpecStats(**STATS)], "dash.jpg", ValueError, "must be a file path ending in .png"),
