@@ -71,7 +71,8 @@ def vllm_config(spec: SpecConfig | None = None, k: int = 3, max_model_len: int =
 class FakeRunner:
     """The attributes of vLLM's GPUModelRunner that the proposer reads."""
 
-    def __init__(self, rows: list[tuple[str, list[int], list[int]]], extra_args=None) -> None:
+    def __init__(self, rows: list[tuple[str, list[int], list[int]]], extra_args=None,
+                 params=None) -> None:
         width = 64
         self.input_batch = SimpleNamespace(
             req_ids=[r for r, _, _ in rows],
@@ -84,10 +85,17 @@ class FakeRunner:
             seq = prompt + out
             self.input_batch.token_ids_cpu[i, : len(seq)] = seq
         self.requests = {
-            r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=(extra_args or {}).get(r)),
+            r: SimpleNamespace(sampling_params=sampling_params(extra_args=(extra_args or {}).get(r),
+                                                               **(params or {}).get(r, {})),
                                num_prompt_tokens=len(p))
             for r, p, _ in rows
         }
+
+
+def sampling_params(**kw):
+    """vLLM's SamplingParams as a worker holds it: no EOS id, stop id or length cap unless given."""
+    return SimpleNamespace(**{"extra_args": None, "eos_token_id": None, "ignore_eos": False,
+                              "stop_token_ids": [], "min_tokens": 0, "max_tokens": 1000, **kw})
 
 
 def sched(finished=(), k=0, cached=()):
@@ -261,6 +269,62 @@ def test_tokens_vllm_discards_after_the_draft_step_are_taken_back():
     assert drafter.finished == [0]  # the stale copy is let go, not kept live
     prop.update_states(runner, sched(cached=[("a", 2)]))  # nothing dropped: no restart
     assert drafter.finished == [0]
+
+
+EOS = 2
+
+
+def test_tokens_after_a_stop_in_a_verify_step_stay_out_of_the_drafter():
+    """vLLM's runner writes every accepted token of a step into its token table, also those after
+    the EOS; its scheduler drops them only after our draft step. "a" accepts [21, EOS] and the
+    bonus token 22 after it: the drafter gets [21, EOS], "a" no draft, and the scheduler's finish
+    next step adds nothing. "b", with ignore_eos, keeps drafting through its EOS."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    params = {"a": {"eos_token_id": EOS}, "b": {"eos_token_id": EOS, "ignore_eos": True}}
+    step1 = FakeRunner([("a", [10, 11], [20]), ("b", [12], [20])], params=params)
+    assert prop.propose_for_runner(step1, sched(), [[20], [20]]) == [[21, 22, 23], [21, 22, 23]]
+    step2 = FakeRunner([("a", [10, 11], [20, 21, EOS, 22]), ("b", [12], [20, EOS, 5])], params=params)
+    assert prop.propose_for_runner(step2, sched(), [[21, EOS, 22], [EOS, 5]]) == [[], [6, 7, 8]]
+    assert drafter.context[0] == [10, 11, 20, 21, EOS]
+    assert drafter.context[1] == [12, 20, EOS, 5]
+    assert drafter.finished == [0]  # finished at its EOS, as vLLM's scheduler does next
+    prop.update_states(step2, sched(finished={"a"}))
+    assert drafter.context[0] == [10, 11, 20, 21, EOS] and drafter.finished == [0]
+    assert prop.stats()["requests_finished"] == 1
+
+
+@pytest.mark.parametrize("params, kept", [
+    ({"stop_token_ids": [7]}, [20, 7]),
+    ({"stop_token_ids": [7], "min_tokens": 3}, [20, 7, 30, 7]),  # a stop id counts from min_tokens
+    ({"eos_token_id": 7, "min_tokens": 4}, [20, 7, 30, 7]),  # the 4th output token
+    ({"max_tokens": 3}, [20, 7, 30]),
+    ({"eos_token_id": EOS, "max_tokens": 5}, [20, 7, 30, 7, 31]),
+    ({"eos_token_id": 7, "ignore_eos": True}, [20, 7, 30, 7, 31, 32]),  # not stopped
+])
+def test_a_request_is_cut_where_vllms_check_stop_stops_it(params, kept):
+    """Stop token ids, min_tokens and max_tokens, applied to each output token in turn."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=4), drafter=drafter)
+    prop.propose_for_runner(FakeRunner([("a", [1], [20])], params={"a": params}), sched(), [[20]])
+    runner = FakeRunner([("a", [1], [20, 7, 30, 7, 31, 32])], params={"a": params})
+    draft = prop.propose_for_runner(runner, sched(), [[7, 30, 7, 31, 32]])
+    assert drafter.context[0] == [1] + kept
+    assert draft == ([[]] if len(kept) < 6 else [[33, 34, 35]])
+    assert drafter.finished == ([0] if len(kept) < 6 else [])
+
+
+def test_a_stop_in_a_skipped_draft_step_is_cut_at_the_finish():
+    """vLLM skipped the draft step (a row near max_model_len) in which "a" sampled EOS and a
+    token after it; the scheduler reports "a" finished: only the tokens up to the EOS reach the
+    drafter."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    params = {"a": {"eos_token_id": EOS}}
+    prop.propose_for_runner(FakeRunner([("a", [10, 11], [20])], params=params), sched(), [[20]])
+    runner = FakeRunner([("a", [10, 11], [20, 21, EOS, 22])], params=params)
+    prop.update_states(runner, sched(finished={"a"}))
+    assert drafter.context[0] == [10, 11, 20, 21, EOS] and drafter.finished == [0]
 
 
 def test_plugin_refuses_a_changed_upstream_signature():

@@ -26,14 +26,42 @@ from rollout_spec.config import SpecConfig
 GroupLookup = Callable[[str, np.ndarray], int]
 
 
+@dataclasses.dataclass(frozen=True)
+class StopRule:
+    """The token-level stop conditions of one request, as vLLM's scheduler applies them to each
+    output token in turn (``check_stop``, vllm/v1/core/sched/utils.py).
+
+    Not covered: vLLM's ``stop`` strings, matched by its detokenizer in the front-end process
+    (which then aborts the request), and its ``repetition_detection`` pattern check. The tokens
+    sampled after one of those stops, until vLLM's finish reaches the runner, reach the drafter.
+    """
+
+    stop_ids: frozenset[int]  # the EOS id (unless ignore_eos) and stop_token_ids
+    min_tokens: int  # stop_ids do not stop a request with fewer output tokens than this
+    max_tokens: int  # the request is length-capped at this many output tokens
+
+    @classmethod
+    def from_sampling_params(cls, params: Any) -> "StopRule":
+        """From a vLLM ``SamplingParams`` as a worker holds it (the engine has filled in
+        ``max_tokens``, the model's EOS id and its generation config's extra EOS ids)."""
+        ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos and params.eos_token_id is not None:
+            ids.add(params.eos_token_id)
+        return cls(frozenset(int(t) for t in ids), int(params.min_tokens), int(params.max_tokens))
+
+
+StopLookup = Callable[[str], StopRule]
+
+
 class RolloutSpecProposer:
     """Drafts chains for vLLM from one ``NgramDrafter`` per worker process.
 
     Request ids (strings in vLLM) map to fresh ints; a request starts in the drafter on its first
     sampled token, is extended with every committed token (read from the runner's token table,
-    so tokens of steps where vLLM skipped the draft step arrive with the next one), and finishes
-    when vLLM's scheduler reports it finished (``update_states``, every step) or when the trainer
-    signals the RL step boundary (``end_step``).
+    so tokens of steps where vLLM skipped the draft step arrive with the next one) up to the one
+    that stops it (EOS, a stop token id, ``max_tokens``, ``max_model_len``: ``StopRule``), and
+    finishes at that token, when vLLM's scheduler reports it finished (``update_states``, every
+    step) or when the trainer signals the RL step boundary (``end_step``).
 
     With ``SpecConfig.shared_index`` set and ``share_index`` true (the worker whose drafts vLLM
     uses), the drafter is wrapped by ``rollout_spec.distributed.share_drafter``: finished samples
@@ -55,6 +83,7 @@ class RolloutSpecProposer:
         self.drafter = drafter
         self._ids: dict[str, int] = {}
         self._known: dict[str, int] = {}  # tokens (prompt + output) the drafter holds, by request
+        self._stops: dict[str, Optional[StopRule]] = {}  # by request; None: nothing is cut
         self._next_id = 0
         self.counters = {"requests_started": 0, "requests_finished": 0, "rows_drafted": 0,
                          "chain_tokens_proposed": 0, "steps_ended": 0}
@@ -81,7 +110,7 @@ class RolloutSpecProposer:
         """The runner's per-step state update (every step, also those that skip the draft step
         or run no forward), before vLLM's own: the requests vLLM's scheduler reports finished get
         what the drafter has not seen of their tokens (committed in skipped draft steps, still in
-        the runner's token table) and are finished.
+        the runner's token table) up to the token that stopped them, and are finished.
 
         A scheduled request whose output the scheduler reports shorter than what the drafter
         holds had tokens discarded after our draft step saw them (a failed KV load: vLLM's own
@@ -98,11 +127,13 @@ class RolloutSpecProposer:
             row = batch.req_id_to_index.get(rid)
             if rid not in self._ids or row is None:
                 continue
-            n = int(batch.num_tokens_no_spec[row])
-            if n > self._known[rid]:
+            known = self._known[rid]
+            tail = batch.token_ids_cpu[row, known:int(batch.num_tokens_no_spec[row])].tolist()
+            tail, _ = self._kept(tail, known, int(batch.num_prompt_tokens[row]), self._stops[rid])
+            if tail:
                 ids.append(self._ids[rid])
-                tails.append([int(t) for t in batch.token_ids_cpu[row, self._known[rid]:n]])
-                self._known[rid] = n
+                tails.append(tail)
+                self._known[rid] = known + len(tail)
         if ids:
             self.drafter.extend_batch(ids, tails)
         self.finish(done)
@@ -115,13 +146,15 @@ class RolloutSpecProposer:
     def propose_for_runner(
         self, runner: Any, scheduler_output: Any, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[list[int]]:
-        """Draft for every row of the GPU model runner's persistent batch (one chain per row)."""
+        """Draft for every row of the GPU model runner's persistent batch (one chain per row);
+        each request's stop rule comes from its sampling params."""
         k = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 0) or 0)
         k = min(k, self.num_speculative_tokens) if k > 0 else self.num_speculative_tokens
         batch = runner.input_batch
         return self.propose_rows(
             list(batch.req_ids), sampled_token_ids, batch.num_tokens_no_spec,
             batch.num_prompt_tokens, batch.token_ids_cpu, _runner_group_lookup(runner), k,
+            stop_of=lambda rid: StopRule.from_sampling_params(runner.requests[rid].sampling_params),
         )
 
     # -- engine-independent core --------------------------------------------------------------
@@ -134,6 +167,7 @@ class RolloutSpecProposer:
         token_ids: np.ndarray,
         group_of: GroupLookup,
         k: int,
+        stop_of: Optional[StopLookup] = None,
     ) -> list[list[int]]:
         """Commit each row's new tokens to the drafter and return its best chain (<= k tokens).
 
@@ -141,28 +175,44 @@ class RolloutSpecProposer:
         ``token_ids[i, :num_tokens[i]]`` is row i's prompt followed by its committed output; what
         the drafter has not seen of it is committed, not only this step's ``sampled_token_ids``:
         vLLM skips the draft step for the whole batch when a row nears ``max_model_len``.
+
+        vLLM's runner writes every token its rejection sampler accepted into that table, also
+        those after a token that stops the request; its scheduler drops them only after this
+        step. So a row is committed up to and including the first token at which vLLM stops the
+        request (by ``stop_of(req_id)``, read once when the request starts, or ``max_model_len``;
+        without ``stop_of`` nothing is cut); that row gets no draft and is finished here.
         """
         drafts: list[list[int]] = [[] for _ in req_ids]
-        rows, ids, tails, caps = [], [], [], []
+        rows, ids, caps = [], [], []  # the rows drafted for
+        new_ids, tails, stopped = [], [], []
         for i, (rid, new) in enumerate(zip(req_ids, sampled_token_ids)):
             n = int(num_tokens[i])
             if len(new) == 0 or n >= self.max_model_len:
                 continue
+            p = int(num_prompt_tokens[i])
             int_id = self._ids.get(rid)
             if int_id is None:
-                p = int(num_prompt_tokens[i])
                 int_id = self._start(rid, token_ids[i, :p], group_of(rid, token_ids[i, :p]))
                 self._known[rid] = p  # all output so far follows: covers requests seen mid-flight
-            new = token_ids[i, self._known[rid]:n]
-            self._known[rid] = n
+                self._stops[rid] = stop_of(rid) if stop_of is not None else None
+            known = self._known[rid]
+            tail, stops = self._kept(token_ids[i, known:n].tolist(), known, p, self._stops[rid])
+            self._known[rid] = known + len(tail)
+            new_ids.append(int_id)
+            tails.append(tail)
+            if stops:
+                stopped.append(rid)
+                continue
             rows.append(i)
             ids.append(int_id)
-            tails.append([int(t) for t in new])
             caps.append(min(k, self.max_model_len - n - 1))
+        if new_ids:
+            self.drafter.extend_batch(new_ids, tails)
         if not ids:
+            self.finish(stopped)
             return drafts
-        self.drafter.extend_batch(ids, tails)
         chains = best_chains(self.drafter.propose(ids), caps)
+        self.finish(stopped)
         for i, chain in zip(rows, chains):
             drafts[i] = chain
         self.counters["rows_drafted"] += sum(1 for c in chains if c)
@@ -175,7 +225,7 @@ class RolloutSpecProposer:
         for r in req_ids:
             if r in self._ids:
                 done.append(self._ids.pop(r))
-                del self._known[r]
+                del self._known[r], self._stops[r]
         if done:
             self.drafter.finish_batch(done)
             self.counters["requests_finished"] += len(done)
@@ -195,6 +245,22 @@ class RolloutSpecProposer:
             raw = dataclasses.asdict(raw)
         drafter_stats = {f"drafter/{k}": v for k, v in dict(raw or {}).items()}
         return {**self.counters, "active_requests": len(self._ids), **drafter_stats}
+
+    def _kept(self, tail: list[int], start: int, num_prompt: int,
+              stop: Optional[StopRule]) -> tuple[list[int], bool]:
+        """What vLLM keeps of a request's tokens ``tail`` (from position ``start`` of its row in
+        the runner's token table), and whether it stops the request there: up to and including
+        the first token at which ``check_stop`` would. Stop ids count from ``min_tokens`` output
+        tokens on (vLLM's sampler masks them before; some vLLM releases also check it first)."""
+        if stop is None:
+            return tail, False
+        for j, token in enumerate(tail):
+            length = start + j + 1  # the request's tokens once this one is in
+            out = length - num_prompt  # and its output tokens
+            if (length >= self.max_model_len or out >= stop.max_tokens
+                    or (out >= stop.min_tokens and token in stop.stop_ids)):
+                return tail[: j + 1], True
+        return tail, False
 
     def _start(self, req_id: str, prompt: np.ndarray, group_id: int) -> int:
         int_id = self._next_id
