@@ -215,6 +215,29 @@ def test_creating_again_replaces_a_coordinator_that_died(ray_cluster) -> None:
     destroy_coordinators(name, 1)
 
 
+def test_destroy_kills_the_shards_left_when_one_died(ray_cluster) -> None:
+    """One shard of a job died (its name is free again): destroying the job's coordinators still
+    kills the others, instead of raising that they were never created and leaving them running."""
+    name = f"partial-{uuid.uuid4().hex[:8]}"
+    first, second = create_coordinators(name, 2, 2)
+    ray.kill(second)
+    deadline = time.monotonic() + 60
+    while True:  # the dead shard's name is released asynchronously
+        try:
+            ray.get_actor(f"{name}-1")
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the killed shard's name was not released"
+        time.sleep(0.05)
+    destroy_coordinators(name, 2)
+    while _answers(first):
+        assert time.monotonic() < deadline, "the live shard was not killed"
+        time.sleep(0.05)
+    destroy_coordinators(name, 2)  # nothing left: nothing to do
+    with pytest.raises(ValueError, match="num_shards"):
+        destroy_coordinators(name, 0)
+
+
 def _answers(handle) -> bool:
     """Whether the actor still answers (a slow reply counts as an answer: asked again)."""
     try:

@@ -66,11 +66,14 @@ class IndexCoordinator:
         self._seq = 0
         self._latest_step = -1
         self._kept_from = -(1 << 62)  # every retained entry has step >= this
-        self._counters = dict.fromkeys(("publish_s", "pull_s", "publishes", "pulls", "pulled_bytes"), 0.0)
+        self._counters = dict.fromkeys(
+            ("publish_s", "pull_s", "publishes", "pulls", "pulled_bytes", "stale_publishes"), 0.0)
 
     def publish(self, src: int, step: int, dests: list[int], lengths: list[int], payload: np.ndarray) -> int:
         """Keep a copy of bucket i (the i-th ``lengths[i]`` elements of ``payload``) for
-        replica ``dests[i]``; return the new head seq.
+        replica ``dests[i]``; return the new head seq. Buckets of a step already older than the
+        last ``retain_steps`` steps (a publisher that fell behind, or steps numbered from 0 again)
+        are not kept, as eviction would drop them; they are counted in ``stale_publishes``.
 
         Raises:
             TypeError, ValueError: naming the bad argument (``dests`` in [0, 65535], ``lengths`` in
@@ -93,13 +96,15 @@ class IndexCoordinator:
         buckets = [flat[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
         tokens = [bucket_tokens(b) for b in buckets]  # raises on a corrupt bucket: nothing kept yet
         self._seq += 1
-        for dest, bucket, count in zip(dest_arr.tolist(), buckets, tokens):
+        self._latest_step = max(self._latest_step, step)
+        # _evict scans only when the window moves: an entry older than it would stay until then
+        stale = step <= self._latest_step - self.retain_steps
+        for dest, bucket, count in zip(dest_arr.tolist(), [] if stale else buckets, tokens):
             entry = Entry(self._seq, src, step, count, len(bucket))
             # own the bytes: the sender's buffer may go away
             self._by_dest.setdefault(dest, deque()).append((entry, bucket.copy()))
-        self._latest_step = max(self._latest_step, step)
         self._evict()
-        self._count(publish_s=time.perf_counter() - t0, publishes=1)
+        self._count(publish_s=time.perf_counter() - t0, publishes=1, stale_publishes=int(stale))
         return self._seq
 
     def pull(
@@ -132,7 +137,8 @@ class IndexCoordinator:
         return Pulled(self._seq, self._latest_step, [e for e, _ in chosen], payload, len(got) - len(chosen))
 
     def stats(self) -> dict[str, float]:
-        """Retained buckets, tokens and bytes, the newest step seen, time spent in publish and pull."""
+        """Retained buckets, tokens and bytes, the newest step seen, time spent in publish and pull,
+        publishes of a step too old to keep."""
         entries = [e for q in self._by_dest.values() for e, _ in q]
         return {
             "entries": len(entries),
@@ -261,10 +267,16 @@ def coordinator_handles(name: str, num_shards: int, namespace: str | None = None
 
 
 def destroy_coordinators(name: str, num_shards: int, namespace: str | None = None) -> None:
-    """Kill the coordinators (and so free every retained publication)."""
+    """Kill the coordinators (and so free every retained publication); a shard already gone (it
+    died, or was destroyed before) is skipped, so the others are still killed."""
     import ray
 
-    for handle in coordinator_handles(name, num_shards, namespace, timeout_s=0.0):
+    check_int("num_shards", num_shards, 1, 4096)
+    for s in range(num_shards):
+        try:
+            handle = ray.get_actor(_shard_name(name, s), namespace=namespace)
+        except ValueError:  # no such actor (any more): nothing to free
+            continue
         ray.kill(handle)
     _KEEP_ALIVE.pop((namespace, name), None)
 

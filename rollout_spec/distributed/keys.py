@@ -43,7 +43,15 @@ def group_key(group: object) -> int:
 
 
 def group_keys(groups: Iterable[object]) -> np.ndarray:
-    """Vector form of :func:`group_key`: int64[G]."""
+    """Vector form of :func:`group_key`: int64[G].
+
+    Raises:
+        TypeError: for a str or bytes (one group, not a batch: iterated, it would be its
+            characters or byte values), and as :func:`group_key` for each group.
+    """
+    if isinstance(groups, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"groups must be an iterable of group ids, got {type(groups).__name__} {groups!r} "
+                        "(one group: pass [group])")
     return np.fromiter((group_key(g) for g in groups), dtype=np.int64)
 
 
@@ -63,8 +71,11 @@ def rendezvous_scores(keys: np.ndarray, num_replicas: int, seed: int = 0) -> np.
     """Highest-random-weight scores, uint64[G, N]: a group prefers replicas in descending score.
 
     Adding or removing one replica changes the first choice of only the groups that move to or
-    from it (about 1/N of them), which is what keeps a group's history where it was.
+    from it (about 1/N of them), which is what keeps a group's history where it was. The seed is
+    mixed before it salts (mix64(0) is 0, so seed 0 keeps its ranking): added to the replica
+    index, seeds that differ by less than N would only shift the replicas' salts by a few indices.
     """
-    salts = mix64(np.arange(num_replicas, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 ^ seed))
+    salts = mix64(np.arange(num_replicas, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+    salts ^= mix64(np.uint64(seed))
     hashed = mix64(np.asarray(keys, dtype=np.int64).astype(np.uint64))
     return mix64(hashed[:, None] ^ salts[None, :])

@@ -7,9 +7,9 @@ the shared index (``shared_index.py``) which replicas should hold a group's hist
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 
@@ -50,6 +50,8 @@ class GroupRouter:
     ) -> None:
         self.num_replicas = check_int("num_replicas", num_replicas, 1, 1 << 16)
         self.load_factor = check_float("load_factor", load_factor, 1.0, 16.0)
+        # the decimal the caller wrote: float 1.1 is 1.1000000000000000888, and 1.1 x 10 must be 11, not 12
+        self._load_ratio = Fraction(repr(self.load_factor)).as_integer_ratio()
         self.slack = check_int("slack", slack, 0, 1 << 20)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         self.max_sticky_groups = check_int("max_sticky_groups", max_sticky_groups, 1, 1 << 30)
@@ -76,7 +78,8 @@ class GroupRouter:
         available replicas (a removed one's share goes to the others, not to nobody)."""
         total_load = check_int("total_load", total_load, 0)
         available = max(self.num_replicas - int(self._down.sum()), 1)
-        return math.ceil(self.load_factor * total_load / available) + self.slack
+        num, den = self._load_ratio
+        return -(-num * total_load // (den * available)) + self.slack  # ceil, in exact integers
 
     def assign(
         self,
