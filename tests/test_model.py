@@ -275,3 +275,32 @@ def test_the_default_model_is_converted_again_when_its_file_changes(tmp_path, mo
     other_venv.write_bytes(gguf.read_bytes())
     monkeypatch.setattr(weights, "packaged_gguf", lambda name: other_venv)
     assert weights.resolve_model_dir("smollm2-135m") == second and len(converted) == 2  # shared
+
+
+def test_a_checkpoint_with_the_old_per_layer_rope_buffers_loads(tmp_path) -> None:
+    """Older transformers releases saved every layer's ``rotary_emb.inv_freq`` buffer with the
+    weights, and Llama checkpoints written then still carry it; transformers, vLLM and SGLang
+    skip those tensors, while build_model refused the checkpoint as not matching the model
+    ("unexpected [...rotary_emb.inv_freq]"). They load now, with transformers' logits; any
+    other unexpected tensor is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from rollout_spec.engine.model import ModelConfig
+    from rollout_spec.engine.weights import load_state_dict
+
+    _save_tiny_llama(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    (path,) = tmp_path.glob("*.safetensors")
+    state = load_file(str(path))
+    inv_freq = rope_inverse_frequencies(ModelConfig.from_hf(config))[0]
+    for i in range(config.num_hidden_layers):  # as older transformers wrote them
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    save_file(state, str(path))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    ours = build_model(config, load_state_dict(tmp_path), torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(causal_forward(ours, ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
+    other = {**load_state_dict(tmp_path), "layers.0.self_attn.extra.weight": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"unexpected \['layers\.0\.self_attn\.extra\.weight'\]"):
+        build_model(config, other, torch.device("cpu"), torch.float32)

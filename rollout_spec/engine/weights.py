@@ -154,8 +154,14 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def build_model(
     hf_config: Any, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> Transformer:
-    """Build on the meta device, assign the tensors, then move once to ``device``/``dtype``."""
+    """Build on the meta device, assign the tensors, then move once to ``device``/``dtype``.
+
+    Per-layer ``rotary_emb.inv_freq`` tensors are skipped: older transformers releases saved
+    RoPE's inverse frequencies as a persistent buffer of every layer, which follows from the
+    config (the model computes its own) and which transformers, vLLM and SGLang skip as well;
+    any other unexpected tensor is an error."""
     config = ModelConfig.from_hf(hf_config)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     with torch.device("meta"):
         model = Transformer(config)
     if config.tie_word_embeddings:
