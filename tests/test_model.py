@@ -304,3 +304,43 @@ def test_a_checkpoint_with_the_old_per_layer_rope_buffers_loads(tmp_path) -> Non
     other = {**load_state_dict(tmp_path), "layers.0.self_attn.extra.weight": torch.zeros(2)}
     with pytest.raises(ValueError, match=r"unexpected \['layers\.0\.self_attn\.extra\.weight'\]"):
         build_model(config, other, torch.device("cpu"), torch.float32)
+
+
+def test_the_checkpoint_files_are_chosen_as_transformers_chooses_them(tmp_path) -> None:
+    """Every *.safetensors file of the folder used to be read: a PEFT adapter or a stale export
+    beside the model broke the load, and a tensor in two files took the last file's copy."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from rollout_spec.engine.weights import checkpoint_files, load_state_dict
+
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    _save_tiny_llama(single)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(sharded), max_shard_size="100KB")
+    reference = load_state_dict(single)
+    shards = checkpoint_files(sharded)
+    assert len(shards) > 1 and all(f.parent == sharded for f in shards)
+    for folder in (single, sharded):  # an adapter beside the model is not read
+        save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 2)},
+                  str(folder / "adapter_model.safetensors"))
+        state = load_state_dict(folder)
+        assert state.keys() == reference.keys()
+        assert all(torch.equal(state[k], reference[k]) for k in reference)
+    (single / "model.safetensors").rename(single / "weights.safetensors")
+    with pytest.raises(ValueError, match=r"2 \*\.safetensors files .* neither model\.safetensors"):
+        load_state_dict(single)
+    (single / "adapter_model.safetensors").unlink()
+    assert checkpoint_files(single) == [single / "weights.safetensors"]  # a folder's only file
+    first = shards[0]
+    save_file({**load_file(str(first)), **load_file(str(shards[1]))}, str(first))  # one tensor twice
+    with pytest.raises(ValueError, match="also in another shard"):
+        load_state_dict(sharded)
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=shards[1].name):
+        load_state_dict(sharded)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="not a safetensors index"):
+        load_state_dict(sharded)

@@ -137,17 +137,51 @@ def resolve_model_dir(name_or_path: str) -> Path:
     return out if (out / "config.json").is_file() else convert_gguf(path, out)
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory's safetensors shards, names without the ``model.`` prefix."""
-    from safetensors.torch import load_file
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files that hold the model, chosen as transformers does: the shards named
+    by ``model.safetensors.index.json``, else ``model.safetensors``, else a folder's only
+    ``*.safetensors`` file. Other files there (an adapter, a stale export) are not the model's.
 
+    Raises:
+        FileNotFoundError: no weights file, or a shard the index names is missing.
+        ValueError: an unreadable index, or several ``*.safetensors`` files and neither of the two
+            names above to tell which hold the model.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (a 'weight_map' of tensor "
+                             f"name -> shard file): {exc!r}") from None
+        missing = [name for name in shards if not (model_dir / str(name)).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not in {model_dir}: {missing[:5]}")
+        return [model_dir / str(name) for name in shards]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    if len(files) > 1:
+        raise ValueError(f"{model_dir} holds {len(files)} *.safetensors files "
+                         f"({[f.name for f in files[:5]]}) but neither model.safetensors nor "
+                         f"model.safetensors.index.json to tell which are the model's")
+    return files
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the model's safetensors files (``checkpoint_files``), names without the
+    ``model.`` prefix; a name found twice is an error, not the last file's copy."""
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in checkpoint_files(model_dir):
         for key, value in load_file(str(f), device="cpu").items():
-            state[key.removeprefix("model.")] = value
+            name = key.removeprefix("model.")
+            if name in state:
+                raise ValueError(f"tensor {key!r} of {f.name} is also in another shard of {model_dir}")
+            state[name] = value
     return state
 
 
