@@ -27,7 +27,7 @@ FLAG = {"speculative": "rollout_spec", "rollout_spec": {"num_draft_tokens": 5}}
 
 def config(custom):
     return SimpleNamespace(name="sglang", custom=custom, engine_kwargs={"sglang": {"attention_backend": "fa3"}},
-                           mtp=None, disaggregation=None)
+                           mtp=None, disaggregation=None, tensor_model_parallel_size=1, data_parallel_size=1)
 
 
 class _TokenizerManager:
@@ -54,12 +54,16 @@ class SGLangHttpServer:
 
 
 class SGLangReplica:
-    def __init__(self, replica_rank, config, *args, **kwargs):
+    def __init__(self, replica_rank, config, *args, is_reward_model=False, is_teacher_model=False, **kwargs):
         self.replica_rank, self.config, self.world_size = replica_rank, config, 1
+        self.is_reward_model, self.is_teacher_model = is_reward_model, is_teacher_model
         self.server_class = "verl's own"
 
     async def init_hybrid(self, worker_group):
         self._server_address = f"10.0.0.{self.replica_rank}:8000"
+
+    async def init_colocated(self, resource_pool):
+        self._server_address = f"10.0.1.{self.replica_rank}:8000"
 
 
 @pytest.fixture
@@ -157,6 +161,64 @@ def test_a_rank_beyond_the_replica_count_is_refused_with_shared_index(sglang_ser
     replica = sglang_server.RolloutSpecSGLangReplica(3, config(flag))
     with pytest.raises(ValueError, match=r"shared_index needs replica ranks in \[0, 2\], got 3: verl's separate"):
         asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=3)))
+
+
+def _stub_router(monkeypatch):
+    router = types.ModuleType("verl.workers.rollout.router")
+    router.get_router_handle = lambda servers, router_config_path=None, full_determinism=False, \
+        load_balancer_cls=None: ("verl's", router_config_path)
+    monkeypatch.setitem(sys.modules, router.__name__, router)
+    return router
+
+
+@pytest.mark.parametrize("role", ["is_reward_model", "is_teacher_model"])
+def test_shared_index_is_refused_on_verls_reward_and_teacher_replicas(sglang_server, monkeypatch, role):
+    """verl starts each reward/teacher replica with ``init_colocated`` on its own split of the pool
+    (``split_resource_pool`` in reward_loop/reward_model.py and teacher_loop/teacher_model.py), so
+    the count ``init_colocated`` derives is 1 for every replica: replica 0 would build coordinators
+    for one replica and replica 1 fail with the separate-async message. Refused, saying why."""
+    from rollout_spec.distributed import sharing
+
+    made = []
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: made.append(n))
+    _stub_router(monkeypatch)
+    flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "judge"}}
+    for rank in range(2):
+        replica = sglang_server.RolloutSpecSGLangReplica(rank, config(dict(flag)), **{role: True})
+        with pytest.raises(ValueError, match=r"shared_index is for the actor's rollout replicas: verl starts its "
+                                             r"reward and teacher"):
+            asyncio.run(replica.init_colocated(SimpleNamespace(world_size=1)))  # its own split of the pool
+    assert made == [], "no coordinators for a replica count that is not the model's"
+    drafting = sglang_server.RolloutSpecSGLangReplica(1, config({"speculative": "rollout_spec"}), **{role: True})
+    asyncio.run(drafting.init_colocated(SimpleNamespace(world_size=1)))  # without shared_index it drafts
+    assert drafting._server_address == "10.0.1.1:8000"
+
+
+def test_shared_index_with_sglang_data_parallel_is_refused_before_launch(sglang_server):
+    """verl launches SGLang with ``tp_size = tensor_model_parallel_size * data_parallel_size``
+    (async_sglang_server.py), so dp=2 gives every scheduler a tensor-parallel group of 2, which
+    the SGLang corpus refuses only inside SGLang's scheduler processes; the server refuses it first."""
+    flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-9"},
+            "rollout_spec_num_replicas": 2}
+    server = sglang_server.RolloutSpecSGLangHttpServer(config(flag), replica_rank=0)
+    server.config.data_parallel_size = 2
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=1 and data_parallel_size=1 .*got 1 x 2"):
+        asyncio.run(server.launch_server())
+    assert not hasattr(server, "launched_with"), "refused before SGLang starts"
+
+
+def test_an_empty_router_config_path_gets_our_balancer_as_verls_default_does(sglang_server, monkeypatch):
+    """verl builds its user router only for a non-empty ``router_config_path`` (router.py:
+    ``if router_config_path and load_balancer_cls is None``); an empty one is its default
+    balancer, which our servers replace."""
+    router = _stub_router(monkeypatch)
+    replicas = [sglang_server.RolloutSpecSGLangReplica(r, config({"speculative": "rollout_spec"})) for r in range(2)]
+    for replica in replicas:
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=2)))
+    ours = {r._server_address: f"h{i}" for i, r in enumerate(replicas)}
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
+    assert type(router.get_router_handle(ours, router_config_path="")).__name__ == "GroupStickyLoadBalancer"
+    assert router.get_router_handle(ours, router_config_path="mine.yaml") == ("verl's", "mine.yaml")
 
 
 class _VllmEngine:

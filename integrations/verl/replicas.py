@@ -41,7 +41,9 @@ class ScaleOutReplicaMixin:
         await super().init_hybrid_colocated(worker_group, resource_pool)
 
     async def init_colocated(self, resource_pool: Any) -> None:
-        """verl's colocated start; the pool holds every replica's processes."""
+        """verl's colocated start; the pool holds every replica's processes. (verl's own callers,
+        its reward and teacher models, pass each replica its own split of the pool instead:
+        ``_scale_out`` refuses ``shared_index`` for those replicas.)"""
         self._scale_out(resource_pool.world_size // self.world_size)
         await super().init_colocated(resource_pool)
 
@@ -58,6 +60,12 @@ class ScaleOutReplicaMixin:
         install_router_hook()
         if spec.shared_index is None:
             return
+        if getattr(self, "is_reward_model", False) or getattr(self, "is_teacher_model", False):
+            raise ValueError(
+                "custom.rollout_spec.shared_index is for the actor's rollout replicas: verl starts its "
+                "reward and teacher model replicas each on its own part of their pool (or from their "
+                "own GPU count), so their replica count is not known here; leave shared_index unset "
+                "in their rollout config")
         if not 0 <= self.replica_rank < num_replicas:
             raise ValueError(
                 f"actor_rollout_ref.rollout.custom.rollout_spec.shared_index needs replica ranks in "
@@ -95,7 +103,7 @@ def server_placement(config: Any, spec: SpecConfig, replica_rank: int) -> Option
 def install_router_hook() -> bool:
     """Make verl's router factory pick ``GroupStickyLoadBalancer`` for our servers; idempotent.
 
-    It applies only when verl would build its default balancer (no ``router_config_path``, no
+    It applies only when verl would build its default balancer (no or an empty ``router_config_path``, no
     injected ``load_balancer_cls``, no ``full_determinism``: verl then routes by request id so
     that a rerun samples on the same replicas) and every server belongs to a replica with the flag
     on, so a user's own router and other models' servers (reward, teacher) keep verl's choice. Returns True
@@ -114,7 +122,7 @@ def install_router_hook() -> bool:
         if full_determinism and servers and set(servers) <= ours:
             logger.warning("rollout-spec: full_determinism keeps verl's deterministic routing (by request "
                            "id); group-sticky routing is off, so a prompt's samples may scatter over replicas")
-        elif router_config_path is None and load_balancer_cls is None and servers and set(servers) <= ours:
+        elif not router_config_path and load_balancer_cls is None and servers and set(servers) <= ours:
             import ray
 
             from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer

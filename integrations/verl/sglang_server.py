@@ -37,9 +37,12 @@ class RolloutSpecSGLangHttpServer(SGLangHttpServer):
         if self._spec is not None:
             placement = server_placement(self.config, self._spec, self.replica_rank)
             if placement is not None:
-                if self.config.tensor_model_parallel_size > 1:
-                    raise ValueError("custom.rollout_spec.shared_index needs tensor_model_parallel_size=1 "
-                                     "with SGLang: every rank drafts on its own")
+                # verl launches SGLang with tp_size = tensor_model_parallel_size * data_parallel_size
+                tp, dp = self.config.tensor_model_parallel_size, self.config.data_parallel_size
+                if tp * dp > 1:
+                    raise ValueError("custom.rollout_spec.shared_index needs tensor_model_parallel_size=1 and "
+                                     f"data_parallel_size=1 with SGLang (verl's SGLang tp_size is their product), "
+                                     f"got {tp} x {dp}: every rank drafts on its own")
                 placement.to_env()
             spec_to_env(self._spec)
             install_engine_kwargs(self.config, self._spec, "sglang")
