@@ -284,6 +284,21 @@ def test_vllm_server_places_its_engine_and_ends_the_step_when_weights_change(vll
     assert off.engine.rpcs == [] and "additional_config" not in off.launched_with
 
 
+def test_shared_index_with_vllm_data_parallel_is_refused_before_launch(vllm_server):
+    """verl runs vLLM's data-parallel engines inside one replica; each first-TP-rank worker shares
+    its own index under the replica's id, and a replica never pulls its own publications back."""
+    flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-7"},
+            "rollout_spec_num_replicas": 2}
+    cfg = SimpleNamespace(name="vllm", custom=flag, engine_kwargs={}, mtp=None, disaggregation=None,
+                          data_parallel_size=2)
+    server = vllm_server.RolloutSpecvLLMHttpServer(cfg, replica_rank=0)
+    with pytest.raises(ValueError, match="shared_index needs data_parallel_size=1 with vLLM, got 2"):
+        asyncio.run(server.launch_server())
+    assert not hasattr(server, "launched_with"), "refused before vLLM starts"
+    flag.pop("rollout_spec")  # drafting without a shared index works with data parallelism
+    asyncio.run(vllm_server.RolloutSpecvLLMHttpServer(cfg, replica_rank=0).launch_server())
+
+
 def test_vllm_server_reports_every_decode_forward_as_a_verify_step(vllm_server):
     """vLLM counted one verify step (the one that drafted); the response's 5 tokens took the
     prefill and 4 decode forwards, which verl's accept length divides by."""

@@ -26,9 +26,15 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         """Launch vLLM with our proposer as its speculative method (and this replica's placement
-        when the drafters share their index)."""
+        when the drafters share their index, which needs one data-parallel engine per replica)."""
         if self._spec is not None:
             placement = server_placement(self.config, self._spec, self.replica_rank)
+            dp = getattr(self.config, "data_parallel_size", 1)
+            if placement is not None and dp > 1:
+                raise ValueError(
+                    "custom.rollout_spec.shared_index needs data_parallel_size=1 with vLLM, got "
+                    f"{dp}: each data-parallel engine drafts with its own index, and all would publish "
+                    "as this one replica, so none would learn the others' samples of its groups")
             install_engine_kwargs(self.config, self._spec, "vllm", placement)
         await super().launch_server(*args, **kwargs)
         if self._spec is not None and getattr(self, "engine", None) is not None:
