@@ -434,3 +434,13 @@ def test_register_without_vllm_logs_instead_of_raising(monkeypatch):
     monkeypatch.setattr(plugin, "_install_error", None)
     plugin.register()
     assert plugin._install_error.startswith("ModuleNotFoundError: No module named 'vllm")
+
+
+def test_shared_index_is_refused_with_vllm_data_parallel_engines():
+    """Each data-parallel engine's first tensor-parallel rank would share its own index under the
+    one replica id; a replica never pulls its own publications, so they would not learn each other's."""
+    cfg = vllm_config(SpecConfig(shared_index="job"))
+    cfg.parallel_config = SimpleNamespace(data_parallel_size=2)
+    with pytest.raises(ValueError, match="shared_index needs data_parallel_size=1, got 2"):
+        RolloutSpecProposer(cfg)
+    assert RolloutSpecProposer(cfg, share_index=False).drafter is not None  # a rank that does not share

@@ -65,7 +65,8 @@ class RolloutSpecProposer:
 
     With ``SpecConfig.shared_index`` set and ``share_index`` true (the worker whose drafts vLLM
     uses), the drafter is wrapped by ``rollout_spec.distributed.share_drafter``: finished samples
-    are published at ``end_step`` and other replicas' are ingested in the background.
+    are published at ``end_step`` and other replicas' are ingested in the background (one
+    data-parallel engine per replica: a replica never pulls its own publications back).
     """
 
     def __init__(self, vllm_config: Any, drafter: Optional[Any] = None, share_index: bool = True) -> None:
@@ -78,6 +79,13 @@ class RolloutSpecProposer:
             drafter = NgramDrafter(self.spec)
         if share_index and self.spec.shared_index is not None:
             from rollout_spec.distributed.sharing import share_drafter
+
+            dp = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1))
+            if dp > 1:
+                raise ValueError(
+                    f"shared_index needs data_parallel_size=1, got {dp}: each data-parallel engine "
+                    "drafts with its own index, and all would publish as this one replica, so none "
+                    "would learn the others' samples of its groups")
 
             drafter = share_drafter(drafter, self.spec, placement_from_vllm_config(vllm_config))
         self.drafter = drafter
