@@ -200,9 +200,10 @@ class RolloutSpecProposer:
             p = int(num_prompt_tokens[i])
             int_id = self._ids.get(rid)
             if int_id is None:
+                stop = stop_of(rid) if stop_of is not None else None  # before the drafter knows it
                 int_id = self._start(rid, token_ids[i, :p], group_of(rid, token_ids[i, :p]))
                 self._known[rid] = p  # all output so far follows: covers requests seen mid-flight
-                self._stops[rid] = stop_of(rid) if stop_of is not None else None
+                self._stops[rid] = stop
             known = self._known[rid]
             tail, stops = self._kept(token_ids[i, known:n].tolist(), known, p, self._stops[rid])
             self._known[rid] = known + len(tail)
