@@ -328,6 +328,36 @@ def test_plugin_stops_the_scheduler_on_a_bad_variable(monkeypatch, value, why):
         register()
 
 
+def test_plugin_entry_point_imports_without_the_native_core(monkeypatch):
+    """SGLang imports every entry point in every scheduler and only logs an ImportError
+    (``ep.load()`` in ``sglang/srt/plugins/__init__.py``): importing ours must not load the C++
+    core. Then a core that fails to load stops the scheduler from ``register`` when the variable is
+    set (instead of SGLang silently drafting with its own corpus), and nothing native loads when
+    it is unset."""
+    import importlib
+    import sys
+
+    saved = dict(sys.modules)
+    try:
+        for name in [m for m in sys.modules if m == "rollout_spec" or m.startswith("rollout_spec.")]:
+            del sys.modules[name]
+        sys.modules["rollout_spec._core"] = None  # any import of the core fails, as a broken build's would
+        registry = SimpleNamespace(HookRegistry=SimpleNamespace(register=None), HookType=SimpleNamespace(REPLACE=None))
+        for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+            sys.modules[name] = SimpleNamespace(__path__=[])
+        sys.modules["sglang.srt.plugins.hook_registry"] = registry
+        plugin = importlib.import_module("rollout_spec.integrations.sglang.plugin")
+        monkeypatch.delenv(ENV_VAR, raising=False)
+        assert plugin.register() is False
+        monkeypatch.setenv(ENV_VAR, "{}")
+        with pytest.raises(SystemExit, match=rf"^rollout-spec SGLang plugin \({ENV_VAR} is set\): \w*Error: .*_core"):
+            plugin.register()
+    finally:
+        for name in set(sys.modules) - set(saved):
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
 SGLANG_DIR = sglang_source_dir()
 needs_sglang_source = pytest.mark.skipif(
     SGLANG_DIR is None, reason="sglang not installed (pip install --no-deps sglang to check its source)"
