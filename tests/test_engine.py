@@ -951,6 +951,34 @@ def test_drafter_queue_full_of_finished_calls_does_not_wait() -> None:
     q.close()
 
 
+def test_drafter_queue_interrupted_drain_keeps_the_calls_pending() -> None:
+    """A Ctrl-C while ``drain`` waits used to drop the pending list: the next drain returned at
+    once and the main thread called the drafter while the worker still ran queued calls."""
+    import threading
+
+    from rollout_spec.engine.drafter_queue import DrafterQueue
+
+    q, seen, gate = DrafterQueue(overlap=True), [], threading.Event()
+    q.submit(gate.wait)
+    q.submit(seen.append, 1)
+    first = q._pending[0]
+
+    def interrupted(timeout=None):
+        raise KeyboardInterrupt
+
+    first.exception = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            q.drain()
+        del first.exception
+        assert q.busy and len(q._pending) == 2  # still waited for
+    finally:
+        gate.set()  # the worker is let go whatever happened, so a failure does not hang the run
+    q.drain()
+    assert seen == [1] and not q.busy
+    q.close()
+
+
 def test_drafter_queue_switching_the_worker_off_keeps_order() -> None:
     import threading
 

@@ -107,8 +107,10 @@ class DrafterQueue:
         import time
 
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]  # waits for each, in order
+        # waits for each, in order; an interrupt (Ctrl-C) leaves them pending, so the next drain
+        # still waits for the worker before the main thread calls the drafter itself
+        errors = [f.exception() for f in self._pending]
+        self._pending = []
         self.wait_seconds += time.perf_counter() - t0
         first = next((e for e in errors if e is not None), None)
         if first is not None:
