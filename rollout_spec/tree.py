@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -283,8 +284,9 @@ def build_tree_inputs(
     need = 1 + int(batch.sizes().max(initial=0))
     if width is None:
         width = need
-    elif isinstance(width, bool) or not isinstance(width, int) or width < need:
+    elif isinstance(width, bool) or not isinstance(width, Integral) or width < need:
         raise ValueError(f"width must be an int >= 1 + largest tree = {need}, got {width!r}")
+    width = int(width)  # a numpy integer too, as check_int takes them
     if device is None:
         device = root_tokens.device if isinstance(root_tokens, torch.Tensor) else "cpu"
     device = torch.device(device)

@@ -192,6 +192,7 @@ def test_matches_reference(seed, roots_on):
     roots = torch.from_numpy(rng.integers(0, 50, 7))
     root_pos = torch.from_numpy(rng.integers(0, 1000, 7))
     width = 1 + int(batch.sizes().max()) + seed % 2  # extra padding column on odd seeds
+    width = np.int64(width) if seed % 3 == 0 else width  # numpy integers are ints too
     if roots_on == "numpy":  # as the engine's runner holds them
         args = (roots.numpy().astype(np.int32), root_pos.numpy())
     else:
@@ -242,6 +243,8 @@ def test_empty_batch_is_roots_only():
         (dict(root_tokens=torch.zeros(3, dtype=torch.int64)), "root_tokens"),
         (dict(root_positions=torch.zeros(2, 1, dtype=torch.int64)), "root_positions"),
         (dict(width=2), "width"),
+        (dict(width=2.0), "width"),
+        (dict(width=np.True_), "width"),
         (dict(root_tokens=np.zeros(3, np.int64)), "root_tokens"),
         (dict(root_positions=np.zeros(2, np.float64)), "root_positions"),
         (dict(root_tokens=torch.zeros(2)), "root_tokens"),
