@@ -68,14 +68,11 @@ def check_temperature(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a number, {rule}, got {type(value).__name__} {value!r}")
     try:
-        temperature = check_float(name, value, 0.0, 100.0)
-        shown = repr(temperature)
-    except ValueError:  # outside [0, 100] (NaN included), or an int beyond a float's range
-        temperature = math.nan
-        huge = isinstance(value, Integral) and not -1e300 < value < 1e300
-        shown = "an integer beyond a float's range" if huge else repr(float(value))
+        temperature = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be {rule}, got an integer beyond a float's range") from None
     if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= 100.0):  # NaN fails both
-        raise ValueError(f"{name} must be {rule}, got {shown}")
+        raise ValueError(f"{name} must be {rule}, got {temperature!r}")
     return temperature
 
 
