@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from array import array
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -480,3 +481,218 @@ def test_replay_counts_every_draft_of_a_final_verify_as_accepted():
     replay_step(c, 0, prompts, [(0, [100, 101, 102, 103, 104])], tail=16)
     r = replay_step(c, 1, prompts, [(0, [100, 101, 102, 103])], tail=16)
     assert (r["verifies"], r["generated"], r["accepted"]) == (1, 3, 3)
+
+
+# ---------------------------------------------------------------- the last verify round
+EOS = 2
+
+
+class FakeReq:
+    """The fields of SGLang's ``Req`` (srt/managers/schedule_batch.py) that the NGRAM worker and
+    our corpus read. ``output_ids`` is append-only (a spec round may accept tokens past a stop);
+    ``Req.update_finish_state`` marks the stop with ``finished_len`` and
+    ``Req.output_ids_through_stop`` cuts the output there."""
+
+    def __init__(self, rid: str, prompt: list[int], first_token: int):
+        self.rid = rid
+        self.origin_input_ids_unpadded = array("q", prompt)
+        self.output_ids = array("q", [first_token])  # the token sampled by the prefill
+        self.finished_len = None
+
+    @property
+    def output_ids_through_stop(self):
+        return self.output_ids if self.finished_len is None else self.output_ids[: self.finished_len]
+
+    def commit(self, accepted: list[int]) -> None:
+        """Non-overlap result processing (``process_batch_result_decode``): extend, then mark a stop."""
+        start = len(self.output_ids)
+        self.output_ids.extend(accepted)
+        if EOS in accepted:
+            self.finished_len = start + accepted.index(EOS) + 1
+
+
+def decode_batch(reqs: list[FakeReq], decode: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(reqs=reqs, forward_mode=SimpleNamespace(is_decode=lambda: decode))
+
+
+class FakeNgramWorker:
+    """SGLang's ``NGRAMWorker`` without overlap scheduling (srt/speculative/ngram_worker.py):
+    ``_prepare_draft_tokens`` calls batch_get with each request's tail of
+    ``origin_input_ids_unpadded + output_ids`` and their full length; ``_update_ngram_corpus``
+    puts the same tails back; ``forward_batch_generation`` then erases the rids of the previous
+    decode batch that are not in this one; ``clear_cache_pool`` resets the corpus."""
+
+    def __init__(self, corpus: RolloutSpecCorpus, tail: int):
+        self.ngram_corpus = corpus
+        self.tail = tail
+        self.drafts: dict[str, list[list[int]]] = {}
+        self._prev_decode_rids: set[str] = set()
+
+    def forward_batch_generation(self, batch) -> None:
+        tails = [list((r.origin_input_ids_unpadded + r.output_ids)[-self.tail:]) for r in batch.reqs]
+        lens = [len(r.origin_input_ids_unpadded) + len(r.output_ids) for r in batch.reqs]
+        ids, _ = self.ngram_corpus.batch_get([r.rid for r in batch.reqs], tails, lens)
+        for r, row in zip(batch.reqs, ids.reshape(len(batch.reqs), -1).tolist()):
+            self.drafts.setdefault(r.rid, []).append(row)
+        self.ngram_corpus.batch_put(tails)
+        current = {r.rid for r in batch.reqs}
+        departed = self._prev_decode_rids - current
+        if departed:
+            self.ngram_corpus.erase_match_state(list(departed))
+        self._prev_decode_rids = current
+
+    def clear_cache_pool(self) -> None:
+        self.ngram_corpus.reset()
+        self._prev_decode_rids = set()
+
+
+def serve(worker: FakeNgramWorker, rounds: dict[FakeReq, list[list[int]]]) -> None:
+    """The scheduler's loop: one decode forward (with our BEFORE hook, as HookRegistry's wrapper
+    runs it) per iteration, each request committing its next round; finished requests leave."""
+    from rollout_spec.integrations.sglang import plugin
+
+    running = list(rounds)
+    while running:
+        batch = decode_batch(running)
+        plugin.track_decode_requests(worker, batch)
+        worker.forward_batch_generation(batch)
+        for req in running:
+            req.commit(rounds[req].pop(0))
+        running = [r for r in running if r.finished_len is None and rounds[r]]
+
+
+PROMPT = [500, 501, 502, 503]
+ROUNDS = [[12, 13, 14], [15, 16, 17], [18, 19, EOS, 77, 78]]  # 77, 78: accepted past the stop
+
+
+def group_corpus() -> RolloutSpecCorpus:
+    return corpus(spec=SpecConfig(num_draft_tokens=D - 1, global_weight=0.0))
+
+
+def test_last_verify_round_reaches_siblings_when_a_request_leaves():
+    """The first sample's last round (18, 19, EOS) only ever shows in its final output: the next
+    forward erases it and the corpus reads it from the Req, cut at the stop."""
+    worker = FakeNgramWorker(group_corpus(), tail=16)
+    first = FakeReq(rid_with_group("s0", PROMPT), PROMPT, 11)
+    serve(worker, {first: [list(r) for r in ROUNDS]})
+    sibling = FakeReq(rid_with_group("s1", PROMPT), PROMPT, 11)
+    serve(worker, {sibling: [list(r) for r in ROUNDS]})
+    after_17 = worker.drafts[sibling.rid][2]
+    assert after_17[:4] == [17, 18, 19, EOS] and 77 not in after_17
+    stats = worker.ngram_corpus.stats()
+    assert stats["final_tokens"] == 3 and stats["gap_tokens"] == 0
+
+
+def test_last_round_of_the_last_batch_is_indexed_at_flush_cache():
+    """SGLang erases the last batch's requests only on a later verify; flush_cache (our RL step
+    boundary) must index their last round before ending the step."""
+    worker = FakeNgramWorker(group_corpus(), tail=16)
+    serve(worker, {FakeReq(rid_with_group("s0", PROMPT), PROMPT, 11): [list(r) for r in ROUNDS]})
+    worker.clear_cache_pool()
+    stats = worker.ngram_corpus.stats()
+    assert (stats["final_tokens"], stats["steps"], stats["live_requests"]) == (3, 1, 0)
+    later = FakeReq(rid_with_group("step1", PROMPT), PROMPT, 11)
+    serve(worker, {later: [list(r) for r in ROUNDS]})
+    assert worker.drafts[later.rid][2][:4] == [17, 18, 19, EOS]
+
+
+def test_a_round_already_sent_by_overlap_scheduling_is_not_indexed_twice():
+    """With overlap scheduling a finished request runs one more forward, whose batch_get already
+    carries its last round (ngram_worker's ``prev_tokens`` splice): nothing is left to extend."""
+    c = group_corpus()
+    req = FakeReq("r", PROMPT, 11)
+    req.commit([12, EOS, 77])
+    c.track_requests([req])
+    tokens = list(req.origin_input_ids_unpadded + req.output_ids)
+    c.batch_get(["r"], [tokens], [len(tokens)])
+    c.erase_match_state(["r"])
+    stats = c.stats()
+    assert (stats["final_tokens"], stats["live_requests"]) == (0, 0)
+
+
+def test_a_tracked_request_that_does_not_match_is_refused_and_still_finished():
+    c = group_corpus()
+    c.batch_get(["p"], [[1, 2, 3]], [3])
+    c.track_requests([FakeReq("p", [1, 2, 3, 4, 5], 6)])  # 6 tokens: 3 new, only 1 of them output
+    with pytest.raises(ValueError, match="request 'p': 3 tokens after its last batch_get but only 1 output"):
+        c.erase_match_state(["p"])
+    assert c.stats()["live_requests"] == 0
+
+
+def test_forward_hook_tracks_decode_batches_only_and_refuses_a_foreign_corpus():
+    from rollout_spec.integrations.sglang import plugin
+
+    worker = FakeNgramWorker(group_corpus(), tail=16)
+    req = FakeReq("r", PROMPT, 11)
+    assert plugin.track_decode_requests(worker, decode_batch([req], decode=False)) is None
+    worker.ngram_corpus.batch_get(["r"], [PROMPT + [11]], [5])
+    req.commit([12, EOS])
+    worker.ngram_corpus.erase_match_state(["r"])
+    assert worker.ngram_corpus.stats()["final_tokens"] == 0, "a prefill batch's requests are not tracked"
+    worker.ngram_corpus = SimpleNamespace()  # SGLang's own NgramCorpus: our REPLACE did not apply
+    with pytest.raises(RuntimeError, match="drafts with SimpleNamespace, not RolloutSpecCorpus"):
+        plugin.track_decode_requests(worker, decode_batch([req]))
+
+
+def test_plugin_registers_the_forward_hook_next_to_the_corpus(monkeypatch):
+    import sys
+
+    from rollout_spec.integrations.sglang import plugin
+
+    registered = []
+    hook_type = SimpleNamespace(REPLACE="replace", BEFORE="before")
+    registry = SimpleNamespace(register=lambda *args: registered.append(args))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry",
+                        SimpleNamespace(HookRegistry=registry, HookType=hook_type))
+    monkeypatch.setenv(ENV_VAR, "{}")
+    assert plugin.register() is True
+    assert registered == [
+        (plugin.CORPUS_TARGET, RolloutSpecCorpus, "replace"),
+        (plugin.FORWARD_TARGET, plugin.track_decode_requests, "before"),
+    ]
+
+
+@needs_sglang_source
+def test_sglangs_before_wrapper_runs_the_hook_then_the_forward_unchanged():
+    """SGLang's own wrapper (``_wrap_fn`` in srt/plugins/hook_registry.py, loaded from its file as
+    the package's runtime does not import here) calls our hook with the worker and batch."""
+    from rollout_spec.integrations.sglang import plugin
+
+    spec = importlib.util.spec_from_file_location("sglang_hook_registry", SGLANG_DIR / "srt/plugins/hook_registry.py")
+    registry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(registry)
+    forward = registry._wrap_fn(FakeNgramWorker.forward_batch_generation, plugin.track_decode_requests,
+                                registry.HookType.BEFORE)
+    worker = FakeNgramWorker(group_corpus(), tail=16)
+    req = FakeReq("r", PROMPT, 11)
+    forward(worker, decode_batch([req]))
+    req.commit([12, 13, EOS, 77])
+    worker.clear_cache_pool()
+    assert len(worker.drafts["r"]) == 1 and worker.ngram_corpus.stats()["final_tokens"] == 3
+
+
+UPSTREAM_FILES = ("srt/speculative/ngram_worker.py", "srt/plugins/__init__.py", "srt/plugins/hook_registry.py",
+                  "srt/managers/scheduler.py", "srt/managers/schedule_batch.py")
+
+
+@needs_sglang_source
+@pytest.mark.parametrize("rel, old, new, problem", [
+    ("srt/speculative/ngram_worker.py", "def forward_batch_generation(", "def forward(",
+     "no NGRAMWorker.forward_batch_generation to hook"),
+    ("srt/speculative/ngram_worker.py", "self, batch: ScheduleBatch, on_publish", "self, schedule_batch, on_publish",
+     "no longer takes (self, batch, ...)"),
+    ("srt/speculative/ngram_worker.py", "self.ngram_corpus.erase_match_state(", "self.ngram_corpus.forget(",
+     "no longer calls ngram_corpus.erase_match_state"),
+    ("srt/managers/schedule_batch.py", "def output_ids_through_stop(", "def output_until_stop(",
+     "no longer defines Req.output_ids_through_stop"),
+    ("srt/plugins/hook_registry.py", 'BEFORE = "before"', 'PRE = "before"', "no HookType.BEFORE"),
+])
+def test_shape_check_covers_the_forward_hook(tmp_path: Path, rel, old, new, problem):
+    for name in UPSTREAM_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(SGLANG_DIR / name, tmp_path / name)
+    assert upstream_problems(tmp_path) == []
+    edited = tmp_path / rel
+    assert old in edited.read_text()
+    edited.write_text(edited.read_text().replace(old, new))
+    assert any(problem in p for p in upstream_problems(tmp_path)), upstream_problems(tmp_path)

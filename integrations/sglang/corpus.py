@@ -5,8 +5,11 @@ batch_tokens, total_lens)`` with the last few tokens of every running request an
 length; ``batch_put`` with those same tails after verification; ``erase_match_state`` for
 requests that left the batch; and ``reset`` from ``flush_cache``. Our drafter wants the whole
 token stream of each request instead, so the adapter rebuilds it: a request's new tokens are the
-last ``total_len - known_len`` of its tail. The index is never wiped: ``reset`` (which verl
-triggers at every weight update) is the RL step boundary, so history survives it.
+last ``total_len - known_len`` of its tail. The tokens of a request's last verify round never
+reach ``batch_get``: the plugin's hook hands the corpus each decode batch's SGLang ``Req`` objects
+(``track_requests``), and ``erase_match_state`` reads the round from the final output of the
+requests that left. The index is never wiped: ``reset`` (which verl triggers at every weight
+update) is the RL step boundary, so history survives it.
 """
 from __future__ import annotations
 
@@ -101,11 +104,13 @@ class RolloutSpecCorpus:
         self.external_corpus_max_tokens = external_corpus_max_tokens
         self._budget = min(spec.num_draft_tokens, draft_token_num - 1)
         self._live: dict[str, _Request] = {}
+        self._tracked: dict[str, Any] = {}  # SGLang Req of each rid of a decode batch, until it leaves
         self._last_get: list[str] = []
         self._next_id = 0
         self._corpora: dict[str, int] = {}
         self._counters = dict(requests=0, gets=0, gap_tokens=0, restarts=0, steps=0,
-                              put_sequences=0, put_skipped=0, committed_tokens=0)
+                              put_sequences=0, put_skipped=0, committed_tokens=0,
+                              final_tokens=0)
         self._committed_since_step = 0
 
     # ------------------------------------------------------------ the worker's per-step calls
@@ -175,11 +180,28 @@ class RolloutSpecCorpus:
             self._counters["put_sequences"] += len(fresh)
             self._committed_since_step += sum(map(len, fresh))
 
+    def track_requests(self, reqs: Iterable[Any]) -> None:
+        """Keep a decode batch's SGLang ``Req`` objects until their requests leave the batch.
+
+        Called by the plugin's hook before each NGRAM ``forward_batch_generation``. The worker
+        hands the corpus a round's accepted tokens only through the next ``batch_get``, so a
+        request's last round would never reach the drafter; ``erase_match_state`` reads it from
+        the request's final output instead.
+        """
+        for req in reqs:
+            self._tracked[req.rid] = req
+
     def erase_match_state(self, req_ids: Iterable[str]) -> None:
-        """Finish requests that left the batch: their tokens stay in the group/global scopes."""
-        done = [self._live.pop(rid).drafter_id for rid in req_ids if rid in self._live]
-        if done:
-            self.drafter.finish_batch(done)
+        """Finish requests that left the batch: their tokens stay in the group/global scopes.
+
+        A tracked request's tokens committed after its last ``batch_get`` (its last verify round,
+        cut at its stop as SGLang's ``Req.output_ids_through_stop`` says) are extended first.
+        """
+        rids = list(req_ids)
+        try:
+            self._extend_final_tokens([(rid, self._tracked.pop(rid, None)) for rid in rids])
+        finally:
+            self._finish_requests(rids)
 
     def reset(self) -> None:
         """SGLang's ``flush_cache``: an RL step boundary for us, never a wipe of the index.
@@ -188,6 +210,7 @@ class RolloutSpecCorpus:
         per weight update, so a step is ended only when tokens arrived since the last one.
         """
         self.erase_match_state(list(self._live))
+        self._tracked.clear()
         self._last_get = []
         if self._committed_since_step > 0:
             self.drafter.end_step()
@@ -200,8 +223,9 @@ class RolloutSpecCorpus:
         within ``total_len``, checked by ``batch_get``); returns its drafter id."""
         req = self._live.get(rid)
         if req is not None and total_len < req.known_len:
-            # The request was rolled back (e.g. retracted and re-run): start it over.
-            self.erase_match_state([rid])
+            # The request was rolled back (e.g. retracted and re-run): start it over, still
+            # tracked (its Req is the batch's), so its last round is read when it leaves.
+            self._finish_requests([rid])
             self._counters["restarts"] += 1
             req = None
         if req is None:
@@ -219,6 +243,38 @@ class RolloutSpecCorpus:
             self._commit(min(new, len(tail)))
         req.known_len, req.last_tail = total_len, tail
         return req.drafter_id
+
+    def _extend_final_tokens(self, leaving: list[tuple[str, Any]]) -> None:
+        """Extend live requests with what their SGLang ``Req`` (None: untracked) committed after
+        their last ``batch_get``, in one batch call."""
+        extends = []
+        for rid, sglang_req in leaving:
+            req = self._live.get(rid)
+            if req is None or sglang_req is None:
+                continue
+            output = sglang_req.output_ids_through_stop
+            final_len = len(sglang_req.origin_input_ids_unpadded) + len(output)
+            new = final_len - req.known_len
+            if new <= 0:  # e.g. overlap scheduling, whose extra round went through batch_get
+                continue
+            if new > len(output):
+                raise ValueError(
+                    f"request {rid!r}: {new} tokens after its last batch_get but only {len(output)} "
+                    "output tokens; the tracked Req is not the request drafted for"
+                )
+            extends.append((req.drafter_id, list(output[len(output) - new:])))
+            req.known_len = final_len
+            self._counters["final_tokens"] += new
+            self._commit(new)
+        if extends:
+            ids, tokens = zip(*extends)
+            self.drafter.extend_batch(list(ids), list(tokens))
+
+    def _finish_requests(self, req_ids: Sequence[str]) -> None:
+        """Finish the live requests among ``req_ids`` in the drafter and forget them."""
+        done = [self._live.pop(rid).drafter_id for rid in req_ids if rid in self._live]
+        if done:
+            self.drafter.finish_batch(done)
 
     def _drop(self, req_ids: Sequence[str]) -> None:
         """Forget requests whose tokens the drafter rejected, finishing those it has started, so
@@ -293,7 +349,8 @@ class RolloutSpecCorpus:
         return leaf_paths(tokens, tree_mask)
 
     def stats(self) -> dict[str, Any]:
-        """Adapter counters (requests, gaps, skipped puts, steps) merged with the drafter's stats."""
+        """Adapter counters (requests, gaps, skipped puts, steps, ``final_tokens``: last verify
+        rounds' tokens indexed as requests left) merged with the drafter's stats."""
         return {**self._counters, "live_requests": len(self._live), **self.drafter.stats()}
 
 

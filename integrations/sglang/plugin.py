@@ -4,7 +4,9 @@ SGLang runs every ``sglang.srt.plugins`` entry point at the start of each schedu
 (``load_plugins`` in ``run_scheduler_process``). Ours is declared in pyproject.toml and acts only
 when ``ROLLOUT_SPEC_SGLANG`` is set: it registers ``RolloutSpecCorpus`` as a class REPLACE hook on
 ``NgramCorpus``, which SGLang's HookRegistry also rebinds in the NGRAM worker module that
-imported it. ``upstream_problems`` checks SGLang's source for the shape this relies on.
+imported it, and a BEFORE hook on the worker's ``forward_batch_generation`` that hands the corpus
+each decode batch's requests, so their last verify round is indexed when they leave.
+``upstream_problems`` checks SGLang's source for the shape this relies on.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import importlib.util
 import inspect
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rollout_spec.integrations.sglang.config import ENV_VAR, spec_from_env
 
@@ -23,14 +25,23 @@ CORPUS_TARGET = "sglang.srt.speculative.cpp_ngram.ngram_corpus.NgramCorpus"
 """Dotted path of the class replaced (SGLang's NGRAM corpus)."""
 WORKER_FILE = "srt/speculative/ngram_worker.py"
 """The NGRAM worker, relative to the sglang package: it must build and call the corpus as we expect."""
+FORWARD_TARGET = "sglang.srt.speculative.ngram_worker.NGRAMWorker.forward_batch_generation"
+"""Dotted path of the worker method that ``track_decode_requests`` runs before."""
 PLUGINS_FILE = "srt/plugins/__init__.py"
+HOOKS_FILE = "srt/plugins/hook_registry.py"
 SCHEDULER_FILE = "srt/managers/scheduler.py"
+REQ_FILE = "srt/managers/schedule_batch.py"
+REQ_FIELDS = ("output_ids_through_stop", "origin_input_ids_unpadded")
+"""What ``RolloutSpecCorpus`` reads of a leaving SGLang ``Req``: its output cut at its stop, and
+the prompt the worker measures ``total_lens`` by."""
 
 
 def register() -> bool:
     """SGLang plugin entry point: replace the NGRAM corpus when ``ROLLOUT_SPEC_SGLANG`` is set.
 
-    Returns True when the hook was registered, False when the variable is unset. A bad variable,
+    Also hooks the worker's forward (``track_decode_requests``), which the corpus needs to see
+    the tokens a request commits in its last verify round. Returns True when the hooks were
+    registered, False when the variable is unset. A bad variable,
     or a corpus or hook registry that does not import, raises SystemExit naming the problem:
     SGLang's loader catches a plugin's exceptions (``Exception``) and would go on drafting with
     its own NGRAM corpus, silently not what the variable asked for; SystemExit stops the
@@ -47,8 +58,34 @@ def register() -> bool:
         raise SystemExit(f"rollout-spec SGLang plugin ({ENV_VAR} is set): {type(exc).__name__}: {exc}") from exc
 
     HookRegistry.register(CORPUS_TARGET, RolloutSpecCorpus, HookType.REPLACE)
+    HookRegistry.register(FORWARD_TARGET, track_decode_requests, HookType.BEFORE)
     logger.info("rollout-spec: NGRAM corpus replaced (%s=%s)", ENV_VAR, spec)
     return True
+
+
+def track_decode_requests(worker: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on ``NGRAMWorker.forward_batch_generation(batch, ...)``: hand the corpus the
+    requests of a decode batch (the ones the worker drafts for and later erases).
+
+    The worker gives the corpus a round's accepted tokens only through the next ``batch_get`` and
+    erases a request that left by id alone, so without the request objects its last verify round
+    is lost. Returns None: SGLang's BEFORE hooks leave the arguments as they are then.
+
+    Raises:
+        RuntimeError: the worker's corpus is not ours (the REPLACE hook did not apply).
+    """
+    if not batch.forward_mode.is_decode():
+        return None
+    from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
+
+    corpus = worker.ngram_corpus
+    if not isinstance(corpus, RolloutSpecCorpus):
+        raise RuntimeError(
+            f"{ENV_VAR} is set but the NGRAM worker drafts with {type(corpus).__name__}, not "
+            f"RolloutSpecCorpus: the REPLACE hook on {CORPUS_TARGET} did not apply (see SGLang's log)"
+        )
+    corpus.track_requests(batch.reqs)
+    return None
 
 
 def sglang_source_dir() -> Optional[Path]:
@@ -64,7 +101,8 @@ def upstream_problems(root: Path) -> list[str]:
 
     Checked in SGLang's source: the NGRAM worker imports ``NgramCorpus`` from CORPUS_TARGET's
     module, builds it with keywords our constructor accepts and calls only methods we define; the
-    plugin registry offers class REPLACE hooks; schedulers load plugins.
+    plugin registry offers class REPLACE hooks; schedulers load plugins; and what the forward hook
+    relies on (``_forward_hook_problems``).
     """
     from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 
@@ -89,12 +127,49 @@ def upstream_problems(root: Path) -> list[str]:
     for method in sorted(_corpus_methods_called(calls)):
         if not hasattr(RolloutSpecCorpus, method):
             problems.append(f"{WORKER_FILE} calls ngram_corpus.{method}, which RolloutSpecCorpus lacks")
-    plugins = (root / PLUGINS_FILE).read_text() if (root / PLUGINS_FILE).exists() else ""
+    plugins = _read(root, PLUGINS_FILE)
     if '"sglang.srt.plugins"' not in plugins or "def load_plugins" not in plugins:
         problems.append(f"{PLUGINS_FILE} has no general-plugin group 'sglang.srt.plugins'")
     if "load_plugins()" not in (root / SCHEDULER_FILE).read_text():
         problems.append(f"{SCHEDULER_FILE} no longer calls load_plugins()")
+    return problems + _forward_hook_problems(root, worker, calls)
+
+
+def _forward_hook_problems(root: Path, worker: ast.Module, calls: list[ast.Call]) -> list[str]:
+    """What ``track_decode_requests`` and the corpus's final-round read rely on, where it is not.
+
+    The worker class and method of FORWARD_TARGET exist, the method takes ``batch`` first, gates
+    drafting on ``forward_mode.is_decode()`` and erases departed requests through the corpus; it
+    measures ``total_lens`` with the ``Req`` fields we read at the end; ``Req`` still has them; and
+    the registry has BEFORE hooks.
+    """
+    problems = []
+    cls, method = FORWARD_TARGET.split(".")[-2:]
+    classes = [n for n in worker.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    forwards = [f for c in classes for f in c.body if isinstance(f, ast.FunctionDef) and f.name == method]
+    if not forwards:
+        problems.append(f"{WORKER_FILE} has no {cls}.{method} to hook")
+    elif [a.arg for a in forwards[0].args.args[:2]] != ["self", "batch"]:
+        problems.append(f"{cls}.{method} in {WORKER_FILE} no longer takes (self, batch, ...)")
+    used = {n.attr for n in ast.walk(worker) if isinstance(n, ast.Attribute)}
+    for name in ("is_decode", "reqs", "origin_input_ids_unpadded", "output_ids"):
+        if name not in used:
+            problems.append(f"{WORKER_FILE} no longer reads .{name}, which the forward hook relies on")
+    if "erase_match_state" not in _corpus_methods_called(calls):
+        problems.append(f"{WORKER_FILE} no longer calls ngram_corpus.erase_match_state")
+    req_source = _read(root, REQ_FILE)
+    for name in REQ_FIELDS:
+        if f"def {name}(" not in req_source and f"self.{name} =" not in req_source:
+            problems.append(f"{REQ_FILE} no longer defines Req.{name}")
+    if 'BEFORE = "before"' not in _read(root, HOOKS_FILE):
+        problems.append(f"{HOOKS_FILE} has no HookType.BEFORE")
     return problems
+
+
+def _read(root: Path, rel: str) -> str:
+    """Text of SGLang source file ``rel`` under ``root``, or "" when it is missing."""
+    path = root / rel
+    return path.read_text() if path.exists() else ""
 
 
 def _corpus_methods_called(calls: list[ast.Call]) -> set[str]:
