@@ -427,6 +427,7 @@ def test_replay_walks_trees_and_siblings_speed_up_later_steps():
     c = corpus()
     prompts = {0: [1, 2, 3]}
     first = replay_step(c, 0, prompts, [(0, answer)], tail=16)
+    assert c.stats()["final_tokens"] == 1  # the last verify's token, indexed as the forward hook would
     again = replay_step(c, 1, prompts, [(0, answer)], tail=16)
     assert first["generated"] == again["generated"] == len(answer) - 1
     assert first["verifies"] == len(answer) - 1  # nothing to draft from yet

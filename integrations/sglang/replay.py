@@ -2,7 +2,9 @@
 
 Lock-step: every live request takes one verify per iteration; a draft slot is accepted when it
 continues the accepted path with the recorded next token, then one bonus token is committed.
-Each RL step ends with ``reset()`` (verl's ``flush_cache``). Prints, per step, tokens per verify
+Before each verify the batch's requests are handed to ``track_requests``, as the plugin's forward
+hook does, so a request's last round is indexed when it leaves. Each RL step ends with
+``reset()`` (verl's ``flush_cache``). Prints, per step, tokens per verify
 (TPF), SGLang's acceptance (accepted / verified slots) and the adapter's CPU cost.
 
     python -m rollout_spec.integrations.sglang.replay ../shared/traces/grpo_smollm2_t0.6.json.gz
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,38 +37,56 @@ def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
     return n
 
 
+@dataclass
+class ReplayedRequest:
+    """The fields of SGLang's ``Req`` that the corpus reads when a request leaves: its prompt and
+    its output so far (a recorded response ends at its stop, so nothing lies past one)."""
+
+    rid: str
+    origin_input_ids_unpadded: list[int]
+    response: list[int]
+    committed: int = 1  # token 0 comes from the prefill
+
+    @property
+    def output_ids_through_stop(self) -> list[int]:
+        """The tokens committed so far."""
+        return self.response[: self.committed]
+
+
 def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[int]],
                 responses: list[tuple[int, list[int]]], tail: int) -> dict:
     """One RL step of lock-step decoding of ``(group_id, response_ids)`` pairs (a ``Trace`` step);
     returns its totals (decode steps only: a response's first token comes from its prefill) and
     the adapter's seconds."""
     d = corpus.draft_token_num
-    live = {}
+    live: dict[str, ReplayedRequest] = {}
     for i, (group_id, response) in enumerate(responses):
         if len(response) <= 1:  # finished at its prefill: SGLang's NGRAM worker never sees it
             continue
         prompt = prompts[group_id]
-        live[rid_with_group(f"s{step}-{i}", prompt)] = (prompt, response, [1])  # token 0 from prefill
+        rid = rid_with_group(f"s{step}-{i}", prompt)
+        live[rid] = ReplayedRequest(rid, prompt, response)
     verifies = accepted = generated = 0
     adapter_s = 0.0
     while live:
         rids = list(live)
-        tails = [(p + out[:n[0]])[-tail:] for p, out, n in live.values()]
-        lens = [len(p) + n[0] for p, out, n in live.values()]
+        tails = [(r.origin_input_ids_unpadded + r.output_ids_through_stop)[-tail:] for r in live.values()]
+        lens = [len(r.origin_input_ids_unpadded) + r.committed for r in live.values()]
         t0 = time.perf_counter()
+        corpus.track_requests(live.values())
         ids, mask = corpus.batch_get(rids, tails, lens)
         corpus.batch_put(tails)
         adapter_s += time.perf_counter() - t0
         ids, mask = ids.reshape(-1, d), mask.reshape(-1, d, d)
         done = []
         for b, rid in enumerate(rids):
-            _, out, n = live[rid]
-            a = accepted_length(ids[b], mask[b], out[n[0]:])
+            r = live[rid]
+            a = accepted_length(ids[b], mask[b], r.response[r.committed:])
             # a <= tokens left; the bonus token exists only when the response goes on past the drafts
-            step_tokens = min(a + 1, len(out) - n[0])
-            n[0] += step_tokens
+            step_tokens = min(a + 1, len(r.response) - r.committed)
+            r.committed += step_tokens
             verifies, accepted, generated = verifies + 1, accepted + a, generated + step_tokens
-            if n[0] >= len(out):
+            if r.committed >= len(r.response):
                 done.append(rid)
         for rid in done:
             del live[rid]
