@@ -344,3 +344,7 @@ def test_the_checkpoint_files_are_chosen_as_transformers_chooses_them(tmp_path) 
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="not a safetensors index"):
         load_state_dict(sharded)
+    # a sharded model re-saved as one file: save_pretrained removes the shards, not the index
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    (single / "weights.safetensors").rename(sharded / "model.safetensors")
+    assert checkpoint_files(sharded) == [sharded / "model.safetensors"]

@@ -138,15 +138,18 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files that hold the model, chosen as transformers does: the shards named
-    by ``model.safetensors.index.json``, else ``model.safetensors``, else a folder's only
-    ``*.safetensors`` file. Other files there (an adapter, a stale export) are not the model's.
+    """The safetensors files that hold the model, chosen in transformers' order:
+    ``model.safetensors``, else the shards named by ``model.safetensors.index.json``, else a
+    folder's only ``*.safetensors`` file. Other files there (an adapter, a stale export, the index
+    a re-save as one file leaves behind) are not the model's.
 
     Raises:
         FileNotFoundError: no weights file, or a shard the index names is missing.
         ValueError: an unreadable index, or several ``*.safetensors`` files and neither of the two
             names above to tell which hold the model.
     """
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -158,8 +161,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index} names shards that are not in {model_dir}: {missing[:5]}")
         return [model_dir / str(name) for name in shards]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
