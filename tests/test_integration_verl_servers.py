@@ -65,6 +65,9 @@ class SGLangReplica:
     async def init_colocated(self, resource_pool):
         self._server_address = f"10.0.1.{self.replica_rank}:8000"
 
+    async def init_standalone(self):
+        self._server_address = f"10.0.2.{self.replica_rank}:8000"
+
 
 @pytest.fixture
 def sglang_server(monkeypatch):
@@ -159,8 +162,26 @@ def test_a_rank_beyond_the_replica_count_is_refused_with_shared_index(sglang_ser
     monkeypatch.setitem(sys.modules, router.__name__, router)
     flag = {"speculative": "rollout_spec", "rollout_spec": {"shared_index": "job-8"}}
     replica = sglang_server.RolloutSpecSGLangReplica(3, config(flag))
-    with pytest.raises(ValueError, match=r"shared_index needs replica ranks in \[0, 2\], got 3: verl's separate"):
+    with pytest.raises(ValueError, match=r"shared_index needs replica ranks in \[0, 2\] \(3 replicas from the "
+                                         r"worker group's size over 1 GPUs per replica\), got 3: verl's separate"):
         asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=3)))
+
+
+def test_a_standalone_rank_beyond_the_rollout_configs_count_says_where_the_count_came_from(
+        sglang_server, monkeypatch):
+    """verl's main_generation_server counts replicas from trainer.n_gpus_per_node x nnodes over the
+    TP size, a standalone replica from the rollout config's: when they disagree the refusal names
+    the rollout config's numbers and that entry point (it used to blame separate-async mode only)."""
+    from rollout_spec.distributed import sharing
+
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: pytest.fail("created"))
+    _stub_router(monkeypatch)
+    cfg = config({"speculative": "rollout_spec", "rollout_spec": {"shared_index": "gen"}})
+    cfg.n_gpus_per_node, cfg.nnodes = 2, 1
+    replica = sglang_server.RolloutSpecSGLangReplica(2, cfg)
+    with pytest.raises(ValueError, match=r"\[0, 1\] \(2 replicas from actor_rollout_ref\.rollout\.n_gpus_per_node "
+                                         r"x nnodes over 1 GPUs per replica\), got 2: .* main_generation_server"):
+        asyncio.run(replica.init_standalone())
 
 
 def _stub_router(monkeypatch):

@@ -32,27 +32,31 @@ class ScaleOutReplicaMixin:
 
     async def init_hybrid(self, worker_group: Any) -> None:
         """verl's hybrid start; the replica count is the worker group's size over ours."""
-        self._scale_out(worker_group.world_size // self.world_size)
+        self._scale_out(worker_group.world_size // self.world_size, "the worker group's size")
         await super().init_hybrid(worker_group)
 
     async def init_hybrid_colocated(self, worker_group: Any, resource_pool: Any) -> None:
         """verl's hybrid start for engines that need a resource pool (same count as hybrid)."""
-        self._scale_out(worker_group.world_size // self.world_size)
+        self._scale_out(worker_group.world_size // self.world_size, "the worker group's size")
         await super().init_hybrid_colocated(worker_group, resource_pool)
 
     async def init_colocated(self, resource_pool: Any) -> None:
         """verl's colocated start; the pool holds every replica's processes. (verl's own callers,
         its reward and teacher models, pass each replica its own split of the pool instead:
         ``_scale_out`` refuses ``shared_index`` for those replicas.)"""
-        self._scale_out(resource_pool.world_size // self.world_size)
+        self._scale_out(resource_pool.world_size // self.world_size, "the resource pool's size")
         await super().init_colocated(resource_pool)
 
     async def init_standalone(self) -> None:
-        """verl's standalone start; the count is what verl's LLMServerManager computes."""
-        self._scale_out(self.config.n_gpus_per_node * self.config.nnodes // self.world_size)
+        """verl's standalone start; the count is what verl's LLMServerManager computes (verl's
+        ``main_generation_server`` counts from ``trainer``'s GPUs and the TP size instead)."""
+        self._scale_out(self.config.n_gpus_per_node * self.config.nnodes // self.world_size,
+                        "actor_rollout_ref.rollout.n_gpus_per_node x nnodes")
         await super().init_standalone()
 
-    def _scale_out(self, num_replicas: int) -> None:
+    def _scale_out(self, num_replicas: int, counted_from: str) -> None:
+        """Record ``num_replicas`` (derived from ``counted_from``, over this replica's world size)
+        for the servers, install the router and, with ``shared_index``, create the coordinators."""
         spec = spec_from_rollout_config(self.config)
         if spec is None:
             return
@@ -69,9 +73,11 @@ class ScaleOutReplicaMixin:
         if not 0 <= self.replica_rank < num_replicas:
             raise ValueError(
                 f"actor_rollout_ref.rollout.custom.rollout_spec.shared_index needs replica ranks in "
-                f"[0, {num_replicas - 1}], got {self.replica_rank}: verl's separate-async trainer ranks "
-                "its standalone replicas after the hybrid ones, which one shared index does not "
-                "cover; leave shared_index unset there")
+                f"[0, {num_replicas - 1}] ({num_replicas} replicas from {counted_from} over "
+                f"{self.world_size} GPUs per replica), got {self.replica_rank}: verl's separate-async "
+                "trainer ranks its standalone replicas after the hybrid ones, and its "
+                "main_generation_server counts replicas from trainer.n_gpus_per_node x nnodes over the "
+                "TP size; one shared index covers neither, so leave shared_index unset there")
         ReplicaPlacement(self.replica_rank, num_replicas)
         custom = self.config.custom
         if not isinstance(custom, MutableMapping):
