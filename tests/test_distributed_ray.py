@@ -287,9 +287,10 @@ def _sharing(name: str, replica_id: int, drafter: NgramDrafter) -> SharingDrafte
 
 
 def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(ray_cluster, caplog) -> None:
-    """The coordinator dies: the puller logs it at once, each step boundary raises its error, and
-    the wrapped drafter still ends its step each time (stuck, it would keep group history past
-    ``history_steps``)."""
+    """The coordinator dies: the puller retries ``max_pull_errors`` times, then logs that it
+    stopped, each step boundary raises its error, and the wrapped drafter still ends its step each
+    time (stuck, it would keep group history past ``history_steps``). Once the driver replaces the
+    coordinator, ``restart()`` makes the replica share again."""
     name = f"dead-{uuid.uuid4().hex[:8]}"
     (coord,) = create_coordinators(name, 1, 4)
     drafter = NgramDrafter(SpecConfig(history_steps=1))
@@ -312,6 +313,18 @@ def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(
         assert drafter.stats()["step"] == step
     with pytest.raises(RuntimeError, match="puller thread failed"):
         shared.close()
+    create_coordinators(name, 1, 4)  # the driver replaces the dead coordinator under its name
+    shared.index.restart()
+    assert shared.index.stats()["pull_errors"] == shared.index.config.max_pull_errors
+    shared.start(1, PROMPT, group_id=3)
+    shared.extend(1, [7, 8, 9])
+    shared.finish(1)
+    shared.end_step()
+    shared.index.flush()
+    (fresh,) = coordinator_handles(name, 1)
+    assert ray.get(fresh.stats.remote())["publishes"] == 1
+    shared.close()
+    destroy_coordinators(name, 1)
 
 
 def test_a_replica_joining_mid_job_numbers_its_first_step_from_the_job(ray_cluster) -> None:

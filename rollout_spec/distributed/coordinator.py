@@ -10,6 +10,7 @@ array, so the object store sees one object per pull, never one per bucket: Ray's
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class Pulled:
     entries: list[Entry]
     payload: np.ndarray  # int32, the entries' buckets concatenated in order
     over_budget: int  # entries left out by the token budget
+    instance: str  # the answering coordinator's id; a restarted or replaced one has a new id
 
     def buckets(self) -> list[Bucket]:
         """The entries' buckets, as views into the payload."""
@@ -62,6 +64,9 @@ class IndexCoordinator:
 
     def __init__(self, retain_steps: int = 4) -> None:
         self.retain_steps = check_int("retain_steps", retain_steps, 1, 1 << 20)
+        # a restart (Ray reruns __init__) or a replacement starts empty with seq 0 again: pullers
+        # compare ids to know that their cursor no longer applies
+        self.instance = uuid.uuid4().hex
         self._by_dest: dict[int, deque[tuple[Entry, Bucket]]] = {}
         self._seq = 0
         self._latest_step = -1
@@ -134,7 +139,8 @@ class IndexCoordinator:
         chosen.reverse()
         payload = np.concatenate([b for _, b in chosen]) if chosen else np.zeros(0, np.int32)
         self._count(pull_s=time.perf_counter() - t0, pulls=1, pulled_bytes=payload.nbytes)
-        return Pulled(self._seq, self._latest_step, [e for e, _ in chosen], payload, len(got) - len(chosen))
+        return Pulled(self._seq, self._latest_step, [e for e, _ in chosen], payload, len(got) - len(chosen),
+                      self.instance)
 
     def stats(self) -> dict[str, float]:
         """Retained buckets, tokens and bytes, the newest step seen, time spent in publish and pull,

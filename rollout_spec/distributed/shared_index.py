@@ -7,6 +7,12 @@ buckets meant for this replica from its coordinator shard (one object per pull) 
 them with ``drafter.add_sequences``, so generation never waits on the network. A replica that
 starts late or restarts pulls everything still retained for it, its own earlier publications
 included.
+
+A pull that fails with an error Ray may clear by itself (a timeout, a coordinator that died and is
+restarted or replaced, a lost object) is retried with a doubling pause, counted and logged; after
+``max_pull_errors`` of them in a row, or at once for any other error, the thread stops and its
+error is raised at the owner's next step boundary. :meth:`SharedIndexClient.restart` starts it
+again on purpose. A publish the coordinator did not acknowledge is reported lost, never retried.
 """
 from __future__ import annotations
 
@@ -71,6 +77,11 @@ class SharedIndexConfig:
     small chunk (the drafter indexes a few microseconds per token)."""
     lookup_timeout_s: float = 60.0
     """How long a starting replica waits for the driver to create the coordinators."""
+    max_pull_errors: int = 10
+    """Failed pulls in a row, of errors that may pass (see ``transient_ray_error``), after which
+    the puller stops; in [1, 1000000] (1: stop at the first, as any other error does). The pause
+    after a failed pull doubles from ``poll_interval_s`` up to ``max_poll_interval_s``: with the
+    defaults ten failures span about 7 s."""
 
     def __post_init__(self) -> None:
         def put(field: str, value: object) -> None:  # frozen: store the checked (plain int/float) value
@@ -87,6 +98,7 @@ class SharedIndexConfig:
         put("router_seed", check_int("router_seed", self.router_seed, 0, 2**63 - 1))
         put("lookup_timeout_s", check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0))
         put("apply_chunk_sequences", check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20))
+        put("max_pull_errors", check_int("max_pull_errors", self.max_pull_errors, 1, 1_000_000))
         if not isinstance(self.apply_in_thread, bool):
             raise TypeError(f"apply_in_thread must be a bool, got {self.apply_in_thread!r}")
         if not isinstance(self.name, str):
@@ -120,10 +132,11 @@ class SharedIndexClient:
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
         self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
         self._cursor = -1  # -1: the first pull also takes our own history
+        self._instance: Optional[str] = None  # the coordinator shard's id at the last pull
         self._latest_step = -1
         self._step_at_join = -1
         self._published_steps: set[int] = set()  # ours from this process: never re-ingested
-        self._inflight_publishes: list[Any] = []
+        self._inflight_publishes: list[tuple[int, int, Any]] = []  # (step, shard, ref)
         self._poll_lock = threading.Lock()
         self._pub_lock = threading.Lock()  # the owner appends publishes, the puller reaps them
         self._stage_lock = threading.Lock()
@@ -171,7 +184,7 @@ class SharedIndexClient:
             lengths = [len(buckets[d]) for d in dests]
             ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, lengths, payload)
             with self._pub_lock:
-                self._inflight_publishes.append(ref)
+                self._inflight_publishes.append((step, shard, ref))
         nbytes = sum(int(b.nbytes) for b in buckets.values())
         cost = {"seconds": time.perf_counter() - t0, "bytes": nbytes,
                 "tokens": sum(len(s) for s in seqs), "buckets": len(buckets)}
@@ -184,26 +197,31 @@ class SharedIndexClient:
         import ray
 
         with self._pub_lock:
-            refs, self._inflight_publishes = self._inflight_publishes, []
+            refs, self._inflight_publishes = [ref for _, _, ref in self._inflight_publishes], []
         ray.get(refs, timeout=timeout_s)
 
     def poll(self) -> int:
         """Pull what the coordinator holds for this replica and stage it; returns sequences staged.
 
         The background thread calls this in a loop; call it yourself only with ``start=False``
-        (:meth:`join` takes the first pull on the owner's thread; pulls are serialised).
+        (:meth:`join` takes the first pull on the owner's thread; pulls are serialised). A
+        coordinator shard that answers with a new instance id (Ray restarted it, or the driver
+        replaced it) numbers its publications from 0 again: the cursor is dropped and everything
+        it holds is pulled, counted in ``coordinator_resets``.
         """
-        import ray
-
         with self._poll_lock:
             self._reap_publishes()
-            # a restart's own earlier steps come back once, on the first pull
-            own = sorted(self._published_steps) if self._cursor < 0 else None
             t0 = time.perf_counter()
-            got: Pulled = ray.get(self._coords[self._shard].pull.remote(
-                self.config.replica_id, self._cursor, self.config.ingest_budget_tokens, own))
-            if self._cursor < 0:
+            got = self._pull(self._cursor)
+            if self._instance is not None and got.instance != self._instance:
+                logger.warning("shared-index coordinator shard %d of replica %d was restarted or replaced: "
+                               "what it held is lost; pulling all the new one holds",
+                               self._shard, self.config.replica_id)
+                self._add_stats(coordinator_resets=1)
+                got = self._pull(-1)
+            if self._instance is None:
                 self._step_at_join = got.latest_step
+            self._instance = got.instance
             self._cursor = got.head
             self._latest_step = max(self._latest_step, got.latest_step)
             batches = [unpack(bucket) for bucket in got.buckets()]
@@ -261,6 +279,35 @@ class SharedIndexClient:
             self._thread = threading.Thread(target=self._loop, name="rollout-spec-index-puller", daemon=True)
             self._thread.start()
 
+    def restart(self, timeout_s: float = 30.0) -> None:
+        """Start a new puller after the old one stopped (on an error, or through :meth:`close`).
+
+        For an owner that recovers on purpose after a step boundary raised the puller's error:
+        the error is cleared, the coordinators are looked up again by name (the driver's
+        ``create_coordinators`` replaces one that died), and pulling resumes from the cursor, so
+        nothing already ingested comes again. Publications the old puller reported lost stay
+        lost. ``timeout_s`` (a number in [0, 3600]) bounds the wait for a stopping puller to exit.
+
+        Raises:
+            RuntimeError: the puller is running, or the stopping one did not exit in time.
+            LookupError: the coordinators are not found within ``lookup_timeout_s``.
+        """
+        timeout_s = check_float("timeout_s", timeout_s, 0.0, 3600.0)
+        old = self._thread
+        if old is not None and old.is_alive():
+            if self._error is None and not self._stop.is_set():
+                raise RuntimeError("the shared-index puller is running: restart() is for one that stopped")
+            old.join(timeout=timeout_s)  # it has failed or been told to stop: it is leaving its loop
+            if old.is_alive():
+                raise RuntimeError(f"the stopped shared-index puller did not exit within {timeout_s} s")
+        cfg = self.config
+        self._coords = coordinator_handles(cfg.name, cfg.num_shards, cfg.namespace, cfg.lookup_timeout_s)
+        self._error = None
+        self._stop.clear()
+        self._thread = None
+        logger.warning("shared-index puller of replica %d restarted", cfg.replica_id)
+        self.start()
+
     def close(self) -> None:
         """Stop the puller; re-raise an error it hit."""
         self._stop.set()
@@ -269,7 +316,9 @@ class SharedIndexClient:
         self._raise_background_error()
 
     def stats(self) -> dict[str, float]:
-        """Counters: published/fetched bytes and tokens, seconds spent, entries over budget, staged."""
+        """Counters: published/fetched bytes and tokens, seconds spent, entries over budget, staged;
+        failed pulls that were retried (``pull_errors``), publishes reported lost
+        (``publish_errors``), coordinators found restarted or replaced (``coordinator_resets``)."""
         self._raise_background_error()
         with self._stage_lock:
             out = dict(self._stats)
@@ -280,11 +329,19 @@ class SharedIndexClient:
         import ray
 
         base, wait = self.config.poll_interval_s, self.config.poll_interval_s
+        failures = 0  # failed pulls in a row
         try:
             while not self._stop.is_set():
                 if not ray.is_initialized():  # calling into a shut-down Ray aborts the process
                     raise RuntimeError("Ray was shut down while the shared index was open")
-                got = self.poll()
+                try:
+                    got = self.poll()
+                except Exception as exc:  # a transient one below the limit is retried
+                    failures += 1
+                    self._retry_or_raise(exc, failures)
+                    self._stop.wait(min(max(base, 1e-3) * 2.0 ** min(failures, 30), self.config.max_poll_interval_s))
+                    continue
+                failures = 0
                 if self.config.apply_in_thread:
                     self.apply()
                 wait = base if got else min(max(2 * wait, base, 1e-3), self.config.max_poll_interval_s)
@@ -293,6 +350,32 @@ class SharedIndexClient:
             self._error = exc
             logger.error("shared-index puller of replica %d stopped (raised at the next step "
                          "boundary): %r", self.config.replica_id, exc)
+
+    def _retry_or_raise(self, exc: Exception, failures: int) -> None:
+        """Count and log a pull that failed ``failures`` times in a row and look the coordinators
+        up again (one the driver replaced has a new handle); re-raise ``exc`` when it cannot pass
+        or the limit is reached."""
+        if not transient_ray_error(exc):
+            raise exc
+        self._add_stats(pull_errors=1)
+        if failures >= self.config.max_pull_errors:
+            raise exc
+        logger.warning("shared-index pull of replica %d failed (%d in a row; the puller stops at %d): %r",
+                       self.config.replica_id, failures, self.config.max_pull_errors, exc)
+        cfg = self.config
+        try:
+            self._coords = coordinator_handles(cfg.name, cfg.num_shards, cfg.namespace, 0.0)
+        except LookupError as err:  # none under the name yet: keep the old handles, retry later
+            logger.warning("shared-index replica %d: %s", cfg.replica_id, err)
+
+    def _pull(self, cursor: int) -> Pulled:
+        """One pull from our shard after ``cursor``; at -1 our own steps from this process are
+        left out (a restarted replica's earlier ones come back)."""
+        import ray
+
+        own = sorted(self._published_steps) if cursor < 0 else None
+        return ray.get(self._coords[self._shard].pull.remote(
+            self.config.replica_id, cursor, self.config.ingest_budget_tokens, own))
 
     def _ingest(self, groups: list[Optional[int]], seqs: list[list[int]]) -> int:
         t0 = time.perf_counter()
@@ -309,10 +392,28 @@ class SharedIndexClient:
         with self._pub_lock:
             if not self._inflight_publishes:
                 return
-            done, self._inflight_publishes = ray.wait(
-                self._inflight_publishes, num_returns=len(self._inflight_publishes), timeout=0
-            )
-        ray.get(done)  # raises a coordinator-side error instead of dropping it
+            by_ref = {ref: (step, shard) for step, shard, ref in self._inflight_publishes}
+            done, pending = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+            self._inflight_publishes = [(*by_ref[ref], ref) for ref in pending]
+        for ref in done:
+            self._check_published(ref, *by_ref[ref])
+
+    def _check_published(self, ref: Any, step: int, shard: int) -> None:
+        """Raise a coordinator-side error of a publish; count and log one that may pass as lost.
+
+        A lost publish is not sent again: Ray cannot tell whether the coordinator kept it before
+        failing (a resend could duplicate it in the peers' indexes), and it only costs draft
+        quality, never correctness."""
+        import ray
+
+        try:
+            ray.get(ref)
+        except Exception as exc:  # re-raised unless transient
+            if not transient_ray_error(exc):
+                raise
+            self._add_stats(publish_errors=1)
+            logger.warning("shared-index publish of step %d by replica %d to coordinator shard %d was lost "
+                           "(not resent): %r", step, self.config.replica_id, shard, exc)
 
     def _add_stats(self, **kw: float) -> None:
         with self._stage_lock:
@@ -324,8 +425,20 @@ class SharedIndexClient:
             raise RuntimeError("shared-index puller thread failed") from self._error
 
 
+def transient_ray_error(exc: BaseException) -> bool:
+    """Whether a failed coordinator call may succeed later: Ray's ``GetTimeoutError``, a
+    ``RayActorError`` (the actor is restarting, unreachable, or died and may be replaced by the
+    driver) or an ``ObjectLostError``. An error raised by the coordinator's own code (Ray re-raises
+    it as a ``RayTaskError`` that is also the original type, e.g. ``ValueError``) and every other
+    error are not."""
+    import ray
+
+    passing = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+    return isinstance(exc, passing) and not isinstance(exc, ray.exceptions.RayTaskError)
+
+
 _COUNTERS = (
     "publishes", "publish_s", "published_bytes", "published_tokens", "pulls", "fetch_s", "fetched_bytes",
     "fetched_tokens", "entries_fetched", "entries_over_budget", "apply_s", "apply_max_s",
-    "sequences_applied",
+    "sequences_applied", "pull_errors", "publish_errors", "coordinator_resets",
 )

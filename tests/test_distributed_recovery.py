@@ -1,0 +1,214 @@
+"""The shared index's puller survives errors that pass and stops on the others.
+
+The coordinator runs in-process behind a handle that can fail on demand; Ray's own exception
+classes are raised, and ``ray.get`` / ``ray.wait`` are replaced by their in-process answers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the shared index needs Ray: pip install 'rollout-spec[ray]'")
+
+from rollout_spec.distributed import shared_index  # noqa: E402
+from rollout_spec.distributed.coordinator import IndexCoordinator  # noqa: E402
+from rollout_spec.distributed.packing import pack  # noqa: E402
+from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig  # noqa: E402
+
+
+class _Ref:
+    """What ``.remote()`` returned: the call's result, or the error ``ray.get`` raises."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        try:
+            self.value, self.error = call(), None
+        except Exception as exc:  # replayed at ray.get, as Ray does
+            self.value, self.error = None, exc
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any], failures: list[BaseException]) -> None:
+        self.fn, self.failures = fn, failures
+
+    def remote(self, *args: Any) -> _Ref:
+        if self.failures:
+            error = self.failures.pop(0)
+
+            def fail() -> None:
+                raise error
+            return _Ref(fail)
+        return _Ref(lambda: self.fn(*args))
+
+
+class _FlakyHandle:
+    """A coordinator handle that raises the queued errors before it answers again."""
+
+    def __init__(self) -> None:
+        self.coord = IndexCoordinator()
+        self.pull_failures: list[BaseException] = []
+        self.publish_failures: list[BaseException] = []
+        self.lookups: dict[str, _FlakyHandle] = {"handle": self}  # what a lookup by name finds
+
+    @property
+    def pull(self) -> _Method:
+        return _Method(self.coord.pull, self.pull_failures)
+
+    @property
+    def publish(self) -> _Method:
+        return _Method(self.coord.publish, self.publish_failures)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list[list[int]] = []
+
+    def add_sequences(self, groups: list, seqs: list) -> None:
+        self.got += [list(s) for s in seqs]
+
+
+def _fake_get(refs: Any, timeout: Any = None) -> Any:
+    return [r.get() for r in refs] if isinstance(refs, list) else refs.get()
+
+
+@pytest.fixture
+def handle(monkeypatch: pytest.MonkeyPatch) -> _FlakyHandle:
+    fake = _FlakyHandle()
+    monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: [fake.lookups["handle"]])
+    monkeypatch.setattr(ray, "get", _fake_get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    return fake
+
+
+def _client(max_pull_errors: int = 3) -> tuple[SharedIndexClient, _Sink]:
+    sink = _Sink()
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=2, poll_interval_s=0.001, max_poll_interval_s=0.004,
+                            max_pull_errors=max_pull_errors)
+    return SharedIndexClient(sink, cfg), sink
+
+
+def _publish_for_replica_0(coord: IndexCoordinator, step: int, first_token: int) -> None:
+    bucket = pack([7], [np.array([first_token, 2, 3])])
+    coord.publish(1, step, [0], [len(bucket)], bucket)
+
+
+def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _unavailable() -> BaseException:
+    return ray.exceptions.ActorUnavailableError("the coordinator is restarting", None)
+
+
+def test_a_transient_failure_is_retried_counted_and_logged(handle: _FlakyHandle, caplog) -> None:
+    handle.pull_failures += [ray.exceptions.GetTimeoutError("slow"), _unavailable()]
+    client, sink = _client(max_pull_errors=3)
+    _publish_for_replica_0(handle.coord, 0, 100)
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
+        _until(lambda: sink.got == [[100, 2, 3]], "the puller did not recover after two failed pulls")
+    stats = client.stats()  # no error: the client keeps working
+    assert stats["pull_errors"] == 2
+    assert sum("pull of replica 0 failed" in r.getMessage() for r in caplog.records) == 2
+    client.record(5, [1, 2])
+    client.publish(1)
+    client.close()
+
+
+def test_the_limit_of_failures_in_a_row_stops_the_puller_and_restart_recovers(handle: _FlakyHandle) -> None:
+    handle.pull_failures += [_unavailable() for _ in range(3)]
+    client, sink = _client(max_pull_errors=3)
+    _until(lambda: client._error is not None, "three failures in a row did not stop the puller")
+    with pytest.raises(RuntimeError, match="puller thread failed") as err:
+        client.publish(0)
+    assert isinstance(err.value.__cause__, ray.exceptions.ActorUnavailableError)
+    with pytest.raises(RuntimeError, match="puller thread failed"):
+        client.stats()
+    _publish_for_replica_0(handle.coord, 0, 100)
+    client.restart()
+    _until(lambda: sink.got == [[100, 2, 3]], "the restarted puller did not pull")
+    assert client.stats()["pull_errors"] == 3
+    with pytest.raises(RuntimeError, match="is running"):
+        client.restart()
+    client.close()
+
+
+def test_restart_keeps_the_cursor(handle: _FlakyHandle) -> None:
+    """Nothing ingested before the stop is ingested again after restart()."""
+    client, sink = _client()
+    _publish_for_replica_0(handle.coord, 0, 100)
+    _until(lambda: len(sink.got) == 1, "the first publication was not pulled")
+    client.close()
+    _publish_for_replica_0(handle.coord, 1, 200)
+    client.restart()
+    _until(lambda: len(sink.got) == 2, "the second publication was not pulled")
+    time.sleep(0.05)
+    assert sink.got == [[100, 2, 3], [200, 2, 3]]
+    client.close()
+
+
+@pytest.mark.parametrize("error", [
+    TypeError("bad argument"),
+    ray.exceptions.RayTaskError("pull", "traceback", ValueError("cursor must be >= -1")).as_instanceof_cause(),
+], ids=["local-type-error", "coordinator-value-error"])
+def test_an_error_that_cannot_pass_stops_the_puller_at_once(handle: _FlakyHandle, error: BaseException) -> None:
+    handle.pull_failures.append(error)
+    client, _ = _client(max_pull_errors=1000)
+    _until(lambda: client._error is not None, "the puller kept running after a non-transient error")
+    assert client._error is error
+    assert client._stats["pull_errors"] == 0
+    with pytest.raises(RuntimeError, match="puller thread failed"):
+        client.publish(0)
+
+
+def test_a_publish_the_coordinator_lost_is_counted_not_resent(handle: _FlakyHandle, caplog) -> None:
+    handle.publish_failures.append(ray.exceptions.ActorDiedError())
+    client, _ = _client()
+    client.record(5, [1, 2])
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
+        client.publish(3)
+        _until(lambda: client.stats()["publish_errors"] == 1, "the lost publish was not counted")
+    assert any("publish of step 3 by replica 0" in r.getMessage() and "lost" in r.getMessage()
+               for r in caplog.records)
+    assert handle.coord.stats()["publishes"] == 0  # not resent
+    client.record(5, [1, 2])
+    client.publish(4)  # the client goes on
+    client.flush()
+    assert handle.coord.stats()["publishes"] == 1
+    client.close()
+
+
+def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -> None:
+    """A coordinator restarted by Ray (or replaced by the driver) numbers publications from 0
+    again; the old cursor would skip the new one's first publications."""
+    client, sink = _client()
+    for step in range(3):
+        _publish_for_replica_0(handle.coord, step, 100 + step)
+    _until(lambda: len(sink.got) == 3, "the first publications were not pulled")
+    fresh = _FlakyHandle()
+    _publish_for_replica_0(fresh.coord, 3, 200)
+    handle.pull_failures.append(ray.exceptions.ActorDiedError())
+    handle.lookups["handle"] = fresh  # looked up again after the failed pull
+    _until(lambda: len(sink.got) == 4, "the replaced coordinator's publication was skipped")
+    assert sink.got[-1] == [200, 2, 3]
+    stats = client.stats()
+    assert stats["coordinator_resets"] == 1 and stats["pull_errors"] == 1
+    client.close()
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), (1_000_001, ValueError), (2.0, TypeError)])
+def test_max_pull_errors_is_checked(value: Any, exc: type) -> None:
+    with pytest.raises(exc, match="max_pull_errors"):
+        SharedIndexConfig(replica_id=0, num_replicas=1, max_pull_errors=value)
