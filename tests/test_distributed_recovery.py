@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -57,10 +58,14 @@ class _FlakyHandle:
         self.coord = IndexCoordinator()
         self.pull_failures: list[BaseException] = []
         self.publish_failures: list[BaseException] = []
+        self.hanging_pulls = 0
         self.lookups: dict[str, _FlakyHandle] = {"handle": self}  # what a lookup by name finds
 
     @property
-    def pull(self) -> _Method:
+    def pull(self) -> Any:
+        if self.hanging_pulls:
+            self.hanging_pulls -= 1
+            return SimpleNamespace(remote=lambda *args: _HangingRef())
         return _Method(self.coord.pull, self.pull_failures)
 
     @property
@@ -76,7 +81,18 @@ class _Sink:
         self.got += [list(s) for s in seqs]
 
 
+class _HangingRef:
+    """A call whose coordinator never answers: ``ray.get`` waits out its timeout (without one it
+    would wait for good; here 30 s, beyond any test's patience)."""
+
+    def get(self, timeout: Any = None) -> Any:
+        time.sleep(30.0 if timeout is None else min(timeout, 30.0))
+        raise ray.exceptions.GetTimeoutError(f"no answer within {timeout} s")
+
+
 def _fake_get(refs: Any, timeout: Any = None) -> Any:
+    if isinstance(refs, _HangingRef):
+        return refs.get(timeout)
     return [r.get() for r in refs] if isinstance(refs, list) else refs.get()
 
 
@@ -90,10 +106,10 @@ def handle(monkeypatch: pytest.MonkeyPatch) -> _FlakyHandle:
     return fake
 
 
-def _client(max_pull_errors: int = 3) -> tuple[SharedIndexClient, _Sink]:
+def _client(max_pull_errors: int = 3, pull_timeout_s: float = 60.0) -> tuple[SharedIndexClient, _Sink]:
     sink = _Sink()
     cfg = SharedIndexConfig(replica_id=0, num_replicas=2, poll_interval_s=0.001, max_poll_interval_s=0.004,
-                            max_pull_errors=max_pull_errors)
+                            max_pull_errors=max_pull_errors, pull_timeout_s=pull_timeout_s)
     return SharedIndexClient(sink, cfg), sink
 
 
@@ -212,3 +228,19 @@ def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -
 def test_max_pull_errors_is_checked(value: Any, exc: type) -> None:
     with pytest.raises(exc, match="max_pull_errors"):
         SharedIndexConfig(replica_id=0, num_replicas=1, max_pull_errors=value)
+
+
+def test_a_pull_that_hangs_times_out_and_is_retried(handle: _FlakyHandle) -> None:
+    """A coordinator that hangs without failing used to hold the puller for good."""
+    handle.hanging_pulls = 1
+    client, sink = _client(pull_timeout_s=0.05)
+    _publish_for_replica_0(handle.coord, 0, 100)
+    _until(lambda: sink.got == [[100, 2, 3]], "the puller stayed on the hanging pull")
+    assert client.stats()["pull_errors"] == 1
+    client.close()
+
+
+@pytest.mark.parametrize("value, exc", [(0.0, ValueError), (86401.0, ValueError), ("1", TypeError)])
+def test_pull_timeout_s_is_checked(value: Any, exc: type) -> None:
+    with pytest.raises(exc, match=r"pull_timeout_s must be"):
+        SharedIndexConfig(replica_id=0, num_replicas=1, pull_timeout_s=value)

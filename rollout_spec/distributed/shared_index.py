@@ -77,6 +77,10 @@ class SharedIndexConfig:
     small chunk (the drafter indexes a few microseconds per token)."""
     lookup_timeout_s: float = 60.0
     """How long a starting replica waits for the driver to create the coordinators."""
+    pull_timeout_s: float = 60.0
+    """How long one pull waits for its coordinator, in (0, 86400]; a pull that takes longer fails
+    with Ray's ``GetTimeoutError`` and counts toward ``max_pull_errors``, so a coordinator that
+    hangs without failing does not hold the puller for good."""
     max_pull_errors: int = 10
     """Failed pulls in a row, of errors that may pass (see ``transient_ray_error``), after which
     the puller stops; in [1, 1000000] (1: stop at the first, as any other error does). The pause
@@ -97,6 +101,7 @@ class SharedIndexConfig:
         put("num_shards", check_int("num_shards", self.num_shards, 1, 4096))
         put("router_seed", check_int("router_seed", self.router_seed, 0, 2**63 - 1))
         put("lookup_timeout_s", check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0))
+        put("pull_timeout_s", check_float("pull_timeout_s", self.pull_timeout_s, 0.0, 86400.0, lo_open=True))
         put("apply_chunk_sequences", check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20))
         put("max_pull_errors", check_int("max_pull_errors", self.max_pull_errors, 1, 1_000_000))
         if not isinstance(self.apply_in_thread, bool):
@@ -375,7 +380,7 @@ class SharedIndexClient:
 
         own = sorted(self._published_steps) if cursor < 0 else None
         return ray.get(self._coords[self._shard].pull.remote(
-            self.config.replica_id, cursor, self.config.ingest_budget_tokens, own))
+            self.config.replica_id, cursor, self.config.ingest_budget_tokens, own), timeout=self.config.pull_timeout_s)
 
     def _ingest(self, groups: list[Optional[int]], seqs: list[list[int]]) -> int:
         t0 = time.perf_counter()
