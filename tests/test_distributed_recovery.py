@@ -224,6 +224,43 @@ def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -
     client.close()
 
 
+class _PublishDuringPull(_FlakyHandle):
+    """A handle whose next pull runs ``before_pull`` once after the client sent its arguments, as
+    an owner that publishes while the puller's pull is on its way (its publish arrives first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_pull: Callable[[], Any] | None = None
+
+    @property
+    def pull(self) -> Any:
+        inner = super().pull
+
+        def remote(*args: Any) -> Any:
+            if self.before_pull is not None:
+                run, self.before_pull = self.before_pull, None
+                run()
+            return inner.remote(*args)
+        return SimpleNamespace(remote=remote)
+
+
+def test_an_own_publish_that_lands_before_a_pull_from_the_start_is_not_ingested(handle: _FlakyHandle) -> None:
+    """A pull from the start (the first, or after a coordinator reset) leaves out the steps this
+    process published; one published after the pull sent its list came back and was ingested,
+    so this replica indexed its own responses twice."""
+    racing = _PublishDuringPull()
+    handle.lookups["handle"] = racing
+    sink = _Sink()
+    client = SharedIndexClient(sink, SharedIndexConfig(replica_id=0, num_replicas=2, affinity_k=2), start=False)
+    client.record(5, [1, 2, 3])  # group 5 goes to both replicas, this one included
+    racing.before_pull = lambda: client.publish(0)
+    client.poll()
+    client.apply()
+    assert racing.coord.stats()["publishes"] == 1  # the publish reached the coordinator first
+    assert sink.got == []
+    assert client.stats()["entries_fetched"] == 0
+
+
 @pytest.mark.parametrize("value, exc", [(0, ValueError), (1_000_001, ValueError), (2.0, TypeError)])
 def test_max_pull_errors_is_checked(value: Any, exc: type) -> None:
     with pytest.raises(exc, match="max_pull_errors"):

@@ -27,8 +27,8 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
-from rollout_spec.distributed.coordinator import Pulled, coordinator_handles
-from rollout_spec.distributed.packing import split_by_destination, unpack
+from rollout_spec.distributed.coordinator import Entry, Pulled, coordinator_handles
+from rollout_spec.distributed.packing import Bucket, split_by_destination, unpack
 from rollout_spec.token_ids import token_array
 from rollout_spec.distributed.router import GroupRouter
 from rollout_spec.groups import GROUP_ID_MAX
@@ -229,12 +229,13 @@ class SharedIndexClient:
             self._instance = got.instance
             self._cursor = got.head
             self._latest_step = max(self._latest_step, got.latest_step)
-            batches = [unpack(bucket) for bucket in got.buckets()]
+            kept = self._not_published_here(got)
+            batches = [unpack(bucket) for _, bucket in kept]
             with self._stage_lock:
                 self._staged.extend(batches)
             fetched = sum(len(seqs) for _, seqs in batches)
             self._add_stats(fetch_s=time.perf_counter() - t0, fetched_bytes=got.payload.nbytes,
-                            fetched_tokens=sum(e.tokens for e in got.entries), entries_fetched=len(got.entries),
+                            fetched_tokens=sum(e.tokens for e, _ in kept), entries_fetched=len(kept),
                             entries_over_budget=got.over_budget, pulls=1)
             return fetched
 
@@ -372,6 +373,18 @@ class SharedIndexClient:
             self._coords = coordinator_handles(cfg.name, cfg.num_shards, cfg.namespace, 0.0)
         except LookupError as err:  # none under the name yet: keep the old handles, retry later
             logger.warning("shared-index replica %d: %s", cfg.replica_id, err)
+
+    def _not_published_here(self, got: Pulled) -> list[tuple[Entry, Bucket]]:
+        """The pulled entries and buckets, less our own of steps this process published.
+
+        A pull from the start sends the steps published so far, but the owner may publish
+        another before the coordinator answers (a pull after a coordinator reset runs while
+        the owner publishes): that step's buckets for us come back and would be ingested twice.
+        A step is recorded before its publish is sent, so the set read here has it.
+        """
+        published = set(self._published_steps)
+        return [(e, b) for e, b in zip(got.entries, got.buckets())
+                if e.src != self.config.replica_id or e.step not in published]
 
     def _pull(self, cursor: int) -> Pulled:
         """One pull from our shard after ``cursor``; at -1 our own steps from this process are
