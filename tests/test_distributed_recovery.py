@@ -224,6 +224,44 @@ def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -
     client.close()
 
 
+class _FailFromTheStart(_FlakyHandle):
+    """A handle whose first pull from the start (cursor -1) fails as a dying actor's would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    @property
+    def pull(self) -> Any:
+        inner = super().pull
+
+        def remote(dest: int, cursor: int, *args: Any) -> Any:
+            if cursor == -1 and not self.failed:
+                self.failed = True
+                return _Method(self.coord.pull, [ray.exceptions.ActorDiedError()]).remote()
+            return inner.remote(dest, cursor, *args)
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_reset_whose_pull_from_the_start_fails_is_counted_once_and_read_from_the_start(
+        handle: _FlakyHandle) -> None:
+    """The retry after a failed pull from the start saw the reset again and counted it twice;
+    it must still pull from the start, not from the old coordinator's cursor."""
+    client, sink = _client()
+    for step in range(3):
+        _publish_for_replica_0(handle.coord, step, 100 + step)
+    _until(lambda: len(sink.got) == 3, "the first publications were not pulled")
+    fresh = _FailFromTheStart()
+    _publish_for_replica_0(fresh.coord, 3, 200)
+    handle.lookups["handle"] = fresh
+    handle.pull_failures.append(ray.exceptions.ActorDiedError())
+    _until(lambda: len(sink.got) == 4, "the replaced coordinator's publication was skipped")
+    assert fresh.failed and sink.got[-1] == [200, 2, 3]
+    stats = client.stats()
+    assert stats["coordinator_resets"] == 1 and stats["pull_errors"] == 2
+    client.close()
+
+
 class _PublishDuringPull(_FlakyHandle):
     """A handle whose next pull runs ``before_pull`` once after the client sent its arguments, as
     an owner that publishes while the puller's pull is on its way (its publish arrives first)."""

@@ -223,6 +223,8 @@ class SharedIndexClient:
                                "what it held is lost; pulling all the new one holds",
                                self._shard, self.config.replica_id)
                 self._add_stats(coordinator_resets=1)
+                # the old cursor means nothing to the new one, even if this pull fails
+                self._cursor, self._instance = -1, got.instance
                 got = self._pull(-1)
             if self._instance is None:
                 self._step_at_join = got.latest_step
