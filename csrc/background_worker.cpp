@@ -4,48 +4,65 @@
 
 namespace rollout_spec {
 
+namespace {
+long this_process() { return static_cast<long>(getpid()); }
+}  // namespace
+
+BackgroundWorker::BackgroundWorker() : state_(std::make_unique<State>()) {}
+
 BackgroundWorker::~BackgroundWorker() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+  if (pid_ != 0 && pid_ != this_process()) {
+    (void)state_.release();  // a forked child's copy: see the header
+    return;
   }
-  wake_.notify_one();
-  if (thread_.joinable() && pid_ == static_cast<long>(getpid())) thread_.join();
-  else if (thread_.joinable()) thread_.detach();  // a forked child's copy names no thread
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
+  }
+  state_->wake.notify_one();
+  if (state_->thread.joinable()) state_->thread.join();
+}
+
+BackgroundWorker::State& BackgroundWorker::own_state() {
+  if (pid_ != 0 && pid_ != this_process()) {
+    (void)state_.release();
+    state_ = std::make_unique<State>();
+    pid_ = 0;
+  }
+  return *state_;
 }
 
 void BackgroundWorker::start() {
-  std::lock_guard<std::mutex> lock(mu_);
-  start_locked();
+  State& state = own_state();
+  std::lock_guard<std::mutex> lock(state.mu);
+  start_locked(state);
 }
 
-void BackgroundWorker::start_locked() {
-  const long pid = static_cast<long>(getpid());
-  if (thread_.joinable() && pid_ == pid) return;
-  std::thread started([this] { loop(); });  // may throw: then nothing here has changed
-  if (thread_.joinable()) thread_.detach();
-  thread_ = std::move(started);
-  pid_ = pid;
+void BackgroundWorker::start_locked(State& state) {
+  if (state.thread.joinable()) return;
+  state.thread = std::thread([&state] { loop(state); });  // may throw: then nothing has changed
+  pid_ = this_process();
 }
 
 void BackgroundWorker::post(std::function<void()> job) {
+  State& state = own_state();
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    start_locked();
-    jobs_.push_back(std::move(job));
+    std::lock_guard<std::mutex> lock(state.mu);
+    start_locked(state);
+    state.jobs.push_back(std::move(job));
   }
-  wake_.notify_one();
+  state.wake.notify_one();
 }
 
-void BackgroundWorker::loop() {
+void BackgroundWorker::loop(State& state) {
   for (;;) {
     std::function<void()> job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping, nothing left
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      std::unique_lock<std::mutex> lock(state.mu);
+      state.wake.wait(lock, [&] { return state.stop || !state.jobs.empty(); });
+      if (state.jobs.empty()) return;  // stopping, nothing left
+      job = std::move(state.jobs.front());
+      state.jobs.pop_front();
     }
     job();
   }

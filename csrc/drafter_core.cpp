@@ -9,6 +9,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include <unistd.h>
+
 namespace rollout_spec {
 namespace {
 
@@ -35,7 +37,11 @@ DrafterCore::DrafterCore(const CoreConfig& cfg)
   threads_ = cfg.propose_threads > 0 ? cfg.propose_threads : std::max(1, std::min(8, hw / 2));
 }
 
-DrafterCore::~DrafterCore() = default;
+DrafterCore::~DrafterCore() {
+  // A forked child's copy of the parent's pool names threads that do not exist here, and its
+  // condition variables may count them as waiters: it is left behind, as pool() does.
+  if (pool_ && pool_pid_ != static_cast<long>(getpid())) (void)pool_.release();
+}
 
 ChainIndex DrafterCore::empty_global_index(const CoreConfig& cfg) {
   return ChainIndex(std::max(cfg.chain_walk, cfg.global_unigram_walk), kGlobalKeys);

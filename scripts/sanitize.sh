@@ -18,7 +18,8 @@ case "$kind" in
     tests=(tests/test_drafter.py tests/test_drafter_errors.py tests/test_drafter_noise.py
            tests/test_drafter_parallel.py tests/test_drafter_reference.py
            tests/test_drafter_stress.py tests/test_propose_ahead.py tests/test_tree.py
-           tests/test_tree_contract.py tests/test_replay.py tests/test_drafter_checkpoint_corrupt.py)
+           tests/test_tree_contract.py tests/test_replay.py tests/test_drafter_checkpoint_corrupt.py
+           tests/test_drafter_fork.py)
     ;;
   thread)
     flags="-fsanitize=thread"
