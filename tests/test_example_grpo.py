@@ -57,6 +57,24 @@ def test_one_grpo_step_changes_and_syncs_weights(tmp_path_factory):
     assert flat["actor/samples_with_signal"] == 0 and "actor/logprob_gap" not in flat  # not a zero
 
 
+def test_the_timed_passes_alternate_which_goes_first(tmp_path_factory):
+    """The plain pass always went first, so it alone paid the first call's warm-up."""
+    grpo = _example()
+    model = tiny_model_dir(tmp_path_factory.getbasetemp())
+    args = grpo.parse_args(["--model", str(model), "--device", "cpu", "--steps", "2", "--prompts", "1",
+                            "--n", "2", "--max-new-tokens", "4", "--wandb", "disabled"])
+    loaded = grpo.load(args)
+    engine, base, _ = loaded
+    order = []
+    for name, e in (("spec", engine), ("base", base)):
+        def generate(*a, _inner=e.generate, _name=name, **kw):
+            order.append(_name)
+            return _inner(*a, **kw)
+        e.generate = generate
+    grpo.train(args, reward_fn=lambda prompt, text, ids: 1.0, loaded=loaded)
+    assert order == ["base", "spec", "spec", "base"]
+
+
 BAD_OPTIONS = [
     (["--micro-batch", "-1"], "--micro-batch must be in [1,"),
     (["--micro-batch", "0"], "--micro-batch must be in [1,"),
