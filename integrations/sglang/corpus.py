@@ -14,6 +14,7 @@ update) is the RL step boundary, so history survives it.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -31,30 +32,32 @@ SEPARATOR_TOKEN = -(2**31)
 """What SGLang puts between the documents of an external corpus (``cpp_ngram/external_corpus.py``)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     """What the adapter knows of one live SGLang request."""
 
     drafter_id: int  # our int id for SGLang's string rid
     known_len: int  # prompt + output tokens the drafter has seen the end of
-    last_tail: tuple[int, ...] = ()  # tokens of the latest batch_get, to recognise batch_put
 
 
 @dataclass
 class _Pending:
-    """Starts and extends of one batch_get, sent to the drafter in two batched calls."""
+    """Starts and extends of one batch_get, sent to the drafter in two batched calls.
+
+    Tokens are lists of Python ints as SGLang sends them, the form the drafter converts natively.
+    """
 
     starts: list = field(default_factory=list)  # (drafter id, tokens, group id or None)
-    extends: list = field(default_factory=list)  # (drafter id, new tokens)
+    extend_ids: list = field(default_factory=list)  # drafter ids of the extended requests
+    extend_tokens: list = field(default_factory=list)  # their new tokens, in the same order
 
     def flush(self, drafter: Any) -> None:
         """Send the held starts, then the held extends, to ``drafter`` as two batch calls."""
         if self.starts:
             ids, prompts, groups = zip(*self.starts)
             drafter.start_batch(list(ids), list(prompts), list(groups))
-        if self.extends:
-            ids, tokens = zip(*self.extends)
-            drafter.extend_batch(list(ids), list(tokens))
+        if self.extend_ids:
+            drafter.extend_batch(self.extend_ids, self.extend_tokens)
 
 
 class RolloutSpecCorpus:
@@ -105,7 +108,8 @@ class RolloutSpecCorpus:
         self._budget = min(spec.num_draft_tokens, draft_token_num - 1)
         self._live: dict[str, _Request] = {}
         self._tracked: dict[str, Any] = {}  # SGLang Req of each rid of a decode batch, until it leaves
-        self._last_get: list[str] = []
+        self._last_get: list[str] = []  # rids of the latest batch_get, to recognise batch_put
+        self._last_tails: list[list[int]] = []  # and their tails
         self._next_id = 0
         self._corpora: dict[str, int] = {}
         self._counters = dict(requests=0, gets=0, gap_tokens=0, restarts=0, steps=0,
@@ -139,25 +143,20 @@ class RolloutSpecCorpus:
             )
         if len(set(req_ids)) != len(req_ids):
             raise ValueError("req_ids must not repeat within one batch_get")
-        tails = [tuple(toks) for toks in batch_tokens]
-        lens = [int(n) for n in total_lens]
-        for rid, tail, total_len in zip(req_ids, tails, lens):
-            if not tail:
-                raise ValueError(f"batch_tokens for request {rid!r} is empty; SGLang always sends >= 1 token")
-            if total_len < len(tail):
-                raise ValueError(f"total_lens for request {rid!r} is {total_len}, below its {len(tail)} tokens")
+        tails = list(map(list, batch_tokens))  # copies: batch_put compares against them
+        lens = list(map(int, total_lens))
+        _check_tails(req_ids, tails, lens)
         pending = _Pending()
         try:
-            drafter_ids = [self._sync(rid, tail, n, pending) for rid, tail, n in zip(req_ids, tails, lens)]
+            drafter_ids = self._sync_batch(req_ids, tails, lens, pending)
             pending.flush(self.drafter)
         except Exception:
             self._drop(req_ids)
             raise
-        self._last_get = list(req_ids)
+        self._last_get, self._last_tails = list(req_ids), tails
         self._counters["gets"] += 1
         batch = self.drafter.propose(drafter_ids, [self._budget] * len(drafter_ids))
-        roots = [self._live[rid].last_tail[-1] for rid in req_ids]
-        return to_ids_mask(batch, roots, self.draft_token_num)
+        return to_ids_mask(batch, [tail[-1] for tail in tails], self.draft_token_num)
 
     def batch_put(self, batch_tokens: Sequence[Sequence[int]]) -> None:
         """Add token sequences to the global scope.
@@ -166,15 +165,16 @@ class RolloutSpecCorpus:
         tokens already reach the drafter through their request, so they are recognised and
         skipped instead of being indexed again. Anything else is indexed as a new sequence.
         """
-        fresh = []
+        fresh, skipped = [], 0
+        rids, tails, live = self._last_get, self._last_tails, self._live
         for i, seq in enumerate(batch_tokens):
-            tail = tuple(seq)
-            req = self._live.get(self._last_get[i]) if i < len(self._last_get) else None
-            if req is not None and req.last_tail == tail:
-                self._counters["put_skipped"] += 1
+            tail = seq if type(seq) is list else list(seq)
+            if i < len(rids) and rids[i] in live and tails[i] == tail:
+                skipped += 1
             elif tail:
                 fresh.append(tail)
-        self._last_get = []
+        self._counters["put_skipped"] += skipped
+        self._last_get, self._last_tails = [], []
         if fresh:
             self.drafter.add_sequences([None] * len(fresh), fresh)
             self._counters["put_sequences"] += len(fresh)
@@ -211,37 +211,61 @@ class RolloutSpecCorpus:
         """
         self.erase_match_state(list(self._live))
         self._tracked.clear()
-        self._last_get = []
+        self._last_get, self._last_tails = [], []
         if self._committed_since_step > 0:
             self.drafter.end_step()
             self._counters["steps"] += 1
             self._committed_since_step = 0
 
     # ------------------------------------------------------------ request bookkeeping
-    def _sync(self, rid: str, tail: tuple[int, ...], total_len: int, pending: "_Pending") -> int:
-        """Queue in ``pending`` what the drafter lacks of request ``rid`` (a non-empty ``tail``
-        within ``total_len``, checked by ``batch_get``); returns its drafter id."""
-        req = self._live.get(rid)
-        if req is not None and total_len < req.known_len:
+    def _sync_batch(self, req_ids: Sequence[str], tails: list[list[int]], lens: list[int],
+                    pending: _Pending) -> list[int]:
+        """Queue in ``pending`` what the drafter lacks of each request (its non-empty tail within
+        its total length, checked by ``batch_get``); returns their drafter ids.
+
+        One plain loop over the batch: this runs for every request at every decode step, so the
+        usual case (a live request with new tokens) inlines its bookkeeping.
+        """
+        drafter_ids, live = [], self._live
+        extend_ids, extend_tokens = pending.extend_ids, pending.extend_tokens
+        committed = gaps = 0
+        try:
+            for rid, tail, total_len in zip(req_ids, tails, lens):
+                req = live.get(rid)
+                if req is None or total_len < req.known_len:
+                    drafter_ids.append(self._start_request(rid, req, tail, total_len, pending))
+                    continue
+                new = total_len - req.known_len
+                if new > 0:
+                    extend_ids.append(req.drafter_id)
+                    extend_tokens.append(tail[-new:])
+                    tail_len = len(tail)
+                    if new > tail_len:  # more tokens than the tail holds: the rest is a gap
+                        gaps += new - tail_len
+                        committed += tail_len
+                    else:
+                        committed += new
+                req.known_len = total_len
+                drafter_ids.append(req.drafter_id)
+        finally:  # counted as they were queued, even when a later request fails
+            self._counters["gap_tokens"] += gaps
+            self._commit(committed)
+        return drafter_ids
+
+    def _start_request(self, rid: str, req: Optional[_Request], tail: list[int], total_len: int,
+                       pending: _Pending) -> int:
+        """Queue in ``pending`` the start of request ``rid`` from ``tail``: a new request
+        (``req`` None) or one rolled back below what the drafter saw; returns its drafter id."""
+        if req is not None:
             # The request was rolled back (e.g. retracted and re-run): start it over, still
             # tracked (its Req is the batch's), so its last round is read when it leaves.
             self._finish_requests([rid])
             self._counters["restarts"] += 1
-            req = None
-        if req is None:
-            req = self._live[rid] = _Request(self._next_id, total_len, tail)
-            self._next_id += 1
-            pending.starts.append((req.drafter_id, tail, group_from_rid(rid)))
-            self._counters["requests"] += 1
-            self._commit(len(tail))
-            return req.drafter_id
-        new = total_len - req.known_len
-        if new > len(tail):
-            self._counters["gap_tokens"] += new - len(tail)
-        if new > 0:
-            pending.extends.append((req.drafter_id, tail[-new:]))
-            self._commit(min(new, len(tail)))
-        req.known_len, req.last_tail = total_len, tail
+        req = self._live[rid] = _Request(self._next_id, total_len)
+        self._next_id += 1
+        pending.starts.append((req.drafter_id, tail, group_from_rid(rid)))
+        self._counters["requests"] += 1
+        self._commit(len(tail))
         return req.drafter_id
 
     def _extend_final_tokens(self, leaving: list[tuple[str, Any]]) -> None:
@@ -352,6 +376,22 @@ class RolloutSpecCorpus:
         """Adapter counters (requests, gaps, skipped puts, steps, ``final_tokens``: last verify
         rounds' tokens indexed as requests left) merged with the drafter's stats."""
         return {**self._counters, "live_requests": len(self._live), **self.drafter.stats()}
+
+
+def _check_tails(req_ids: Sequence[str], tails: list[list[int]], lens: list[int]) -> None:
+    """Raise unless every tail is non-empty and within its request's total length.
+
+    Raises:
+        ValueError: naming the first request whose tail is empty or longer than its total length.
+    """
+    tail_lens = list(map(len, tails))
+    if 0 not in tail_lens and not any(map(operator.lt, lens, tail_lens)):
+        return
+    for rid, tail_len, total_len in zip(req_ids, tail_lens, lens):
+        if not tail_len:
+            raise ValueError(f"batch_tokens for request {rid!r} is empty; SGLang always sends >= 1 token")
+        if total_len < tail_len:
+            raise ValueError(f"total_lens for request {rid!r} is {total_len}, below its {tail_len} tokens")
 
 
 def _maybe_shared(drafter: Any, spec: SpecConfig) -> Any:
