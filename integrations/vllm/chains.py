@@ -13,7 +13,7 @@ from rollout_spec.config import check_int
 from rollout_spec.groups import GROUP_ID_MAX, text_group_id
 from rollout_spec.tree import DraftBatch
 
-def best_chain(parents: np.ndarray, tokens: np.ndarray, max_len: int) -> list[int]:
+def best_chain(parents: Sequence[int], tokens: Sequence[int], max_len: int) -> list[int]:
     """Tokens of the first-child path of one request's tree slice, at most ``max_len`` long.
 
     Nodes are topologically ordered, so a node's first child is the first later index whose
@@ -42,14 +42,18 @@ def best_chains(batch: DraftBatch, max_lens: Sequence[int]) -> list[list[int]]:
     # drafts always are): slice it instead of walking it
     sizes = batch.sizes()
     local = np.arange(batch.num_nodes) - np.repeat(batch.offsets[:-1].astype(np.int64), sizes)
-    off_chain = np.concatenate([[0], np.cumsum(batch.parents != local - 1)])
+    off_chain = np.concatenate([[0], np.cumsum(batch.parents != local - 1)]).tolist()
+    # Python ints throughout the per-request loop: indexing numpy scalars there cost more than
+    # slicing a chain; the parents are listed only when some slice is a tree
+    parents = batch.parents.tolist() if off_chain[-1] else []
     out = []
     for b in range(batch.num_requests):
         lo, hi = offsets[b], offsets[b + 1]
         if off_chain[hi] == off_chain[lo]:
-            out.append(tokens[lo : min(hi, lo + max(max_lens[b], 0))])
+            cap = max_lens[b]
+            out.append(tokens[lo:hi] if hi - lo <= cap else tokens[lo : lo + max(cap, 0)])
         else:
-            out.append(best_chain(batch.parents[lo:hi], batch.tokens[lo:hi], max_lens[b]))
+            out.append(best_chain(parents[lo:hi], tokens[lo:hi], max_lens[b]))
     return out
 
 

@@ -53,6 +53,14 @@ class StopRule:
 StopLookup = Callable[[str], StopRule]
 
 
+@dataclasses.dataclass(slots=True)
+class _Request:
+    """What the proposer tracks of one request the drafter holds."""
+
+    known: int  # tokens (prompt + output) the drafter holds
+    stop: Optional[StopRule]  # read once, when the request starts; None: nothing is cut
+
+
 class RolloutSpecProposer:
     """Drafts chains for vLLM from one ``NgramDrafter`` per worker process.
 
@@ -89,9 +97,8 @@ class RolloutSpecProposer:
 
             drafter = share_drafter(drafter, self.spec, placement_from_vllm_config(vllm_config))
         self.drafter = drafter
-        self._ids: dict[str, int] = {}
-        self._known: dict[str, int] = {}  # tokens (prompt + output) the drafter holds, by request
-        self._stops: dict[str, Optional[StopRule]] = {}  # by request; None: nothing is cut
+        self._ids: dict[str, int] = {}  # drafter id by vLLM request id
+        self._live: dict[str, _Request] = {}  # the same requests' state
         self._next_id = 0
         self.counters = {"requests_started": 0, "requests_finished": 0, "rows_drafted": 0,
                          "chain_tokens_proposed": 0, "steps_ended": 0}
@@ -135,20 +142,21 @@ class RolloutSpecProposer:
             row = batch.req_id_to_index.get(rid)
             if rid not in self._ids or row is None:
                 continue
-            known = self._known[rid]
-            tail = batch.token_ids_cpu[row, known:int(batch.num_tokens_no_spec[row])].tolist()
-            tail, _ = self._kept(tail, known, int(batch.num_prompt_tokens[row]), self._stops[rid])
+            req = self._live[rid]
+            tail = batch.token_ids_cpu[row, req.known:int(batch.num_tokens_no_spec[row])].tolist()
+            tail, _ = self._kept(tail, req.known, int(batch.num_prompt_tokens[row]), req.stop)
             if tail:
                 ids.append(self._ids[rid])
                 tails.append(tail)
-                self._known[rid] = known + len(tail)
+                req.known += len(tail)
         if ids:
             self.drafter.extend_batch(ids, tails)
         self.finish(done)
         cached = scheduler_output.scheduled_cached_reqs
+        live, requests = self._live, runner.requests
         self.finish([
             rid for rid, kept in zip(cached.req_ids, cached.num_output_tokens)
-            if rid in self._known and runner.requests[rid].num_prompt_tokens + kept < self._known[rid]
+            if rid in live and requests[rid].num_prompt_tokens + kept < live[rid].known
         ])
 
     def propose_for_runner(
@@ -190,23 +198,27 @@ class RolloutSpecProposer:
         request (by ``stop_of(req_id)``, read once when the request starts, or ``max_model_len``;
         without ``stop_of`` nothing is cut); that row gets no draft and is finished here.
         """
-        drafts: list[list[int]] = [[] for _ in req_ids]
+        num_rows = len(req_ids)
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        # One plain loop per batch, as lists of Python ints: this runs for every row at every
+        # decode step, and reading numpy scalars row by row cost more than the row's bookkeeping.
+        # The tails stay lists of Python ints, the form the drafter converts natively.
+        ends, prompt_lens = num_tokens[:num_rows].tolist(), num_prompt_tokens[:num_rows].tolist()
+        ids_of, live, max_len = self._ids, self._live, self.max_model_len
         rows, ids, caps = [], [], []  # the rows drafted for
         new_ids, tails, stopped = [], [], []
         for i, (rid, new) in enumerate(zip(req_ids, sampled_token_ids)):
-            n = int(num_tokens[i])
-            if len(new) == 0 or n >= self.max_model_len:
+            n = ends[i]
+            if len(new) == 0 or n >= max_len:
                 continue
-            p = int(num_prompt_tokens[i])
-            int_id = self._ids.get(rid)
+            p = prompt_lens[i]
+            int_id = ids_of.get(rid)
             if int_id is None:
-                stop = stop_of(rid) if stop_of is not None else None  # before the drafter knows it
-                int_id = self._start(rid, token_ids[i, :p], group_of(rid, token_ids[i, :p]))
-                self._known[rid] = p  # all output so far follows: covers requests seen mid-flight
-                self._stops[rid] = stop
-            known = self._known[rid]
-            tail, stops = self._kept(token_ids[i, known:n].tolist(), known, p, self._stops[rid])
-            self._known[rid] = known + len(tail)
+                int_id = self._start_row(rid, token_ids[i, :p], p, group_of, stop_of)
+            req = live[rid]
+            known = req.known
+            tail, stops = self._kept(token_ids[i, known:n].tolist(), known, p, req.stop)
+            req.known = known + len(tail)
             new_ids.append(int_id)
             tails.append(tail)
             if stops:
@@ -214,7 +226,8 @@ class RolloutSpecProposer:
                 continue
             rows.append(i)
             ids.append(int_id)
-            caps.append(min(k, self.max_model_len - n - 1))
+            room = max_len - n - 1
+            caps.append(k if k < room else room)  # min(k, room), without a builtin call per row
         if new_ids:
             self.drafter.extend_batch(new_ids, tails)
         if not ids:
@@ -224,8 +237,8 @@ class RolloutSpecProposer:
         self.finish(stopped)
         for i, chain in zip(rows, chains):
             drafts[i] = chain
-        self.counters["rows_drafted"] += sum(1 for c in chains if c)
-        self.counters["chain_tokens_proposed"] += sum(len(c) for c in chains)
+        self.counters["rows_drafted"] += sum(map(bool, chains))
+        self.counters["chain_tokens_proposed"] += sum(map(len, chains))
         return drafts
 
     def finish(self, req_ids: Iterable[str]) -> None:
@@ -234,7 +247,7 @@ class RolloutSpecProposer:
         for r in req_ids:
             if r in self._ids:
                 done.append(self._ids.pop(r))
-                del self._known[r], self._stops[r]
+                del self._live[r]
         if done:
             self.drafter.finish_batch(done)
             self.counters["requests_finished"] += len(done)
@@ -263,6 +276,12 @@ class RolloutSpecProposer:
         tokens on (vLLM's sampler masks them before; some vLLM releases also check it first)."""
         if stop is None:
             return tail, False
+        # the usual tail (every row, every step): its last token is below both length caps,
+        # and it holds no stop id
+        end = start + len(tail)
+        if (end < self.max_model_len and end - num_prompt < stop.max_tokens
+                and stop.stop_ids.isdisjoint(tail)):
+            return tail, False
         for j, token in enumerate(tail):
             length = start + j + 1  # the request's tokens once this one is in
             out = length - num_prompt  # and its output tokens
@@ -270,6 +289,16 @@ class RolloutSpecProposer:
                     or (out >= stop.min_tokens and token in stop.stop_ids)):
                 return tail[: j + 1], True
         return tail, False
+
+    def _start_row(self, req_id: str, prompt: np.ndarray, num_prompt: int, group_of: GroupLookup,
+                   stop_of: Optional[StopLookup]) -> int:
+        """Start request ``req_id`` in the drafter from its row's ``prompt`` (``num_prompt``
+        tokens); returns its drafter id. All output so far follows as the row's tail: this
+        covers requests seen mid-flight."""
+        stop = stop_of(req_id) if stop_of is not None else None  # before the drafter knows it
+        int_id = self._start(req_id, prompt, group_of(req_id, prompt))
+        self._live[req_id] = _Request(known=num_prompt, stop=stop)
+        return int_id
 
     def _start(self, req_id: str, prompt: np.ndarray, group_id: int) -> int:
         int_id = self._next_id

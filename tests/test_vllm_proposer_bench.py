@@ -1,0 +1,45 @@
+"""CPU smoke runs of ``bench/vllm_proposer_bench.py``: its table, the digests that compare two
+versions of the proposer, and its flag errors."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from argument_errors import argument_error  # noqa: E402
+import vllm_proposer_bench  # noqa: E402
+from markdown_table import table_rows  # noqa: E402
+from rollout_spec.replay import save_trace  # noqa: E402
+from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
+
+
+def small_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "t.json.gz"
+    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=5)), path)
+    return path
+
+
+def test_replays_print_a_row_per_step_and_write_matching_digests(tmp_path, capsys) -> None:
+    trace, digest = small_trace(tmp_path), tmp_path / "d.json"
+    vllm_proposer_bench.main(["--trace", str(trace), "--max-live", "8", "--repeat", "2",
+                              "--digest", str(digest)])
+    rows = table_rows(capsys.readouterr().out)
+    assert [r[1] for r in rows] == ["0", "1"]
+    assert all(int(r[2]) > 0 and float(r[3]) >= 1.0 for r in rows)
+    assert float(rows[1][3]) > 1.0  # step 1 drafts from step 0's siblings, which share spans
+    assert all(len(r[4].split("(")[1].split()) == 2 for r in rows)  # both runs' figures shown
+    steps = json.loads(digest.read_text())["t"]
+    assert len(steps) == 2 and all(steps)
+    vllm_proposer_bench.main(["--trace", str(trace), "--max-live", "8", "--digest", str(digest)])
+    assert json.loads(digest.read_text())["t"] == steps  # the same proposer proposes the same
+    vllm_proposer_bench.main(["--trace", str(trace), "--max-live", "8", "--tree", "--digest", str(digest)])
+    assert json.loads(digest.read_text())["t"] != steps  # trees are not the chains
+
+
+def test_bad_flags_are_argument_errors(tmp_path, capsys) -> None:
+    trace = str(small_trace(tmp_path))
+    for flag, value in (("--max-live", "0"), ("--k", "65"), ("--repeat", "0")):
+        assert f"{flag} must be in" in argument_error(vllm_proposer_bench.main, ["--trace", trace, flag, value],
+                                                      capsys)
