@@ -41,7 +41,7 @@ from rollout_spec.cli_args import int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.integrations.vllm import engine_kwargs  # noqa: E402
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer  # noqa: E402
-from rollout_spec.replay import Trace  # noqa: E402
+from rollout_spec.replay import Trace, accepted_length  # noqa: E402
 from trace_files import load_traces  # noqa: E402
 
 MAX_MODEL_LEN = 2048
@@ -116,16 +116,6 @@ class StepCost:
         return 1e6 * self.seconds / max(self.request_steps, 1)
 
 
-def accepted_prefix(draft: list[int], target: list[int]) -> int:
-    """How many leading draft tokens the recorded continuation ``target`` agrees with."""
-    n = 0
-    for d, t in zip(draft, target):
-        if d != t:
-            break
-        n += 1
-    return n
-
-
 def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: int) -> StepCost:
     """Replay one RL step's responses through ``prop`` lock-step (module docstring)."""
     rows = trace.steps[step]
@@ -165,7 +155,8 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
         sampled = []
         for row, rid in enumerate(batch.req_ids):
             resp, p = responses[rid], pos[rid]
-            n = min(accepted_prefix(drafts[rid], resp[p:]) + 1, len(resp) - p)
+            chain = drafts[rid]  # a tree whose node i is the child of node i - 1
+            n = min(accepted_length(chain, range(-1, len(chain) - 1), resp[p:]) + 1, len(resp) - p)
             sampled.append(resp[p:p + n])
             batch.commit(row, sampled[-1])
             cost.tokens += n

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from argument_errors import argument_error, hide_cuda  # noqa: E402
+from bench_traces import small_trace  # noqa: E402
 import budget_overhead  # noqa: E402
 import draft_size_yield  # noqa: E402
 import drained_call  # noqa: E402
@@ -25,8 +26,7 @@ from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
 
 
 def test_draft_size_yield_prints_three_estimates_per_size(tmp_path, capsys) -> None:
-    path = tmp_path / "t.json.gz"
-    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=3)), path)
+    path = small_trace(tmp_path, seed=3)
     draft_size_yield.main(["--trace", str(path), "--steps", "2", "--max-live", "8"])
     rows = {r[1]: [float(x) for x in r[2:]] for r in table_rows(capsys.readouterr().out)}
     assert set(rows) == {"proposed at k", "prefix of 8-node trees", "per-depth model"}
@@ -95,8 +95,7 @@ def test_budget_overhead_bad_flags(argv, message, capsys) -> None:
 def test_drained_call_prints_both_rules_per_step(tmp_path, capsys) -> None:
     """Each RL step's row: the plain call's modelled seconds, and each rule's speedup and TPF
     (synthetic siblings share long spans, so a drafting rule gains)."""
-    path = tmp_path / "t.json.gz"
-    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=3)), path)
+    path = small_trace(tmp_path, seed=3)
     drained_call.main(["--trace", str(path), "--batch", "8"])
     rows = table_rows(capsys.readouterr().out)
     assert [r[1] for r in rows] == ["0", "1"]

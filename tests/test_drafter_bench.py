@@ -10,16 +10,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from argument_errors import argument_error  # noqa: E402
+from bench_traces import small_trace  # noqa: E402
 import drafter_bench  # noqa: E402
 from rollout_spec.replay import StepResult, Trace, save_trace  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
-from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
-
-
-def small_trace(tmp_path: Path) -> Path:
-    path = tmp_path / "t.json.gz"
-    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=5)), path)
-    return path
 
 
 def test_repeated_replays_print_the_median_run_and_the_range(tmp_path, capsys) -> None:

@@ -9,16 +9,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from argument_errors import argument_error  # noqa: E402
+from bench_traces import small_trace  # noqa: E402
 import vllm_proposer_bench  # noqa: E402
 from markdown_table import table_rows  # noqa: E402
-from rollout_spec.replay import save_trace  # noqa: E402
-from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
-
-
-def small_trace(tmp_path: Path) -> Path:
-    path = tmp_path / "t.json.gz"
-    save_trace(make_synthetic_trace(SyntheticSpec(prompts=4, n=4, steps=2, max_tokens=120, seed=5)), path)
-    return path
 
 
 def test_replays_print_a_row_per_step_and_write_matching_digests(tmp_path, capsys) -> None:
