@@ -206,19 +206,25 @@ def test_a_publish_the_coordinator_lost_is_counted_not_resent(handle: _FlakyHand
     client.close()
 
 
-def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -> None:
-    """A coordinator restarted by Ray (or replaced by the driver) numbers publications from 0
-    again; the old cursor would skip the new one's first publications."""
+def _replace_after_three_pulled(handle: _FlakyHandle, fresh: _FlakyHandle) -> tuple[SharedIndexClient, _Sink]:
+    """A client that pulled three publications from ``handle``, whose coordinator then dies and
+    is replaced by ``fresh`` (holding one publication, step 3); returns once it is pulled."""
     client, sink = _client()
     for step in range(3):
         _publish_for_replica_0(handle.coord, step, 100 + step)
     _until(lambda: len(sink.got) == 3, "the first publications were not pulled")
-    fresh = _FlakyHandle()
     _publish_for_replica_0(fresh.coord, 3, 200)
+    handle.lookups["handle"] = fresh  # what the lookup after the failed pull below finds
     handle.pull_failures.append(ray.exceptions.ActorDiedError())
-    handle.lookups["handle"] = fresh  # looked up again after the failed pull
     _until(lambda: len(sink.got) == 4, "the replaced coordinator's publication was skipped")
     assert sink.got[-1] == [200, 2, 3]
+    return client, sink
+
+
+def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -> None:
+    """A coordinator restarted by Ray (or replaced by the driver) numbers publications from 0
+    again; the old cursor would skip the new one's first publications."""
+    client, _ = _replace_after_three_pulled(handle, _FlakyHandle())
     stats = client.stats()
     assert stats["coordinator_resets"] == 1 and stats["pull_errors"] == 1
     client.close()
@@ -247,16 +253,9 @@ def test_a_reset_whose_pull_from_the_start_fails_is_counted_once_and_read_from_t
         handle: _FlakyHandle) -> None:
     """The retry after a failed pull from the start saw the reset again and counted it twice;
     it must still pull from the start, not from the old coordinator's cursor."""
-    client, sink = _client()
-    for step in range(3):
-        _publish_for_replica_0(handle.coord, step, 100 + step)
-    _until(lambda: len(sink.got) == 3, "the first publications were not pulled")
     fresh = _FailFromTheStart()
-    _publish_for_replica_0(fresh.coord, 3, 200)
-    handle.lookups["handle"] = fresh
-    handle.pull_failures.append(ray.exceptions.ActorDiedError())
-    _until(lambda: len(sink.got) == 4, "the replaced coordinator's publication was skipped")
-    assert fresh.failed and sink.got[-1] == [200, 2, 3]
+    client, _ = _replace_after_three_pulled(handle, fresh)
+    assert fresh.failed
     stats = client.stats()
     assert stats["coordinator_resets"] == 1 and stats["pull_errors"] == 2
     client.close()

@@ -132,7 +132,7 @@ class SharedIndexClient:
         self.drafter = drafter
         self.config = config
         self.router = GroupRouter(config.num_replicas, seed=config.router_seed)
-        self._coords = coordinator_handles(config.name, config.num_shards, config.namespace, config.lookup_timeout_s)
+        self._coords = self._look_up_coordinators(config.lookup_timeout_s)
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
         self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
@@ -308,12 +308,11 @@ class SharedIndexClient:
             old.join(timeout=timeout_s)  # it has failed or been told to stop: it is leaving its loop
             if old.is_alive():
                 raise RuntimeError(f"the stopped shared-index puller did not exit within {timeout_s} s")
-        cfg = self.config
-        self._coords = coordinator_handles(cfg.name, cfg.num_shards, cfg.namespace, cfg.lookup_timeout_s)
+        self._coords = self._look_up_coordinators(self.config.lookup_timeout_s)
         self._error = None
         self._stop.clear()
         self._thread = None
-        logger.warning("shared-index puller of replica %d restarted", cfg.replica_id)
+        logger.warning("shared-index puller of replica %d restarted", self.config.replica_id)
         self.start()
 
     def close(self) -> None:
@@ -370,11 +369,10 @@ class SharedIndexClient:
             raise exc
         logger.warning("shared-index pull of replica %d failed (%d in a row; the puller stops at %d): %r",
                        self.config.replica_id, failures, self.config.max_pull_errors, exc)
-        cfg = self.config
         try:
-            self._coords = coordinator_handles(cfg.name, cfg.num_shards, cfg.namespace, 0.0)
+            self._coords = self._look_up_coordinators(0.0)
         except LookupError as err:  # none under the name yet: keep the old handles, retry later
-            logger.warning("shared-index replica %d: %s", cfg.replica_id, err)
+            logger.warning("shared-index replica %d: %s", self.config.replica_id, err)
 
     def _not_published_here(self, got: Pulled) -> list[tuple[Entry, Bucket]]:
         """The pulled entries and buckets, less our own of steps this process published.
@@ -387,6 +385,12 @@ class SharedIndexClient:
         published = set(self._published_steps)
         return [(e, b) for e, b in zip(got.entries, got.buckets())
                 if e.src != self.config.replica_id or e.step not in published]
+
+    def _look_up_coordinators(self, timeout_s: float) -> list[Any]:
+        """The handles of this job's coordinator shards, found by name (LookupError after
+        ``timeout_s`` without them)."""
+        cfg = self.config
+        return coordinator_handles(cfg.name, cfg.num_shards, cfg.namespace, timeout_s)
 
     def _pull(self, cursor: int) -> Pulled:
         """One pull from our shard after ``cursor``; at -1 our own steps from this process are
