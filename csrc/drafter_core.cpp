@@ -4,6 +4,7 @@
 #include "race_noise.h"
 
 #include <algorithm>
+#include <new>
 #include <stdexcept>
 #include <thread>
 #include <unordered_set>
@@ -35,9 +36,11 @@ DrafterCore::DrafterCore(const CoreConfig& cfg)
   // memory bound; more threads mostly queue on the same misses).
   const int hw = static_cast<int>(std::thread::hardware_concurrency());
   threads_ = cfg.propose_threads > 0 ? cfg.propose_threads : std::max(1, std::min(8, hw / 2));
+  ForkGuard::add(this);  // last: a constructor that throws never registers
 }
 
 DrafterCore::~DrafterCore() {
+  ForkGuard::remove(this);
   // A forked child's copy of the parent's pool names threads that do not exist here, and its
   // condition variables may count them as waiters: it is left behind, as pool() does.
   if (pool_ && pool_pid_ != static_cast<long>(getpid())) (void)pool_.release();
@@ -159,6 +162,28 @@ std::unique_lock<std::mutex> DrafterCore::lock_idle() const {
   idle_.wait(lock, [&] { return background_jobs_ == 0; });
   if (indexing_error_) std::rethrow_exception(std::exchange(indexing_error_, nullptr));
   return lock;
+}
+
+void DrafterCore::hold_for_fork() {
+  // In extend_in_background's order: no job can be posted once post_mu_ is held.
+  fork_post_ = std::unique_lock<std::mutex>(post_mu_);
+  fork_state_ = std::unique_lock<std::mutex>(mu_);
+  idle_.wait(fork_state_, [&] { return background_jobs_ == 0; });
+}
+
+void DrafterCore::release_after_fork(bool in_child) {
+  if (!in_child) {
+    fork_state_.unlock();
+    fork_post_.unlock();
+    return;
+  }
+  // The child's copies may count the parent's threads as waiters (see BackgroundWorker), so
+  // they are replaced unlocked, never destroyed.
+  (void)fork_state_.release();
+  (void)fork_post_.release();
+  new (&mu_) std::mutex();
+  new (&post_mu_) std::mutex();
+  new (&idle_) std::condition_variable();
 }
 
 void DrafterCore::drop_ahead() {

@@ -22,6 +22,7 @@
 #include "core_stats.h"
 #include "draft_builder.h"
 #include "draft_output.h"
+#include "fork_guard.h"
 #include "occurrence.h"
 #include "request_state.h"
 #include "sequence.h"
@@ -80,6 +81,11 @@ class DrafterCore {
   static std::string read_meta(std::istream& is);
 
  private:
+  friend class ForkGuard;
+  // Around a fork (fork_guard.h): wait for the calls and background jobs in progress and hold
+  // the core's locks; then let them go in the parent, or replace them by fresh ones in the child.
+  void hold_for_fork();
+  void release_after_fork(bool in_child);
   // The instance mutex, once no background job (indexing, a proposal drafted ahead) is pending
   // (an error the indexing raised is rethrown here, once).
   std::unique_lock<std::mutex> lock_idle() const;
@@ -244,6 +250,7 @@ class DrafterCore {
   } ahead_;
   int64_t ahead_hits_ = 0;                             // proposals served from ahead_
   int64_t ahead_dropped_ = 0;                          // ahead proposals never used
+  std::unique_lock<std::mutex> fork_post_, fork_state_;  // post_mu_ and mu_ across a fork
   // Last member: destroyed first, so its pending job still finds everything above.
   BackgroundWorker background_;
 };

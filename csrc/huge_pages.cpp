@@ -124,6 +124,8 @@ void* huge_alloc(size_t bytes) {
   return p;
 }
 
+void install_arena_fork_handlers() { (void)arena(); }
+
 void huge_free(void* p, size_t bytes) noexcept {
   if (!p) return;
   if (bytes > (size_t(1) << kMaxShift)) {

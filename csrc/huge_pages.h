@@ -21,6 +21,9 @@ namespace rollout_spec {
 
 void* huge_alloc(size_t bytes);
 void huge_free(void* p, size_t bytes) noexcept;
+// Install the arena's fork handlers now unless its first use did (they take its lock around a
+// fork); handlers installed after them run their prepare step first (see fork_guard.h).
+void install_arena_fork_handlers();
 
 template <class T>
 struct HugePageAllocator {
