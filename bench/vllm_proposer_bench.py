@@ -13,7 +13,8 @@ first token (its prefill), a running row the longest prefix of its draft that th
 response continues with, plus one bonus token, written to ``token_ids_cpu`` as the runner does.
 The draft step (``propose_for_runner``) follows. A request whose recorded response is done is
 reported finished in the next step. Sampling params: EOS id from the trace (``eos_token_id``),
-``max_tokens`` its ``max_new_tokens``, groups from prompt hashes (no ``extra_args``).
+``max_tokens`` its ``max_new_tokens`` (else the model length: 2048, or what the trace's longest
+request needs, ``trace_model_len``), groups from prompt hashes (no ``extra_args``).
 
 Cost is the process's CPU time of ``update_states`` + ``propose_for_runner`` (the proposer's own
 work, its drafter's included; the drafter proposes on one thread) over live requests x steps.
@@ -44,7 +45,15 @@ from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer  # noqa:
 from rollout_spec.replay import Trace, accepted_length  # noqa: E402
 from trace_files import load_traces  # noqa: E402
 
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 2048  # the replay's model length, unless a trace's requests need more
+
+
+def trace_model_len(trace: Trace) -> int:
+    """The model length a trace is replayed under: ``MAX_MODEL_LEN``, or one more than its longest
+    prompt + response. A shorter one would stop such a request early in vLLM, while the replay
+    goes on sampling the recorded response (without drafts, its tokens past the runner's table)."""
+    longest = max((len(trace.prompts[g]) + len(r) for rows in trace.steps for g, r in rows), default=0)
+    return max(MAX_MODEL_LEN, longest + 1)
 
 
 class FakeInputBatch:
@@ -120,8 +129,8 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
     """Replay one RL step's responses through ``prop`` lock-step (module docstring)."""
     rows = trace.steps[step]
     eos = trace.meta.get("eos_token_id")
-    max_tokens = int((trace.meta.get("sampling") or {}).get("max_new_tokens", MAX_MODEL_LEN))
-    batch = FakeInputBatch(max_live, MAX_MODEL_LEN)
+    max_tokens = int((trace.meta.get("sampling") or {}).get("max_new_tokens", prop.max_model_len))
+    batch = FakeInputBatch(max_live, prop.max_model_len)
     runner = SimpleNamespace(input_batch=batch, requests={})
     cost = StepCost(step)
     waiting = [(f"{step}-{j}", j) for j in range(len(rows)) if rows[j][1]][::-1]
@@ -176,11 +185,11 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
     return cost
 
 
-def make_proposer(spec: SpecConfig, k: int) -> RolloutSpecProposer:
+def make_proposer(spec: SpecConfig, k: int, max_model_len: int = MAX_MODEL_LEN) -> RolloutSpecProposer:
     """A proposer over a fresh drafter, built from the vLLM config ``engine_kwargs`` gives."""
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
         additional_config=engine_kwargs(spec, k)["additional_config"])
     return RolloutSpecProposer(config)
 
@@ -205,7 +214,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for path, trace in load_traces(parser, args.trace):
         runs: list[list[StepCost]] = []
         for _ in range(args.repeat):
-            prop = make_proposer(spec, args.k)
+            prop = make_proposer(spec, args.k, trace_model_len(trace))
             costs = []
             for step in range(len(trace.steps)):
                 costs.append(replay_step(prop, trace, step, args.max_live))

@@ -36,3 +36,17 @@ def test_bad_flags_are_argument_errors(tmp_path, capsys) -> None:
     for flag, value in (("--max-live", "0"), ("--k", "65"), ("--repeat", "0")):
         assert f"{flag} must be in" in argument_error(vllm_proposer_bench.main, ["--trace", trace, flag, value],
                                                       capsys)
+
+
+def test_a_response_past_the_default_model_length_is_replayed_whole(tmp_path, capsys) -> None:
+    """A trace whose prompt and response exceed the replay's 2048-token model length: the row
+    went on past it with its tokens dropped from the runner's table and no drafts, figures of
+    steps vLLM never runs. The replay's model length now fits the trace."""
+    from rollout_spec.replay import Trace, save_trace
+
+    period = [1000 + i for i in range(40)]  # a response the drafter learns after one period
+    path = tmp_path / "long.json.gz"
+    save_trace(Trace(prompts={0: [5, 6, 7]}, steps=[[(0, (period * 80)[:3000])]]), path)
+    vllm_proposer_bench.main(["--trace", str(path), "--max-live", "1"])
+    (row,) = table_rows(capsys.readouterr().out)
+    assert int(row[2]) < 3000 / 4  # engine steps: drafts go on being accepted past token 2048
