@@ -5,8 +5,10 @@ classes are raised, and ``ray.get`` / ``ray.wait`` are replaced by their in-proc
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +22,7 @@ from rollout_spec.distributed import shared_index  # noqa: E402
 from rollout_spec.distributed.coordinator import IndexCoordinator  # noqa: E402
 from rollout_spec.distributed.packing import pack  # noqa: E402
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig  # noqa: E402
+from rollout_spec.distributed.sharing import SharingDrafter  # noqa: E402
 
 
 class _Ref:
@@ -189,6 +192,25 @@ def test_an_error_that_cannot_pass_stops_the_puller_at_once(handle: _FlakyHandle
         client.publish(0)
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["client", "sharing-drafter"])
+def test_a_client_dropped_without_close_is_collected_and_its_puller_stops(
+        handle: _FlakyHandle, wrapped: bool) -> None:
+    """The puller's thread held the client, so a client its owner dropped without close() was never
+    collected and pulled for good. The pause is long: the client's collection must wake the puller."""
+    _publish_for_replica_0(handle.coord, 0, 100)
+    sink = _Sink()
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=2, poll_interval_s=60.0, max_poll_interval_s=60.0)
+    client = SharedIndexClient(sink, cfg)
+    owner = SharingDrafter(sink, client) if wrapped else client
+    _until(lambda: sink.got == [[100, 2, 3]], "the first publication was not pulled")
+    puller, collected = client._thread, weakref.ref(client)
+    del client, owner
+    gc.collect()
+    puller.join(timeout=5.0)
+    assert collected() is None, "something still holds the dropped client"
+    assert not puller.is_alive(), "the dropped client's puller kept running"
+
+
 def test_a_publish_the_coordinator_lost_is_counted_not_resent(handle: _FlakyHandle, caplog) -> None:
     handle.publish_failures.append(ray.exceptions.ActorDiedError())
     client, _ = _client()
@@ -318,3 +340,36 @@ def test_a_pull_that_hangs_times_out_and_is_retried(handle: _FlakyHandle) -> Non
 def test_pull_timeout_s_is_checked(value: Any, exc: type) -> None:
     with pytest.raises(exc, match=r"pull_timeout_s must be"):
         SharedIndexConfig(replica_id=0, num_replicas=1, pull_timeout_s=value)
+
+
+class _DeadHandle(_FlakyHandle):
+    """The handle of a coordinator that died: every publish through it fails."""
+
+    @property
+    def publish(self) -> _Method:
+        return _Method(self.coord.publish, [ray.exceptions.ActorDiedError()])
+
+
+def test_a_publish_lost_to_another_shard_that_died_looks_up_its_replacement(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard this replica only publishes to (it pulls from its own) died and the driver replaced
+    it: only a failed pull looked the coordinators up again, so every later publish went to the
+    dead handle and was lost for good."""
+    dead, fresh = _DeadHandle(), _FlakyHandle()
+    found = {"shard 1": fresh}  # the driver's replacement, under the dead one's name
+    monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: [handle, found["shard 1"]])
+    sink = _Sink()
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=2, num_shards=2, affinity_k=2,
+                            poll_interval_s=0.001, max_poll_interval_s=0.004)
+    found["shard 1"] = dead
+    client = SharedIndexClient(sink, cfg)
+    found["shard 1"] = fresh
+    client.record(5, [1, 2])  # group 5 goes to both replicas: shard 0 (ours) and shard 1
+    client.publish(0)
+    _until(lambda: client.stats()["publish_errors"] == 1, "the publish to the dead shard was not counted")
+    client.record(5, [1, 2])
+    client.publish(1)  # the fake handles run the call at once
+    assert fresh.coord.stats()["publishes"] == 1  # the next step's publish reached the replacement
+    client.flush()
+    assert client.stats()["publish_errors"] == 1
+    client.close()

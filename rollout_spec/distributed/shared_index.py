@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ class SharedIndexClient:
         self._error: Optional[BaseException] = None
         self._stats = dict.fromkeys(_COUNTERS, 0.0)
         self._thread: Optional[threading.Thread] = None
+        weakref.finalize(self, self._stop.set)  # dropped without close(): the puller stops too
         if start:
             self.start()
 
@@ -282,9 +284,11 @@ class SharedIndexClient:
         return done
 
     def start(self) -> None:
-        """Start the background puller (idempotent)."""
+        """Start the background puller (idempotent). It holds the client only weakly, so an owner
+        that drops the client without :meth:`close` lets it be collected, and the puller stops."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="rollout-spec-index-puller", daemon=True)
+            self._thread = threading.Thread(target=_pull_until_stopped, args=(weakref.ref(self), self._stop),
+                                            name="rollout-spec-index-puller", daemon=True)
             self._thread.start()
 
     def restart(self, timeout_s: float = 30.0) -> None:
@@ -332,31 +336,34 @@ class SharedIndexClient:
             out["staged_sequences"] = float(sum(len(s) for _, s in self._staged))
         return out
 
-    def _loop(self) -> None:
+    def _pull_round(self, wait: float, failures: int) -> tuple[float, float, int]:
+        """One round of the puller: pull, and ingest with ``apply_in_thread``.
+
+        ``wait`` is the pause after the last pull that did not fail and ``failures`` the failed
+        pulls in a row; returns the pause before the next round and both, updated. Raises the
+        error that stops the puller.
+        """
         import ray
 
-        base, wait = self.config.poll_interval_s, self.config.poll_interval_s
-        failures = 0  # failed pulls in a row
+        if not ray.is_initialized():  # calling into a shut-down Ray aborts the process
+            raise RuntimeError("Ray was shut down while the shared index was open")
+        base = self.config.poll_interval_s
         try:
-            while not self._stop.is_set():
-                if not ray.is_initialized():  # calling into a shut-down Ray aborts the process
-                    raise RuntimeError("Ray was shut down while the shared index was open")
-                try:
-                    got = self.poll()
-                except Exception as exc:  # a transient one below the limit is retried
-                    failures += 1
-                    self._retry_or_raise(exc, failures)
-                    self._stop.wait(min(max(base, 1e-3) * 2.0 ** min(failures, 30), self.config.max_poll_interval_s))
-                    continue
-                failures = 0
-                if self.config.apply_in_thread:
-                    self.apply()
-                wait = base if got else min(max(2 * wait, base, 1e-3), self.config.max_poll_interval_s)
-                self._stop.wait(wait)
-        except BaseException as exc:  # surfaced on the owner's next publish/stats/close
-            self._error = exc
-            logger.error("shared-index puller of replica %d stopped (raised at the next step "
-                         "boundary): %r", self.config.replica_id, exc)
+            got = self.poll()
+        except Exception as exc:  # a transient one below the limit is retried
+            self._retry_or_raise(exc, failures + 1)
+            pause = min(max(base, 1e-3) * 2.0 ** min(failures + 1, 30), self.config.max_poll_interval_s)
+            return pause, wait, failures + 1
+        if self.config.apply_in_thread:
+            self.apply()
+        wait = base if got else min(max(2 * wait, base, 1e-3), self.config.max_poll_interval_s)
+        return wait, wait, 0
+
+    def _stop_on(self, exc: BaseException) -> None:
+        """Keep the error that stopped the puller for the owner's next publish/stats/close."""
+        self._error = exc
+        logger.error("shared-index puller of replica %d stopped (raised at the next step "
+                     "boundary): %r", self.config.replica_id, exc)
 
     def _retry_or_raise(self, exc: Exception, failures: int) -> None:
         """Count and log a pull that failed ``failures`` times in a row and look the coordinators
@@ -369,6 +376,11 @@ class SharedIndexClient:
             raise exc
         logger.warning("shared-index pull of replica %d failed (%d in a row; the puller stops at %d): %r",
                        self.config.replica_id, failures, self.config.max_pull_errors, exc)
+        self._refresh_coordinators()
+
+    def _refresh_coordinators(self) -> None:
+        """Look the coordinators up again by name, at once (one the driver replaced has a new
+        handle); keep the old handles when none is found under the name yet."""
         try:
             self._coords = self._look_up_coordinators(0.0)
         except LookupError as err:  # none under the name yet: keep the old handles, retry later
@@ -427,7 +439,9 @@ class SharedIndexClient:
 
         A lost publish is not sent again: Ray cannot tell whether the coordinator kept it before
         failing (a resend could duplicate it in the peers' indexes), and it only costs draft
-        quality, never correctness."""
+        quality, never correctness. The coordinators are looked up again before the loss is
+        counted: a shard we only publish to is never pulled from, so no failed pull would find
+        the driver's replacement of a dead one, and every later publish to it would be lost."""
         import ray
 
         try:
@@ -435,6 +449,7 @@ class SharedIndexClient:
         except Exception as exc:  # re-raised unless transient
             if not transient_ray_error(exc):
                 raise
+            self._refresh_coordinators()
             self._add_stats(publish_errors=1)
             logger.warning("shared-index publish of step %d by replica %d to coordinator shard %d was lost "
                            "(not resent): %r", step, self.config.replica_id, shard, exc)
@@ -447,6 +462,27 @@ class SharedIndexClient:
     def _raise_background_error(self) -> None:
         if self._error is not None:
             raise RuntimeError("shared-index puller thread failed") from self._error
+
+
+def _pull_until_stopped(client_ref: weakref.ref[SharedIndexClient], stop: threading.Event) -> None:
+    """The puller thread: pull rounds until ``stop`` is set or the client is gone.
+
+    The client is held only during a round, never through the pause between rounds: an owner that
+    drops it without ``close()`` lets it be collected, and its finalizer sets ``stop``.
+    """
+    client = client_ref()
+    if client is None:  # dropped before its puller began
+        return
+    wait, failures = client.config.poll_interval_s, 0  # failed pulls in a row
+    while client is not None and not stop.is_set():
+        try:
+            pause, wait, failures = client._pull_round(wait, failures)
+        except BaseException as exc:  # surfaced on the owner's next publish/stats/close
+            client._stop_on(exc)
+            return
+        del client  # hold no reference while paused
+        stop.wait(pause)
+        client = client_ref()
 
 
 def transient_ray_error(exc: BaseException) -> bool:
