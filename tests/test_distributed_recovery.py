@@ -99,12 +99,34 @@ def _fake_get(refs: Any, timeout: Any = None) -> Any:
     return [r.get() for r in refs] if isinstance(refs, list) else refs.get()
 
 
+def _fake_wait(refs: list, num_returns: int, timeout: Any) -> tuple[list, list]:
+    """Ray's ``wait`` at its timeout: a ``_PendingRef`` not yet settled is still pending."""
+    return [r for r in refs if getattr(r, "done", True)], [r for r in refs if not getattr(r, "done", True)]
+
+
+class _PendingRef:
+    """A publish its coordinator has not answered yet; ``settle`` gives it its answer."""
+
+    def __init__(self) -> None:
+        self.done, self.error = False, None
+
+    def settle(self, error: BaseException | None = None) -> None:
+        self.done, self.error = True, error
+
+    def get(self) -> int:
+        if not self.done:
+            raise ray.exceptions.GetTimeoutError("no answer yet")
+        if self.error is not None:
+            raise self.error
+        return 0
+
+
 @pytest.fixture
 def handle(monkeypatch: pytest.MonkeyPatch) -> _FlakyHandle:
     fake = _FlakyHandle()
     monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: [fake.lookups["handle"]])
     monkeypatch.setattr(ray, "get", _fake_get)
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "wait", _fake_wait)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     return fake
 
@@ -373,3 +395,52 @@ def test_a_publish_lost_to_another_shard_that_died_looks_up_its_replacement(
     client.flush()
     assert client.stats()["publish_errors"] == 1
     client.close()
+
+
+def _unstarted_client() -> SharedIndexClient:
+    """A client without its puller, so that only the test reaps its publishes."""
+    return SharedIndexClient(_Sink(), SharedIndexConfig(replica_id=0, num_replicas=2), start=False)
+
+
+def test_flush_counts_a_publish_lost_to_an_error_that_passes(handle: _FlakyHandle, caplog) -> None:
+    """flush used to re-raise the lost publish's error, where the puller counts and logs it."""
+    handle.publish_failures.append(ray.exceptions.ActorDiedError())
+    client = _unstarted_client()
+    client.record(5, [1, 2])
+    client.publish(3)
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
+        client.flush()
+    assert client.stats()["publish_errors"] == 1
+    assert any("publish of step 3 by replica 0" in r.getMessage() for r in caplog.records)
+
+
+def test_a_publish_unfinished_at_the_flush_timeout_stays_in_flight(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flush took every publish out of flight before waiting: one that finished after its timeout
+    was never checked, so its loss went uncounted."""
+    pending = _PendingRef()
+    monkeypatch.setattr(_FlakyHandle, "publish", property(lambda self: SimpleNamespace(remote=lambda *a: pending)))
+    client = _unstarted_client()
+    client.record(5, [1, 2])
+    client.publish(3)
+    with pytest.raises(TimeoutError, match="1 publishes of replica 0 are still in flight"):
+        client.flush(timeout_s=0.0)
+    pending.settle(ray.exceptions.ActorDiedError())
+    client.poll()  # the puller's round reaps it
+    assert client.stats()["publish_errors"] == 1
+    client.flush()  # nothing left in flight
+
+
+def test_fetched_counters_leave_out_the_own_entries_that_came_back(handle: _FlakyHandle) -> None:
+    """fetched_tokens and entries_fetched left out this process's own entries that came back
+    (a pull from the start that an own publish overtook) but fetched_bytes counted them."""
+    racing = _PublishDuringPull()
+    handle.lookups["handle"] = racing
+    _publish_for_replica_0(racing.coord, 0, 100)  # a peer's bucket of 3 tokens for this replica
+    peer_bytes = racing.coord.pull(0, -1, 1 << 20, None).payload.nbytes
+    client = _unstarted_client()
+    client.record(5, [1, 2, 3])  # group 5 goes to both replicas, this one included
+    racing.before_pull = lambda: client.publish(0)
+    client.poll()
+    stats = client.stats()
+    assert (stats["entries_fetched"], stats["fetched_tokens"], stats["fetched_bytes"]) == (1, 3, peer_bytes)

@@ -184,6 +184,22 @@ def test_a_standalone_rank_beyond_the_rollout_configs_count_says_where_the_count
         asyncio.run(replica.init_standalone())
 
 
+def test_a_replica_count_of_0_is_refused_naming_the_count_not_an_empty_rank_range(sglang_server, monkeypatch):
+    """A worker group smaller than one replica counts 0 replicas: the refusal said ranks must be
+    in [0, -1]; it names the count, where it came from and the least allowed."""
+    from rollout_spec.distributed import sharing
+
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: pytest.fail("created"))
+    _stub_router(monkeypatch)
+    replica = sglang_server.RolloutSpecSGLangReplica(0, config({"speculative": "rollout_spec",
+                                                                "rollout_spec": {"shared_index": "job-0"}}))
+    replica.world_size = 2
+    with pytest.raises(ValueError, match=r"shared_index needs at least 1 replica, got 0 \(the worker group's "
+                                         r"size over 2 GPUs per replica\)") as err:
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=1)))
+    assert "[0, -1]" not in str(err.value)
+
+
 def _stub_router(monkeypatch):
     router = types.ModuleType("verl.workers.rollout.router")
     router.get_router_handle = lambda servers, router_config_path=None, full_determinism=False, \

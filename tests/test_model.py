@@ -348,3 +348,14 @@ def test_the_checkpoint_files_are_chosen_as_transformers_chooses_them(tmp_path) 
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     (single / "weights.safetensors").rename(sharded / "model.safetensors")
     assert checkpoint_files(sharded) == [sharded / "model.safetensors"]
+
+
+def test_an_index_with_an_empty_weight_map_is_refused(tmp_path):
+    """An index whose weight_map is empty named no shard, and the model loaded no weights at all."""
+    import json
+
+    from rollout_spec.engine.weights import checkpoint_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match=r"names no shard: its 'weight_map' .* is empty"):
+        checkpoint_files(tmp_path)

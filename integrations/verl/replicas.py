@@ -70,6 +70,11 @@ class ScaleOutReplicaMixin:
                 "reward and teacher model replicas each on its own part of their pool (or from their "
                 "own GPU count), so their replica count is not known here; leave shared_index unset "
                 "in their rollout config")
+        if num_replicas < 1:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.custom.rollout_spec.shared_index needs at least 1 replica, got "
+                f"{num_replicas} ({counted_from} over {self.world_size} GPUs per replica): fewer GPUs "
+                "than one replica uses")
         if not 0 <= self.replica_rank < num_replicas:
             raise ValueError(
                 f"actor_rollout_ref.rollout.custom.rollout_spec.shared_index needs replica ranks in "

@@ -200,12 +200,20 @@ class SharedIndexClient:
         return cost
 
     def flush(self, timeout_s: float = 60.0) -> None:
-        """Wait until every publish has reached its coordinator (tests, shutdown)."""
-        import ray
+        """Wait until every publish has reached its coordinator (tests, shutdown), then check them
+        as the puller does: one lost to an error that may pass is counted in ``publish_errors``
+        and logged, never raised. ``timeout_s`` is a number in [0, 86400].
 
-        with self._pub_lock:
-            refs, self._inflight_publishes = [ref for _, _, ref in self._inflight_publishes], []
-        ray.get(refs, timeout=timeout_s)
+        Raises:
+            TimeoutError: publishes still in flight after ``timeout_s``; they stay in flight, and
+                the puller (or the next flush) checks them when they finish.
+            Exception: a publish's error that cannot pass (see ``transient_ray_error``).
+        """
+        timeout_s = check_float("timeout_s", timeout_s, 0.0, 86400.0)
+        in_flight = self._reap_publishes(timeout_s)
+        if in_flight:
+            raise TimeoutError(f"{in_flight} publishes of replica {self.config.replica_id} are still in "
+                               f"flight after timeout_s={timeout_s} s")
 
     def poll(self) -> int:
         """Pull what the coordinator holds for this replica and stage it; returns sequences staged.
@@ -238,7 +246,7 @@ class SharedIndexClient:
             with self._stage_lock:
                 self._staged.extend(batches)
             fetched = sum(len(seqs) for _, seqs in batches)
-            self._add_stats(fetch_s=time.perf_counter() - t0, fetched_bytes=got.payload.nbytes,
+            self._add_stats(fetch_s=time.perf_counter() - t0, fetched_bytes=sum(e.nbytes for e, _ in kept),
                             fetched_tokens=sum(e.tokens for e, _ in kept), entries_fetched=len(kept),
                             entries_over_budget=got.over_budget, pulls=1)
             return fetched
@@ -327,7 +335,9 @@ class SharedIndexClient:
         self._raise_background_error()
 
     def stats(self) -> dict[str, float]:
-        """Counters: published/fetched bytes and tokens, seconds spent, entries over budget, staged;
+        """Counters: published/fetched bytes and tokens, seconds spent, entries over budget, staged
+        (``fetched_*`` and ``entries_fetched`` count what a pull staged for ingest, not our own
+        entries of this process's steps that came back);
         failed pulls that were retried (``pull_errors``), publishes reported lost
         (``publish_errors``), coordinators found restarted or replaced (``coordinator_resets``)."""
         self._raise_background_error()
@@ -422,17 +432,25 @@ class SharedIndexClient:
             self._stats["apply_max_s"] = max(self._stats["apply_max_s"], took)
         return len(seqs)
 
-    def _reap_publishes(self) -> None:
+    def _reap_publishes(self, timeout_s: float = 0.0) -> int:
+        """Check the publishes in flight that finish within ``timeout_s``; returns how many are
+        left in flight. The wait holds no lock (the owner may publish meanwhile); a publish
+        another caller reaped during it is checked once, by that caller."""
         import ray
 
         with self._pub_lock:
-            if not self._inflight_publishes:
-                return
-            by_ref = {ref: (step, shard) for step, shard, ref in self._inflight_publishes}
-            done, pending = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
-            self._inflight_publishes = [(*by_ref[ref], ref) for ref in pending]
-        for ref in done:
-            self._check_published(ref, *by_ref[ref])
+            refs = [ref for _, _, ref in self._inflight_publishes]
+        if not refs:
+            return 0
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        finished = set(done)
+        with self._pub_lock:
+            reaped = [p for p in self._inflight_publishes if p[2] in finished]
+            self._inflight_publishes = [p for p in self._inflight_publishes if p[2] not in finished]
+            in_flight = len(self._inflight_publishes)
+        for step, shard, ref in reaped:
+            self._check_published(ref, step, shard)
+        return in_flight
 
     def _check_published(self, ref: Any, step: int, shard: int) -> None:
         """Raise a coordinator-side error of a publish; count and log one that may pass as lost.

@@ -145,8 +145,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
     Raises:
         FileNotFoundError: no weights file, or a shard the index names is missing.
-        ValueError: an unreadable index, or several ``*.safetensors`` files and neither of the two
-            names above to tell which hold the model.
+        ValueError: an unreadable index, one that names no shard, or several ``*.safetensors``
+            files and neither of the two names above to tell which hold the model.
     """
     if (model_dir / "model.safetensors").is_file():
         return [model_dir / "model.safetensors"]
@@ -157,6 +157,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ValueError(f"{index} is not a safetensors index (a 'weight_map' of tensor "
                              f"name -> shard file): {exc!r}") from None
+        if not shards:
+            raise ValueError(f"{index} names no shard: its 'weight_map' (tensor name -> shard file) is empty")
         missing = [name for name in shards if not (model_dir / str(name)).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names shards that are not in {model_dir}: {missing[:5]}")
