@@ -105,7 +105,7 @@ class SglangReplica:
 
         placement.to_env()
         spec_to_env(spec)
-        self.corpus = RolloutSpecCorpus(draft_token_num=9)
+        self.corpus = RolloutSpecCorpus(draft_token_num=9, forward_hook=False)  # no SGLang worker
 
     def _get(self, rid: str, tokens: list[int]) -> list[int]:
         from rollout_spec.integrations.sglang.rid import rid_with_group

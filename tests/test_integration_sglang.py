@@ -12,6 +12,7 @@ from array import array
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -32,6 +33,8 @@ QUERIES = [[1, 2, 3], [3, 44], [3, 6, 999]]
 
 
 def corpus(**kw) -> RolloutSpecCorpus:
+    """A corpus driven directly (no forward hook) unless ``forward_hook=True`` is given."""
+    kw.setdefault("forward_hook", False)
     return RolloutSpecCorpus(max_trie_depth=12, draft_token_num=kw.pop("draft_token_num", D), **kw)
 
 
@@ -494,15 +497,19 @@ class FakeReq:
     ``Req.update_finish_state`` marks the stop with ``finished_len`` and
     ``Req.output_ids_through_stop`` cuts the output there."""
 
-    def __init__(self, rid: str, prompt: list[int], first_token: int):
+    def __init__(self, rid: str, prompt: list[int], first_token: Optional[int]):
         self.rid = rid
         self.origin_input_ids_unpadded = array("q", prompt)
-        self.output_ids = array("q", [first_token])  # the token sampled by the prefill
+        # the token sampled by the prefill; None: not prefilled yet (commit adds it)
+        self.output_ids = array("q", [] if first_token is None else [first_token])
         self.finished_len = None
 
     @property
     def output_ids_through_stop(self):
         return self.output_ids if self.finished_len is None else self.output_ids[: self.finished_len]
+
+    def finished(self) -> bool:
+        return self.finished_len is not None
 
     def commit(self, accepted: list[int]) -> None:
         """Non-overlap result processing (``process_batch_result_decode``): extend, then mark a stop."""
@@ -555,7 +562,7 @@ def serve(worker: FakeNgramWorker, rounds: dict[FakeReq, list[list[int]]]) -> No
     running = list(rounds)
     while running:
         batch = decode_batch(running)
-        plugin.track_decode_requests(worker, batch)
+        plugin.track_batch_requests(worker, batch)
         worker.forward_batch_generation(batch)
         for req in running:
             req.commit(rounds[req].pop(0))
@@ -567,7 +574,7 @@ ROUNDS = [[12, 13, 14], [15, 16, 17], [18, 19, EOS, 77, 78]]  # 77, 78: accepted
 
 
 def group_corpus() -> RolloutSpecCorpus:
-    return corpus(spec=SpecConfig(num_draft_tokens=D - 1, global_weight=0.0))
+    return corpus(spec=SpecConfig(num_draft_tokens=D - 1, global_weight=0.0), forward_hook=True)
 
 
 def test_last_verify_round_reaches_siblings_when_a_request_leaves():
@@ -613,8 +620,8 @@ def test_a_round_already_sent_by_overlap_scheduling_is_not_indexed_twice():
 
 def test_a_tracked_request_that_does_not_match_is_refused_and_still_finished():
     c = group_corpus()
-    c.batch_get(["p"], [[1, 2, 3]], [3])
     c.track_requests([FakeReq("p", [1, 2, 3, 4, 5], 6)])  # 6 tokens: 3 new, only 1 of them output
+    c.batch_get(["p"], [[1, 2, 3]], [3])
     with pytest.raises(ValueError, match="request 'p': 3 tokens after its last batch_get but only 1 output"):
         c.erase_match_state(["p"])
     assert c.stats()["live_requests"] == 0
@@ -625,14 +632,77 @@ def test_forward_hook_tracks_decode_batches_only_and_refuses_a_foreign_corpus():
 
     worker = FakeNgramWorker(group_corpus(), tail=16)
     req = FakeReq("r", PROMPT, 11)
-    assert plugin.track_decode_requests(worker, decode_batch([req], decode=False)) is None
+    assert plugin.track_batch_requests(worker, decode_batch([req], decode=False)) is None
     worker.ngram_corpus.batch_get(["r"], [PROMPT + [11]], [5])
     req.commit([12, EOS])
     worker.ngram_corpus.erase_match_state(["r"])
     assert worker.ngram_corpus.stats()["final_tokens"] == 0, "a prefill batch's requests are not tracked"
     worker.ngram_corpus = SimpleNamespace()  # SGLang's own NgramCorpus: our REPLACE did not apply
     with pytest.raises(RuntimeError, match="drafts with SimpleNamespace, not RolloutSpecCorpus"):
-        plugin.track_decode_requests(worker, decode_batch([req]))
+        plugin.track_batch_requests(worker, decode_batch([req]))
+
+
+# ---------------------------------------------------------------- requests that finish at prefill
+def prefill(worker: FakeNgramWorker, reqs: list[FakeReq]) -> None:
+    """A prefill forward (our BEFORE hook runs on it too), then result processing: each request's
+    first token, here the stop ``EOS`` for every request given."""
+    from rollout_spec.integrations.sglang import plugin
+
+    plugin.track_batch_requests(worker, decode_batch(reqs, decode=False))
+    for req in reqs:
+        req.commit([EOS])
+
+
+def test_a_request_that_finishes_at_prefill_is_indexed_for_later_requests():
+    """A stop on the first token: the request never reaches a decode batch, so SGLang's worker
+    never hands it to the corpus; the hook's next call (here the next decode forward) indexes its
+    prompt and first token, and a request whose tail ends like that prompt drafts the stop."""
+    worker = FakeNgramWorker(corpus(forward_hook=True), tail=16)
+    prefill(worker, [FakeReq("short", PROMPT, None)])
+    later = FakeReq("later", PROMPT[:-1], PROMPT[-1])
+    serve(worker, {later: [[EOS]]})
+    assert worker.drafts["later"][0][:2] == [PROMPT[-1], EOS]
+    stats = worker.ngram_corpus.stats()
+    assert (stats["prefill_finished"], stats["requests"]) == (1, 2)
+
+
+def test_requests_finished_at_prefill_before_idling_are_indexed_at_flush_cache():
+    worker = FakeNgramWorker(corpus(forward_hook=True), tail=16)
+    prefill(worker, [FakeReq("a", PROMPT, None), FakeReq("b", [7, 8], None)])
+    worker.clear_cache_pool()
+    stats = worker.ngram_corpus.stats()
+    assert (stats["prefill_finished"], stats["steps"], stats["committed_tokens"]) == (2, 1, 4 + 1 + 2 + 1)
+
+
+def test_prefilled_requests_that_decode_or_were_retracted_are_not_indexed_at_prefill():
+    """Overlap scheduling puts a prefill's requests in the next decode batch before their result
+    is processed: the decode path owns them. A retracted request prefilled again has output."""
+    from rollout_spec.integrations.sglang import plugin
+
+    worker = FakeNgramWorker(corpus(forward_hook=True), tail=16)
+    fresh, retracted = FakeReq("fresh", PROMPT, None), FakeReq("retracted", PROMPT, 11)
+    plugin.track_batch_requests(worker, decode_batch([fresh, retracted], decode=False))
+    plugin.track_batch_requests(worker, decode_batch([fresh]))  # before the prefill's result
+    worker.forward_batch_generation(decode_batch([fresh]))
+    fresh.commit([EOS])
+    retracted.commit([EOS])
+    worker.clear_cache_pool()
+    stats = worker.ngram_corpus.stats()
+    assert (stats["prefill_finished"], stats["requests"]) == (0, 1)
+
+
+def test_drafting_while_the_forward_hook_never_ran_is_refused_by_name():
+    """SGLang only logs a hook it fails to apply; the corpus it builds (forward_hook defaults to
+    True) refuses to draft rather than lose last rounds and prefill-only requests unseen."""
+    c = RolloutSpecCorpus(max_trie_depth=12, draft_token_num=D)  # as SGLang's worker builds it
+    with pytest.raises(RuntimeError, match=r"forward hook on NGRAMWorker.forward_batch_generation has never run"):
+        c.batch_get(["r"], [[1, 2, 3]], [3])
+    assert c.stats()["requests"] == 0
+    c.track_requests([])  # the hook ran (e.g. for a batch of other requests)
+    c.batch_get(["r"], [[1, 2, 3]], [3])
+    RolloutSpecCorpus(draft_token_num=D, forward_hook=False).batch_get(["r"], [[1, 2, 3]], [3])
+    with pytest.raises(TypeError, match="forward_hook must be a bool, got int 1"):
+        RolloutSpecCorpus(forward_hook=1)
 
 
 def test_plugin_registers_the_forward_hook_next_to_the_corpus(monkeypatch):
@@ -649,7 +719,7 @@ def test_plugin_registers_the_forward_hook_next_to_the_corpus(monkeypatch):
     assert plugin.register() is True
     assert registered == [
         (plugin.CORPUS_TARGET, RolloutSpecCorpus, "replace"),
-        (plugin.FORWARD_TARGET, plugin.track_decode_requests, "before"),
+        (plugin.FORWARD_TARGET, plugin.track_batch_requests, "before"),
     ]
 
 
@@ -662,7 +732,7 @@ def test_sglangs_before_wrapper_runs_the_hook_then_the_forward_unchanged():
     spec = importlib.util.spec_from_file_location("sglang_hook_registry", SGLANG_DIR / "srt/plugins/hook_registry.py")
     registry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(registry)
-    forward = registry._wrap_fn(FakeNgramWorker.forward_batch_generation, plugin.track_decode_requests,
+    forward = registry._wrap_fn(FakeNgramWorker.forward_batch_generation, plugin.track_batch_requests,
                                 registry.HookType.BEFORE)
     worker = FakeNgramWorker(group_corpus(), tail=16)
     req = FakeReq("r", PROMPT, 11)
@@ -686,6 +756,8 @@ UPSTREAM_FILES = ("srt/speculative/ngram_worker.py", "srt/plugins/__init__.py", 
      "no longer calls ngram_corpus.erase_match_state"),
     ("srt/managers/schedule_batch.py", "def output_ids_through_stop(", "def output_until_stop(",
      "no longer defines Req.output_ids_through_stop"),
+    ("srt/managers/schedule_batch.py", "def finished(self)", "def is_done(self)",
+     "no longer defines Req.finished"),
     ("srt/plugins/hook_registry.py", 'BEFORE = "before"', 'PRE = "before"', "no HookType.BEFORE"),
 ])
 def test_shape_check_covers_the_forward_hook(tmp_path: Path, rel, old, new, problem):

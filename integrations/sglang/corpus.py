@@ -8,8 +8,10 @@ token stream of each request instead, so the adapter rebuilds it: a request's ne
 last ``total_len - known_len`` of its tail. The tokens of a request's last verify round never
 reach ``batch_get``: the plugin's hook hands the corpus each decode batch's SGLang ``Req`` objects
 (``track_requests``), and ``erase_match_state`` reads the round from the final output of the
-requests that left. The index is never wiped: ``reset`` (which verl triggers at every weight
-update) is the RL step boundary, so history survives it.
+requests that left. The same hook hands it the fresh requests of prefill batches
+(``track_prefill_requests``): one that finishes there never reaches the worker's corpus calls, and
+is indexed from its ``Req`` once it has finished. The index is never wiped: ``reset`` (which verl
+triggers at every weight update) is the RL step boundary, so history survives it.
 """
 from __future__ import annotations
 
@@ -68,6 +70,11 @@ class RolloutSpecCorpus:
     corpora, and the trie/BFS options of SGLang's own corpus are accepted but unused (our drafter
     is configured by ``spec``, by default from the ``ROLLOUT_SPEC_SGLANG`` variable).
 
+    ``forward_hook`` (default True, as SGLang builds it) says the plugin's forward hook feeds
+    ``track_requests``/``track_prefill_requests``: ``batch_get`` then refuses to draft while the
+    hook has never run, since without it last verify rounds and prefill-only requests would be
+    lost without a trace. Pass False to drive the corpus directly, without SGLang's worker.
+
     With ``spec.shared_index`` set, the drafter shares its index with the other replicas
     (``rollout_spec.distributed.share_drafter``; placement from ``ROLLOUT_SPEC_REPLICA_ID`` and
     ``ROLLOUT_SPEC_NUM_REPLICAS``): finished requests are recorded, ``reset`` publishes them.
@@ -86,12 +93,15 @@ class RolloutSpecCorpus:
         *,
         spec: Optional[SpecConfig] = None,
         drafter: Any = None,
+        forward_hook: bool = True,
     ) -> None:
         draft_token_num = check_int("draft_token_num", draft_token_num, 1)
         max_trie_depth = check_int("max_trie_depth", max_trie_depth, 1)
         external_corpus_max_tokens = check_int("external_corpus_max_tokens", external_corpus_max_tokens, 0)
         if match_type not in MATCH_TYPES:
             raise ValueError(f"match_type must be one of {MATCH_TYPES}, got {match_type!r}")
+        if type(forward_hook) is not bool:
+            raise TypeError(f"forward_hook must be a bool, got {type(forward_hook).__name__} {forward_hook!r}")
         if spec is None:
             spec = spec_from_env() or SpecConfig()
         if not isinstance(spec, SpecConfig):
@@ -108,13 +118,16 @@ class RolloutSpecCorpus:
         self._budget = min(spec.num_draft_tokens, draft_token_num - 1)
         self._live: dict[str, _Request] = {}
         self._tracked: dict[str, Any] = {}  # SGLang Req of each rid of a decode batch, until it leaves
+        self._prefilling: dict[str, Any] = {}  # fresh Reqs of prefill batches, until they decode or finish
+        self._forward_hook = forward_hook
+        self._hook_calls = 0  # track_requests + track_prefill_requests calls
         self._last_get: list[str] = []  # rids of the latest batch_get, to recognise batch_put
         self._last_tails: list[list[int]] = []  # and their tails
         self._next_id = 0
         self._corpora: dict[str, int] = {}
         self._counters = dict(requests=0, gets=0, gap_tokens=0, restarts=0, steps=0,
                               put_sequences=0, put_skipped=0, committed_tokens=0,
-                              final_tokens=0)
+                              final_tokens=0, prefill_finished=0)
         self._committed_since_step = 0
 
     # ------------------------------------------------------------ the worker's per-step calls
@@ -135,7 +148,15 @@ class RolloutSpecCorpus:
         Raises:
             ValueError: lengths differ, a tail is empty, a total length is below its tail, or a
                 request id repeats.
+            RuntimeError: built with ``forward_hook`` but the hook has never run.
         """
+        if self._forward_hook and not self._hook_calls:
+            raise RuntimeError(
+                "SGLang's NGRAM worker drafts (batch_get) but rollout-spec's forward hook on "
+                "NGRAMWorker.forward_batch_generation has never run: SGLang did not apply it (look "
+                "for 'Failed to apply hooks' in its log) or another worker method drafts. Without it "
+                "last verify rounds and requests that finish at prefill are never indexed"
+            )
         if not len(req_ids) == len(batch_tokens) == len(total_lens):
             raise ValueError(
                 f"req_ids, batch_tokens and total_lens must have equal lengths, got "
@@ -186,10 +207,32 @@ class RolloutSpecCorpus:
         Called by the plugin's hook before each NGRAM ``forward_batch_generation``. The worker
         hands the corpus a round's accepted tokens only through the next ``batch_get``, so a
         request's last round would never reach the drafter; ``erase_match_state`` reads it from
-        the request's final output instead.
+        the request's final output instead. Requests tracked at their prefill that joined no
+        decode batch and have finished are indexed here (``track_prefill_requests``).
         """
+        self._hook_calls += 1
+        reqs = list(reqs)
         for req in reqs:
             self._tracked[req.rid] = req
+        if self._prefilling:  # usually empty: a request joins its first decode batch right away
+            for req in reqs:
+                self._prefilling.pop(req.rid, None)
+            self._index_finished_prefills()
+
+    def track_prefill_requests(self, reqs: Iterable[Any]) -> None:
+        """Keep a prefill batch's fresh SGLang ``Req`` objects until they decode or finish.
+
+        Called by the plugin's hook before each NGRAM ``forward_batch_generation`` of a batch that
+        is not a decode. A request that finishes at its prefill (``max_new_tokens=1``, a stop on
+        its first token) never reaches a decode batch, so the worker never hands it to the corpus;
+        it is indexed at a later hook call or at ``reset``, once ``Req.finished()``. Requests with
+        output already (retracted ones, prefilled again) are left to their decode path.
+        """
+        self._hook_calls += 1
+        for req in reqs:
+            if not len(req.output_ids) and req.rid not in self._live:
+                self._prefilling[req.rid] = req
+        self._index_finished_prefills()
 
     def erase_match_state(self, req_ids: Iterable[str]) -> None:
         """Finish requests that left the batch: their tokens stay in the group/global scopes.
@@ -210,6 +253,8 @@ class RolloutSpecCorpus:
         per weight update, so a step is ended only when tokens arrived since the last one.
         """
         self.erase_match_state(list(self._live))
+        self._index_finished_prefills()
+        self._prefilling.clear()  # SGLang flushes only when idle: none is still prefilling
         self._tracked.clear()
         self._last_get, self._last_tails = [], []
         if self._committed_since_step > 0:
@@ -294,6 +339,34 @@ class RolloutSpecCorpus:
             ids, tokens = zip(*extends)
             self.drafter.extend_batch(list(ids), list(tokens))
 
+    def _index_finished_prefills(self) -> None:
+        """Index the tracked prefill requests that finished: the last ``max_trie_depth`` tokens of
+        their prompt (what ``batch_get`` would have started them with), then their output cut at
+        its stop, as one started, extended and finished drafter request each (an empty output is
+        not a response and is skipped)."""
+        finished = [rid for rid, req in self._prefilling.items() if req.finished()]
+        ids, prompts, groups, outputs = [], [], [], []
+        for rid in finished:
+            req = self._prefilling.pop(rid)
+            output = list(req.output_ids_through_stop)
+            if not output:
+                continue
+            ids.append(self._next_id)
+            self._next_id += 1
+            prompts.append(list(req.origin_input_ids_unpadded[-self.max_trie_depth:]))
+            groups.append(group_from_rid(rid))
+            outputs.append(output)
+            self._commit(len(prompts[-1]) + len(output))
+        if not ids:
+            return
+        self.drafter.start_batch(ids, prompts, groups)
+        try:
+            self.drafter.extend_batch(ids, outputs)
+        finally:  # started requests are finished even when the drafter rejects their tokens
+            self.drafter.finish_batch(ids)
+        self._counters["requests"] += len(ids)
+        self._counters["prefill_finished"] += len(ids)
+
     def _finish_requests(self, req_ids: Sequence[str]) -> None:
         """Finish the live requests among ``req_ids`` in the drafter and forget them."""
         done = [self._live.pop(rid).drafter_id for rid in req_ids if rid in self._live]
@@ -374,7 +447,8 @@ class RolloutSpecCorpus:
 
     def stats(self) -> dict[str, Any]:
         """Adapter counters (requests, gaps, skipped puts, steps, ``final_tokens``: last verify
-        rounds' tokens indexed as requests left) merged with the drafter's stats."""
+        rounds' tokens indexed as requests left, ``prefill_finished``: requests indexed that
+        finished at their prefill) merged with the drafter's stats."""
         return {**self._counters, "live_requests": len(self._live), **self.drafter.stats()}
 
 

@@ -5,7 +5,8 @@ SGLang runs every ``sglang.srt.plugins`` entry point at the start of each schedu
 when ``ROLLOUT_SPEC_SGLANG`` is set: it registers ``RolloutSpecCorpus`` as a class REPLACE hook on
 ``NgramCorpus``, which SGLang's HookRegistry also rebinds in the NGRAM worker module that
 imported it, and a BEFORE hook on the worker's ``forward_batch_generation`` that hands the corpus
-each decode batch's requests, so their last verify round is indexed when they leave.
+each batch's requests, so their last verify round is indexed when they leave and a request that
+finishes at its prefill is indexed at all.
 ``upstream_problems`` checks SGLang's source for the shape this relies on.
 """
 from __future__ import annotations
@@ -26,22 +27,23 @@ CORPUS_TARGET = "sglang.srt.speculative.cpp_ngram.ngram_corpus.NgramCorpus"
 WORKER_FILE = "srt/speculative/ngram_worker.py"
 """The NGRAM worker, relative to the sglang package: it must build and call the corpus as we expect."""
 FORWARD_TARGET = "sglang.srt.speculative.ngram_worker.NGRAMWorker.forward_batch_generation"
-"""Dotted path of the worker method that ``track_decode_requests`` runs before."""
+"""Dotted path of the worker method that ``track_batch_requests`` runs before."""
 PLUGINS_FILE = "srt/plugins/__init__.py"
 HOOKS_FILE = "srt/plugins/hook_registry.py"
 SCHEDULER_FILE = "srt/managers/scheduler.py"
 REQ_FILE = "srt/managers/schedule_batch.py"
-REQ_FIELDS = ("output_ids_through_stop", "origin_input_ids_unpadded")
-"""What ``RolloutSpecCorpus`` reads of a leaving SGLang ``Req``: its output cut at its stop, and
-the prompt the worker measures ``total_lens`` by."""
+REQ_FIELDS = ("output_ids_through_stop", "origin_input_ids_unpadded", "output_ids", "finished")
+"""What ``RolloutSpecCorpus`` reads of an SGLang ``Req``: its output cut at its stop, the prompt
+the worker measures ``total_lens`` by, its output so far (empty: a fresh prefill) and whether it
+finished (a request tracked at prefill is indexed then)."""
 
 
 def register() -> bool:
     """SGLang plugin entry point: replace the NGRAM corpus when ``ROLLOUT_SPEC_SGLANG`` is set.
 
-    Also hooks the worker's forward (``track_decode_requests``), which the corpus needs to see
-    the tokens a request commits in its last verify round. Returns True when the hooks were
-    registered, False when the variable is unset. A bad variable,
+    Also hooks the worker's forward (``track_batch_requests``), which the corpus needs to see
+    the tokens a request commits in its last verify round and requests that finish at prefill.
+    Returns True when the hooks were registered, False when the variable is unset. A bad variable,
     or a corpus or hook registry that does not import, raises SystemExit naming the problem:
     SGLang's loader catches a plugin's exceptions (``Exception``) and would go on drafting with
     its own NGRAM corpus, silently not what the variable asked for; SystemExit stops the
@@ -58,24 +60,24 @@ def register() -> bool:
         raise SystemExit(f"rollout-spec SGLang plugin ({ENV_VAR} is set): {type(exc).__name__}: {exc}") from exc
 
     HookRegistry.register(CORPUS_TARGET, RolloutSpecCorpus, HookType.REPLACE)
-    HookRegistry.register(FORWARD_TARGET, track_decode_requests, HookType.BEFORE)
+    HookRegistry.register(FORWARD_TARGET, track_batch_requests, HookType.BEFORE)
     logger.info("rollout-spec: NGRAM corpus replaced (%s=%s)", ENV_VAR, spec)
     return True
 
 
-def track_decode_requests(worker: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+def track_batch_requests(worker: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE hook on ``NGRAMWorker.forward_batch_generation(batch, ...)``: hand the corpus the
-    requests of a decode batch (the ones the worker drafts for and later erases).
+    requests of every batch the worker runs.
 
     The worker gives the corpus a round's accepted tokens only through the next ``batch_get`` and
-    erases a request that left by id alone, so without the request objects its last verify round
-    is lost. Returns None: SGLang's BEFORE hooks leave the arguments as they are then.
+    erases a request that left by id alone, so without the request objects a decode request's last
+    verify round is lost (``track_requests``); a request that finishes at its prefill never
+    reaches the corpus at all (``track_prefill_requests`` for batches that are not decodes).
+    Returns None: SGLang's BEFORE hooks leave the arguments as they are then.
 
     Raises:
         RuntimeError: the worker's corpus is not ours (the REPLACE hook did not apply).
     """
-    if not batch.forward_mode.is_decode():
-        return None
     from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 
     corpus = worker.ngram_corpus
@@ -84,7 +86,10 @@ def track_decode_requests(worker: Any, batch: Any, *args: Any, **kwargs: Any) ->
             f"{ENV_VAR} is set but the NGRAM worker drafts with {type(corpus).__name__}, not "
             f"RolloutSpecCorpus: the REPLACE hook on {CORPUS_TARGET} did not apply (see SGLang's log)"
         )
-    corpus.track_requests(batch.reqs)
+    if batch.forward_mode.is_decode():
+        corpus.track_requests(batch.reqs)
+    else:
+        corpus.track_prefill_requests(batch.reqs)
     return None
 
 
@@ -136,12 +141,13 @@ def upstream_problems(root: Path) -> list[str]:
 
 
 def _forward_hook_problems(root: Path, worker: ast.Module, calls: list[ast.Call]) -> list[str]:
-    """What ``track_decode_requests`` and the corpus's final-round read rely on, where it is not.
+    """What ``track_batch_requests`` and the corpus's final-round read rely on, where it is not.
 
     The worker class and method of FORWARD_TARGET exist, the method takes ``batch`` first, gates
     drafting on ``forward_mode.is_decode()`` and erases departed requests through the corpus; it
-    measures ``total_lens`` with the ``Req`` fields we read at the end; ``Req`` still has them; and
-    the registry has BEFORE hooks.
+    measures ``total_lens`` with the ``Req`` fields we read at the end; ``Req`` still has those and
+    the ones a request tracked at its prefill is read by (REQ_FIELDS); and the registry has BEFORE
+    hooks.
     """
     problems = []
     cls, method = FORWARD_TARGET.split(".")[-2:]
