@@ -1,5 +1,6 @@
 #include "drafter_core.h"
 
+#include "fork_guard.h"
 #include "prefetch.h"
 #include "race_noise.h"
 
@@ -171,12 +172,12 @@ void DrafterCore::hold_for_fork() {
   idle_.wait(fork_state_, [&] { return background_jobs_ == 0; });
 }
 
-void DrafterCore::release_after_fork(bool in_child) {
-  if (!in_child) {
-    fork_state_.unlock();
-    fork_post_.unlock();
-    return;
-  }
+void DrafterCore::release_in_parent() {
+  fork_state_.unlock();
+  fork_post_.unlock();
+}
+
+void DrafterCore::reset_in_child() {
   // The child's copies may count the parent's threads as waiters (see BackgroundWorker), so
   // they are replaced unlocked, never destroyed.
   (void)fork_state_.release();

@@ -22,7 +22,6 @@
 #include "core_stats.h"
 #include "draft_builder.h"
 #include "draft_output.h"
-#include "fork_guard.h"
 #include "occurrence.h"
 #include "request_state.h"
 #include "sequence.h"
@@ -85,7 +84,8 @@ class DrafterCore {
   // Around a fork (fork_guard.h): wait for the calls and background jobs in progress and hold
   // the core's locks; then let them go in the parent, or replace them by fresh ones in the child.
   void hold_for_fork();
-  void release_after_fork(bool in_child);
+  void release_in_parent();
+  void reset_in_child();
   // The instance mutex, once no background job (indexing, a proposal drafted ahead) is pending
   // (an error the indexing raised is rethrown here, once).
   std::unique_lock<std::mutex> lock_idle() const;

@@ -50,13 +50,13 @@ void ForkGuard::prepare() {
 
 void ForkGuard::in_parent() {
   Registry& r = registry();
-  for (DrafterCore* core : r.cores) core->release_after_fork(/*in_child=*/false);
+  for (DrafterCore* core : r.cores) core->release_in_parent();
   r.mu.unlock();
 }
 
 void ForkGuard::in_child() {
   Registry& r = registry();
-  for (DrafterCore* core : r.cores) core->release_after_fork(/*in_child=*/true);
+  for (DrafterCore* core : r.cores) core->reset_in_child();
   new (&r.mu) std::mutex();  // the only thread here holds it: a fresh one, unlocked
 }
 
