@@ -444,3 +444,69 @@ def test_fetched_counters_leave_out_the_own_entries_that_came_back(handle: _Flak
     client.poll()
     stats = client.stats()
     assert (stats["entries_fetched"], stats["fetched_tokens"], stats["fetched_bytes"]) == (1, 3, peer_bytes)
+
+
+def _coordinator_error() -> BaseException:
+    """An error raised by the coordinator's own code: it cannot pass."""
+    cause = ValueError("lengths do not add up")
+    return ray.exceptions.RayTaskError("publish", "traceback", cause).as_instanceof_cause()
+
+
+def _publish_steps(client: SharedIndexClient, steps: range) -> None:
+    """One publish per step (one shard: one call each), none reaped yet."""
+    for step in steps:
+        client.record(5, [1, 2])
+        client.publish(step)
+
+
+def test_a_reap_counts_every_lost_publish_before_it_raises(handle: _FlakyHandle, caplog) -> None:
+    """A publish error that cannot pass was raised at once: the lost publishes finished in the
+    same reap were taken out of flight but never counted nor logged."""
+    error = _coordinator_error()
+    handle.publish_failures += [error, ray.exceptions.ActorDiedError()]
+    client = _unstarted_client()
+    _publish_steps(client, range(2))
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__), \
+            pytest.raises(ValueError) as raised:
+        client.flush()
+    assert raised.value is error
+    assert client.stats()["publish_errors"] == 1
+    assert any("publish of step 1 by replica 0" in r.getMessage() and "lost" in r.getMessage()
+               for r in caplog.records)
+    client.flush()  # nothing left in flight
+
+
+def test_a_second_publish_error_that_cannot_pass_is_logged(handle: _FlakyHandle, caplog) -> None:
+    """Only the first publish error that cannot pass of a reap was seen; the second was dropped
+    without a trace."""
+    first, second = TypeError("first"), TypeError("second")
+    handle.publish_failures += [first, second]
+    client = _unstarted_client()
+    _publish_steps(client, range(2))
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__), \
+            pytest.raises(TypeError) as raised:
+        client.flush()
+    assert raised.value is first
+    assert any(r.levelno == logging.ERROR and "publish of step 1 by replica 0" in r.getMessage()
+               and "second" in r.getMessage() for r in caplog.records)
+    assert client.stats()["publish_errors"] == 0
+
+
+def test_one_coordinator_lookup_per_reap_that_lost_publishes(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lost publish looked the coordinators up again (a Ray name lookup per shard)."""
+    lookups: list[int] = []
+
+    def look_up(*args: Any) -> list[_FlakyHandle]:
+        lookups.append(1)
+        return [handle]
+    monkeypatch.setattr(shared_index, "coordinator_handles", look_up)
+    client = _unstarted_client()
+    _publish_steps(client, range(2))
+    client.flush()
+    assert len(lookups) == 1  # the client's own, at construction: nothing lost, nothing looked up
+    handle.publish_failures += [ray.exceptions.ActorDiedError() for _ in range(3)]
+    _publish_steps(client, range(2, 5))
+    client.flush()
+    assert client.stats()["publish_errors"] == 3
+    assert len(lookups) == 2

@@ -207,7 +207,9 @@ class SharedIndexClient:
         Raises:
             TimeoutError: publishes still in flight after ``timeout_s``; they stay in flight, and
                 the puller (or the next flush) checks them when they finish.
-            Exception: a publish's error that cannot pass (see ``transient_ray_error``).
+            Exception: the first error of a finished publish that cannot pass (see
+                ``transient_ray_error``), after every finished publish was checked (the losses
+                are counted, further such errors logged).
         """
         timeout_s = check_float("timeout_s", timeout_s, 0.0, 86400.0)
         in_flight = self._reap_publishes(timeout_s)
@@ -448,29 +450,47 @@ class SharedIndexClient:
             reaped = [p for p in self._inflight_publishes if p[2] in finished]
             self._inflight_publishes = [p for p in self._inflight_publishes if p[2] not in finished]
             in_flight = len(self._inflight_publishes)
-        for step, shard, ref in reaped:
-            self._check_published(ref, step, shard)
+        self._check_published(reaped)
         return in_flight
 
-    def _check_published(self, ref: Any, step: int, shard: int) -> None:
-        """Raise a coordinator-side error of a publish; count and log one that may pass as lost.
+    def _check_published(self, reaped: list[tuple[int, int, Any]]) -> None:
+        """Check every finished publish of ``reaped`` (step, shard, ref): count and log each one
+        lost to an error that may pass, then raise the first error that cannot pass (the others
+        are logged), so no publish of the reap goes unchecked.
 
         A lost publish is not sent again: Ray cannot tell whether the coordinator kept it before
         failing (a resend could duplicate it in the peers' indexes), and it only costs draft
-        quality, never correctness. The coordinators are looked up again before the loss is
-        counted: a shard we only publish to is never pulled from, so no failed pull would find
+        quality, never correctness. The coordinators are looked up again, once, before the losses
+        are counted: a shard we only publish to is never pulled from, so no failed pull would find
         the driver's replacement of a dead one, and every later publish to it would be lost."""
-        import ray
-
-        try:
-            ray.get(ref)
-        except Exception as exc:  # re-raised unless transient
-            if not transient_ray_error(exc):
-                raise
+        lost: list[tuple[int, int, Exception]] = []
+        fatal: list[tuple[int, int, Exception]] = []
+        for step, shard, ref in reaped:
+            exc = _publish_error(ref)
+            if exc is not None:
+                (lost if transient_ray_error(exc) else fatal).append((step, shard, exc))
+        if lost:
             self._refresh_coordinators()
-            self._add_stats(publish_errors=1)
-            logger.warning("shared-index publish of step %d by replica %d to coordinator shard %d was lost "
-                           "(not resent): %r", step, self.config.replica_id, shard, exc)
+        for step, shard, exc in lost:
+            self._count_lost_publish(step, shard, exc)
+        if fatal:
+            self._raise_first_publish_error(fatal)
+
+    def _count_lost_publish(self, step: int, shard: int, exc: Exception) -> None:
+        """Count and log a publish lost to an error that may pass (it is not resent)."""
+        self._add_stats(publish_errors=1)
+        logger.warning("shared-index publish of step %d by replica %d to coordinator shard %d was lost "
+                       "(not resent): %r", step, self.config.replica_id, shard, exc)
+
+    def _raise_first_publish_error(self, fatal: list[tuple[int, int, Exception]]) -> None:
+        """Raise the first of one reap's publish errors that cannot pass, ``fatal`` (step, shard,
+        error), unwrapped so its type tells the caller what failed; log the others first, since
+        only one error can be raised."""
+        for step, shard, exc in fatal[1:]:
+            logger.error("shared-index publish of step %d by replica %d to coordinator shard %d failed "
+                         "too (not raised: the reap raises the first such error): %r",
+                         step, self.config.replica_id, shard, exc)
+        raise fatal[0][2]
 
     def _add_stats(self, **kw: float) -> None:
         with self._stage_lock:
@@ -501,6 +521,17 @@ def _pull_until_stopped(client_ref: weakref.ref[SharedIndexClient], stop: thread
         del client  # hold no reference while paused
         stop.wait(pause)
         client = client_ref()
+
+
+def _publish_error(ref: Any) -> Optional[Exception]:
+    """The error of a finished publish's call (the coordinator's or Ray's), or None if it succeeded."""
+    import ray
+
+    try:
+        ray.get(ref)
+    except Exception as exc:  # judged by the caller: lost, or raised
+        return exc
+    return None
 
 
 def transient_ray_error(exc: BaseException) -> bool:
