@@ -271,6 +271,52 @@ def test_tokens_vllm_discards_after_the_draft_step_are_taken_back():
     assert drafter.finished == [0]
 
 
+class RefusingDrafter(RecordingDrafter):
+    """Refuses a whole ``extend_batch`` holding a request id of ``refused``, as NgramDrafter does
+    with an id it does not hold: every id is checked before any token is stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: set[int] = set()
+
+    def extend_batch(self, req_ids: list[int], token_lists: list[list[int]]) -> None:
+        bad = self.refused.intersection(req_ids)
+        if bad:
+            raise ValueError(f"req_ids: unknown request id {min(bad)}")
+        super().extend_batch(req_ids, token_lists)
+
+
+def test_a_refused_extend_leaves_every_row_to_be_extended_again():
+    """The drafter refuses a draft step's extend over one row's id: no row's tokens reached it,
+    so the next draft step sends them all again (none is counted as held)."""
+    drafter = RefusingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    prop.propose_for_runner(FakeRunner([("a", [1, 2], [3]), ("b", [7], [8])]), sched(), [[3], [8]])
+    step2 = FakeRunner([("a", [1, 2], [3, 4]), ("b", [7], [8, 9])])
+    drafter.refused = {1}
+    with pytest.raises(ValueError, match="unknown request id 1"):
+        prop.propose_for_runner(step2, sched(), [[4], [9]])
+    assert drafter.context == {0: [1, 2, 3], 1: [7, 8]}
+    drafter.refused = set()
+    assert prop.propose_for_runner(step2, sched(), [[4], [9]]) == [[5, 6, 7], [10, 11, 12]]
+    assert drafter.context == {0: [1, 2, 3, 4], 1: [7, 8, 9]}
+
+
+def test_a_refused_extend_at_the_finish_leaves_the_tokens_unheld():
+    """A refused extend of finished requests' last tokens stores none of them: the proposer
+    keeps counting them as unsent, so a retried state update delivers them."""
+    drafter = RefusingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    prop.propose_for_runner(FakeRunner([("a", [1, 2], [3]), ("b", [7], [8])]), sched(), [[3], [8]])
+    runner = FakeRunner([("a", [1, 2], [3, 4]), ("b", [7], [8, 9])])
+    drafter.refused = {1}
+    with pytest.raises(ValueError, match="unknown request id 1"):
+        prop.update_states(runner, sched(finished={"a", "b"}))
+    drafter.refused = set()
+    prop.update_states(runner, sched(finished={"a", "b"}))
+    assert drafter.context == {0: [1, 2, 3, 4], 1: [7, 8, 9]} and drafter.finished == [0, 1]
+
+
 EOS = 2
 
 

@@ -137,7 +137,7 @@ class RolloutSpecProposer:
         # in the batch's row order: a set's order moves with the hash seed, and the drafts with it
         done = sorted(scheduler_output.finished_req_ids,
                       key=lambda r: (batch.req_id_to_index.get(r, sys.maxsize), r))
-        ids, tails = [], []
+        ids, tails, extended = [], [], []
         for rid in done:
             row = batch.req_id_to_index.get(rid)
             if rid not in self._ids or row is None:
@@ -148,9 +148,10 @@ class RolloutSpecProposer:
             if tail:
                 ids.append(self._ids[rid])
                 tails.append(tail)
-                req.known += len(tail)
+                extended.append(req)
         if ids:
             self.drafter.extend_batch(ids, tails)
+            _record_extended(extended, tails)
         self.finish(done)
         cached = scheduler_output.scheduled_cached_reqs
         live, requests = self._live, runner.requests
@@ -206,7 +207,7 @@ class RolloutSpecProposer:
         ends, prompt_lens = num_tokens[:num_rows].tolist(), num_prompt_tokens[:num_rows].tolist()
         ids_of, live, max_len = self._ids, self._live, self.max_model_len
         rows, ids, caps = [], [], []  # the rows drafted for
-        new_ids, tails, stopped = [], [], []
+        new_ids, tails, extended, stopped = [], [], [], []
         for i, (rid, new) in enumerate(zip(req_ids, sampled_token_ids)):
             n = ends[i]
             if len(new) == 0 or n >= max_len:
@@ -218,9 +219,9 @@ class RolloutSpecProposer:
             req = live[rid]
             known = req.known
             tail, stops = self._kept(token_ids[i, known:n].tolist(), known, p, req.stop)
-            req.known = known + len(tail)
             new_ids.append(int_id)
             tails.append(tail)
+            extended.append(req)
             if stops:
                 stopped.append(rid)
                 continue
@@ -230,6 +231,7 @@ class RolloutSpecProposer:
             caps.append(k if k < room else room)  # min(k, room), without a builtin call per row
         if new_ids:
             self.drafter.extend_batch(new_ids, tails)
+            _record_extended(extended, tails)
         if not ids:
             self.finish(stopped)
             return drafts
@@ -307,6 +309,17 @@ class RolloutSpecProposer:
         self._ids[req_id] = int_id
         self.counters["requests_started"] += 1
         return int_id
+
+
+def _record_extended(requests: list[_Request], tails: list[list[int]]) -> None:
+    """Count ``tails`` as held by the drafter, once its ``extend_batch`` took them.
+
+    ``NgramDrafter.extend_batch`` checks every id and token before it stores any, so a refused
+    call leaves every request as it was; counting before the call would make the next step skip
+    the tokens the drafter never got.
+    """
+    for req, tail in zip(requests, tails):
+        req.known += len(tail)
 
 
 def _runner_group_lookup(runner: Any) -> GroupLookup:
