@@ -452,7 +452,24 @@ def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):
         assert f"{flag}: " in argument_error(replay_main, [str(path), flag, value], capsys)
     replay_main([str(path), "--max-responses", "1"])
     rows = capsys.readouterr().out.splitlines()[1:]
-    assert [r.split()[:3] for r in rows] == [["0", "1", str(len(answer) - 1)], ["1", "1", str(len(answer) - 1)]]
+    assert [r.split()[:4] for r in rows] == [["0", "1", "0", str(len(answer) - 1)],
+                                             ["1", "1", "0", str(len(answer) - 1)]]
+
+
+def test_replay_indexes_responses_that_finish_at_their_prefill():
+    """Responses of one token end at their prefill: the replay hands them to the corpus as the
+    forward hook does (``track_prefill_requests``), so they are indexed, counted as prefill-only
+    and take no verify; the next step's response drafts its first tokens from them."""
+    from rollout_spec.integrations.sglang.replay import replay_step
+
+    c = corpus(forward_hook=True)
+    prompts = {0: [1, 2, 3], 1: [7, 8, 9]}
+    first = replay_step(c, 0, prompts, [(0, [40]), (0, [40]), (1, [50, 51, 52])], tail=16)
+    assert (c.stats()["prefill_finished"], c.stats()["requests"]) == (2, 3)
+    assert (first["prefill_only"], first["verifies"], first["generated"]) == (2, 2, 2)
+    # 40 followed 1, 2, 3 only in the prefill-only responses: a later response drafts it there
+    later = replay_step(c, 1, prompts, [(1, [60, 1, 2, 3, 40, 61])], tail=16)
+    assert later["prefill_only"] == 0 and later["accepted"] >= 1
 
 
 def test_a_rejected_batch_get_leaves_the_corpus_usable():
@@ -651,6 +668,36 @@ def prefill(worker: FakeNgramWorker, reqs: list[FakeReq]) -> None:
     plugin.track_batch_requests(worker, decode_batch(reqs, decode=False))
     for req in reqs:
         req.commit([EOS])
+
+
+def test_counters_count_only_what_the_drafter_took_after_a_refused_call():
+    """NgramDrafter takes a batch call whole or not at all: after a refused extend the adapter's
+    counters still match the drafter's index (a refused batch_get, erase_match_state or
+    prefill-only indexing adds none of its refused tokens or requests)."""
+    c = corpus()
+    get(c, [[1, 2, 3]], rids=["a"])
+    before = c.stats()
+    with pytest.raises(ValueError, match=r"token ids in \[0, 2147483647\]"):
+        c.batch_get(["a", "b"], [[1, 2, 3, 4], [5, -6]], [4, 2])  # b's start is refused
+    after = c.stats()
+    assert [after[k] - before[k] for k in ("requests", "committed_tokens", "index_tokens")] == [0, 0, 0]
+    get(c, [[1, 2, 3, 4], [5, 6]], rids=["a", "b"])
+    a, b = FakeReq("a", [1, 2], 3), FakeReq("b", [5], 6)
+    a.commit([4, 7]), b.commit([-8])
+    c.track_requests([a, b])
+    before = c.stats()
+    with pytest.raises(ValueError, match=r"token ids in \[0, 2147483647\]"):
+        c.erase_match_state(["a", "b"])  # a's 7 is refused with b's -8
+    after = c.stats()
+    assert [after[k] - before[k] for k in ("final_tokens", "committed_tokens", "index_tokens")] == [0, 0, 0]
+    short = FakeReq("short", [1, 2], None)
+    c.track_prefill_requests([short])
+    short.commit([-3, EOS])
+    before = c.stats()
+    with pytest.raises(ValueError, match=r"token ids in \[0, 2147483647\]"):
+        c.track_requests([])  # its prompt was indexed, its output refused
+    after = c.stats()
+    assert [after[k] - before[k] for k in ("prefill_finished", "committed_tokens", "index_tokens")] == [0, 2, 2]
 
 
 def test_a_request_that_finishes_at_prefill_is_indexed_for_later_requests():

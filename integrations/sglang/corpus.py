@@ -44,22 +44,18 @@ class _Request:
 
 @dataclass
 class _Pending:
-    """Starts and extends of one batch_get, sent to the drafter in two batched calls.
+    """Starts and extends of one batch_get, sent to the drafter in two batched calls
+    (``RolloutSpecCorpus._send``), and what they add to the counters once the drafter took them.
 
     Tokens are lists of Python ints as SGLang sends them, the form the drafter converts natively.
     """
 
     starts: list = field(default_factory=list)  # (drafter id, tokens, group id or None)
+    start_tokens: int = 0  # tokens of the starts
     extend_ids: list = field(default_factory=list)  # drafter ids of the extended requests
     extend_tokens: list = field(default_factory=list)  # their new tokens, in the same order
-
-    def flush(self, drafter: Any) -> None:
-        """Send the held starts, then the held extends, to ``drafter`` as two batch calls."""
-        if self.starts:
-            ids, prompts, groups = zip(*self.starts)
-            drafter.start_batch(list(ids), list(prompts), list(groups))
-        if self.extend_ids:
-            drafter.extend_batch(self.extend_ids, self.extend_tokens)
+    extended: int = 0  # new tokens of the extends that the tails hold
+    gaps: int = 0  # new tokens of the extends that the tails no longer hold
 
 
 class RolloutSpecCorpus:
@@ -144,6 +140,7 @@ class RolloutSpecCorpus:
 
         A rejected call changes nothing the adapter knows; should the drafter reject the tokens
         (e.g. ids out of range), the batch's requests are dropped, to start over on their next get.
+        Counters count only what the drafter took (it takes a batch call whole or not at all).
 
         Raises:
             ValueError: lengths differ, a tail is empty, a total length is below its tail, or a
@@ -170,7 +167,7 @@ class RolloutSpecCorpus:
         pending = _Pending()
         try:
             drafter_ids = self._sync_batch(req_ids, tails, lens, pending)
-            pending.flush(self.drafter)
+            self._send(pending)
         except Exception:
             self._drop(req_ids)
             raise
@@ -269,33 +266,44 @@ class RolloutSpecCorpus:
         its total length, checked by ``batch_get``); returns their drafter ids.
 
         One plain loop over the batch: this runs for every request at every decode step, so the
-        usual case (a live request with new tokens) inlines its bookkeeping.
+        usual case (a live request with new tokens) inlines its bookkeeping. The ``known_len``
+        it advances is dropped with the batch's requests should the drafter refuse them.
         """
         drafter_ids, live = [], self._live
         extend_ids, extend_tokens = pending.extend_ids, pending.extend_tokens
         committed = gaps = 0
-        try:
-            for rid, tail, total_len in zip(req_ids, tails, lens):
-                req = live.get(rid)
-                if req is None or total_len < req.known_len:
-                    drafter_ids.append(self._start_request(rid, req, tail, total_len, pending))
-                    continue
-                new = total_len - req.known_len
-                if new > 0:
-                    extend_ids.append(req.drafter_id)
-                    extend_tokens.append(tail[-new:])
-                    tail_len = len(tail)
-                    if new > tail_len:  # more tokens than the tail holds: the rest is a gap
-                        gaps += new - tail_len
-                        committed += tail_len
-                    else:
-                        committed += new
-                req.known_len = total_len
-                drafter_ids.append(req.drafter_id)
-        finally:  # counted as they were queued, even when a later request fails
-            self._counters["gap_tokens"] += gaps
-            self._commit(committed)
+        for rid, tail, total_len in zip(req_ids, tails, lens):
+            req = live.get(rid)
+            if req is None or total_len < req.known_len:
+                drafter_ids.append(self._start_request(rid, req, tail, total_len, pending))
+                continue
+            new = total_len - req.known_len
+            if new > 0:
+                extend_ids.append(req.drafter_id)
+                extend_tokens.append(tail[-new:])
+                tail_len = len(tail)
+                if new > tail_len:  # more tokens than the tail holds: the rest is a gap
+                    gaps += new - tail_len
+                    committed += tail_len
+                else:
+                    committed += new
+            req.known_len = total_len
+            drafter_ids.append(req.drafter_id)
+        pending.extended, pending.gaps = committed, gaps
         return drafter_ids
+
+    def _send(self, pending: _Pending) -> None:
+        """Send the held starts, then the held extends, to the drafter as two batch calls, and
+        count each call's requests and tokens once the drafter took them."""
+        if pending.starts:
+            ids, prompts, groups = zip(*pending.starts)
+            self.drafter.start_batch(list(ids), list(prompts), list(groups))
+            self._counters["requests"] += len(ids)
+            self._commit(pending.start_tokens)
+        if pending.extend_ids:
+            self.drafter.extend_batch(pending.extend_ids, pending.extend_tokens)
+            self._counters["gap_tokens"] += pending.gaps
+            self._commit(pending.extended)
 
     def _start_request(self, rid: str, req: Optional[_Request], tail: list[int], total_len: int,
                        pending: _Pending) -> int:
@@ -309,14 +317,15 @@ class RolloutSpecCorpus:
         req = self._live[rid] = _Request(self._next_id, total_len)
         self._next_id += 1
         pending.starts.append((req.drafter_id, tail, group_from_rid(rid)))
-        self._counters["requests"] += 1
-        self._commit(len(tail))
+        pending.start_tokens += len(tail)
         return req.drafter_id
 
     def _extend_final_tokens(self, leaving: list[tuple[str, Any]]) -> None:
         """Extend live requests with what their SGLang ``Req`` (None: untracked) committed after
-        their last ``batch_get``, in one batch call."""
-        extends = []
+        their last ``batch_get``, in one batch call; counted once the drafter took it. The
+        ``known_len`` set here is never read if it refuses: the caller finishes these requests
+        either way."""
+        extends, new_tokens = [], 0
         for rid, sglang_req in leaving:
             req = self._live.get(rid)
             if req is None or sglang_req is None:
@@ -333,11 +342,12 @@ class RolloutSpecCorpus:
                 )
             extends.append((req.drafter_id, list(output[len(output) - new:])))
             req.known_len = final_len
-            self._counters["final_tokens"] += new
-            self._commit(new)
+            new_tokens += new
         if extends:
             ids, tokens = zip(*extends)
             self.drafter.extend_batch(list(ids), list(tokens))
+            self._counters["final_tokens"] += new_tokens
+            self._commit(new_tokens)
 
     def _index_finished_prefills(self) -> None:
         """Index the tracked prefill requests that finished: the last ``max_trie_depth`` tokens of
@@ -356,16 +366,17 @@ class RolloutSpecCorpus:
             prompts.append(list(req.origin_input_ids_unpadded[-self.max_trie_depth:]))
             groups.append(group_from_rid(rid))
             outputs.append(output)
-            self._commit(len(prompts[-1]) + len(output))
         if not ids:
             return
         self.drafter.start_batch(ids, prompts, groups)
+        self._counters["requests"] += len(ids)
+        self._commit(sum(map(len, prompts)))
         try:
             self.drafter.extend_batch(ids, outputs)
         finally:  # started requests are finished even when the drafter rejects their tokens
             self.drafter.finish_batch(ids)
-        self._counters["requests"] += len(ids)
         self._counters["prefill_finished"] += len(ids)
+        self._commit(sum(map(len, outputs)))
 
     def _finish_requests(self, req_ids: Sequence[str]) -> None:
         """Finish the live requests among ``req_ids`` in the drafter and forget them."""

@@ -2,10 +2,14 @@
 
 Lock-step: every live request takes one verify per iteration; a draft slot is accepted when it
 continues the accepted path with the recorded next token, then one bonus token is committed.
-Before each verify the batch's requests are handed to ``track_requests``, as the plugin's forward
-hook does, so a request's last round is indexed when it leaves. Each RL step ends with
-``reset()`` (verl's ``flush_cache``). Prints, per step, tokens per verify
-(TPF), SGLang's acceptance (accepted / verified slots) and the adapter's CPU cost.
+A step's requests first go through one prefill batch, handed to ``track_prefill_requests`` as the
+plugin's forward hook does, which commits their first token; a response of one token ends there
+and is indexed by the corpus at the next hook call (or at ``reset``), as SGLang's would. Before
+each verify the batch's requests are handed to ``track_requests``, so a request's last round is
+indexed when it leaves. Each RL step ends with ``reset()`` (verl's ``flush_cache``). Prints, per
+step, the responses that finished at their prefill (prefill-only: indexed, but no verify), the
+tokens committed by verifies, tokens per verify (TPF, over those tokens and verifies only),
+SGLang's acceptance (accepted / verified slots) and the adapter's CPU cost.
 
     python -m rollout_spec.integrations.sglang.replay ../shared/traces/grpo_smollm2_t0.6.json.gz
 """
@@ -39,35 +43,51 @@ def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
 
 @dataclass
 class ReplayedRequest:
-    """The fields of SGLang's ``Req`` that the corpus reads when a request leaves: its prompt and
-    its output so far (a recorded response ends at its stop, so nothing lies past one)."""
+    """The fields of SGLang's ``Req`` that the corpus reads at its prefill and when it leaves: its
+    prompt, its output so far (a recorded response ends at its stop, so nothing lies past one)
+    and whether it finished."""
 
     rid: str
     origin_input_ids_unpadded: list[int]
     response: list[int]
-    committed: int = 1  # token 0 comes from the prefill
+    committed: int = 0  # the prefill commits token 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The tokens committed so far."""
+        return self.response[: self.committed]
 
     @property
     def output_ids_through_stop(self) -> list[int]:
-        """The tokens committed so far."""
-        return self.response[: self.committed]
+        """The tokens committed so far (none lies past the recorded stop)."""
+        return self.output_ids
+
+    def finished(self) -> bool:
+        """Whether the whole recorded response is committed."""
+        return self.committed >= len(self.response)
 
 
 def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[int]],
                 responses: list[tuple[int, list[int]]], tail: int) -> dict:
     """One RL step of lock-step decoding of ``(group_id, response_ids)`` pairs (a ``Trace`` step);
-    returns its totals (decode steps only: a response's first token comes from its prefill) and
-    the adapter's seconds."""
+    returns its totals and the adapter's seconds.
+
+    ``verifies``, ``accepted`` and ``generated`` count decode steps only: a response's first token
+    comes from its prefill. ``prefill_only`` counts the responses that end there (one token, or
+    none): they take no verify, so TPF (``generated / verifies``) leaves them out, but the corpus
+    indexes them (its ``prefill_finished`` counter), as SGLang's forward hook has it do.
+    """
     d = corpus.draft_token_num
-    live: dict[str, ReplayedRequest] = {}
-    for i, (group_id, response) in enumerate(responses):
-        if len(response) <= 1:  # finished at its prefill: SGLang's NGRAM worker never sees it
-            continue
-        prompt = prompts[group_id]
-        rid = rid_with_group(f"s{step}-{i}", prompt)
-        live[rid] = ReplayedRequest(rid, prompt, response)
+    requests = [ReplayedRequest(rid_with_group(f"s{step}-{i}", prompts[g]), prompts[g], response)
+                for i, (g, response) in enumerate(responses)]
+    t0 = time.perf_counter()
+    corpus.track_prefill_requests(requests)  # the hook's call before the prefill batch's forward
+    adapter_s = time.perf_counter() - t0
+    for r in requests:
+        r.committed = min(1, len(r.response))  # the prefill's token
+    live = {r.rid: r for r in requests if not r.finished()}
+    prefill_only = len(requests) - len(live)
     verifies = accepted = generated = 0
-    adapter_s = 0.0
     while live:
         rids = list(live)
         tails = [(r.origin_input_ids_unpadded + r.output_ids_through_stop)[-tail:] for r in live.values()]
@@ -86,7 +106,7 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
             step_tokens = min(a + 1, len(r.response) - r.committed)
             r.committed += step_tokens
             verifies, accepted, generated = verifies + 1, accepted + a, generated + step_tokens
-            if r.committed >= len(r.response):
+            if r.finished():
                 done.append(rid)
         for rid in done:
             del live[rid]
@@ -94,7 +114,8 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
         corpus.erase_match_state(done)
         adapter_s += time.perf_counter() - t0
     corpus.reset()
-    return dict(verifies=verifies, accepted=accepted, generated=generated, adapter_s=adapter_s)
+    return dict(verifies=verifies, accepted=accepted, generated=generated,
+                prefill_only=prefill_only, adapter_s=adapter_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,12 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     trace = load_trace_arg(ap, "trace", args.trace)
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens)
-    corpus = RolloutSpecCorpus(draft_token_num=args.num_draft_tokens + 1, spec=spec)
-    print(f"{'step':>4} {'responses':>9} {'tokens':>8} {'TPF':>6} {'accept/slot':>11} {'us/req/step':>11}")
+    # SGLang's worker sends tails of speculative_ngram_max_trie_depth tokens, and the corpus
+    # starts a prefill-only request from as many of its prompt's last tokens.
+    corpus = RolloutSpecCorpus(max_trie_depth=args.tail, draft_token_num=args.num_draft_tokens + 1,
+                               spec=spec)
+    print(f"{'step':>4} {'responses':>9} {'prefill-only':>12} {'tokens':>8} {'TPF':>6} "
+          f"{'accept/slot':>11} {'us/req/step':>11}")
     for step, responses in enumerate(trace.steps):
         responses = responses[: args.max_responses] if args.max_responses else responses
         r = replay_step(corpus, step, trace.prompts, responses, args.tail)
-        print(f"{step:>4} {len(responses):>9} {r['generated']:>8} {r['generated'] / max(r['verifies'], 1):>6.2f} "
+        print(f"{step:>4} {len(responses):>9} {r['prefill_only']:>12} {r['generated']:>8} "
+              f"{r['generated'] / max(r['verifies'], 1):>6.2f} "
               f"{r['accepted'] / max(r['verifies'] * args.num_draft_tokens, 1):>11.3f} "
               f"{1e6 * r['adapter_s'] / max(r['verifies'], 1):>11.1f}")
 
