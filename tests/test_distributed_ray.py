@@ -23,6 +23,7 @@ from rollout_spec.distributed import (  # noqa: E402
     destroy_coordinators,
 )
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
+from polling import wait_until  # noqa: E402
 
 PROMPT = [1, 2, 3, 4]
 
@@ -68,20 +69,18 @@ class Replica:
 
     def wait_applied(self, count: int, timeout_s: float = 30.0) -> dict:
         """Apply staged responses between 'decode steps' until ``count`` were ingested."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.client.apply()
-            stats = self.client.stats()
-            if stats["sequences_applied"] >= count:
-                return stats
-            time.sleep(0.02)
-        raise TimeoutError(f"ingested {self.client.stats()['sequences_applied']} of {count} sequences")
+        return wait_until(self._apply_and_read, f"fewer than {count} sequences were ingested",
+                          until=lambda stats: stats["sequences_applied"] >= count, timeout_s=timeout_s)
+
+    def _apply_and_read(self) -> dict:
+        """One 'decode step': apply what is staged, then read the client's stats."""
+        self.client.apply()
+        return self.client.stats()
 
     def apply_staged(self, max_sequences: int, timeout_s: float = 30.0) -> int:
         """Wait until at least ``max_sequences`` are staged, then apply that many."""
-        deadline = time.monotonic() + timeout_s
-        while self.client.stats()["staged_sequences"] < max_sequences and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: self.client.stats()["staged_sequences"], f"fewer than {max_sequences} sequences were staged",
+                   until=lambda staged: staged >= max_sequences, timeout_s=timeout_s)
         return self.client.apply(max_sequences)
 
     def propose(self, group_id: int, context: list[int]) -> list[int]:
@@ -205,10 +204,7 @@ def test_creating_again_replaces_a_coordinator_that_died(ray_cluster) -> None:
     (first,) = create_coordinators(name, 1, 2)
     assert create_coordinators(name, 1, 2) == [first]  # alive: the same actor
     ray.kill(first)  # asynchronous: wait until the actor no longer answers
-    deadline = time.monotonic() + 60
-    while _answers(first):
-        assert time.monotonic() < deadline, "the killed coordinator still answers"
-        time.sleep(0.05)
+    wait_until(lambda: not _answers(first), "the killed coordinator still answers", timeout_s=60.0)
     (second,) = create_coordinators(name, 1, 2)
     assert ray.get(second.stats.remote())["latest_step"] == -1
     assert ray.get(coordinator_handles(name, 1, timeout_s=10.0)[0].stats.remote())["entries"] == 0
@@ -221,21 +217,23 @@ def test_destroy_kills_the_shards_left_when_one_died(ray_cluster) -> None:
     name = f"partial-{uuid.uuid4().hex[:8]}"
     first, second = create_coordinators(name, 2, 2)
     ray.kill(second)
-    deadline = time.monotonic() + 60
-    while True:  # the dead shard's name is released asynchronously
-        try:
-            ray.get_actor(f"{name}-1")
-        except ValueError:
-            break
-        assert time.monotonic() < deadline, "the killed shard's name was not released"
-        time.sleep(0.05)
+    deadline = time.monotonic() + 60  # one limit for both waits below
+    wait_until(lambda: _name_is_free(f"{name}-1"), "the killed shard's name was not released",  # asynchronously
+               timeout_s=deadline - time.monotonic())
     destroy_coordinators(name, 2)
-    while _answers(first):
-        assert time.monotonic() < deadline, "the live shard was not killed"
-        time.sleep(0.05)
+    wait_until(lambda: not _answers(first), "the live shard was not killed", timeout_s=deadline - time.monotonic())
     destroy_coordinators(name, 2)  # nothing left: nothing to do
     with pytest.raises(ValueError, match="num_shards"):
         destroy_coordinators(name, 0)
+
+
+def _name_is_free(actor_name: str) -> bool:
+    """Whether no live actor holds ``actor_name`` (in this job's namespace)."""
+    try:
+        ray.get_actor(actor_name)
+    except ValueError:
+        return True
+    return False
 
 
 def _answers(handle) -> bool:
@@ -280,6 +278,15 @@ def test_ingest_budget_keeps_the_newest_steps_and_bad_tokens_are_refused(ray_clu
     destroy_coordinators(name, 1)
 
 
+def _puller_failed(client: SharedIndexClient) -> bool:
+    """Whether the client's puller thread stopped on an error (its stats() then raise it)."""
+    try:
+        client.stats()
+    except RuntimeError:
+        return True
+    return False
+
+
 def _sharing(name: str, replica_id: int, drafter: NgramDrafter) -> SharingDrafter:
     cfg = SharedIndexConfig(replica_id=replica_id, num_replicas=2, name=name, poll_interval_s=0.01,
                             max_poll_interval_s=0.02, lookup_timeout_s=5.0)
@@ -297,14 +304,7 @@ def test_a_failed_puller_is_raised_at_every_boundary_and_the_drafter_still_ages(
     shared = _sharing(name, 0, drafter)
     shared.end_step()
     ray.kill(coord)
-    deadline = time.monotonic() + 60
-    while True:  # until the puller has hit the dead actor
-        try:
-            shared.index.stats()
-        except RuntimeError:
-            break
-        assert time.monotonic() < deadline, "the puller did not notice the dead coordinator"
-        time.sleep(0.02)
+    wait_until(lambda: _puller_failed(shared.index), "the puller did not notice the dead coordinator", timeout_s=60.0)
     assert any(r.levelname == "ERROR" and "puller of replica 0 stopped" in r.getMessage() for r in caplog.records)
     for step in (2, 3):
         with pytest.raises(RuntimeError, match="puller thread failed") as err:

@@ -23,6 +23,7 @@ from rollout_spec.distributed.coordinator import IndexCoordinator  # noqa: E402
 from rollout_spec.distributed.packing import pack  # noqa: E402
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig  # noqa: E402
 from rollout_spec.distributed.sharing import SharingDrafter  # noqa: E402
+from polling import wait_until  # noqa: E402
 
 
 class _Ref:
@@ -143,13 +144,6 @@ def _publish_for_replica_0(coord: IndexCoordinator, step: int, first_token: int)
     coord.publish(1, step, [0], [len(bucket)], bucket)
 
 
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-
 def _unavailable() -> BaseException:
     return ray.exceptions.ActorUnavailableError("the coordinator is restarting", None)
 
@@ -159,7 +153,7 @@ def test_a_transient_failure_is_retried_counted_and_logged(handle: _FlakyHandle,
     client, sink = _client(max_pull_errors=3)
     _publish_for_replica_0(handle.coord, 0, 100)
     with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
-        _until(lambda: sink.got == [[100, 2, 3]], "the puller did not recover after two failed pulls")
+        wait_until(lambda: sink.got == [[100, 2, 3]], "the puller did not recover after two failed pulls")
     stats = client.stats()  # no error: the client keeps working
     assert stats["pull_errors"] == 2
     assert sum("pull of replica 0 failed" in r.getMessage() for r in caplog.records) == 2
@@ -171,7 +165,7 @@ def test_a_transient_failure_is_retried_counted_and_logged(handle: _FlakyHandle,
 def test_the_limit_of_failures_in_a_row_stops_the_puller_and_restart_recovers(handle: _FlakyHandle) -> None:
     handle.pull_failures += [_unavailable() for _ in range(3)]
     client, sink = _client(max_pull_errors=3)
-    _until(lambda: client._error is not None, "three failures in a row did not stop the puller")
+    wait_until(lambda: client._error is not None, "three failures in a row did not stop the puller")
     with pytest.raises(RuntimeError, match="puller thread failed") as err:
         client.publish(0)
     assert isinstance(err.value.__cause__, ray.exceptions.ActorUnavailableError)
@@ -179,7 +173,7 @@ def test_the_limit_of_failures_in_a_row_stops_the_puller_and_restart_recovers(ha
         client.stats()
     _publish_for_replica_0(handle.coord, 0, 100)
     client.restart()
-    _until(lambda: sink.got == [[100, 2, 3]], "the restarted puller did not pull")
+    wait_until(lambda: sink.got == [[100, 2, 3]], "the restarted puller did not pull")
     assert client.stats()["pull_errors"] == 3
     with pytest.raises(RuntimeError, match="is running"):
         client.restart()
@@ -190,11 +184,11 @@ def test_restart_keeps_the_cursor(handle: _FlakyHandle) -> None:
     """Nothing ingested before the stop is ingested again after restart()."""
     client, sink = _client()
     _publish_for_replica_0(handle.coord, 0, 100)
-    _until(lambda: len(sink.got) == 1, "the first publication was not pulled")
+    wait_until(lambda: len(sink.got) == 1, "the first publication was not pulled")
     client.close()
     _publish_for_replica_0(handle.coord, 1, 200)
     client.restart()
-    _until(lambda: len(sink.got) == 2, "the second publication was not pulled")
+    wait_until(lambda: len(sink.got) == 2, "the second publication was not pulled")
     time.sleep(0.05)
     assert sink.got == [[100, 2, 3], [200, 2, 3]]
     client.close()
@@ -207,7 +201,7 @@ def test_restart_keeps_the_cursor(handle: _FlakyHandle) -> None:
 def test_an_error_that_cannot_pass_stops_the_puller_at_once(handle: _FlakyHandle, error: BaseException) -> None:
     handle.pull_failures.append(error)
     client, _ = _client(max_pull_errors=1000)
-    _until(lambda: client._error is not None, "the puller kept running after a non-transient error")
+    wait_until(lambda: client._error is not None, "the puller kept running after a non-transient error")
     assert client._error is error
     assert client._stats["pull_errors"] == 0
     with pytest.raises(RuntimeError, match="puller thread failed"):
@@ -224,7 +218,7 @@ def test_a_client_dropped_without_close_is_collected_and_its_puller_stops(
     cfg = SharedIndexConfig(replica_id=0, num_replicas=2, poll_interval_s=60.0, max_poll_interval_s=60.0)
     client = SharedIndexClient(sink, cfg)
     owner = SharingDrafter(sink, client) if wrapped else client
-    _until(lambda: sink.got == [[100, 2, 3]], "the first publication was not pulled")
+    wait_until(lambda: sink.got == [[100, 2, 3]], "the first publication was not pulled")
     puller, collected = client._thread, weakref.ref(client)
     del client, owner
     gc.collect()
@@ -239,7 +233,7 @@ def test_a_publish_the_coordinator_lost_is_counted_not_resent(handle: _FlakyHand
     client.record(5, [1, 2])
     with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
         client.publish(3)
-        _until(lambda: client.stats()["publish_errors"] == 1, "the lost publish was not counted")
+        wait_until(lambda: client.stats()["publish_errors"] == 1, "the lost publish was not counted")
     assert any("publish of step 3 by replica 0" in r.getMessage() and "lost" in r.getMessage()
                for r in caplog.records)
     assert handle.coord.stats()["publishes"] == 0  # not resent
@@ -256,11 +250,11 @@ def _replace_after_three_pulled(handle: _FlakyHandle, fresh: _FlakyHandle) -> tu
     client, sink = _client()
     for step in range(3):
         _publish_for_replica_0(handle.coord, step, 100 + step)
-    _until(lambda: len(sink.got) == 3, "the first publications were not pulled")
+    wait_until(lambda: len(sink.got) == 3, "the first publications were not pulled")
     _publish_for_replica_0(fresh.coord, 3, 200)
     handle.lookups["handle"] = fresh  # what the lookup after the failed pull below finds
     handle.pull_failures.append(ray.exceptions.ActorDiedError())
-    _until(lambda: len(sink.got) == 4, "the replaced coordinator's publication was skipped")
+    wait_until(lambda: len(sink.got) == 4, "the replaced coordinator's publication was skipped")
     assert sink.got[-1] == [200, 2, 3]
     return client, sink
 
@@ -353,7 +347,7 @@ def test_a_pull_that_hangs_times_out_and_is_retried(handle: _FlakyHandle) -> Non
     handle.hanging_pulls = 1
     client, sink = _client(pull_timeout_s=0.05)
     _publish_for_replica_0(handle.coord, 0, 100)
-    _until(lambda: sink.got == [[100, 2, 3]], "the puller stayed on the hanging pull")
+    wait_until(lambda: sink.got == [[100, 2, 3]], "the puller stayed on the hanging pull")
     assert client.stats()["pull_errors"] == 1
     client.close()
 
@@ -388,7 +382,7 @@ def test_a_publish_lost_to_another_shard_that_died_looks_up_its_replacement(
     found["shard 1"] = fresh
     client.record(5, [1, 2])  # group 5 goes to both replicas: shard 0 (ours) and shard 1
     client.publish(0)
-    _until(lambda: client.stats()["publish_errors"] == 1, "the publish to the dead shard was not counted")
+    wait_until(lambda: client.stats()["publish_errors"] == 1, "the publish to the dead shard was not counted")
     client.record(5, [1, 2])
     client.publish(1)  # the fake handles run the call at once
     assert fresh.coord.stats()["publishes"] == 1  # the next step's publish reached the replacement

@@ -9,7 +9,6 @@ embedded engine is covered by two tiny engines sharing through ``attach_shared_i
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ from rollout_spec.distributed import (  # noqa: E402
 )
 from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID, NAMESPACE  # noqa: E402
 from rollout_spec.groups import prompt_group_id  # noqa: E402
+from polling import wait_until  # noqa: E402
 
 PROMPT = [11, 12, 13, 14, 15]
 
@@ -49,15 +49,6 @@ def ray_cluster():
 
 def _spec(name: str) -> SpecConfig:
     return SpecConfig(num_draft_tokens=8, tree=False, shared_index=name)
-
-
-def _wait(read, count: int, timeout_s: float = 30.0) -> None:
-    """Until ``read()`` (sequences the replica ingested) reaches ``count``."""
-    deadline = time.monotonic() + timeout_s
-    while read() < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"ingested {read()} of {count} sequences")
-        time.sleep(0.02)
 
 
 @ray.remote(num_cpus=0)
@@ -144,10 +135,12 @@ def test_vllm_and_sglang_replicas_propose_each_others_samples(ray_cluster) -> No
     first, second = _response(1), _response(2)
     assert ray.get(sglang.propose.remote("b0", first[:6]))[:3] != first[6:9]  # never seen there
     ray.get(vllm.generate.remote("a0", first))
-    _wait(lambda: ray.get(sglang.applied.remote()), 1)
+    wait_until(lambda: ray.get(sglang.applied.remote()), "the SGLang replica did not ingest the vLLM sample",
+               until=lambda applied: applied >= 1, timeout_s=30.0)
     assert ray.get(sglang.propose.remote("b1", first[:6]))[:8] == first[6:14]
     ray.get(sglang.generate.remote("b2", second))
-    _wait(lambda: ray.get(vllm.applied.remote()), 1)
+    wait_until(lambda: ray.get(vllm.applied.remote()), "the vLLM replica did not ingest the SGLang sample",
+               until=lambda applied: applied >= 1, timeout_s=30.0)
     assert ray.get(vllm.propose.remote("a1", second[:10]))[:8] == second[10:18]
     for actor in (vllm, sglang):
         ray.kill(actor)
@@ -182,7 +175,8 @@ def test_embedded_engines_share_through_attach_shared_index(ray_cluster) -> None
     assert isinstance(attach_shared_index(a, ReplicaPlacement(0, 2)), SharingDrafter)
     out_a = a.generate([PROMPT], greedy)
     a.end_step()  # the RL step boundary publishes
-    _wait(lambda: shared_b.stats()["shared_index/sequences_applied"], 2)
+    wait_until(lambda: shared_b.stats()["shared_index/sequences_applied"], "engine b did not ingest a's 2 samples",
+               until=lambda applied: applied >= 2, timeout_s=30.0)
     single = SamplingParams(n=1, temperature=0.0, max_new_tokens=48)
     out_b, out_alone = b.generate([PROMPT], single)[0], alone.generate([PROMPT], single)[0]
     assert out_b.token_ids == out_a[0].token_ids == out_alone.token_ids  # lossless either way

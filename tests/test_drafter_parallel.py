@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +20,7 @@ from rollout_spec import _core
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
 from rollout_spec.tree import DraftBatch
+from polling import wait_until
 from test_drafter_reference import (  # noqa: E402  (tests/ is on sys.path)
     as_lists, best_path, config_st, drafter_with_core, op_st)
 
@@ -194,6 +194,18 @@ def test_many_pooled_drafters_come_and_go():
         del one, many
 
 
+def _wait_for_child(pid: int, what: str) -> tuple[int, int]:
+    """``os.waitpid``'s answer once the forked child ``pid`` exited; a child still running after
+    60 s is killed (it must not outlive the test) and the test fails with ``what``."""
+    try:
+        return wait_until(lambda: os.waitpid(pid, os.WNOHANG), what, until=lambda done: done != (0, 0),
+                          timeout_s=60.0)
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_proposes_on_a_fresh_pool():
     """A child forked after the pool started (as multiprocessing and Ray workers do) has none of
@@ -211,13 +223,7 @@ def test_forked_child_proposes_on_a_fresh_pool():
         finally:
             os._exit(0)
     os.close(write_end)
-    deadline = time.monotonic() + 60
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's propose hung")
-        time.sleep(0.01)
+    _wait_for_child(pid, "the forked child's propose hung")
     with os.fdopen(read_end, "rb") as f:
         got = f.read()
     assert got and got == one.propose(ids).tokens.tobytes()
@@ -239,11 +245,5 @@ def test_a_fork_waits_for_background_work():
             os._exit(0 if d.stats()["index_tokens"] >= 512 * 600 else 3)
         finally:
             os._exit(2)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's first call hung")
-        time.sleep(0.01)
-    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
+    _, status = _wait_for_child(pid, "the forked child's first call hung")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
