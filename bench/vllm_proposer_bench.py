@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import int_arg  # noqa: E402
+from rollout_spec.cli_args import check_output, int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.integrations.vllm import engine_kwargs  # noqa: E402
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer  # noqa: E402
@@ -206,8 +206,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="SpecConfig.tree=True (default: chains, as docs/vllm.md advises)")
     parser.add_argument("--repeat", type=int_arg("--repeat", 1, 100), default=1,
                         help="replays per trace (median cost shown)")
-    parser.add_argument("--digest", help="write every step's draft hashes to this JSON file")
+    parser.add_argument("--digest", type=Path, help="write every step's draft hashes to this JSON file")
     args = parser.parse_args(argv)
+    check_output(parser, "--digest", args.digest)  # refused now, not after every replay
     spec = SpecConfig(num_draft_tokens=args.k, tree=args.tree, propose_threads=1)
     digests: dict[str, list[list[str]]] = {}
     print("| trace | step | engine steps | TPF | us/req/step (runs) |\n|---|---|---|---|---|")
@@ -228,8 +229,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 raise SystemExit(f"{name} step {s}: drafts differ between replays")
             print(f"| {name} | {s} | {runs[0][s].engine_steps} | {runs[0][s].tpf:.3f} | "
                   f"{statistics.median(us):.2f} ({' '.join(f'{u:.2f}' for u in us)}) |")
-    if args.digest:
-        Path(args.digest).write_text(json.dumps(digests))
+    if args.digest is not None:
+        args.digest.write_text(json.dumps(digests))
 
 
 if __name__ == "__main__":

@@ -151,10 +151,13 @@ def check_output(parser: argparse.ArgumentParser, flag: str, path: Optional[Path
 
 def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
                    need_responses: bool = False) -> "Trace":
-    """The trace at ``path``; a missing or malformed file is an argument error naming it, and so,
-    with ``need_responses``, is one without steps or with a step that holds no responses."""
+    """The trace at ``path``; a missing or malformed file, or a directory, is an argument error
+    naming it, and so, with ``need_responses``, is one without steps or with a step that holds
+    no responses."""
     from rollout_spec.replay import load_trace
 
+    if Path(path).is_dir():
+        parser.error(f"{flag} {path}: is a directory, not a trace file")
     if not Path(path).is_file():
         parser.error(f"{flag} {path}: trace file not found")
     try:

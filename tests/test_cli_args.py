@@ -48,6 +48,8 @@ def test_outputs_and_traces_are_checked_before_work(tmp_path):
         check_output(Parser(), "--out", tmp_path)
     with pytest.raises(Refused, match="--trace .*nope.json: trace file not found"):
         load_trace_arg(Parser(), "--trace", tmp_path / "nope.json")
+    with pytest.raises(Refused, match="--trace .*: is a directory, not a trace file"):
+        load_trace_arg(Parser(), "--trace", tmp_path)
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(Refused, match="--trace .*bad.json: a trace needs 'prompts' and 'steps'"):
         load_trace_arg(Parser(), "--trace", tmp_path / "bad.json")

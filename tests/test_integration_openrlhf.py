@@ -55,6 +55,19 @@ def test_launcher_refuses_bad_options_before_touching_openrlhf():
         split_argv(["--rollout_spec", "--rollout_spec.tree", "maybe"])
 
 
+def test_launcher_without_openrlhf_names_the_missing_package(monkeypatch):
+    """Without OpenRLHF installed the launcher (even its --help) ended in an ImportError
+    traceback from runpy; it now exits with a message naming the package and its install."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "openrlhf" else find_spec(name, *a))
+    for argv in (["--help"], ["--rollout_spec", "--rollout_spec.num_draft_tokens", "8"]):
+        with pytest.raises(SystemExit, match=r"openrlhf is not installed \(pip install 'rollout-spec\[openrlhf\]'\)"):
+            main(argv)
+
+
 class FakeLLM:
     async def collective_rpc(self, method):
         assert method == "rollout_spec_end_step"

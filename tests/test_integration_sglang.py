@@ -456,6 +456,18 @@ def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):
                                              ["1", "1", "0", str(len(answer) - 1)]]
 
 
+def test_replay_tool_refuses_a_trace_without_responses(tmp_path, capsys):
+    """A trace with no steps, or a step with no responses, printed the header (or a row of
+    zeros) and exited 0; it is an argument error, as in ``rollout-spec replay``."""
+    from rollout_spec.integrations.sglang.replay import main as replay_main
+    from rollout_spec.replay import Trace, save_trace
+
+    for name, steps in (("none.json", []), ("empty_step.json", [[]])):
+        save_trace(Trace(prompts={0: [1, 2, 3]}, steps=steps), tmp_path / name)
+        err = argument_error(replay_main, [str(tmp_path / name)], capsys)
+        assert f"{name}: every step must hold responses (it has {len(steps)} steps)" in err
+
+
 def test_replay_indexes_responses_that_finish_at_their_prefill():
     """Responses of one token end at their prefill: the replay hands them to the corpus as the
     forward hook does (``track_prefill_requests``), so they are indexed, counted as prefill-only

@@ -38,6 +38,16 @@ def test_bad_flags_are_argument_errors(tmp_path, capsys) -> None:
                                                       capsys)
 
 
+def test_an_unwritable_digest_is_refused_before_the_replays(tmp_path, capsys) -> None:
+    """``--digest`` in a missing folder, or naming a directory, raised a traceback after every
+    replay had run (their figures lost); it is now an argument error before any replay."""
+    trace = str(small_trace(tmp_path))
+    for digest, reason in ((tmp_path / "missing" / "d.json", "does not exist"), (tmp_path, "is a directory")):
+        err = argument_error(vllm_proposer_bench.main, ["--trace", trace, "--digest", str(digest)], capsys)
+        assert f"--digest {digest}: " in err and reason in err
+    assert "| t |" not in capsys.readouterr().out
+
+
 def test_a_response_past_the_default_model_length_is_replayed_whole(tmp_path, capsys) -> None:
     """A trace whose prompt and response exceed the replay's 2048-token model length: the row
     went on past it with its tokens dropped from the runner's table and no drafts, figures of

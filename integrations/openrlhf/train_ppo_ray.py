@@ -10,6 +10,7 @@ own launcher then runs unchanged with the remaining arguments.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import inspect
 import runpy
 import sys
@@ -96,6 +97,14 @@ def _asks_async(argv: Sequence[str]) -> bool:
     return any(len(a) >= len("--train.async_e") and flag.startswith(a) for a in argv)
 
 
+def require_openrlhf() -> None:
+    """Exit with an error naming the missing package when OpenRLHF is not installed: both the
+    hooks and the launcher this module runs are OpenRLHF's (else an ImportError traceback)."""
+    if importlib.util.find_spec("openrlhf") is None:
+        raise SystemExit(f"rollout-spec: this launcher runs {OPENRLHF_LAUNCHER}, but openrlhf is not "
+                         "installed (pip install 'rollout-spec[openrlhf]')")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Parse ``--rollout_spec*``, install the hooks, run OpenRLHF's launcher on the rest."""
     ours, rest = split_argv(sys.argv[1:] if argv is None else argv)
@@ -103,12 +112,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parsed = spec_from_args(ours)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"rollout-spec: {err}") from err
+    if parsed is not None and _asks_async(rest):
+        raise SystemExit(
+            "rollout-spec: --rollout_spec does not support --train.async_enable yet (its "
+            "generation overlaps training, so there is no single step boundary to refresh at)"
+        )
+    require_openrlhf()
     if parsed is not None:
-        if _asks_async(rest):
-            raise SystemExit(
-                "rollout-spec: --rollout_spec does not support --train.async_enable yet (its "
-                "generation overlaps training, so there is no single step boundary to refresh at)"
-            )
         install(*parsed)
     sys.argv = [OPENRLHF_LAUNCHER, *rest]
     runpy.run_module(OPENRLHF_LAUNCHER, run_name="__main__", alter_sys=True)

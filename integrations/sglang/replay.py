@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-responses", type=int_arg("--max-responses", 0), default=0,
                     help="first N responses per step (0: all)")
     args = ap.parse_args(argv)
-    trace = load_trace_arg(ap, "trace", args.trace)
+    trace = load_trace_arg(ap, "trace", args.trace, need_responses=True)  # else no rows
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens)
     # SGLang's worker sends tails of speculative_ngram_max_trie_depth tokens, and the corpus
     # starts a prefill-only request from as many of its prompt's last tokens.
