@@ -231,6 +231,7 @@ def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: tor
 
 N_SAMPLES = 8  # GRPO's n: samples per prompt whatever the batch size
 RANDOM_PROMPT_LEN = 128  # ids per prompt of the --random-weights workload
+DEFAULT_MODEL = "smollm2-135m"  # also the shapes --random-weights builds
 WARM_GROUP_BASE = 1 << 30  # group ids of the warm-up prompts, far from every timed prompt's
 HISTORY = {"cold": "every timed prompt is new to the spec engine",
            "warm": "an untimed spec call + end_step on the same prompts before each timed one"}
@@ -642,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
     ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a checkpoint (not with --random-weights)")
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 4096),
                     default="1,8,32,64,128,256",
                     help="samples decoded at once (engine mode: max_running; n=8 samples per prompt)")
@@ -692,8 +693,12 @@ def check_length(ap: argparse.ArgumentParser, prompt_len: int, max_new: int, max
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What parsing alone cannot see, refused before any model is built: the device, the Triton
     backend, --profile and --max-model-len outside engine mode, --profile against the engines'
-    slots, the random-weight prompts' length (the checkpoint's prompts are checked once drawn with
-    its tokenizer alone, ``checked_workload``). An unset --max-model-len becomes 1024."""
+    slots, --model with --random-weights (which loads no checkpoint), the random-weight prompts'
+    length (the checkpoint's prompts are checked once drawn with its tokenizer alone,
+    ``checked_workload``). An unset --max-model-len becomes 1024."""
+    if args.random_weights and args.model != DEFAULT_MODEL:
+        ap.error(f"--model {args.model}: --random-weights builds {DEFAULT_MODEL}'s shapes and loads no "
+                 f"checkpoint; give one of the two")
     args.device = check_device(ap, args.device)
     for t in args.temperatures:
         try:

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=eb.DEFAULT_MODEL, help="a checkpoint (not with --random-weights)")
     ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--batch-size", type=int_arg("--batch-size", 1, 4096), default=8)
     ap.add_argument("--temperature", type=temperature_arg("--temperature"), default=0.6)

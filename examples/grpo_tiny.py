@@ -267,12 +267,16 @@ def train(args: argparse.Namespace, reward_fn: Optional[RewardFn] = None,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: parse options and train; a model that cannot be loaded exits with status 1
-    and its reason, as ``rollout-spec bench`` does."""
-    from rollout_spec.cli import ModelNotLoaded
+    and its reason, and --max-new-tokens past the model's context with status 2, as
+    ``rollout-spec bench`` does."""
+    from rollout_spec.cli import ContextTooShort, ModelNotLoaded
 
     args = parse_args(argv)
     try:
         train(args)
+    except ContextTooShort as exc:
+        print(f"grpo_tiny.py: error: {exc}", file=sys.stderr)
+        return 2
     except ModelNotLoaded as exc:
         print(f"grpo_tiny.py: error: {exc}", file=sys.stderr)
         return 1

@@ -127,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     parser.error(f"{flag} and {other} name the same file {str(path)!r}: give each its own")
         try:
             run_bench(args)
+        except ContextTooShort as exc:
+            parser.error(str(exc))
         except (StepFailed, ModelNotLoaded) as exc:
             print(f"rollout-spec bench: error: {exc}", file=sys.stderr)
             return 1
@@ -223,12 +225,21 @@ def engine_sizes(args: argparse.Namespace, tokenizer: Any, model_limit: int) -> 
     P x n requests of (longest prompt + max_new_tokens) keeps the CPU default in a few GB.
     ``max_draft_tokens`` is ``--draft-tokens``: the engine's own cap (64) would cut a larger
     budget silently.
+
+    Raises:
+        ContextTooShort: the longest prompt plus ``--max-new-tokens`` exceeds ``model_limit``
+            (the engine would end those samples early, as if they had reached the limit).
     """
     from rollout_spec.workloads import Workload
 
     workload = Workload(args.task, tokenizer, args.prompts, seed=args.seed,
                         fresh_each_step=args.fresh_prompts, max_steps=args.steps)
     longest = max(len(p.prompt_ids) for p in workload.prompts)
+    if longest + args.max_new_tokens > model_limit:
+        raise ContextTooShort(
+            f"--max-new-tokens must be at most {model_limit - longest} for --model {args.model} "
+            f"(its context holds {model_limit} tokens, the longest prompt of --task {args.task} "
+            f"has {longest}), got {args.max_new_tokens}")
     return {"num_slots": min(args.prompts * args.n, args.max_batch),
             "max_model_len": min(longest + args.max_new_tokens + 1, model_limit),
             "max_draft_tokens": args.draft_tokens}
@@ -348,6 +359,11 @@ def loading_model(model: str) -> Iterator[None]:
         yield
     except (OSError, ValueError, ImportError, SafetensorError) as exc:
         raise ModelNotLoaded(f"cannot load --model {model}: {exc}") from exc
+
+
+class ContextTooShort(ValueError):
+    """The longest prompt plus ``--max-new-tokens`` does not fit ``--model``'s context: an
+    argument error, found once the tokenizer and the model's config are read."""
 
 
 class StepFailed(RuntimeError):

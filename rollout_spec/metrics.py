@@ -323,11 +323,24 @@ def wandb_available() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
+def wandb_credentials_found() -> bool:
+    """True when wandb finds an API key or identity token (environment, netrc, settings),
+    checked without prompting and without the network."""
+    import wandb
+
+    try:
+        return bool(wandb.login(prompt=False, verify=False))
+    except TypeError:  # wandb before ``login(prompt=...)`` (0.2x): its deprecated key lookup
+        return wandb.api.api_key is not None
+
+
 def resolve_wandb_mode(requested: Optional[str]) -> str:
-    """The mode to use: ``requested``, or offline when wandb is installed, else disabled.
+    """The mode to use: ``requested``, or offline when wandb is installed, else disabled. Online
+    mode without credentials is refused here, before a model loads, not at ``wandb.init``.
 
     Raises:
-        ValueError: an unknown mode, or offline/online asked for without wandb installed.
+        ValueError: an unknown mode, offline/online asked for without wandb installed, or online
+            without a configured W&B API key.
     """
     if requested is None:
         return "offline" if wandb_available() else "disabled"
@@ -337,6 +350,9 @@ def resolve_wandb_mode(requested: Optional[str]) -> str:
         raise ValueError(
             f"wandb mode {requested!r} needs the wandb package: pip install 'rollout-spec[dashboards]'"
         )
+    if requested == "online" and not wandb_credentials_found():
+        raise ValueError("wandb mode 'online' needs a W&B API key (run `wandb login` or set "
+                         "WANDB_API_KEY), or use offline")
     return requested
 
 

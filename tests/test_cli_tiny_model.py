@@ -163,6 +163,24 @@ def test_a_model_that_cannot_be_loaded_is_an_error_not_a_traceback(tiny_model, t
         cli.main, ["bench", "--model", str(empty), "--device", "cpu"], capsys)
 
 
+def test_new_tokens_past_the_models_context_are_refused_before_it_loads(tiny_model, capsys, monkeypatch):
+    """The tiny model holds 512 positions: --max-new-tokens 600 was accepted and every sample
+    silently ended at the context's end; it is an argument error naming the most that fits."""
+    from argument_errors import argument_error
+    from rollout_spec import cli
+    from rollout_spec.engine import RolloutEngine
+
+    def refuse(*_args, **_kw):
+        raise AssertionError("the model was loaded before the argument error")
+
+    monkeypatch.setattr(RolloutEngine, "from_pretrained", refuse)
+    argv = ["bench", "--model", str(tiny_model), "--device", "cpu", "--task", "basic_arithmetic",
+            "--steps", "1", "--prompts", "1", "--n", "1", "--max-new-tokens", "600", "--wandb", "disabled"]
+    err = argument_error(cli.main, argv, capsys)
+    assert "--max-new-tokens must be at most" in err and "(its context holds 512 tokens" in err, err
+    assert err.rstrip().endswith("got 600")
+
+
 def test_draft_tokens_above_the_engines_default_cap_reach_the_budget(tiny_model, tmp_path, monkeypatch):
     """``--draft-tokens`` is the most draft nodes per request per step, in [1, 1024]: the engine the
     bench builds must offer that many, not cut it silently at the engine's default cap (64), while

@@ -212,6 +212,9 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
      "exceeds --max-model-len 130 (raise it to at least 136)"),
     (["--random-weights", "--device", "cpu", "--max-model-len", "9000"],
      "--max-model-len must be in [2, 8192] with --random-weights, got 9000"),
+    # the random model has SmolLM2-135M's shapes whatever --model names: the flag was ignored
+    (["--random-weights", "--device", "cpu", "--model", "/ckpt/qwen"],
+     "--model /ckpt/qwen: --random-weights builds smollm2-135m's shapes and loads no checkpoint"),
 ])
 def test_inconsistent_flags_exit_before_any_model(argv: list[str], message: str, no_model, capsys) -> None:
     assert message in argument_error(eb.main, argv, capsys)

@@ -121,6 +121,24 @@ def test_wandb_mode_is_checked_up_front(monkeypatch, capsys):
     assert "--wandb: no wandb" in argument_error(grpo.parse_args, ["--wandb", "online"], capsys)
 
 
+def test_new_tokens_past_the_models_context_exit_before_it_loads(tmp_path_factory, monkeypatch, capsys):
+    """512 positions in the tiny model: samples of 600 new tokens were silently cut at its end."""
+    from rollout_spec.engine import RolloutEngine
+
+    grpo = _example()
+    model = tiny_model_dir(tmp_path_factory.getbasetemp())
+
+    def refuse(*_args, **_kw):
+        raise AssertionError("the model was loaded before the error")
+
+    monkeypatch.setattr(RolloutEngine, "from_pretrained", refuse)
+    argv = ["--model", str(model), "--device", "cpu", "--steps", "1", "--prompts", "1", "--n", "2",
+            "--max-new-tokens", "600", "--wandb", "disabled"]
+    assert grpo.main(argv) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the tiny model's build progress
+    assert last.startswith("grpo_tiny.py: error: --max-new-tokens must be at most") and "got 600" in last, last
+
+
 def test_good_options_parse(tmp_path):
     grpo = _example()
     (tmp_path / "config.json").write_text("{}")

@@ -113,6 +113,37 @@ def test_wandb_mode_resolution(monkeypatch):
     assert isinstance(metrics.make_sink("disabled", "p", {}), metrics.NullSink)
 
 
+def test_wandb_online_without_credentials_is_refused_up_front(monkeypatch):
+    """Online mode with no API key failed at wandb.init, after the model had loaded, with a
+    wandb UsageError traceback; it is refused while the arguments are checked."""
+    monkeypatch.setattr(metrics, "wandb_available", lambda: True)
+    logins = []
+
+    def login(prompt=True, verify=True):
+        logins.append((prompt, verify))
+        return has_key
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(login=login))
+    has_key = False
+    with pytest.raises(ValueError, match="'online' needs a W&B API key"):
+        metrics.resolve_wandb_mode("online")
+    assert logins == [(False, False)]  # no prompt, no network
+    assert metrics.resolve_wandb_mode("offline") == "offline"  # offline needs no key
+    has_key = True
+    assert metrics.resolve_wandb_mode("online") == "online"
+
+
+def test_wandb_credentials_on_wandb_without_login_prompt(monkeypatch):
+    def old_login(verify=True):  # wandb before login(prompt=...)
+        raise AssertionError("an old login would prompt")
+
+    api = types.SimpleNamespace(api_key=None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(login=old_login, api=api))
+    assert not metrics.wandb_credentials_found()
+    api.api_key = "k" * 40
+    assert metrics.wandb_credentials_found()
+
+
 def test_wandb_sink_logs_through_wandb_api(monkeypatch):
     calls = []
 
