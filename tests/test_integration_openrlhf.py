@@ -42,8 +42,10 @@ def test_flags_become_a_spec_config_and_the_rest_goes_to_openrlhf():
 def test_launcher_refuses_bad_options_before_touching_openrlhf():
     with pytest.raises(SystemExit, match="rollout_spec.max_depth was given without --rollout_spec"):
         main(["--rollout_spec.max_depth", "3"])
-    with pytest.raises(SystemExit, match="max_depth must be in"):
+    with pytest.raises(SystemExit, match=r"^rollout-spec: --rollout_spec\.max_depth must be in \[1, 1024\], got 0$"):
         main(["--rollout_spec", "--rollout_spec.max_depth", "0"])
+    with pytest.raises(SystemExit, match=r"^rollout-spec: --rollout_spec\.num_speculative_tokens must be in"):
+        main(["--rollout_spec", "--rollout_spec.num_speculative_tokens", "0"])
     with pytest.raises(SystemExit, match=r"num_speculative_tokens must be in \[1, 1024\], got 0"):
         main(["--rollout_spec", "--rollout_spec.num_speculative_tokens", "0"])
     with pytest.raises(SystemExit, match=r"num_draft_tokens is 0 \(speculation off\): drop --rollout_spec"):
@@ -53,6 +55,17 @@ def test_launcher_refuses_bad_options_before_touching_openrlhf():
             main(["--rollout_spec", flag])
     with pytest.raises(SystemExit):  # argparse: not a bool
         split_argv(["--rollout_spec", "--rollout_spec.tree", "maybe"])
+
+
+def test_a_misspelt_option_is_refused_with_the_nearest_flag():
+    """A misspelt ``--rollout_spec.*`` option was passed on to OpenRLHF's parser, which knows
+    nothing of our fields; it stops the launch here, naming the nearest field's flag."""
+    with pytest.raises(SystemExit, match=r"unknown option --rollout_spec\.num_draft_token "
+                                         r"\(did you mean --rollout_spec\.num_draft_tokens\?\)"):
+        main(["--rollout_spec", "--rollout_spec.num_draft_token", "8"])
+    with pytest.raises(SystemExit, match=r"unknown option --rollout_spec\.zzz \(the options are"):
+        split_argv(["--rollout_spec.zzz=3", "--actor.model_name_or_path", "m"])
+    assert split_argv(["--rollout_spec", "--actor.x", "3"])[1] == ["--actor.x", "3"]
 
 
 def test_launcher_without_openrlhf_names_the_missing_package(monkeypatch):
