@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
                     help="RL steps replayed; at most the trace's step count (default: the first 2, or 1 "
                          "on a one-step trace)")
-    ap.add_argument("--max-live", type=int_arg("--max-live", 1), default=256, help="concurrent requests (default 256)")
+    ap.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 20), default=256, help="concurrent requests (default 256)")
     args = ap.parse_args(argv)
     traces = load_traces(ap, args.trace, args.steps)
     print("| trace | E(k) | " + " | ".join(f"k={k}" for k in SIZES) + " |\n|---|---|" + "---|" * len(SIZES))

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", action="append", help="trace file(s); default: shared traces, else synthetic")
     ap.add_argument("--synthetic", action="store_true", help="also replay a synthetic trace")
     ap.add_argument("--budget", type=int_arg("--budget", 1, 1024), default=8, help="draft tokens per request")
-    ap.add_argument("--max-live", type=int_arg("--max-live", 1), default=None,
+    ap.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 20), default=None,
                     help="cap on concurrent requests (default: all of a step's requests)")
     ap.add_argument("--drafters", type=names_arg("--drafters", DRAFTERS), default=list(DRAFTERS),
                     help=f"comma-separated, from {', '.join(DRAFTERS)} (default: all)")

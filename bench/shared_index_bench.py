@@ -184,12 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     """Parse options, start a local Ray cluster, run the steps, print one row per step."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int_arg("--replicas", 1, 1 << 16), default=64)
-    ap.add_argument("--requests", type=int_arg("--requests", 1), default=512, help="requests per replica per step")
-    ap.add_argument("--n", type=int_arg("--n", 1), default=8,
+    ap.add_argument("--requests", type=int_arg("--requests", 1, 1 << 20), default=512, help="requests per replica per step")
+    ap.add_argument("--n", type=int_arg("--n", 1, 1024), default=8,
                     help="samples per prompt (group size; at most the trace's smallest group)")
-    ap.add_argument("--steps", type=int_arg("--steps", 1), default=4,
+    ap.add_argument("--steps", type=int_arg("--steps", 1, 100_000), default=4,
                     help="RL steps (the trace's recorded steps repeat if it has fewer)")
-    ap.add_argument("--hosts", type=int_arg("--hosts", 1), default=2,
+    ap.add_argument("--hosts", type=int_arg("--hosts", 1, 1 << 16), default=2,
                     help="Ray actors carrying the simulated replicas (at most --replicas)")
     ap.add_argument("--affinity-k", type=int_arg("--affinity-k", 1, 1 << 16), default=2)
     ap.add_argument("--shards", type=int_arg("--shards", 1, 4096), default=1, help="coordinator actors")

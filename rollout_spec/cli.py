@@ -134,7 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         return 0
     # a trace with nothing to replay is refused too: it would print a table without figures
-    return run_replay(args, load_trace_arg(parser, "TRACE.json", args.trace, need_responses=True))
+    trace = load_trace_arg(parser, "TRACE.json", args.trace, need_responses=True)
+    if args.max_steps is not None and args.max_steps > len(trace.steps):  # as the bench's --steps
+        parser.error(f"--max-steps {args.max_steps}: trace {args.trace} has only {len(trace.steps)} steps")
+    return run_replay(args, trace)
 
 
 def check_task_pool(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -188,8 +191,7 @@ def run_replay(args: argparse.Namespace, trace: Trace) -> int:
 
     from rollout_spec import replay as rp
 
-    steps = list(range(len(trace.steps) if args.max_steps is None
-                       else min(args.max_steps, len(trace.steps))))
+    steps = list(range(len(trace.steps) if args.max_steps is None else args.max_steps))
     widest = max((len(trace.steps[s]) for s in steps), default=1)
     keyed = trace.noise_keys(steps[0]) is not None if steps else False
     table = Table(title=f"{args.trace.name}: lock-step replay, draft budget {args.draft_tokens}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -152,8 +153,9 @@ def check_output(parser: argparse.ArgumentParser, flag: str, path: Optional[Path
 def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
                    need_responses: bool = False) -> "Trace":
     """The trace at ``path``; a missing or malformed file, or a directory, is an argument error
-    naming it, and so, with ``need_responses``, is one without steps or with a step that holds
-    no responses."""
+    naming it, and so, with ``need_responses``, is one without steps, with a step that holds no
+    responses, or whose responses are all empty (every figure would be 0/0: a table of dashes).
+    Steps of only empty responses in a trace with tokens elsewhere are named in a note on stderr."""
     from rollout_spec.replay import load_trace
 
     if Path(path).is_dir():
@@ -166,4 +168,11 @@ def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
         parser.error(f"{flag} {exc}")
     if need_responses and (not trace.steps or not all(trace.steps)):
         parser.error(f"{flag} {path}: every step must hold responses (it has {len(trace.steps)} steps)")
+    tokenless = [s for s, step in enumerate(trace.steps) if not any(ids for _, ids in step)]
+    if need_responses and len(tokenless) == len(trace.steps):
+        parser.error(f"{flag} {path}: every response is empty (no tokens to replay)")
+    if need_responses and tokenless:  # a step that decodes nothing is a fact to show, not an error
+        print(f"NOTE: {path}: every response of step{'s' if len(tokenless) > 1 else ''} "
+              f"{', '.join(map(str, tokenless))} is empty; no figures for "
+              f"{'them' if len(tokenless) > 1 else 'it'} (shown as -)", file=sys.stderr)
     return trace

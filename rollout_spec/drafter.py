@@ -87,10 +87,12 @@ def _budget_array(budgets: object, count: int) -> Optional[np.ndarray]:
 
 def _load_corpus(index: int, path: str) -> np.ndarray:
     """The array in ``external_corpora[index]``'s .npy file; a file that is not one (or holds
-    pickled objects, never loaded) is a ValueError naming the entry. A missing file stays an
-    OSError, which names the path."""
+    pickled objects, never loaded) is a ValueError naming the entry; one that cannot be read
+    (missing, a folder, no permission) is an OSError of the same kind, naming the entry and path."""
     try:
         arr = np.load(path, allow_pickle=False)
+    except OSError as exc:  # np.load's own message names the path but not the config field
+        raise type(exc)(f"external_corpora[{index}]: cannot read {path} ({exc.strerror or exc})") from None
     except (ValueError, EOFError) as exc:
         raise ValueError(f"external_corpora[{index}]: {path} is not a .npy array of token ids ({exc})") from None
     if not isinstance(arr, np.ndarray):  # an .npz archive: np.load opened it as one
@@ -214,7 +216,8 @@ class NgramDrafter:
             TypeError: config is not a SpecConfig, or a corpus file's array is not of integers.
             ValueError: a corpus file is not a .npy array (an .npz archive, pickled objects),
                 holds an array that is not 1-D, or token ids outside [0, 2**31-1].
-            OSError: a corpus file cannot be read.
+            OSError: a corpus file cannot be read (FileNotFoundError when it is missing); the
+                message names the ``external_corpora`` entry and the path.
         """
         if config is None:
             config = SpecConfig()

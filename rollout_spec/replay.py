@@ -122,23 +122,33 @@ def load_trace(path: str | Path) -> Trace:
         steps.append(rows)
         seeds.append(step_seeds)
     meta = {k: v for k, v in raw.items() if k not in ("prompts", "steps")}
-    _check_noise_meta(meta, path)
+    _check_meta(meta, path)
     meta["prompt_records"] = raw["prompts"]
     return Trace(prompts=prompts, steps=steps, meta=meta, seeds=seeds)
 
 
-def _check_noise_meta(meta: dict, path: Path) -> None:
-    """The fields ``Trace.noise_keys`` reads, when present: ``sampling`` an object whose
-    ``temperature`` is a number in [0, 100], ``vocab_size`` an integer in [1, 2**31-1]."""
+def _check_meta(meta: dict, path: Path) -> None:
+    """The fields a replay reads, when present: ``sampling`` an object whose ``temperature`` is a
+    number in [0, 100] and ``max_new_tokens`` an integer in [1, 2**24] (SamplingParams' range),
+    ``vocab_size`` an integer in [1, 2**31-1], ``eos_token_id`` null or a token id in [0, 2**31)
+    (below ``vocab_size`` when that is given). Other ``sampling`` entries only describe the run."""
     sampling = meta.get("sampling")
     if sampling is not None and not isinstance(sampling, dict):
         raise ValueError(f"{path}: sampling must be an object, got {type(sampling).__name__}")
     temperature = (sampling or {}).get("temperature")
     if temperature is not None and (type(temperature) not in (int, float) or not 0 <= temperature <= 100):
         raise ValueError(f"{path}: sampling.temperature must be a number in [0, 100], got {temperature!r}")
+    max_new = (sampling or {}).get("max_new_tokens")
+    if max_new is not None and (type(max_new) is not int or not 1 <= max_new <= 1 << 24):
+        raise ValueError(f"{path}: sampling.max_new_tokens must be an integer in [1, 2**24], got {max_new!r}")
     vocab = meta.get("vocab_size")
     if vocab is not None and (type(vocab) is not int or not 1 <= vocab <= 2**31 - 1):
         raise ValueError(f"{path}: vocab_size must be an integer in [1, 2**31-1], got {vocab!r}")
+    eos = meta.get("eos_token_id")
+    if eos is not None and (type(eos) is not int or not 0 <= eos <= MAX_TOKEN_ID):
+        raise ValueError(f"{path}: eos_token_id must be null or a token id in [0, 2**31), got {eos!r}")
+    if eos is not None and vocab is not None and eos >= vocab:
+        raise ValueError(f"{path}: eos_token_id must be below vocab_size ({vocab}), got {eos}")
 
 
 def _list_field(value: Any, where: str, path: Path) -> list:

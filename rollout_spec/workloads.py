@@ -238,6 +238,8 @@ class TraceRecorder:
         sampling = dict(sampling)
         if sampling.get("temperature") is not None:  # what a replay reads back (load_trace's range)
             sampling["temperature"] = check_float("sampling['temperature']", sampling["temperature"], 0.0, 100.0)
+        if sampling.get("max_new_tokens") is not None:
+            sampling["max_new_tokens"] = check_int("sampling['max_new_tokens']", sampling["max_new_tokens"], 1, 1 << 24)
         self.meta = {"model": model, "sampling": sampling, "eos_token_id": eos_token_id}
         try:  # what save writes: refused now, not after the run
             json.dumps(self.meta)

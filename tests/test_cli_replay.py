@@ -35,18 +35,45 @@ def test_replay_of_a_keyed_recording_says_it_tells_the_keys(tmp_path, capsys):
     assert "our drafter told the recorded noise keys" in " ".join(capsys.readouterr().out.split())
 
 
-def test_replay_of_a_step_of_empty_responses_shows_no_tpf(tmp_path, capsys):
-    """A step whose responses are all empty takes no verify step: its TPF is "-", not 0.00."""
+def _empty_step_trace(tmp_path, steps_with_tokens: list[bool]):
+    """A recording whose steps hold two responses each, empty where ``steps_with_tokens`` says."""
     from rollout_spec.workloads import TraceRecorder, Workload
 
     prompts = Workload("chain_sum", FakeTokenizer(), 1, seed=0).batch(0)
     rec = TraceRecorder("fake", {"n": 2}, eos_token_id=3)
-    rec.add_step(prompts, [(0, [40, 41, 42]), (0, [40, 41, 42])])
-    rec.add_step(prompts, [(0, []), (0, [])])
-    path = rec.save(tmp_path / "t.json")
+    for has_tokens in steps_with_tokens:
+        ids = [40, 41, 42] if has_tokens else []
+        rec.add_step(prompts, [(0, ids), (0, list(ids))])
+    return rec.save(tmp_path / "t.json")
+
+
+def test_replay_of_a_step_of_empty_responses_shows_no_tpf_and_names_it(tmp_path, capsys):
+    """A step whose responses are all empty takes no verify step: its TPF is "-", not 0.00, and
+    a note on stderr names the steps (the other steps still have figures to show)."""
+    path = _empty_step_trace(tmp_path, [True, False, True, False])
     assert cli.main(["replay", str(path), "--draft-tokens", "2"]) == 0
-    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.count("│") > 5]
+    out, err = capsys.readouterr()
+    rows = [line.split("│") for line in out.splitlines() if line.count("│") > 5]
     assert rows and all(float(r[2]) >= 1.0 and r[3].strip() == "-" for r in rows)
+    assert f"NOTE: {path}: every response of steps 1, 3 is empty; no figures for them (shown as -)" in err
+
+
+def test_replay_of_a_trace_of_empty_responses_is_an_argument_error(tmp_path, capsys):
+    from argument_errors import argument_error
+
+    path = _empty_step_trace(tmp_path, [False, False])
+    err = argument_error(cli.main, ["replay", str(path)], capsys)
+    assert f"TRACE.json {path}: every response is empty (no tokens to replay)" in err
+
+
+def test_max_steps_past_the_trace_is_an_argument_error(tmp_path, capsys):
+    """It replayed the steps there were, silently; the bench scripts' --steps refuses, so does this."""
+    from argument_errors import argument_error
+
+    path = _empty_step_trace(tmp_path, [True, True])
+    err = argument_error(cli.main, ["replay", str(path), "--max-steps", "3"], capsys)
+    assert f"--max-steps 3: trace {path} has only 2 steps" in err
+    assert cli.main(["replay", str(path), "--max-steps", "2"]) == 0
 
 
 def test_replay_of_a_trace_without_responses_is_an_argument_error(tmp_path, capsys):

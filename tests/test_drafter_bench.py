@@ -82,8 +82,9 @@ def test_replays_that_drafted_differently_are_an_error() -> None:
     (["--propose-threads", "1,300"], "every --propose-threads value must be in [0, 256], got 300"),
     (["--propose-threads", "4", "--drafters", "prompt-lookup"], "--propose-threads sets the threads of ours"),
     (["--budget", "-1", "--drafters", "prompt-lookup"], "argument --budget: --budget must be in [1, 1024], got -1"),
-    (["--max-live", "0"], "argument --max-live: --max-live must be in [1, inf], got 0"),  # hung forever
-    (["--max-live", "-5"], "argument --max-live: --max-live must be in [1, inf], got -5"),
+    (["--max-live", "0"], "argument --max-live: --max-live must be in [1, 1048576], got 0"),  # hung forever
+    (["--max-live", "-5"], "argument --max-live: --max-live must be in [1, 1048576], got -5"),
+    (["--max-live", "100000000000000000000"], "argument --max-live: --max-live must be in [1, 1048576], got 100000000000000000000"),
 ])
 def test_bad_flags_exit_with_a_message_naming_them(argv, message, capsys) -> None:
     # A missing trace as well: a flag that slipped through would exit on the trace instead (or hang).
@@ -109,6 +110,23 @@ def test_a_trace_without_responses_is_an_error(tmp_path, capsys) -> None:
     save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[]], meta={}), path)
     err = argument_error(drafter_bench.main, ["--trace", str(path), "--drafters", "ours"], capsys)
     assert f"--trace {path}: every step must hold responses" in err
+
+
+def test_a_trace_of_empty_responses_is_an_error(tmp_path, capsys) -> None:
+    """It replayed to a table of dashes; refused as rollout-spec replay refuses it."""
+    path = tmp_path / "empty.json.gz"
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, [])], [(0, [])]], meta={}), path)
+    err = argument_error(drafter_bench.main, ["--trace", str(path), "--drafters", "ours"], capsys)
+    assert f"--trace {path}: every response is empty (no tokens to replay)" in err
+
+
+def test_a_step_of_empty_responses_is_named_in_a_note(tmp_path, capsys) -> None:
+    path = tmp_path / "partial.json.gz"
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, [4, 5])], [(0, [])]], meta={}), path)
+    drafter_bench.main(["--trace", str(path), "--drafters", "ours"])
+    out, err = capsys.readouterr()
+    assert f"NOTE: {path}: every response of step 1 is empty; no figures for it (shown as -)" in err
+    assert [r[2] for r in table_rows(out)] == ["1.000", "-"]
 
 
 def test_a_trace_that_is_not_json_exits_with_a_message_naming_it(tmp_path, capsys) -> None:

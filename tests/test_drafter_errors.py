@@ -110,6 +110,20 @@ def test_corpus_file_must_be_a_npy_array(tmp_path, content):
         NgramDrafter(SpecConfig(external_corpora=(str(good), str(bad))))
 
 
+def test_a_missing_corpus_file_names_the_entry_and_the_path(tmp_path):
+    """Still a FileNotFoundError (callers catching OSError keep working), now naming the field."""
+    good, missing = tmp_path / "good.npy", tmp_path / "gone.npy"
+    np.save(good, np.array([1, 2, 3]))
+    with pytest.raises(FileNotFoundError) as got:
+        NgramDrafter(SpecConfig(external_corpora=(str(good), str(missing))))
+    assert str(got.value) == f"external_corpora[1]: cannot read {missing} (No such file or directory)"
+
+
+def test_a_folder_as_corpus_file_names_the_entry(tmp_path):
+    with pytest.raises(IsADirectoryError, match=r"^external_corpora\[0\]: cannot read .* \(Is a directory\)$"):
+        NgramDrafter(SpecConfig(external_corpora=(str(tmp_path),)))
+
+
 def test_corpus_file_must_hold_one_1d_array(tmp_path):
     """A 2-D array or an .npz archive is named as such, not by a dtype it does not have."""
     flat, archive = tmp_path / "flat.npy", tmp_path / "two.npz"

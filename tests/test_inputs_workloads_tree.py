@@ -106,6 +106,7 @@ def test_numpy_prompts_are_recorded_as_plain_ints_and_load_back(tmp_path):
 @pytest.mark.parametrize("sampling, error", [
     ({"temperature": "0.7"}, TypeError), ({"temperature": -1.0}, ValueError), ([("temperature", 1.0)], TypeError),
     ({"temperature": 0.6, "top_p": np.float32(0.9)}, TypeError),  # would not serialise at save
+    ({"max_new_tokens": "384"}, TypeError), ({"max_new_tokens": 0}, ValueError),  # load_trace refuses them
 ])
 def test_sampling_a_replay_could_not_read_is_refused(sampling, error):
     with pytest.raises(error, match="sampling"):

@@ -450,6 +450,8 @@ def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):
     save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, answer)], [(0, answer), (0, answer)]]), path)
     for flag, value in (("--tail", "0"), ("--num-draft-tokens", "0"), ("--max-responses", "-1")):
         assert f"{flag}: " in argument_error(replay_main, [str(path), flag, value], capsys)
+    err = argument_error(replay_main, [str(path), "--tail", "100000000000000000000"], capsys)  # 10**20: no bound
+    assert "--tail: --tail must be in [1, 1048576], got 100000000000000000000" in err
     replay_main([str(path), "--max-responses", "1"])
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [r.split()[:4] for r in rows] == [["0", "1", "0", str(len(answer) - 1)],

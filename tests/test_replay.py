@@ -156,12 +156,32 @@ PROMPT = '{"group_id": 0, "prompt_ids": [1, 2]}'
     ('{"prompts": [], "steps": [], "sampling": {"temperature": "default"}}',
      "sampling.temperature must be a number in [0, 100], got 'default'"),
     ('{"prompts": [], "steps": [], "vocab_size": 0}', "vocab_size must be an integer in [1, 2**31-1], got 0"),
+    ('{"prompts": [], "steps": [], "sampling": {"max_new_tokens": "384"}}',
+     "sampling.max_new_tokens must be an integer in [1, 2**24], got '384'"),
+    ('{"prompts": [], "steps": [], "sampling": {"max_new_tokens": 0}}',
+     "sampling.max_new_tokens must be an integer in [1, 2**24], got 0"),
+    ('{"prompts": [], "steps": [], "eos_token_id": "2"}',
+     "eos_token_id must be null or a token id in [0, 2**31), got '2'"),
+    ('{"prompts": [], "steps": [], "eos_token_id": 2.0}',
+     "eos_token_id must be null or a token id in [0, 2**31), got 2.0"),
+    ('{"prompts": [], "steps": [], "eos_token_id": -1}',
+     "eos_token_id must be null or a token id in [0, 2**31), got -1"),
+    ('{"prompts": [], "steps": [], "eos_token_id": 16, "vocab_size": 16}',
+     "eos_token_id must be below vocab_size (16), got 16"),
 ])
 def test_load_names_the_malformed_field(tmp_path, text, needle):
     (tmp_path / "bad.json").write_text(text)
     with pytest.raises(ValueError) as got:
         load_trace(tmp_path / "bad.json")
     assert str(got.value) == f"{tmp_path / 'bad.json'}: {needle}"
+
+
+@pytest.mark.parametrize("eos", ["null", "2"])
+def test_load_keeps_a_well_formed_eos_and_sampling(tmp_path, eos):
+    (tmp_path / "ok.json").write_text(f'{{"prompts": [], "steps": [], "eos_token_id": {eos}, '
+                                      '"sampling": {"temperature": 0.6, "max_new_tokens": 384, "top_p": 0.95}}')
+    meta = load_trace(tmp_path / "ok.json").meta
+    assert meta["eos_token_id"] == (None if eos == "null" else 2) and meta["sampling"]["max_new_tokens"] == 384
 
 
 def test_load_rejects_unknown_group(tmp_path):

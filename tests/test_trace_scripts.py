@@ -67,7 +67,8 @@ def test_draft_size_yield_defaults_to_the_steps_a_one_step_trace_has(tmp_path, c
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "50"], "--steps 50: trace {trace} has only 2 steps"),  # replayed 2 steps silently
-    (["--max-live", "0"], "argument --max-live: --max-live must be in [1, inf], got 0"),
+    (["--max-live", "0"], "argument --max-live: --max-live must be in [1, 1048576], got 0"),
+    (["--max-live", "100000000000000000000"], "argument --max-live: --max-live must be in [1, 1048576], got 100000000000000000000"),
     (["--steps", "-1"], "argument --steps: --steps must be in [1, inf], got -1"),
 ])
 def test_draft_size_yield_bad_flags(tmp_path, argv, message, capsys) -> None:
@@ -92,10 +93,14 @@ def test_draft_size_yield_refuses_a_trace_without_responses(tmp_path, capsys) ->
 
 @pytest.mark.parametrize("argv, message", [
     (["--replicas", "0"], "argument --replicas: --replicas must be in [1, 65536], got 0"),
-    (["--requests", "-8"], "argument --requests: --requests must be in [1, inf], got -8"),
-    (["--n", "0"], "argument --n: --n must be in [1, inf], got 0"),
-    (["--steps", "0"], "argument --steps: --steps must be in [1, inf], got 0"),
-    (["--hosts", "0"], "argument --hosts: --hosts must be in [1, inf], got 0"),
+    (["--requests", "-8"], "argument --requests: --requests must be in [1, 1048576], got -8"),
+    (["--requests", "100000000000000000000"], "argument --requests: --requests must be in [1, 1048576], got 100000000000000000000"),
+    (["--n", "0"], "argument --n: --n must be in [1, 1024], got 0"),
+    (["--n", "100000000000000000000"], "argument --n: --n must be in [1, 1024], got 100000000000000000000"),
+    (["--steps", "0"], "argument --steps: --steps must be in [1, 100000], got 0"),
+    (["--steps", "100000000000000000000"], "argument --steps: --steps must be in [1, 100000], got 100000000000000000000"),
+    (["--hosts", "0"], "argument --hosts: --hosts must be in [1, 65536], got 0"),
+    (["--hosts", "100000000000000000000"], "argument --hosts: --hosts must be in [1, 65536], got 100000000000000000000"),
     (["--affinity-k", "0"], "argument --affinity-k: --affinity-k must be in [1, 65536], got 0"),
     (["--shards", "0"], "argument --shards: --shards must be in [1, 4096], got 0"),
     (["--retain-steps", "0"], "argument --retain-steps: --retain-steps must be in [1, 1048576], got 0"),

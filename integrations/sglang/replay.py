@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("trace", help="trace in the shared format (gzip JSON when it ends in .gz)")
     ap.add_argument("--num-draft-tokens", type=int_arg("--num-draft-tokens", 1, 1024), default=8,
                     help="draft budget")
-    ap.add_argument("--tail", type=int_arg("--tail", 1), default=64, help="speculative_ngram_max_trie_depth")
+    ap.add_argument("--tail", type=int_arg("--tail", 1, 1 << 20), default=64, help="speculative_ngram_max_trie_depth")
     ap.add_argument("--max-responses", type=int_arg("--max-responses", 0), default=0,
                     help="first N responses per step (0: all)")
     args = ap.parse_args(argv)
