@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind="${1:-address}"
+deselected=()
 py=.venv/bin/python
 case "$kind" in
   address)
@@ -24,7 +25,13 @@ case "$kind" in
   thread)
     flags="-fsanitize=thread"
     runtimes="libtsan.so"
-    tests=(tests/test_drafter_parallel.py tests/test_drafter_stress.py tests/test_propose_ahead.py)
+    tests=(tests/test_drafter_parallel.py tests/test_drafter_stress.py tests/test_propose_ahead.py
+           tests/test_drafter_fork.py)
+    # A child forked from a threaded parent that starts threads of its own is beyond TSan: its
+    # thread registry still holds the parent's threads ("dup thread with used id").
+    for case in use-then-free-1-True use-then-free-4-False use-then-free-4-True; do
+      deselected+=(--deselect "tests/test_drafter_fork.py::test_a_forked_child_can_use_and_free_the_drafter[$case]")
+    done
     ;;
   *)
     echo "sanitize.sh: kind must be 'address' or 'thread', got '$kind'" >&2
@@ -68,7 +75,7 @@ export LD_PRELOAD="$preload"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1"  # CPython's own allocations read as leaks
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 export TSAN_OPTIONS="halt_on_error=1:die_after_fork=0"  # a test forks a child after the pool started
-exec "$py" - "$out/pkg" "${tests[@]}" <<'EOF'
+exec "$py" - "$out/pkg" "${tests[@]}" "${deselected[@]}" <<'EOF'
 import sys
 
 sys.meta_path = [f for f in sys.meta_path if type(f).__name__ != "ScikitBuildRedirectingFinder"]
