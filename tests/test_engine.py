@@ -419,6 +419,42 @@ def test_context_limit_finishes_with_length(pair) -> None:
     assert all(o.finish_reason == "length" for o in outs)
 
 
+def test_a_prompt_at_max_model_len_is_refused_and_one_token_short_of_it_gets_one(pair) -> None:
+    """The context limit at its edge: prompt + output never exceeds max_model_len, a prompt that
+    fills it is that prompt's error, and one token short of it still samples exactly one token
+    (n=2, a drafter offered more than fits)."""
+    _, model = pair
+    eng = engine(model, ScriptedDrafter("random"), max_model_len=20, draft_budget=lambda b: 8)
+    prompts = [list(range(20)), list(range(19)), list(range(18))]
+    outs = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=50, seed=3))
+    assert [(len(o.token_ids), len(o.logprobs), o.finish_reason) for o in outs] == [
+        (0, 0, "error")] * 2 + [(1, 1, "length")] * 2 + [(2, 2, "length")] * 2
+    assert "prompt has 20 tokens; max_model_len=20" in outs[0].error
+
+
+def test_a_sampled_stop_inside_an_accepted_draft_cuts_its_tokens_and_logprobs(pair) -> None:
+    """A decode step accepts a whole oracle chain of 6 nodes whose k-th token is a stop token:
+    the tokens after it (accepted nodes and the bonus) are dropped, the kept tokens carry their
+    own logprobs, and the counters count the k accepted nodes kept -- exactly plain sampling's
+    output with that stop token."""
+    _, model = pair
+    prompts = mixed_prompts(4, seed=9)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=12)
+    _, truth = plain_run(model, prompts, params)
+    first = truth[tuple(prompts[0])]  # prompt 0, sample 0: the oracle drafts exactly its tokens
+    k = next(i for i in range(2, 6) if first[i] not in first[:i])  # the stop token's first place
+    stopped = SamplingParams(**{**params.__dict__, "stop_token_ids": [first[k]]})
+    plain = engine(model).generate(prompts, stopped)
+    outs = engine(model, ScriptedDrafter("oracle", truth), draft_budget=lambda b: 12).generate(prompts, stopped)
+    assert outs[0].token_ids == plain[0].token_ids == first[: k + 1]
+    assert outs[0].finish_reason == "stop"
+    # prefill (token 0), then one step that accepted the chain 1..6 and kept 1..k of it
+    assert (outs[0].num_verify_steps, outs[0].num_accepted_tokens) == (2, k)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
+    for o, p in zip(outs, plain):
+        np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-4)
+
+
 def test_bad_prompts_error_and_the_rest_finish(pair) -> None:
     _, model = pair
     good = mixed_prompts(3, seed=8)
