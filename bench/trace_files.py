@@ -10,7 +10,7 @@ import glob
 from pathlib import Path
 from typing import Optional
 
-from rollout_spec.cli_args import load_trace_arg
+from rollout_spec.cli_args import check_trace_steps, load_trace_arg
 from rollout_spec.replay import Trace
 
 SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
@@ -26,8 +26,7 @@ def load_traces(parser: argparse.ArgumentParser, paths: Optional[list[str]], ste
         parser.error(f"no trace given and none found at {SHARED}")
     traces = [(path, load_trace_arg(parser, "--trace", path, need_responses=True)) for path in paths]
     for path, trace in traces:
-        if steps is not None and steps > len(trace.steps):
-            parser.error(f"--steps {steps}: trace {path} has only {len(trace.steps)} steps")
+        check_trace_steps(parser, "--steps", steps, path, trace)
     return traces
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
-from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, load_trace_arg, model_arg,
-                                   task_arg, temperature_arg)
+from rollout_spec.cli_args import (check_device, check_output, check_trace_steps, device_arg, float_arg, int_arg,
+                                   load_trace_arg, model_arg, task_arg, temperature_arg)
 from rollout_spec.config import SamplingParams
 from rollout_spec.files import replaced_on_success
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
@@ -135,8 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     # a trace with nothing to replay is refused too: it would print a table without figures
     trace = load_trace_arg(parser, "TRACE.json", args.trace, need_responses=True)
-    if args.max_steps is not None and args.max_steps > len(trace.steps):  # as the bench's --steps
-        parser.error(f"--max-steps {args.max_steps}: trace {args.trace} has only {len(trace.steps)} steps")
+    check_trace_steps(parser, "--max-steps", args.max_steps, args.trace, trace)
     return run_replay(args, trace)
 
 

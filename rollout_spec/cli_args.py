@@ -166,13 +166,27 @@ def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
         trace = load_trace(path)
     except (OSError, ValueError) as exc:
         parser.error(f"{flag} {exc}")
-    if need_responses and (not trace.steps or not all(trace.steps)):
+    if need_responses:
+        _check_responses(parser, flag, path, trace)
+    return trace
+
+
+def _check_responses(parser: argparse.ArgumentParser, flag: str, path: str | Path, trace: "Trace") -> None:
+    """Refuse a trace without steps, with a step of no responses, or whose responses are all
+    empty; name the steps of only empty responses in a note (they show no figures)."""
+    if not trace.steps or not all(trace.steps):
         parser.error(f"{flag} {path}: every step must hold responses (it has {len(trace.steps)} steps)")
     tokenless = [s for s, step in enumerate(trace.steps) if not any(ids for _, ids in step)]
-    if need_responses and len(tokenless) == len(trace.steps):
+    if len(tokenless) == len(trace.steps):
         parser.error(f"{flag} {path}: every response is empty (no tokens to replay)")
-    if need_responses and tokenless:  # a step that decodes nothing is a fact to show, not an error
+    if tokenless:  # a step that decodes nothing is a fact to show, not an error
         print(f"NOTE: {path}: every response of step{'s' if len(tokenless) > 1 else ''} "
               f"{', '.join(map(str, tokenless))} is empty; no figures for "
               f"{'them' if len(tokenless) > 1 else 'it'} (shown as -)", file=sys.stderr)
-    return trace
+
+
+def check_trace_steps(parser: argparse.ArgumentParser, flag: str, steps: Optional[int],
+                      path: str | Path, trace: "Trace") -> None:
+    """Refuse ``steps`` (the value of ``flag``, None for all) beyond the trace's step count."""
+    if steps is not None and steps > len(trace.steps):
+        parser.error(f"{flag} {steps}: trace {path} has only {len(trace.steps)} steps")

@@ -61,6 +61,10 @@ At 1e-3 the logprob is off by 2e-3; at 1e-4 (logits of 30) the tied tokens were 
 62 / 38, with logprobs off by 0.3. Near-greedy sampling below 0.01 is thus refused rather than
 drawn from another law; use 0 for greedy."""
 
+MAX_NEW_TOKENS = 1 << 24
+"""The most tokens one sample may be asked for (``SamplingParams``; a trace's
+``sampling.max_new_tokens``)."""
+
 
 def check_temperature(name: str, value: object) -> float:
     """A sampling temperature: 0 (greedy) or in [MIN_TEMPERATURE, 100], else raise naming ``name``."""
@@ -215,7 +219,7 @@ class SamplingParams:
         _store(self, "top_k", check_int("top_k", self.top_k, -1, 1 << 31))
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (keep all) or in [1, 2147483648], got 0")
-        _store(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1, 1 << 24))
+        _store(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS))
         if self.stop_token_ids is not None:
             _store(self, "stop_token_ids", check_token_ids("stop_token_ids", self.stop_token_ids))
         if self.seed is not None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from rollout_spec.config import check_int
+from rollout_spec.config import MAX_NEW_TOKENS, check_int
 from rollout_spec.drafter import takes_noise_keys
 from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
@@ -139,7 +139,7 @@ def _check_meta(meta: dict, path: Path) -> None:
     if temperature is not None and (type(temperature) not in (int, float) or not 0 <= temperature <= 100):
         raise ValueError(f"{path}: sampling.temperature must be a number in [0, 100], got {temperature!r}")
     max_new = (sampling or {}).get("max_new_tokens")
-    if max_new is not None and (type(max_new) is not int or not 1 <= max_new <= 1 << 24):
+    if max_new is not None and (type(max_new) is not int or not 1 <= max_new <= MAX_NEW_TOKENS):
         raise ValueError(f"{path}: sampling.max_new_tokens must be an integer in [1, 2**24], got {max_new!r}")
     vocab = meta.get("vocab_size")
     if vocab is not None and (type(vocab) is not int or not 1 <= vocab <= 2**31 - 1):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rollout_spec.config import check_float, check_int
+from rollout_spec.config import MAX_NEW_TOKENS, check_float, check_int
 from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.token_ids import MAX_TOKEN_ID, token_array
 
@@ -239,7 +239,7 @@ class TraceRecorder:
         if sampling.get("temperature") is not None:  # what a replay reads back (load_trace's range)
             sampling["temperature"] = check_float("sampling['temperature']", sampling["temperature"], 0.0, 100.0)
         if sampling.get("max_new_tokens") is not None:
-            sampling["max_new_tokens"] = check_int("sampling['max_new_tokens']", sampling["max_new_tokens"], 1, 1 << 24)
+            sampling["max_new_tokens"] = check_int("sampling['max_new_tokens']", sampling["max_new_tokens"], 1, MAX_NEW_TOKENS)
         self.meta = {"model": model, "sampling": sampling, "eos_token_id": eos_token_id}
         try:  # what save writes: refused now, not after the run
             json.dumps(self.meta)
