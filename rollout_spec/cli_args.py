@@ -167,13 +167,14 @@ def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
     except (OSError, ValueError) as exc:
         parser.error(f"{flag} {exc}")
     if need_responses:
-        _check_responses(parser, flag, path, trace)
+        check_trace_responses(parser, flag, path, trace)
     return trace
 
 
-def _check_responses(parser: argparse.ArgumentParser, flag: str, path: str | Path, trace: "Trace") -> None:
+def check_trace_responses(parser: argparse.ArgumentParser, flag: str, path: str | Path, trace: "Trace") -> None:
     """Refuse a trace without steps, with a step of no responses, or whose responses are all
-    empty; name the steps of only empty responses in a note (they show no figures)."""
+    empty; name the steps of only empty responses in a note (they show no figures). ``path``
+    names the trace in both: a tool that replays part of a trace says which part there."""
     if not trace.steps or not all(trace.steps):
         parser.error(f"{flag} {path}: every step must hold responses (it has {len(trace.steps)} steps)")
     tokenless = [s for s, step in enumerate(trace.steps) if not any(ids for _, ids in step)]

@@ -78,6 +78,14 @@ class Trace:
             return None
         return self.seeds[step], temperature, int(vocab)
 
+    def first_responses(self, count: int) -> "Trace":
+        """This trace with every step cut to its first ``count`` responses (their seeds alike): a
+        shorter replay of the same steps and prompts."""
+        check_int("count", count, 1)
+        seeds = None if self.seeds is None else [step[:count] for step in self.seeds]
+        return Trace(prompts=self.prompts, steps=[step[:count] for step in self.steps],
+                     meta=self.meta, seeds=seeds)
+
 
 def load_trace(path: str | Path) -> Trace:
     """Read a trace (gzip JSON when the name ends in .gz).

@@ -470,6 +470,40 @@ def test_replay_tool_refuses_a_trace_without_responses(tmp_path, capsys):
         assert f"{name}: every step must hold responses (it has {len(steps)} steps)" in err
 
 
+def test_replay_tool_bounds_max_responses(tmp_path, capsys):
+    """--max-responses took any count, 10**20 included; it is bounded like the other counts."""
+    from rollout_spec.integrations.sglang.replay import main as replay_main
+    from rollout_spec.replay import Trace, save_trace
+
+    path = tmp_path / "t.json"
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, [4, 5, 6])]]), path)
+    err = argument_error(replay_main, [str(path), "--max-responses", str(10**20)], capsys)
+    assert f"--max-responses: --max-responses must be in [0, 1048576], got {10**20}" in err
+    replay_main([str(path), "--max-responses", "1048576"])
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_replay_tool_checks_the_responses_left_by_max_responses(tmp_path, capsys):
+    """The trace was checked before the cut only: a cut that left no token printed rows of zeros,
+    and a step left with empty responses only was not named. What is left is checked as a whole
+    trace is, the cut named with the trace, and a step without a verify shows "-"."""
+    from rollout_spec.integrations.sglang.replay import main as replay_main
+    from rollout_spec.replay import Trace, save_trace
+
+    path = tmp_path / "t.json"
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, []), (0, [4, 5, 6])]] * 2), path)
+    err = argument_error(replay_main, [str(path), "--max-responses", "1"], capsys)
+    assert f"trace {path} (--max-responses 1): every response is empty (no tokens to replay)" in err
+    save_trace(Trace(prompts={0: [1, 2, 3]}, steps=[[(0, [4, 5, 6])], [(0, []), (0, [4, 5, 6])]]), path)
+    replay_main([str(path), "--max-responses", "1"])
+    out, err = capsys.readouterr()
+    assert f"NOTE: {path} (--max-responses 1): every response of step 1 is empty" in err
+    assert out.splitlines()[2].split() == ["1", "1", "1", "0", "-", "-", "-"]
+    replay_main([str(path)])  # no cut: nothing to note
+    out, err = capsys.readouterr()
+    assert "NOTE" not in err and out.splitlines()[2].split()[:4] == ["1", "2", "1", "2"]
+
+
 def test_replay_indexes_responses_that_finish_at_their_prefill():
     """Responses of one token end at their prefill: the replay hands them to the corpus as the
     forward hook does (``track_prefill_requests``), so they are indexed, counted as prefill-only

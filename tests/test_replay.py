@@ -106,6 +106,16 @@ def test_seeds_that_do_not_match_the_responses_are_refused(tmp_path):
         assert not (tmp_path / "t.json").exists()
 
 
+def test_first_responses_cuts_every_step_and_its_seeds():
+    t = keyed_trace()
+    cut = t.first_responses(2)
+    assert cut.steps == [t.steps[0][:2], t.steps[1]] and cut.seeds == [[11, None], [21, 22]]
+    assert (cut.prompts, cut.meta, t.first_responses(5).steps) == (t.prompts, t.meta, t.steps)
+    assert small_trace().first_responses(1).seeds is None
+    with pytest.raises(ValueError, match=r"count must be in \[1, inf\], got 0"):
+        t.first_responses(0)
+
+
 def test_load_rejects_a_bad_seed(tmp_path):
     (tmp_path / "bad.json").write_text('{"prompts": [{"group_id": 0, "prompt_ids": [1]}], '
                                        '"steps": [[{"group_id": 0, "response_ids": [1], "seed": -4}]]}')

@@ -21,10 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout_spec.cli_args import int_arg, load_trace_arg
+from rollout_spec.cli_args import check_trace_responses, int_arg, load_trace_arg
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.rid import rid_with_group
+from rollout_spec.replay import Trace
+
+MAX_RESPONSES = 1 << 20  # the bench scripts' bound on requests per step
 
 
 def accepted_length(ids: np.ndarray, mask: np.ndarray, truth: list[int]) -> int:
@@ -118,6 +121,30 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
                 prefill_only=prefill_only, adapter_s=adapter_s)
 
 
+def load_replayed_trace(parser: argparse.ArgumentParser, path: str, max_responses: int) -> Trace:
+    """The trace at ``path`` with every step cut to its first ``max_responses`` responses (0: all).
+    What is left is checked as ``load_trace_arg`` checks a whole trace: no responses, or no token
+    in any of them, is an argument error (else no rows, or rows of 0/0), and a step of only empty
+    responses is named in a note on stderr, the cut named with the trace."""
+    if not max_responses:
+        return load_trace_arg(parser, "trace", path, need_responses=True)
+    trace = load_trace_arg(parser, "trace", path).first_responses(max_responses)
+    check_trace_responses(parser, "trace", f"{path} (--max-responses {max_responses})", trace)
+    return trace
+
+
+def step_row(step: int, responses: int, totals: dict, num_draft_tokens: int) -> str:
+    """One printed row of ``replay_step``'s ``totals``; a step without a verify (each of its
+    responses ends at its prefill, or is empty) has no TPF, acceptance or cost per verify: "-"."""
+    head = f"{step:>4} {responses:>9} {totals['prefill_only']:>12} {totals['generated']:>8} "
+    verifies = totals["verifies"]
+    if not verifies:
+        return head + f"{'-':>6} {'-':>11} {'-':>11}"
+    return head + (f"{totals['generated'] / verifies:>6.2f} "
+                   f"{totals['accepted'] / (verifies * num_draft_tokens):>11.3f} "
+                   f"{1e6 * totals['adapter_s'] / verifies:>11.1f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Replay a trace file and print one row per RL step."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -125,10 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-draft-tokens", type=int_arg("--num-draft-tokens", 1, 1024), default=8,
                     help="draft budget")
     ap.add_argument("--tail", type=int_arg("--tail", 1, 1 << 20), default=64, help="speculative_ngram_max_trie_depth")
-    ap.add_argument("--max-responses", type=int_arg("--max-responses", 0), default=0,
+    ap.add_argument("--max-responses", type=int_arg("--max-responses", 0, MAX_RESPONSES), default=0,
                     help="first N responses per step (0: all)")
     args = ap.parse_args(argv)
-    trace = load_trace_arg(ap, "trace", args.trace, need_responses=True)  # else no rows
+    trace = load_replayed_trace(ap, args.trace, args.max_responses)
     spec = SpecConfig(num_draft_tokens=args.num_draft_tokens)
     # SGLang's worker sends tails of speculative_ngram_max_trie_depth tokens, and the corpus
     # starts a prefill-only request from as many of its prompt's last tokens.
@@ -137,12 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'step':>4} {'responses':>9} {'prefill-only':>12} {'tokens':>8} {'TPF':>6} "
           f"{'accept/slot':>11} {'us/req/step':>11}")
     for step, responses in enumerate(trace.steps):
-        responses = responses[: args.max_responses] if args.max_responses else responses
-        r = replay_step(corpus, step, trace.prompts, responses, args.tail)
-        print(f"{step:>4} {len(responses):>9} {r['prefill_only']:>12} {r['generated']:>8} "
-              f"{r['generated'] / max(r['verifies'], 1):>6.2f} "
-              f"{r['accepted'] / max(r['verifies'] * args.num_draft_tokens, 1):>11.3f} "
-              f"{1e6 * r['adapter_s'] / max(r['verifies'], 1):>11.1f}")
+        totals = replay_step(corpus, step, trace.prompts, responses, args.tail)
+        print(step_row(step, len(responses), totals, args.num_draft_tokens))
 
 
 if __name__ == "__main__":
