@@ -24,7 +24,7 @@ bench/engine_bench.py --mode steps measured it on an H100).
 ``--profile`` prints torch.profiler tables of build and of every verify variant instead, at each
 (B, budget) of --batch-sizes x --budgets (default B=64, budget 8 only) with the same --context,
 --deep, --modes and --backends, over --reps calls per table (default 10); it runs no forward
-and --step-ms does not apply.
+and has no ratio, so --step-ms with --profile is an argument error.
 
     python bench/verify_bench.py --device cuda        # about a minute on one H100
     python bench/verify_bench.py --device cpu         # B in {1, 64}, budgets {4, 8} by default
@@ -126,6 +126,7 @@ BACKENDS = ("torch", "auto", "triton")
 MAX_POSITIONS = 8192  # the model's max_position_embeddings: context + W must fit
 # (batch sizes, budgets, reps) where the flags are not given: --profile, else by device
 DEFAULTS = {"profile": ([64], [8], 10), "cuda": ([1, 64, 256], [4, 8, 16], 20), "cpu": ([1, 64], [4, 8], 3)}
+STEP_MS = 4.5  # --step-ms where not given: engine_bench.py --mode steps' verify step, B=64, W=9, H100
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
     ap.add_argument("--deep", action="store_true",
                     help="logits that accept the drafts: the walk reads whole paths")
-    ap.add_argument("--step-ms", type=float_arg("--step-ms", 0.0, 1e6, lo_open=True), default=4.5,
-                    help="engine verify step to compare with")
+    ap.add_argument("--step-ms", type=float_arg("--step-ms", 0.0, 1e6, lo_open=True), default=None,
+                    help=f"engine verify step to compare with (default {STEP_MS}; not with --profile)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler tables of build and verify instead, at each\n"
                          "--batch-sizes x --budgets point (default B=64, budget 8 only)")
@@ -161,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options with the device's defaults filled in; what cannot run here is refused now."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.profile and args.step_ms is not None:
+        ap.error(f"--step-ms {args.step_ms:g}: --profile prints profiler tables, with no /step ratio "
+                 "(leave out --step-ms or --profile)")
     args.device = check_device(ap, args.device)
     gpu = args.device.startswith("cuda")
     if "triton" in (args.backends or ()) and not triton_attention.is_available():
@@ -170,6 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.budgets = args.budgets or budgets
     args.backends = args.backends or (["torch", "auto"] if gpu else ["torch"])
     args.reps = args.reps or reps
+    args.step_ms = STEP_MS if args.step_ms is None else args.step_ms
     if args.context + max(args.budgets) + 1 > MAX_POSITIONS:
         ap.error(f"--context {args.context} + the largest --budgets value {max(args.budgets)} + 1 exceeds the "
                  f"model's {MAX_POSITIONS} positions")

@@ -57,6 +57,16 @@ def test_profile_defaults_to_one_point_of_ten_calls() -> None:
     assert (args.batch_sizes, args.budgets, args.reps) == ([64], [8], 10)
 
 
+def test_step_ms_with_profile_exits_naming_both(monkeypatch, capsys) -> None:
+    """--profile prints no /step ratio: a given --step-ms was silently ignored there; it is refused.
+    Without --profile it keeps its default of 4.5 ms."""
+    monkeypatch.setattr(vb, "profile", lambda *_: pytest.fail("profiled before the error"))
+    err = argument_error(vb.main, ["--device", "cpu", "--profile", "--step-ms", "3"], capsys)
+    assert "--step-ms 3: --profile prints profiler tables, with no /step ratio" in err
+    assert vb.parse_args(["--device", "cpu"]).step_ms == 4.5
+    assert vb.parse_args(["--device", "cpu", "--step-ms", "3"]).step_ms == 3.0
+
+
 def test_profile_runs_at_every_requested_point(monkeypatch, capsys) -> None:
     """--profile honours the grid flags: one set of tables per (B, budget), the given calls each,
     trees at --context and --deep logits."""
