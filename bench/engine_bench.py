@@ -41,12 +41,13 @@ import numpy as np
 import torch
 
 from rollout_spec.cli_args import check_device, device_arg, int_arg, numbers_arg
-from rollout_spec.config import check_temperature
+from rollout_spec.config import DEFAULT_MODEL, check_temperature
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import ModelConfig, StepContext, Transformer
 
+# DEFAULT_MODEL's shapes: what --random-weights builds
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
                     max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
@@ -231,7 +232,6 @@ def hf_generate_tokens_per_s(hf_config: object, device: torch.device, dtype: tor
 
 N_SAMPLES = 8  # GRPO's n: samples per prompt whatever the batch size
 RANDOM_PROMPT_LEN = 128  # ids per prompt of the --random-weights workload
-DEFAULT_MODEL = "smollm2-135m"  # also the shapes --random-weights builds
 WARM_GROUP_BASE = 1 << 30  # group ids of the warm-up prompts, far from every timed prompt's
 HISTORY = {"cold": "every timed prompt is new to the spec engine",
            "warm": "an untimed spec call + end_step on the same prompts before each timed one"}

