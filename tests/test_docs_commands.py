@@ -31,16 +31,14 @@ from typing import Callable, Optional
 
 import pytest
 
-from markdown_table import table_rows  # tests/ is on sys.path under pytest
+from doc_code import ROOT, SHELL_END, code_texts, doc_files  # tests/ is on sys.path under pytest
+from markdown_table import table_rows
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ("drafter-log.md", "gpu.md")
 SGLANG_REPLAY = "rollout_spec.integrations.sglang.replay"
 PROGRAM = re.compile(
     r"(?<![\w/.-])(?:\.venv/bin/)?(?P<cli>rollout-spec\s+(?:bench|replay))\b"
     r"|(?<![\w/.-])(?P<script>(?:bench/|examples/)?\w+\.py)\b"
     rf"|(?<![\w/.-])python3?\s+-m\s+(?P<module>{re.escape(SGLANG_REPLAY)})\b")
-SHELL_END = re.compile(r"\s(?:>|2>|\||&&|;)|$")
 NEEDS_VALUE = "expected one argument"
 OPTIONAL_PACKAGES = ("ray", "vllm", "sglang", "triton")
 
@@ -55,39 +53,6 @@ class DocCommand:
 
     def __str__(self) -> str:
         return f"{self.doc}: {self.program} {' '.join(self.argv)}"
-
-
-def doc_files() -> list[Path]:
-    """The docs whose commands must hold: README.md, examples/README.md, docs/*.md but the notebooks."""
-    docs = sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in NOTEBOOKS)
-    return [ROOT / "README.md", ROOT / "examples" / "README.md", *docs]
-
-
-def code_texts(markdown: str) -> list[str]:
-    """The shell lines of fenced blocks and the inline code spans of ``markdown``, one string each."""
-    texts: list[str] = []
-    prose: list[str] = []
-    fence: Optional[list[str]] = None
-    for line in markdown.splitlines():
-        if line.lstrip().startswith("```"):
-            if fence is None:
-                fence = []
-            else:
-                texts += _fenced_lines(fence)
-                fence = None
-        elif fence is not None:
-            fence.append(line)
-        else:
-            prose.append(line)
-    for paragraph in re.split(r"\n\s*\n", "\n".join(prose)):
-        texts += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", paragraph)]
-    return texts
-
-
-def _fenced_lines(lines: list[str]) -> list[str]:
-    """A fenced block's commands: continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [re.sub(r"(^|\s)#.*", "", line) for line in joined.splitlines()]
 
 
 def commands_in(doc: str, text: str) -> list[DocCommand]:
