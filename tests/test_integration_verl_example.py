@@ -1,8 +1,10 @@
-"""examples/verl: the data it writes is scored by verl's own gsm8k scorer; its flag parses."""
+"""examples/verl: the data it writes is scored by verl's own gsm8k scorer; its launch composes
+with verl's own config and turns rollout-spec on."""
 from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.verl.config import spec_from_rollout_config
+from verl_hydra import compose_verl  # tests/ is on sys.path
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "verl"
 
@@ -42,12 +45,23 @@ def test_rows_have_verls_schema_and_verl_scores_them():
         assert scorer.compute_score("#### 123456789", truth) == 0.0
 
 
-def test_script_is_valid_bash_and_its_flag_parses():
+def script_overrides(text: str, **variables: str) -> list[str]:
+    """The Hydra overrides the script passes to ``verl.trainer.main_ppo``, its ``$VARS`` replaced."""
+    launch = re.search(r"python3 -m verl\.trainer\.main_ppo(.*?)\"\$@\"", text, re.S).group(1)
+    for name, value in variables.items():
+        launch = launch.replace(f"${name}", value)
+    assert "$" not in launch, "a variable of the script is not given"
+    return shlex.split(launch.replace("\\\n", " "))
+
+
+@pytest.mark.parametrize("rollout", ["sglang", "vllm"])
+def test_script_is_valid_bash_and_its_overrides_compose_with_verls_config(rollout: str):
+    """Every override of the script is a key of verl's own trainer config (or a ``+`` addition),
+    composed by Hydra as the launch composes it, and the rollout config turns rollout-spec on."""
     script = EXAMPLES / "run_grpo_smollm2.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
-    assert "+actor_rollout_ref.rollout.custom.speculative=rollout_spec" in text
-    body = re.search(r"custom\.rollout_spec='\{(.*?)\}'", text).group(1)
-    options = {k.strip(): float(v) if "." in v else int(v) for k, v in (p.split(":") for p in body.split(","))}
-    cfg = {"name": "sglang", "custom": {"speculative": "rollout_spec", "rollout_spec": options}}
-    assert spec_from_rollout_config(cfg) == SpecConfig(num_draft_tokens=8, max_depth=24, history_steps=4)
+    overrides = script_overrides(script.read_text(), DATA="/data", MODEL="model", ROLLOUT=rollout)
+    config = compose_verl(overrides)
+    assert (config.actor_rollout_ref.rollout.name, config.actor_rollout_ref.rollout.n) == (rollout, 8)
+    spec = spec_from_rollout_config(config.actor_rollout_ref.rollout)
+    assert spec == SpecConfig(num_draft_tokens=8, max_depth=24, history_steps=4)
