@@ -126,3 +126,19 @@ def test_make_gsm_data_writes_nothing_unless_both_splits_build(gsm, tmp_path, mo
         gsm.main(["--out", str(tmp_path), "--train-size", "2", "--test-size", "2"])
     assert (tmp_path / "train.parquet").read_text() == "old train"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.parquet"]
+
+
+def test_make_gsm_data_writes_both_splits_as_verl_rows(gsm, tmp_path, capsys):
+    """Each split's parquet file reads back as the rows ``rows`` builds for it (verl's schema, nested
+    prompt and reward_model included), and no temporary file is left behind."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("reasoning_gym")
+    assert gsm.main(["--out", str(tmp_path), "--train-size", "3", "--test-size", "2"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.parquet", "train.parquet"]
+    out = capsys.readouterr().out
+    for split, size in (("train", 3), ("test", 2)):
+        assert f"wrote {size} rows to {tmp_path / f'{split}.parquet'}" in out
+        read = pd.read_parquet(tmp_path / f"{split}.parquet")
+        back = [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
+                for row in read.to_dict("records")]
+        assert back == gsm.rows(split, size, gsm.SEEDS[split])
