@@ -158,7 +158,7 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
                 num_prompt_tokens=len(prompt),
                 sampling_params=SimpleNamespace(
                     extra_args=None, eos_token_id=eos, ignore_eos=False, stop_token_ids=[],
-                    min_tokens=0, max_tokens=max_tokens))
+                    max_tokens=max_tokens))
             pos[rid], drafts[rid] = 0, []
         batch.remove_and_add(finished, [(rid, trace.prompts[rows[j][0]]) for rid, j in new])
         sampled = []
@@ -171,7 +171,8 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
             cost.tokens += n
             pos[rid] = p + n
         t2 = time.process_time()
-        out = prop.propose_for_runner(runner, SimpleNamespace(), sampled)
+        scheduler_output = SimpleNamespace(num_spec_tokens_to_schedule=prop.num_speculative_tokens)
+        out = prop.propose_for_runner(runner, scheduler_output, sampled)
         t3 = time.process_time()
         cost.seconds += (t1 - t0) + (t3 - t2)
         cost.engine_steps += 1

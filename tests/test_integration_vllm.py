@@ -98,7 +98,12 @@ def sampling_params(**kw):
                               "stop_token_ids": [], "min_tokens": 0, "max_tokens": 1000, **kw})
 
 
-def sched(finished=(), k=0, cached=()):
+SPEC_TOKENS = 1024
+"""``num_spec_tokens_to_schedule`` of a scheduler without a dynamic schedule: vLLM sends its
+``num_speculative_tokens``; this bound stands for it whatever the test's proposer was built with."""
+
+
+def sched(finished=(), k=SPEC_TOKENS, cached=()):
     """A scheduler output; ``cached`` lists (req_id, num_output_tokens) of scheduled running requests."""
     return SimpleNamespace(
         finished_req_ids=set(finished), num_spec_tokens_to_schedule=k,
@@ -342,8 +347,10 @@ def test_tokens_after_a_stop_in_a_verify_step_stay_out_of_the_drafter():
 
 @pytest.mark.parametrize("params, kept", [
     ({"stop_token_ids": [7]}, [20, 7]),
-    ({"stop_token_ids": [7], "min_tokens": 3}, [20, 7, 30, 7]),  # a stop id counts from min_tokens
-    ({"eos_token_id": 7, "min_tokens": 4}, [20, 7, 30, 7]),  # the 4th output token
+    # vLLM's check_stop tests stop ids before min_tokens (a grammar that allows only a stop id
+    # gets it unmasked): a stop id sampled before min_tokens stops the request too
+    ({"stop_token_ids": [7], "min_tokens": 3}, [20, 7]),
+    ({"eos_token_id": 7, "min_tokens": 4}, [20, 7]),
     ({"max_tokens": 3}, [20, 7, 30]),
     ({"eos_token_id": EOS, "max_tokens": 5}, [20, 7, 30, 7, 31]),
     ({"eos_token_id": 7, "ignore_eos": True}, [20, 7, 30, 7, 31, 32]),  # not stopped
@@ -358,6 +365,21 @@ def test_a_request_is_cut_where_vllms_check_stop_stops_it(params, kept):
     assert drafter.context[0] == [1] + kept
     assert draft == ([[]] if len(kept) < 6 else [[33, 34, 35]])
     assert drafter.finished == ([0] if len(kept) < 6 else [])
+
+
+def test_the_schedulers_number_of_spec_tokens_bounds_the_chains():
+    """vLLM's dynamic speculative decoding (``num_speculative_tokens_per_batch_size``) sets
+    ``num_spec_tokens_to_schedule`` per step, 0 included: then no row gets a draft (vLLM's own
+    ngram proposer gives none), but the committed tokens and stops still reach the drafter."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    params = {"b": {"eos_token_id": EOS}}
+    step1 = FakeRunner([("a", [10], [20]), ("b", [11], [30])], params=params)
+    assert prop.propose_for_runner(step1, sched(k=0), [[20], [30]]) == [[], []]
+    assert drafter.context == {0: [10, 20], 1: [11, 30]} and prop.stats()["rows_drafted"] == 0
+    step2 = FakeRunner([("a", [10], [20, 21]), ("b", [11], [30, EOS])], params=params)
+    assert prop.propose_for_runner(step2, sched(k=2), [[21], [EOS]]) == [[22, 23], []]
+    assert drafter.context == {0: [10, 20, 21], 1: [11, 30, EOS]} and drafter.finished == [1]
 
 
 def test_a_stop_in_a_skipped_draft_step_is_cut_at_the_finish():

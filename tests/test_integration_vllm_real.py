@@ -112,6 +112,7 @@ def test_real_runner_step_drafts_from_a_sibling(plugged, monkeypatch):
     _add(runner.input_batch, runner.requests, "0_sibling", prompt)
     _add(runner.input_batch, runner.requests, "1_sibling", prompt)
     out = SchedulerOutput.make_empty()
+    out.num_spec_tokens_to_schedule = 4  # what vLLM's scheduler sends without a dynamic schedule
     args = (None,) * 7  # sampling metadata, hidden states, ...: unused by our proposer
     # sibling 0 writes the whole answer; sibling 1 has only sampled its first token
     for t in range(len(answer)):

@@ -31,13 +31,16 @@ class StopRule:
     """The token-level stop conditions of one request, as vLLM's scheduler applies them to each
     output token in turn (``check_stop``, vllm/v1/core/sched/utils.py).
 
+    ``check_stop`` tests the stop ids before ``min_tokens`` (vLLM 0.29 and 0.33): its sampler
+    masks them until then, but for a structured-output request whose grammar allows nothing
+    else it restores them, and a stop id sampled there stops the request all the same.
+
     Not covered: vLLM's ``stop`` strings, matched by its detokenizer in the front-end process
     (which then aborts the request), and its ``repetition_detection`` pattern check. The tokens
     sampled after one of those stops, until vLLM's finish reaches the runner, reach the drafter.
     """
 
     stop_ids: frozenset[int]  # the EOS id (unless ignore_eos) and stop_token_ids
-    min_tokens: int  # stop_ids do not stop a request with fewer output tokens than this
     max_tokens: int  # the request is length-capped at this many output tokens
 
     @classmethod
@@ -47,7 +50,7 @@ class StopRule:
         ids = set(params.stop_token_ids or ())
         if not params.ignore_eos and params.eos_token_id is not None:
             ids.add(params.eos_token_id)
-        return cls(frozenset(int(t) for t in ids), int(params.min_tokens), int(params.max_tokens))
+        return cls(frozenset(int(t) for t in ids), int(params.max_tokens))
 
 
 StopLookup = Callable[[str], StopRule]
@@ -164,9 +167,13 @@ class RolloutSpecProposer:
         self, runner: Any, scheduler_output: Any, sampled_token_ids: Sequence[Sequence[int]]
     ) -> list[list[int]]:
         """Draft for every row of the GPU model runner's persistent batch (one chain per row);
-        each request's stop rule comes from its sampling params."""
-        k = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 0) or 0)
-        k = min(k, self.num_speculative_tokens) if k > 0 else self.num_speculative_tokens
+        each request's stop rule comes from its sampling params.
+
+        Chains hold at most the scheduler's ``num_spec_tokens_to_schedule``: its
+        ``num_spec_tokens_per_batch_size`` schedule may set it below ``num_speculative_tokens``,
+        down to 0 (no drafts this step, as vLLM's own ngram proposer gives none then).
+        """
+        k = min(int(scheduler_output.num_spec_tokens_to_schedule), self.num_speculative_tokens)
         batch = runner.input_batch
         return self.propose_rows(
             list(batch.req_ids), sampled_token_ids, batch.num_tokens_no_spec,
@@ -188,7 +195,8 @@ class RolloutSpecProposer:
     ) -> list[list[int]]:
         """Commit each row's new tokens to the drafter and return its best chain (<= k tokens).
 
-        Rows with no sampled token (a prefill chunk) or at the model's length limit get no draft.
+        Rows with no sampled token (a prefill chunk) or at the model's length limit get no draft,
+        nor does any row when ``k`` is 0.
         ``token_ids[i, :num_tokens[i]]`` is row i's prompt followed by its committed output; what
         the drafter has not seen of it is committed, not only this step's ``sampled_token_ids``:
         vLLM skips the draft step for the whole batch when a row nears ``max_model_len``.
@@ -232,7 +240,7 @@ class RolloutSpecProposer:
         if new_ids:
             self.drafter.extend_batch(new_ids, tails)
             _record_extended(extended, tails)
-        if not ids:
+        if not ids or k <= 0:
             self.finish(stopped)
             return drafts
         chains = best_chains(self.drafter.propose(ids), caps)
@@ -274,8 +282,8 @@ class RolloutSpecProposer:
               stop: Optional[StopRule]) -> tuple[list[int], bool]:
         """What vLLM keeps of a request's tokens ``tail`` (from position ``start`` of its row in
         the runner's token table), and whether it stops the request there: up to and including
-        the first token at which ``check_stop`` would. Stop ids count from ``min_tokens`` output
-        tokens on (vLLM's sampler masks them before; some vLLM releases also check it first)."""
+        the first token at which ``check_stop`` would: a stop id, ``max_tokens`` output tokens or
+        ``max_model_len`` tokens, whatever ``min_tokens`` says (``StopRule``)."""
         if stop is None:
             return tail, False
         # the usual tail (every row, every step): its last token is below both length caps,
@@ -288,7 +296,7 @@ class RolloutSpecProposer:
             length = start + j + 1  # the request's tokens once this one is in
             out = length - num_prompt  # and its output tokens
             if (length >= self.max_model_len or out >= stop.max_tokens
-                    or (out >= stop.min_tokens and token in stop.stop_ids)):
+                    or token in stop.stop_ids):
                 return tail[: j + 1], True
         return tail, False
 
