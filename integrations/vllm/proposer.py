@@ -170,8 +170,9 @@ class RolloutSpecProposer:
         each request's stop rule comes from its sampling params.
 
         Chains hold at most the scheduler's ``num_spec_tokens_to_schedule``: its
-        ``num_spec_tokens_per_batch_size`` schedule may set it below ``num_speculative_tokens``,
-        down to 0 (no drafts this step, as vLLM's own ngram proposer gives none then).
+        ``num_speculative_tokens_per_batch_size`` schedule may set it below
+        ``num_speculative_tokens``, down to 0 (no drafts this step, as vLLM's own ngram proposer
+        gives none then).
         """
         k = min(int(scheduler_output.num_spec_tokens_to_schedule), self.num_speculative_tokens)
         batch = runner.input_batch
