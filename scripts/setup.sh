@@ -23,4 +23,9 @@ if [[ ",${extras}," == *",test,"* ]]; then
   # that verl's replica registry and its RolloutConfig dataclass are tested for real.
   $py -m pip install -q --no-deps "verl==0.9.1" "sglang==0.5.23" \
     "tensordict==0.10.0" "torchdata==0.11.0" "pyvers==0.2.3" "codetiming==1.4.0" "cachetools==8.0.2"
+  # The Triton kernel tests run through triton's CPU interpreter where there is no GPU; CUDA torch
+  # wheels ship their own triton, which is kept.
+  if ! $py -c "import triton" 2>/dev/null; then
+    $py -m pip install -q "triton==3.9.0"
+  fi
 fi

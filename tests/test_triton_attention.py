@@ -1,7 +1,7 @@
 """The Triton tree-attention kernel against SDPA with an explicit mask.
 
-Runs on a GPU when one is present, otherwise on CPU through triton's interpreter (set up by
-triton_device.py before triton is imported). Skips when triton is not installed.
+Runs on a GPU when one is present, otherwise on CPU through triton's interpreter (conftest.py
+sets it up before triton is imported). Skips when triton is not installed.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_device import DEVICE  # first: it sets up triton's backend
+from triton_device import DEVICE  # skips the module where the kernels cannot run
 
 from rollout_spec.engine import triton_attention as ta
 

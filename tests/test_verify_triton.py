@@ -4,9 +4,9 @@ Given the same uniforms (injected in place of the keyed draws, or the keyed draw
 the kernel must take every decision the reference takes: same accepted nodes, bonus tokens and
 logprobs, for greedy, sampling, truncation and mixed per-request parameters, duplicate siblings
 and race winners no child carries. Runs on a GPU when one is present, otherwise on CPU through
-triton's interpreter (set up by triton_device.py before triton is imported). Skips when triton is
-not installed (CI's .venv has no triton). The law of the Philox draws is tested by
-test_verify_law.py with ROLLOUT_SPEC_TEST_DEVICE=cuda.
+triton's interpreter (conftest.py sets it up before triton is imported; CI runs it so). Skips when
+triton is not installed. The law of the Philox draws is tested by test_verify_law.py with
+ROLLOUT_SPEC_TEST_DEVICE=cuda.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_device import DEVICE  # first: it sets up triton's backend
+from triton_device import DEVICE  # skips the module where the kernels cannot run
 
 from rollout_spec import verify_fused as fused
 from rollout_spec.config import SamplingParams

@@ -1,8 +1,6 @@
-"""Where the Triton kernel tests run, set up before any of them imports triton.
-
-On a GPU the kernels run compiled; without one, through triton's interpreter on CPU
-(TRITON_INTERPRET=1, which triton reads when it is imported, so a test module imports this first).
-A module that imports this is skipped where triton is not installed (CI's .venv has none).
+"""Where the Triton kernel tests run: through triton's interpreter on CPU where TRITON_INTERPRET=1
+(conftest.py sets it on a machine without a GPU, before anything imports triton), else compiled
+on the GPU. A module that imports this is skipped where triton is not installed.
 """
 from __future__ import annotations
 
@@ -11,7 +9,9 @@ import os
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("compiled Triton kernels need a CUDA GPU (TRITON_INTERPRET=1 runs them on CPU)",
+                allow_module_level=True)
+DEVICE = "cpu" if INTERPRETED else "cuda"
 pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch wheels ship it)")
