@@ -55,30 +55,35 @@ def doc_texts() -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True)
-class Launch:
-    """One ``python -m MODULE ARGS`` line shown in a doc: where, which module, its arguments."""
+class DocCommand:
+    """One command line shown in a doc: where it is, which program (a CLI, a script or a
+    ``python -m`` module), and its arguments."""
 
     doc: str
-    module: str
+    program: str
     argv: tuple[str, ...]
 
     def __str__(self) -> str:
-        return f"{self.doc}: {self.module} {' '.join(self.argv)}"
+        return f"{self.doc}: {self.program} {' '.join(self.argv)}"
 
 
-def launches_in(doc: str, text: str, modules: tuple[str, ...]) -> list[Launch]:
-    """The ``python -m`` launches of ``modules`` in one code text: arguments run to the end of the
-    text, to a shell operator or to the next launch; ``<placeholders>`` and ``...`` are dropped."""
+def arguments_after(text: str, matches: list[re.Match], i: int) -> list[str]:
+    """The shell words after ``matches[i]`` (a program's name in ``text``): they run to the next
+    match, to a shell operator or to the end of the text."""
+    stop = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+    rest = text[matches[i].end():stop]
+    return shlex.split(rest[:SHELL_END.search(rest).start()])
+
+
+def launches_in(doc: str, text: str, modules: tuple[str, ...]) -> list[DocCommand]:
+    """The ``python -m`` launches of ``modules`` in one code text (``arguments_after``);
+    ``<placeholders>`` and ``...`` are dropped."""
     text = PLACEHOLDER.sub(" ", text)
     matches = [m for m in LAUNCH.finditer(text) if m.group("module") in modules]
-    found = []
-    for i, match in enumerate(matches):
-        rest = text[match.end():matches[i + 1].start() if i + 1 < len(matches) else len(text)]
-        argv = tuple(shlex.split(rest[:SHELL_END.search(rest).start()]))
-        found.append(Launch(doc, match.group("module"), argv))
-    return found
+    return [DocCommand(doc, match.group("module"), tuple(arguments_after(text, matches, i)))
+            for i, match in enumerate(matches)]
 
 
-def doc_launches(module: str) -> list[Launch]:
+def doc_launches(module: str) -> list[DocCommand]:
     """Every launch of ``module`` in the checked docs."""
     return [launch for doc, text in doc_texts() for launch in launches_in(doc, text, (module,))]

@@ -22,16 +22,14 @@ import argparse
 import importlib
 import importlib.util
 import re
-import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, Optional
 
 import pytest
 
-from doc_code import ROOT, SHELL_END, code_texts, doc_files  # tests/ is on sys.path under pytest
+from doc_code import ROOT, DocCommand, arguments_after, code_texts, doc_files  # tests/ is on sys.path under pytest
 from markdown_table import table_rows
 
 SGLANG_REPLAY = "rollout_spec.integrations.sglang.replay"
@@ -43,18 +41,6 @@ NEEDS_VALUE = "expected one argument"
 OPTIONAL_PACKAGES = ("ray", "vllm", "sglang", "triton")
 
 
-@dataclass(frozen=True)
-class DocCommand:
-    """One command line shown in a doc: where it is, which program, and its arguments."""
-
-    doc: str
-    program: str
-    argv: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return f"{self.doc}: {self.program} {' '.join(self.argv)}"
-
-
 def commands_in(doc: str, text: str) -> list[DocCommand]:
     """The commands of one code text (see the module's docstring for what counts as one)."""
     found = []
@@ -63,10 +49,7 @@ def commands_in(doc: str, text: str) -> list[DocCommand]:
         program = re.sub(r"\s+", " ", match.group("cli") or match.group("script") or match.group("module"))
         if match.group("script") and _script_path(match.group("script")) is None:
             continue  # some other file (rollout_spec/workloads.py, make_prompts.py)
-        stop = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        rest = text[match.end():stop]
-        rest = rest[:SHELL_END.search(rest).start()]
-        argv = tuple(t.strip("[]") for t in shlex.split(rest) if t.strip("[]"))
+        argv = tuple(t.strip("[]") for t in arguments_after(text, matches, i) if t.strip("[]"))
         if argv:
             found.append(DocCommand(doc, program, argv))
     return found

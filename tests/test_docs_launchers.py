@@ -28,7 +28,7 @@ from typing import Optional
 
 import pytest
 
-from doc_code import Launch, code_texts, doc_launches, doc_texts, launches_in  # tests/ is on sys.path
+from doc_code import DocCommand, code_texts, doc_launches, doc_texts, launches_in  # tests/ is on sys.path
 from rollout_spec.integrations.openrlhf import options as openrlhf_options
 from rollout_spec.integrations.openrlhf import train_ppo_ray
 from rollout_spec.integrations.sglang.config import ENV_VAR, server_args, spec_from_env
@@ -64,7 +64,7 @@ def run_openrlhf_launcher(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> N
     raise AssertionError("the launcher went on without checking for OpenRLHF")
 
 
-def check_openrlhf_launch(monkeypatch: pytest.MonkeyPatch, launch: Launch) -> None:
+def check_openrlhf_launch(monkeypatch: pytest.MonkeyPatch, launch: DocCommand) -> None:
     """The launcher reads our options of ``launch`` without an error, and they turn it on."""
     try:
         run_openrlhf_launcher(monkeypatch, list(launch.argv))
@@ -92,7 +92,7 @@ def check_openrlhf_mention(monkeypatch: pytest.MonkeyPatch, doc: str, span: str)
     name, *values = shlex.split(span)
     assert name in launcher_options(), f"{doc}: `{span}`\n  the launcher has no option {name}"
     if values and not METAVAR.fullmatch(values[0]):
-        check_openrlhf_launch(monkeypatch, Launch(doc, OPENRLHF, ("--rollout_spec", name, *values)))
+        check_openrlhf_launch(monkeypatch, DocCommand(doc, OPENRLHF, ("--rollout_spec", name, *values)))
 
 
 def env_values(text: str) -> list[str]:
@@ -102,7 +102,7 @@ def env_values(text: str) -> list[str]:
     return [t.split("=", 1)[1] for t in shlex.split(text) if t.startswith(f"{ENV_VAR}=")]
 
 
-def sglang_launches_with_env(texts: list[tuple[str, str]]) -> list[tuple[Launch, Optional[str]]]:
+def sglang_launches_with_env(texts: list[tuple[str, str]]) -> list[tuple[DocCommand, Optional[str]]]:
     """Each SGLang launch of ``(doc, code text)`` pairs with the ``ROLLOUT_SPEC_SGLANG`` value last
     set before it in its doc (None where there is none)."""
     found, env, last_doc = [], None, None
@@ -124,7 +124,7 @@ def speculative_options(argv: tuple[str, ...]) -> dict[str, str]:
     return options
 
 
-def check_sglang_launch(launch: Launch, env: Optional[str]) -> None:
+def check_sglang_launch(launch: DocCommand, env: Optional[str]) -> None:
     """The exported JSON is a valid ``SpecConfig`` and the line's speculative options are its
     ``server_args``."""
     assert env is not None, f"{launch}\n  no {ENV_VAR} is set before it, so SGLang drafts without us"
@@ -144,7 +144,7 @@ def test_the_docs_show_the_launches_this_test_checks() -> None:
 
 
 @pytest.mark.parametrize("launch", doc_launches(OPENRLHF), ids=str)
-def test_openrlhf_launch_in_docs(monkeypatch: pytest.MonkeyPatch, launch: Launch) -> None:
+def test_openrlhf_launch_in_docs(monkeypatch: pytest.MonkeyPatch, launch: DocCommand) -> None:
     """The OpenRLHF launcher reads the doc's ``--rollout_spec*`` options and turns them on."""
     check_openrlhf_launch(monkeypatch, launch)
 
@@ -168,7 +168,7 @@ def test_the_error_docs_openrlhf_md_quotes_is_the_launchers(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("launch, env", sglang_launches_with_env(doc_texts()), ids=str)
-def test_sglang_launch_in_docs(launch: Launch, env: Optional[str]) -> None:
+def test_sglang_launch_in_docs(launch: DocCommand, env: Optional[str]) -> None:
     """The doc's ``ROLLOUT_SPEC_SGLANG`` is valid and its launch line has that spec's server args."""
     check_sglang_launch(launch, env)
 

@@ -19,7 +19,7 @@ import re
 import pytest
 from hydra.errors import HydraException
 
-from doc_code import ROOT, Launch, code_texts, doc_launches, doc_texts, launches_in  # tests/ is on sys.path
+from doc_code import ROOT, DocCommand, code_texts, doc_launches, doc_texts, launches_in  # tests/ is on sys.path
 from markdown_table import table_rows
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.verl.config import FLAG_PATH, FLAG_VALUE, spec_from_rollout_config
@@ -59,7 +59,7 @@ def test_the_docs_show_the_overrides_this_test_checks() -> None:
 
 
 @pytest.mark.parametrize("launch", doc_launches(VERL), ids=str)
-def test_verl_launch_in_docs(launch: Launch) -> None:
+def test_verl_launch_in_docs(launch: DocCommand) -> None:
     """The rollout overrides of the doc's verl launch turn rollout-spec on with valid options."""
     check_verl_overrides(str(launch), launch.argv)
 
