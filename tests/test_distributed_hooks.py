@@ -64,6 +64,27 @@ def test_verl_balancer_bounds_load_and_keeps_multi_turn_requests() -> None:
             GroupStickyLoadBalancer(_servers(2), {"max_cache_size": bad})
 
 
+def test_verl_balancer_routes_a_resumed_tail_by_its_first_prompts_group() -> None:
+    """After ``clear_sticky_cache`` (verl's fully-async rollouter clears it to rebalance what it
+    resumes) a tail, prompt + tokens so far, is a new request to the balancer: it goes where its
+    prompt's group goes, the server whose drafter knows the sample, not where its own tokens hash."""
+    lb = GroupStickyLoadBalancer(_servers(8))
+
+    def served(request_id: str, prompt_ids: list[int]) -> str:
+        sid = lb.acquire_server(request_id, prompt_ids=prompt_ids)[0]
+        lb.release_server(sid)  # one at a time: no server is ever too loaded for its group
+        return sid
+
+    homes = {p: served(f"s-{p}", _prompt(p)) for p in range(16)}
+    assert len(set(homes.values())) > 1
+    lb.clear_sticky_cache()
+    for p in range(16):
+        tails = {served(f"s-{p}-tail{t}", _prompt(p) + [900 + t, 7, 7 + t]) for t in range(4)}
+        assert tails == {homes[p]}  # by their own hash, the tails would scatter over the servers
+    own = {served(f"fresh-{t}", [4, 4, 900 + t]) for t in range(16)}
+    assert len(own) > 1, "prompts extending no earlier prompt keep their own groups"
+
+
 def test_verl_balancer_follows_removed_and_returning_servers() -> None:
     lb = GroupStickyLoadBalancer(_servers(3))
     home = lb.acquire_server("a", prompt_ids=_prompt(5))[0]

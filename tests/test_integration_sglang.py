@@ -23,7 +23,7 @@ from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.sglang.config import ENV_VAR, server_args, spec_from_env, spec_to_env
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.plugin import register, sglang_source_dir, upstream_problems
-from rollout_spec.integrations.sglang.rid import group_from_rid, rid_with_group
+from rollout_spec.integrations.sglang.rid import group_from_rid, rid_with_group, rid_with_group_id
 from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask, trim_padding
 from rollout_spec.tree import DraftBatch
 
@@ -286,6 +286,19 @@ def test_group_travels_in_request_id():
                   "a|rsg=0000000A"):
         assert group_from_rid(other) is None
         assert group_from_rid(rid_with_group(other, [1, 2, 3])) == group_from_rid(rid)
+
+
+def test_a_known_group_id_travels_in_request_id():
+    """verl's server tags a later turn with the group of its first prompt, not its own prompt's."""
+    rid = rid_with_group_id("abc", 7)
+    assert rid == "abc|rsg=00000007" and group_from_rid(rid) == 7 and rid_with_group_id(rid, 9) == rid
+    assert rid_with_group_id("x", 2**31 - 1) == "x|rsg=7fffffff"
+    assert rid_with_group("x", [1, 2]) == rid_with_group_id("x", group_from_rid(rid_with_group("y", [1, 2])))
+    for bad, error in ((-1, ValueError), (2**31, ValueError), ("7", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"group_id must .*\[0, 2147483647\]"):
+            rid_with_group_id("abc", bad)
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        rid_with_group_id(b"abc", 7)
 
 
 def test_spec_travels_in_env_and_server_args():

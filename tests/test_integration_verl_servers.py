@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID
+from rollout_spec.groups import prompt_group_id
 from rollout_spec.integrations.sglang.config import ENV_VAR, spec_from_env
 from rollout_spec.integrations.sglang.rid import group_from_rid
 
@@ -106,6 +107,20 @@ def test_flag_on_launches_ngram_tags_groups_and_reports_counters(sglang_server):
     assert server._spec_meta == {}, "per-request counters are dropped once returned"
     replica = sglang_server.RolloutSpecSGLangReplica(0, config(FLAG))
     assert replica.server_class.__class__.__name__ == "ActorClass(RolloutSpecSGLangHttpServer)"
+
+
+def test_sglang_later_turns_and_resumed_tails_carry_the_first_prompts_group(sglang_server):
+    """verl sends a sample's next turn (prompt + output + tool output) or its resumed tail under a
+    fresh request id to the server of its first call: the rid's group is the first prompt's."""
+    server = sglang_server.RolloutSpecSGLangHttpServer(config(FLAG))
+    asyncio.run(server.launch_server())
+    first = asyncio.run(server.generate([1, 2, 3], {}, "uuid-1"))
+    turn2 = asyncio.run(server.generate([1, 2, 3, 7, 8, 9, 40, 41], {}, "uuid-2"))
+    turn3 = asyncio.run(server.generate([1, 2, 3, 7, 8, 9, 40, 41, 7, 8, 9, 42], {}, "uuid-3"))
+    other = asyncio.run(server.generate([1, 2, 4], {}, "uuid-4"))
+    assert group_from_rid(first.rid) == prompt_group_id([1, 2, 3]), "a first call keeps its own group"
+    assert group_from_rid(turn2.rid) == group_from_rid(turn3.rid) == group_from_rid(first.rid)
+    assert turn3.rid.startswith("uuid-3|rsg=") and group_from_rid(other.rid) == prompt_group_id([1, 2, 4])
 
 
 def test_bad_flag_fails_when_the_replica_is_built(sglang_server):
@@ -261,12 +276,14 @@ def test_an_empty_router_config_path_gets_our_balancer_as_verls_default_does(sgl
 class _VllmEngine:
     def __init__(self) -> None:
         self.rpcs = []
+        self.sampling_params = []  # what each request's SamplingParams were built from
 
     async def collective_rpc(self, method):
         self.rpcs.append(method)
 
     async def generate(self, prompt_ids, sampling_params, request_id=None):
         """Two tokens drafted for and both rejected, then nothing drafted: 5 response tokens."""
+        self.sampling_params.append(sampling_params)
         counters = SimpleNamespace(num_spec_tokens=2, histogram=[1, 0, 0], num_draft_tokens=2)
         yield SimpleNamespace(metrics=None, outputs=[SimpleNamespace(token_ids=[7, 8, 9, 10, 11],
                                                                      spec_decode_metrics=counters)])
@@ -334,6 +351,30 @@ def test_shared_index_with_vllm_data_parallel_is_refused_before_launch(vllm_serv
     assert not hasattr(server, "launched_with"), "refused before vLLM starts"
     flag.pop("rollout_spec")  # drafting without a shared index works with data parallelism
     asyncio.run(vllm_server.RolloutSpecvLLMHttpServer(cfg, replica_rank=0).launch_server())
+
+
+def test_vllm_later_turns_name_the_first_prompts_group_without_touching_the_callers_params(vllm_server):
+    """The group reaches the engine in ``extra_args`` (vLLM builds ``SamplingParams(**params)``):
+    the first prompt's, for a later turn too; verl's dict, reused across turns, is left as it was,
+    and its own extra_args, a group it names itself included, are kept."""
+    cfg = SimpleNamespace(name="vllm", custom={"speculative": "rollout_spec"}, engine_kwargs={}, mtp=None,
+                          disaggregation=None)
+    server = vllm_server.RolloutSpecvLLMHttpServer(cfg)
+    asyncio.run(server.launch_server())
+    params = {"temperature": 1.0, "extra_args": {"mine": 1}}
+    for prompt, rid in (([1, 2, 3], "uuid-1"), ([1, 2, 3, 7, 8, 9, 40], "uuid-2"), ([1, 2, 4], "uuid-3")):
+        asyncio.run(server.generate(prompt, params, rid))
+    assert params == {"temperature": 1.0, "extra_args": {"mine": 1}}, "the caller's dict is not mutated"
+    first, turn2, other = server.engine.sampling_params
+    group = prompt_group_id([1, 2, 3])
+    assert first == turn2 == {"temperature": 1.0, "extra_args": {"mine": 1, "rollout_spec_group": group}}
+    assert other["extra_args"]["rollout_spec_group"] == prompt_group_id([1, 2, 4])
+    asyncio.run(server.generate([1, 2, 3, 5], {"extra_args": {"rollout_spec_group": 5}}, "uuid-4"))
+    assert server.engine.sampling_params[-1] == {"extra_args": {"rollout_spec_group": 5}}
+    off = vllm_server.RolloutSpecvLLMHttpServer(SimpleNamespace(name="vllm", custom=None, engine_kwargs={}))
+    asyncio.run(off.launch_server())
+    asyncio.run(off.generate([1, 2, 3], params, "uuid-5"))
+    assert off.engine.sampling_params == [params], "flag off: verl's parameters as they came"
 
 
 def test_vllm_server_reports_every_decode_forward_as_a_verify_step(vllm_server):

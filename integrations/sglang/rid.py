@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from rollout_spec.config import check_int
 from rollout_spec.groups import GROUP_ID_MAX, prompt_group_id
 
 GROUP_SEPARATOR = "|rsg="
@@ -27,7 +28,24 @@ def rid_with_group(request_id: str, prompt_ids: Sequence[int] | np.ndarray) -> s
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
     if group_from_rid(request_id) is not None:
         return request_id
-    return f"{request_id}{GROUP_SEPARATOR}{prompt_group_id(prompt_ids):08x}"
+    return rid_with_group_id(request_id, prompt_group_id(prompt_ids))
+
+
+def rid_with_group_id(request_id: str, group_id: int) -> str:
+    """``request_id`` tagged with ``group_id`` (kept as it is when it carries a group already):
+    for a caller that knows the group some other way than by hashing this request's prompt, as
+    verl's server does for a sample's later turns (``rollout_spec.prompt_roots``).
+
+    Raises:
+        TypeError / ValueError: ``request_id`` not a str, ``group_id`` not an int in
+            [0, GROUP_ID_MAX].
+    """
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    group_id = check_int("group_id", group_id, 0, GROUP_ID_MAX)
+    if group_from_rid(request_id) is not None:
+        return request_id
+    return f"{request_id}{GROUP_SEPARATOR}{group_id:08x}"
 
 
 def group_from_rid(rid: str) -> Optional[int]:

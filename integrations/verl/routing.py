@@ -7,7 +7,10 @@ history. :class:`GroupStickyLoadBalancer` keys each new request by its prompt's 
 of the prompt token ids that the vLLM/SGLang adapters use as the drafter's group id) and places
 it with :class:`rollout_spec.distributed.GroupRouter`: the group's ranked first choice while
 that server is under its bounded share, else its next choice. Later turns of a multi-turn
-request stay on their first server, as verl's default does for prefix caching.
+request stay on their first server, as verl's default does for prefix caching. A call the
+balancer takes for a new request (its sticky session forgotten by ``clear_sticky_cache``, say)
+whose prompt extends a prompt seen before (a later turn, a resumed tail) is routed by that
+prompt's group (:class:`rollout_spec.prompt_roots.PromptRoots`), as the servers draft it.
 
 Enable it with a router YAML (``actor_rollout_ref.rollout.router_config_path=...``)::
 
@@ -26,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from rollout_spec.config import check_int
-from rollout_spec.distributed import GroupRouter, group_key
+from rollout_spec.distributed import GroupRouter
+from rollout_spec.prompt_roots import PromptRoots
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ class GroupStickyLoadBalancer:
         if not self._ids:
             self._router.set_available(0, False)
         self._by_request: OrderedDict[str, str] = OrderedDict()  # request id -> server, LRU
+        self._prompt_roots = PromptRoots()  # a later call's group is its first prompt's
         self._max_requests = check_int("router config max_cache_size", config.get("max_cache_size", 10_000),
                                        1, 1 << 30)
 
@@ -72,7 +77,8 @@ class GroupStickyLoadBalancer:
         return []
 
     def acquire_server(self, request_id: str, prompt_ids: Optional[Sequence[int]] = None, **_: Any) -> tuple[str, Any]:
-        """The server for one request: its earlier turn's server, else its group's placement.
+        """The server for one request: its earlier turn's server, else its group's placement (the
+        group of the longest prompt seen before that ``prompt_ids`` extends, else its own).
 
         Raises:
             RuntimeError: no server is registered.
@@ -87,7 +93,7 @@ class GroupStickyLoadBalancer:
             raise RuntimeError("No available servers in load balancer")
         if prompt_ids is None:
             raise ValueError("prompt_ids is required to route a new request by its group")
-        sid = self._ids[self._router.acquire(group_key(list(prompt_ids)))]
+        sid = self._ids[self._router.acquire(self._prompt_roots.group_of(prompt_ids))]
         self._by_request[request_id] = sid
         if len(self._by_request) > self._max_requests:
             self._by_request.popitem(last=False)

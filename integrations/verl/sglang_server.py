@@ -12,24 +12,27 @@ import ray
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer, SGLangReplica
 
 from rollout_spec.integrations.sglang.config import spec_to_env
-from rollout_spec.integrations.sglang.rid import rid_with_group
+from rollout_spec.integrations.sglang.rid import rid_with_group_id
 from rollout_spec.integrations.verl import capture, metrics
 from rollout_spec.integrations.verl.config import spec_from_rollout_config
 from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
 from rollout_spec.integrations.verl.replicas import ScaleOutReplicaMixin, server_placement
+from rollout_spec.prompt_roots import PromptRoots
 
 
 class RolloutSpecSGLangHttpServer(SGLangHttpServer):
     """SGLangHttpServer whose NGRAM worker drafts with our corpus, reporting verl's spec counters.
 
     The SpecConfig goes to SGLang's scheduler processes in ``ROLLOUT_SPEC_SGLANG`` (read by our
-    SGLang plugin); request ids carry the prompt's group; ``meta_info`` counters are kept.
+    SGLang plugin); request ids carry the group of the sample's first prompt (a later turn or a
+    resumed tail extends it: ``PromptRoots``); ``meta_info`` counters are kept.
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self._spec = spec_from_rollout_config(self.config)
         self._spec_meta: dict[str, dict] = {}
+        self._prompt_roots = PromptRoots()
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         """Launch SGLang with the NGRAM worker and our plugin's variables set (the scheduler
@@ -51,10 +54,11 @@ class RolloutSpecSGLangHttpServer(SGLangHttpServer):
             capture.record_sglang_meta(self.tokenizer_manager, self._spec_meta)
 
     async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str, *args: Any, **kwargs: Any):
-        """verl's generate with a group-tagged request id and the three counters in extra_fields."""
+        """verl's generate with a request id tagged with the group of the sample's first prompt
+        and the three counters in extra_fields."""
         if self._spec is None:
             return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
-        rid = rid_with_group(request_id, list(prompt_ids))
+        rid = rid_with_group_id(request_id, self._prompt_roots.group_of(list(prompt_ids)))
         try:
             out = await super().generate(prompt_ids, sampling_params, rid, *args, **kwargs)
             out.extra_fields.update(metrics.from_sglang_meta(self._spec_meta.get(rid, {})))

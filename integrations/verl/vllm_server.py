@@ -13,16 +13,23 @@ from rollout_spec.integrations.verl import capture, metrics
 from rollout_spec.integrations.verl.config import spec_from_rollout_config
 from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
 from rollout_spec.integrations.verl.replicas import ScaleOutReplicaMixin, server_placement
+from rollout_spec.integrations.vllm.config import GROUP_ID_EXTRA_ARG
+from rollout_spec.prompt_roots import PromptRoots
 
 
 class RolloutSpecvLLMHttpServer(vLLMHttpServer):
-    """vLLMHttpServer that drafts with rollout-spec's vLLM proposer and reports verl's spec counters."""
+    """vLLMHttpServer that drafts with rollout-spec's vLLM proposer and reports verl's spec counters.
+
+    Each request names its group in ``extra_args``: that of the sample's first prompt, which a
+    later turn or a resumed tail extends (``PromptRoots``); the proposer would hash its own.
+    """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self._spec = spec_from_rollout_config(self.config)
         self._spec_stats: dict[str, Any] = {}
         self._spec_weights_step: Any = None
+        self._prompt_roots = PromptRoots()
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         """Launch vLLM with our proposer as its speculative method (and this replica's placement
@@ -50,9 +57,12 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
         await super().set_global_steps(global_steps)
 
     async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str, *args: Any, **kwargs: Any):
-        """verl's generate with the three counters in extra_fields."""
+        """verl's generate with the group of the sample's first prompt in the sampling parameters
+        and the three counters in extra_fields."""
         if self._spec is None:
             return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+        sampling_params = sampling_params_with_group(sampling_params,
+                                                     self._prompt_roots.group_of(list(prompt_ids)))
         try:
             out = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
             out.extra_fields.update(metrics.from_vllm_stats(self._spec_stats.get(request_id),
@@ -62,6 +72,19 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
             self._spec_stats.pop(request_id, None)
 
 
+def sampling_params_with_group(sampling_params: dict, group_id: int) -> dict:
+    """A copy of verl's ``sampling_params`` (vLLM's ``SamplingParams`` keywords) whose
+    ``extra_args`` names ``group_id`` as the request's group for our proposer.
+
+    The caller's dict and its ``extra_args`` are not touched (verl reuses them across turns and
+    its server pops keys from the dict it gets); the caller's other ``extra_args`` are kept, and
+    a group the caller named there itself wins.
+    """
+    extra_args = dict(sampling_params.get("extra_args") or {})
+    extra_args.setdefault(GROUP_ID_EXTRA_ARG, group_id)
+    return {**sampling_params, "extra_args": extra_args}
+
+
 class RolloutSpecvLLMReplica(ScaleOutReplicaMixin, vLLMReplica):
     """vLLMReplica that starts our server class when the flag is on (validated here, early), routes
     group-sticky and creates the shared-index coordinators (``replicas.py``)."""
@@ -69,6 +92,4 @@ class RolloutSpecvLLMReplica(ScaleOutReplicaMixin, vLLMReplica):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if spec_from_rollout_config(self.config) is not None:
-            from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH  # noqa: F401  (presence check)
-
             self.server_class = ray.remote(RolloutSpecvLLMHttpServer)
