@@ -74,7 +74,9 @@ def route_dispatch_by_group(generator: Any, router: Optional[GroupRouter] = None
     so its least-pending choice has only that engine to pick. Refs come back in prompt order.
     Prompts are keyed by the token ids the engine hands vLLM (:func:`engine_prompt_ids`: tokenized
     with ``add_special_tokens=False``, then cut to the call's ``max_len`` budget), which is the
-    group id the engine's drafter uses.
+    group id the engine's drafter uses. Not for a prompt with images: vLLM expands each image
+    placeholder into the image's tokens, so its drafter group differs from the key (it still
+    routes sticky; the shared index may place its history on another engine).
     """
     import ray
 
