@@ -19,8 +19,9 @@ from rollout_spec import SamplingParams, SpecConfig
 from rollout_spec.config import MIN_TEMPERATURE
 from rollout_spec.engine import RolloutEngine
 from rollout_spec.engine.weights import build_model
-from rollout_spec.noise import sample_seed
+from rollout_spec.noise import NoiseKeys, sample_seed
 from rollout_spec.tree import DraftBatch
+from rollout_spec.verify import verify
 from test_drafter_noise import KeyRecorder  # noqa: E402  (tests/ is on sys.path under pytest)
 
 transformers = pytest.importorskip("transformers")
@@ -195,6 +196,29 @@ def test_sampling_speculation_is_token_identical(pair, params: SamplingParams) -
             np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-4)
         if mode == "oracle":
             assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_every_sampled_token_is_the_race_keyed_by_its_sample_and_position(pair) -> None:
+    """Each token of a seeded sample is the race of its row (logits teacher-forced by
+    transformers) under the noise of (``sample_seed(seed, prompt, sample)``, the position of the
+    row's token): the prefill's last prompt token races position len(prompt) - 1, every later
+    row the next one, on drafting steps after partial acceptances too. Speculative steps
+    agreeing with plain ones (above) cannot see keys shifted in both, such as a first decode
+    step racing the prefill's noise again (its tokens would then be correlated)."""
+    ref, model = pair
+    prompts = mixed_prompts(4, seed=5)
+    params = SamplingParams(n=2, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12, seed=3)
+    _, truth = plain_run(model, prompts, params)
+    outs = engine(model, ScriptedDrafter("corrupt", truth), draft_budget=lambda b: 8).generate(prompts, params)
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    for o in outs:
+        prompt, rows = prompts[o.prompt_index], len(o.token_ids)
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + o.token_ids])).logits[0, len(prompt) - 1 : -1]
+        keys = NoiseKeys(torch.full((rows,), sample_seed(params.seed, o.prompt_index, o.sample_index)),
+                         torch.arange(rows) + len(prompt) - 1)
+        raced = verify(logits, DraftBatch.empty(rows), params, keys=keys).host.bonus
+        assert raced.tolist() == o.token_ids, (o.prompt_index, o.sample_index)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -518,6 +542,20 @@ def test_a_drafter_returning_no_draft_batch_is_named() -> None:
 
     with pytest.raises(TypeError, match="drafter returned list, not a DraftBatch"):
         engine(model, Lists("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+
+def test_a_drafted_token_outside_the_vocabulary_is_named() -> None:
+    """A draft token >= the model's vocab_size is refused naming the token and the size, before
+    the tree forward would look it up in the embedding (an IndexError on the CPU, a device-side
+    assert on CUDA)."""
+    _, model = tiny_pair("llama")
+
+    class OutOfVocab(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            return DraftBatch.from_lists([[(VOCAB, -1)] if b else [] for b in budgets])
+
+    with pytest.raises(ValueError, match=f"drafter proposed token {VOCAB}, vocab_size is {VOCAB}"):
+        engine(model, OutOfVocab("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
 
 
 def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
