@@ -187,6 +187,23 @@ def test_proposer_lifecycle_over_vllm_steps():
     assert stats["drafter/requests"] == 2
 
 
+def test_a_later_turn_drafts_under_the_group_of_the_prompt_it_extends():
+    """A multi-turn agent (OpenRLHF's, or any client) sends the next turn as a new request whose
+    prompt is the first prompt + output + tool output: it gets the first prompt's group, the turn
+    after it too; a prompt extending none keeps its own hash, and an explicit group still wins."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=2), drafter=drafter)
+    first, other = [10, 11, 12], [10, 11, 13]
+    turn2 = first + [20, 21] + [50, 51]
+    rows = [("t1", first, [20]), ("x", other, [7]), ("t2", turn2, [22]), ("t3", turn2 + [22, 52], [23]),
+            ("mine", turn2, [5])]
+    prop.propose_for_runner(FakeRunner(rows, extra_args={"mine": {"rollout_spec_group": 9}}), sched(),
+                            [o for _, _, o in rows])
+    groups = [drafter.started[i][1] for i in range(len(rows))]
+    assert groups == [prompt_group_id(first), prompt_group_id(other), prompt_group_id(first),
+                      prompt_group_id(first), 9]
+
+
 def test_plain_custom_class_call_refuses_without_the_plugin():
     prop = RolloutSpecProposer(vllm_config(), drafter=RecordingDrafter())
     with pytest.raises(RuntimeError, match="general_plugins entry point is not active"):

@@ -21,7 +21,8 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
     """vLLMHttpServer that drafts with rollout-spec's vLLM proposer and reports verl's spec counters.
 
     Each request names its group in ``extra_args``: that of the sample's first prompt, which a
-    later turn or a resumed tail extends (``PromptRoots``); the proposer would hash its own.
+    later turn or a resumed tail extends (``PromptRoots``). The proposer keeps such a registry
+    too, but per engine: with data-parallel engines a sample's later call may reach another one.
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:

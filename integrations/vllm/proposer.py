@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from rollout_spec.groups import prompt_group_id
 from rollout_spec.integrations.vllm.chains import best_chains, explicit_group_id
+from rollout_spec.prompt_roots import PromptRoots
 from rollout_spec.integrations.vllm.config import (
     GROUP_ID_EXTRA_ARG,
     placement_from_vllm_config,
@@ -103,6 +103,7 @@ class RolloutSpecProposer:
         self._ids: dict[str, int] = {}  # drafter id by vLLM request id
         self._live: dict[str, _Request] = {}  # the same requests' state
         self._next_id = 0
+        self._prompt_roots = PromptRoots()  # a later turn's group: the prompt it extends
         self.counters = {"requests_started": 0, "requests_finished": 0, "rows_drafted": 0,
                          "chain_tokens_proposed": 0, "steps_ended": 0}
 
@@ -178,7 +179,8 @@ class RolloutSpecProposer:
         batch = runner.input_batch
         return self.propose_rows(
             list(batch.req_ids), sampled_token_ids, batch.num_tokens_no_spec,
-            batch.num_prompt_tokens, batch.token_ids_cpu, _runner_group_lookup(runner), k,
+            batch.num_prompt_tokens, batch.token_ids_cpu,
+            _runner_group_lookup(runner, self._prompt_roots), k,
             stop_of=lambda rid: StopRule.from_sampling_params(runner.requests[rid].sampling_params),
         )
 
@@ -331,9 +333,11 @@ def _record_extended(requests: list[_Request], tails: list[list[int]]) -> None:
         req.known += len(tail)
 
 
-def _runner_group_lookup(runner: Any) -> GroupLookup:
+def _runner_group_lookup(runner: Any, roots: PromptRoots) -> GroupLookup:
     """Group of a request: ``extra_args['rollout_spec_group']`` when the caller set it, else a
-    hash of the prompt tokens (the n samples of a prompt share it, in this step and later ones)."""
+    hash of the prompt tokens (the n samples of a prompt share it, in this step and later ones),
+    or of the earlier prompt in ``roots`` that this one extends (a multi-turn agent's next turn,
+    sent as prompt + output + tool output, drafts with its first turn's group)."""
 
     def lookup(req_id: str, prompt: np.ndarray) -> int:
         state = runner.requests.get(req_id)
@@ -341,6 +345,6 @@ def _runner_group_lookup(runner: Any) -> GroupLookup:
         extra = getattr(params, "extra_args", None) or {}
         if GROUP_ID_EXTRA_ARG in extra:
             return explicit_group_id(extra[GROUP_ID_EXTRA_ARG])
-        return prompt_group_id(prompt)
+        return roots.group_of(prompt)
 
     return lookup
