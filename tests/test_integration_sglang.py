@@ -782,6 +782,30 @@ def test_requests_finished_at_prefill_before_idling_are_indexed_at_flush_cache()
     assert (stats["prefill_finished"], stats["steps"], stats["committed_tokens"]) == (2, 1, 4 + 1 + 2 + 1)
 
 
+def test_a_request_retracted_by_a_paused_flush_resumes_under_its_rid():
+    """SGLang also flushes while generation is paused in retract mode (``Scheduler.flush_cache``,
+    ``is_fully_idle(ignore_waiting=self._engine_paused)``): the running request is finished with
+    what it committed, and when it resumes (same rid, prefilled again) it starts over from its
+    tail in the new step, still drafting from its own history."""
+    from rollout_spec.integrations.sglang import plugin
+
+    worker = FakeNgramWorker(group_corpus(), tail=16)
+    req = FakeReq(rid_with_group("s0", PROMPT), PROMPT, 11)
+    rounds = [[12, 13, 14], [11, 12, 13], [14, 11, 12], [13, EOS]]
+    for accepted in rounds[:2]:  # two rounds, then pause_generation(mode="retract") and flush
+        plugin.track_batch_requests(worker, decode_batch([req]))
+        worker.forward_batch_generation(decode_batch([req]))
+        req.commit(accepted)
+    worker.clear_cache_pool()
+    stats = worker.ngram_corpus.stats()
+    assert (stats["final_tokens"], stats["steps"], stats["live_requests"]) == (3, 1, 0)
+    plugin.track_batch_requests(worker, decode_batch([req], decode=False))  # prefilled again
+    serve(worker, {req: [list(r) for r in rounds[2:]]})
+    stats = worker.ngram_corpus.stats()
+    assert (stats["requests"], stats["restarts"], stats["prefill_finished"]) == (2, 0, 0)
+    assert worker.drafts[req.rid][2][:3] == [13, 14, 11]  # after ...12, 13 it has seen 14, 11
+
+
 def test_prefilled_requests_that_decode_or_were_retracted_are_not_indexed_at_prefill():
     """Overlap scheduling puts a prefill's requests in the next decode batch before their result
     is processed: the decode path owns them. A retracted request prefilled again has output."""

@@ -246,12 +246,16 @@ class RolloutSpecCorpus:
     def reset(self) -> None:
         """SGLang's ``flush_cache``: an RL step boundary for us, never a wipe of the index.
 
-        Live requests are finished (SGLang flushes only when idle). verl may flush more than once
-        per weight update, so a step is ended only when tokens arrived since the last one.
+        Live requests are finished. SGLang flushes when idle, and also while generation is
+        paused in retract mode, its unfinished requests then retracted to the waiting queue
+        (``Scheduler.flush_cache`` checks ``is_fully_idle(ignore_waiting=self._engine_paused)``);
+        one that resumes keeps its rid and starts over from its tail at its next ``batch_get``.
+        verl may flush more than once per weight update, so a step is ended only when tokens
+        arrived since the last one.
         """
         self.erase_match_state(list(self._live))
         self._index_finished_prefills()
-        self._prefilling.clear()  # SGLang flushes only when idle: none is still prefilling
+        self._prefilling.clear()  # none mid-prefill: idle, or retracted (prefilled anew)
         self._tracked.clear()
         self._last_get, self._last_tails = [], []
         if self._committed_since_step > 0:
