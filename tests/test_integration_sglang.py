@@ -225,6 +225,17 @@ def test_external_corpus_budget_and_listing():
         c.load_external_corpus_named("big", [list(range(6))])
 
 
+def test_an_empty_external_corpus_is_refused_as_sglang_refuses_it():
+    """SGLang's corpus raises on a corpus without tokens (``Ngram::finishExternalCorpusLoad``:
+    "External corpus is empty"), so an empty file fails start-up and ``/add_external_corpus``
+    answers success=False; ours must not report it loaded with 0 tokens."""
+    c = corpus()
+    for chunks in ([], [[]], [[-(2**31)]]):
+        with pytest.raises(ValueError, match="external corpus 'none' holds no tokens"):
+            c.load_external_corpus_named("none", chunks)
+    assert c.load_external_corpus_named("none", [[5, 6]]) == 2  # nothing was recorded
+
+
 def _sglang_corpus_chunks(path: Path, docs: list[str], chunk_size: int) -> list[list[int]]:
     """SGLang's own chunking of a JSONL corpus (``cpp_ngram/external_corpus.py``, loaded by path:
     the sglang package itself needs its whole runtime to import), one token per character."""
@@ -452,6 +463,41 @@ def test_replay_walks_trees_and_siblings_speed_up_later_steps():
     short = replay_step(c, 2, prompts, [(0, [5]), (0, []), (0, answer)], tail=16)
     assert (short["verifies"], short["generated"]) == (again["verifies"], again["generated"])
     assert short["accepted"] == again["accepted"] >= 0
+
+
+def test_replay_erases_departed_requests_when_sglangs_worker_does():
+    """``NGRAMWorker.forward_batch_generation`` erases the requests that left the decode batch
+    after the next verify's ``batch_put`` (and never an empty list); the last batch's requests
+    are erased only by ``flush_cache`` (``reset``). The replay calls the corpus in that order."""
+    from rollout_spec.integrations.sglang.replay import replay_step
+
+    calls = []
+
+    class Recording(RolloutSpecCorpus):
+        def batch_get(self, req_ids, batch_tokens, total_lens):
+            calls.append(("get", [rid.split("|")[0] for rid in req_ids]))
+            return super().batch_get(req_ids, batch_tokens, total_lens)
+
+        def batch_put(self, batch_tokens):
+            calls.append(("put",))
+            super().batch_put(batch_tokens)
+
+        def erase_match_state(self, req_ids):
+            req_ids = list(req_ids)
+            calls.append(("erase", [rid.split("|")[0] for rid in req_ids]))
+            super().erase_match_state(req_ids)
+
+        def reset(self):
+            calls.append(("reset",))
+            super().reset()
+
+    c = Recording(max_trie_depth=12, draft_token_num=D)
+    # nothing to draft from: one token per verify, so the short response leaves after 2 verifies
+    replay_step(c, 0, {0: [1, 2, 3]}, [(0, [10, 11, 12]), (0, [20, 21, 22, 23, 24])], tail=16)
+    both, last = ("get", ["s0-0", "s0-1"]), ("get", ["s0-1"])
+    assert calls == [both, ("put",), both, ("put",), last, ("put",), ("erase", ["s0-0"]),
+                     last, ("put",), ("reset",), ("erase", ["s0-1"])]
+    assert c.stats()["final_tokens"] == 2  # each response's last verify token
 
 
 def test_replay_tool_checks_its_options_and_runs_a_trace(tmp_path, capsys):

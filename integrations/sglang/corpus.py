@@ -355,9 +355,9 @@ class RolloutSpecCorpus:
 
     def _index_finished_prefills(self) -> None:
         """Index the tracked prefill requests that finished: the last ``max_trie_depth`` tokens of
-        their prompt (what ``batch_get`` would have started them with), then their output cut at
-        its stop, as one started, extended and finished drafter request each (an empty output is
-        not a response and is skipped)."""
+        their prompt (as many as a ``batch_get`` tail holds), then their output cut at its stop,
+        as one started, extended and finished drafter request each (an empty output is not a
+        response and is skipped)."""
         finished = [rid for rid, req in self._prefilling.items() if req.finished()]
         ids, prompts, groups, outputs = [], [], [], []
         for rid in finished:
@@ -416,7 +416,8 @@ class RolloutSpecCorpus:
         the chunks are joined and split at the separators, one stored sequence per document.
 
         Raises:
-            ValueError: ``corpus_id`` is loaded already, or the chunks exceed the token budget.
+            ValueError: ``corpus_id`` is loaded already, the chunks exceed the token budget, or
+                they hold no document token (SGLang's corpus refuses an empty one as well).
         """
         if corpus_id in self._corpora:
             raise ValueError(f"external corpus {corpus_id!r} is loaded already")
@@ -432,8 +433,9 @@ class RolloutSpecCorpus:
             if end > start:
                 docs.append(stream[start:end])
             start = end + 1
-        if docs:
-            self.drafter.add_sequences([None] * len(docs), docs, pinned=True)
+        if not docs:
+            raise ValueError(f"external corpus {corpus_id!r} holds no tokens; SGLang refuses an empty corpus too")
+        self.drafter.add_sequences([None] * len(docs), docs, pinned=True)
         return total
 
     def commit_external_corpus_load(self, corpus_id: str, loaded_token_count: int) -> None:

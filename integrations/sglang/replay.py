@@ -6,10 +6,12 @@ A step's requests first go through one prefill batch, handed to ``track_prefill_
 plugin's forward hook does, which commits their first token; a response of one token ends there
 and is indexed by the corpus at the next hook call (or at ``reset``), as SGLang's would. Before
 each verify the batch's requests are handed to ``track_requests``, so a request's last round is
-indexed when it leaves. Each RL step ends with ``reset()`` (verl's ``flush_cache``). Prints, per
-step, the responses that finished at their prefill (prefill-only: indexed, but no verify), the
-tokens committed by verifies, tokens per verify (TPF, over those tokens and verifies only),
-SGLang's acceptance (accepted / verified slots) and the adapter's CPU cost.
+indexed when it leaves: as SGLang's worker does, the requests that left the batch are erased after
+the next verify's ``batch_put``, and those of the last batch at ``reset()`` (verl's
+``flush_cache``), which ends each RL step. Prints, per step, the responses that finished at their
+prefill (prefill-only: indexed, but no verify), the tokens committed by verifies, tokens per
+verify (TPF, over those tokens and verifies only), SGLang's acceptance (accepted / verified slots)
+and the adapter's CPU cost.
 
     python -m rollout_spec.integrations.sglang.replay ../shared/traces/grpo_smollm2_t0.6.json.gz
 """
@@ -91,6 +93,7 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
     live = {r.rid: r for r in requests if not r.finished()}
     prefill_only = len(requests) - len(live)
     verifies = accepted = generated = 0
+    departed: list[str] = []  # requests that left at the latest verify
     while live:
         rids = list(live)
         tails = [(r.origin_input_ids_unpadded + r.output_ids_through_stop)[-tail:] for r in live.values()]
@@ -99,6 +102,8 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
         corpus.track_requests(live.values())
         ids, mask = corpus.batch_get(rids, tails, lens)
         corpus.batch_put(tails)
+        if departed:  # NGRAMWorker.forward_batch_generation erases them after the next verify's put
+            corpus.erase_match_state(departed)
         adapter_s += time.perf_counter() - t0
         ids, mask = ids.reshape(-1, d), mask.reshape(-1, d, d)
         done = []
@@ -113,10 +118,8 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
                 done.append(rid)
         for rid in done:
             del live[rid]
-        t0 = time.perf_counter()
-        corpus.erase_match_state(done)
-        adapter_s += time.perf_counter() - t0
-    corpus.reset()
+        departed = done
+    corpus.reset()  # flush_cache: the last batch's requests are erased only here, as in SGLang
     return dict(verifies=verifies, accepted=accepted, generated=generated,
                 prefill_only=prefill_only, adapter_s=adapter_s)
 
