@@ -458,9 +458,9 @@ def test_a_prompt_at_max_model_len_is_refused_and_one_token_short_of_it_gets_one
 
 def test_a_sampled_stop_inside_an_accepted_draft_cuts_its_tokens_and_logprobs(pair) -> None:
     """A decode step accepts a whole oracle chain of 6 nodes whose k-th token is a stop token:
-    the tokens after it (accepted nodes and the bonus) are dropped, the kept tokens carry their
-    own logprobs, and the counters count the k accepted nodes kept -- exactly plain sampling's
-    output with that stop token."""
+    the tokens after it (accepted nodes and the bonus) are dropped, from the output and from what
+    the drafter is fed, the kept tokens carry their own logprobs, and the counters count the k
+    accepted nodes kept -- exactly plain sampling's output with that stop token."""
     _, model = pair
     prompts = mixed_prompts(4, seed=9)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=12)
@@ -469,7 +469,8 @@ def test_a_sampled_stop_inside_an_accepted_draft_cuts_its_tokens_and_logprobs(pa
     k = next(i for i in range(2, 6) if first[i] not in first[:i])  # the stop token's first place
     stopped = SamplingParams(**{**params.__dict__, "stop_token_ids": [first[k]]})
     plain = engine(model).generate(prompts, stopped)
-    outs = engine(model, ScriptedDrafter("oracle", truth), draft_budget=lambda b: 12).generate(prompts, stopped)
+    drafter = RecordingDrafter("oracle", truth)
+    outs = engine(model, drafter, draft_budget=lambda b: 12).generate(prompts, stopped)
     assert outs[0].token_ids == plain[0].token_ids == first[: k + 1]
     assert outs[0].finish_reason == "stop"
     # prefill (token 0), then one step that accepted the chain 1..6 and kept 1..k of it
@@ -477,6 +478,8 @@ def test_a_sampled_stop_inside_an_accepted_draft_cuts_its_tokens_and_logprobs(pa
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
     for o, p in zip(outs, plain):
         np.testing.assert_allclose(o.logprobs, p.logprobs, atol=1e-4)
+    # The drafter learns the committed tokens only: none of the chain past the stop, no bonus.
+    assert [drafter.fed[r] for r in sorted(drafter.fed)] == [o.token_ids for o in outs]
 
 
 def test_bad_prompts_error_and_the_rest_finish(pair) -> None:
@@ -559,7 +562,8 @@ def test_a_drafted_token_outside_the_vocabulary_is_named() -> None:
 
 
 def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
-    """The real drafter through SpecConfig; repeated prompts share a group and get accepted drafts."""
+    """The real drafter through SpecConfig; ``end_step`` reaches it; repeated prompts share a
+    group and get accepted drafts."""
     _, model = pair
     prompts = [[7, 8, 9, 10] * 5, [3, 1, 4, 1, 5, 9, 2, 6]]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=24)
@@ -567,6 +571,7 @@ def test_with_the_ngram_drafter_and_group_ids(pair) -> None:
     eng = engine(model, SpecConfig(num_draft_tokens=6))
     first = eng.generate(prompts, params)
     eng.end_step()
+    assert eng.drafter.stats()["step"] == 1  # the RL step boundary reached the drafter
     second = eng.generate(prompts, params)
     for outs in (first, second):
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -585,6 +590,28 @@ def test_default_group_ids_are_the_routers_prompt_keys(pair) -> None:
     drafter = ScriptedDrafter("random")
     engine(model, drafter).generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=2))
     assert sorted(set(drafter.group_ids)) == sorted(group_key(p) for p in prompts)
+
+
+@pytest.mark.parametrize("group_ids", [[40, None, 7], None], ids=["given", "default"])
+def test_every_sample_starts_in_its_prompts_group(pair, group_ids) -> None:
+    """Every sample reaches the drafter with its own prompt's group id -- the caller's
+    ``group_ids[p]`` (None: no group), else the prompt's key -- also when the samples of one
+    prompt are prefilled apart (2 slots for 3 samples each)."""
+    from rollout_spec.distributed import group_key
+
+    _, model = pair
+    started: list[tuple[tuple[int, ...], int | None]] = []
+
+    class GroupRecorder(ScriptedDrafter):
+        def start_batch(self, req_ids, prompts, group_ids) -> None:
+            started.extend(zip(map(tuple, prompts), group_ids))
+            super().start_batch(req_ids, prompts, group_ids)
+
+    prompts = [[7, 8, 9, 10], [3, 1, 4], [2, 2]]
+    engine(model, GroupRecorder("random"), num_slots=2).generate(
+        prompts, SamplingParams(n=3, temperature=0.0, max_new_tokens=3), group_ids=group_ids)
+    want = group_ids if group_ids is not None else [group_key(p) for p in prompts]
+    assert sorted(started, key=repr) == sorted([(tuple(p), g) for p, g in zip(prompts, want)] * 3, key=repr)
 
 
 def test_pluggable_budget_per_request_and_observed(pair) -> None:
@@ -1098,10 +1125,11 @@ def test_generate_shortens_the_gil_switch_interval_only_with_the_worker(pair, ov
 
 
 class RecordingDrafter(ScriptedDrafter):
-    """Random drafter that also records every token it is fed and every finish, per request."""
+    """A scripted drafter (random by default) that also records every token it is fed and every
+    finish, per request."""
 
-    def __init__(self) -> None:
-        super().__init__("random", seed=5)
+    def __init__(self, mode: str = "random", truth: dict[tuple[int, ...], list[int]] | None = None) -> None:
+        super().__init__(mode, truth, seed=5)
         self.fed: dict[int, list[int]] = {}
         self.extend_calls = 0
         self.finished: list[int] = []
