@@ -592,11 +592,12 @@ def test_default_group_ids_are_the_routers_prompt_keys(pair) -> None:
     assert sorted(set(drafter.group_ids)) == sorted(group_key(p) for p in prompts)
 
 
-@pytest.mark.parametrize("group_ids", [[40, None, 7], None], ids=["given", "default"])
+@pytest.mark.parametrize("group_ids", [[40, 9, None, 7], None], ids=["given", "default"])
 def test_every_sample_starts_in_its_prompts_group(pair, group_ids) -> None:
     """Every sample reaches the drafter with its own prompt's group id -- the caller's
     ``group_ids[p]`` (None: no group), else the prompt's key -- also when the samples of one
-    prompt are prefilled apart (2 slots for 3 samples each)."""
+    prompt are prefilled apart (2 slots for 3 samples each) and after a refused prompt, whose
+    entry stays its own (the next prompt's is not shifted onto it)."""
     from rollout_spec.distributed import group_key
 
     _, model = pair
@@ -607,11 +608,12 @@ def test_every_sample_starts_in_its_prompts_group(pair, group_ids) -> None:
             started.extend(zip(map(tuple, prompts), group_ids))
             super().start_batch(req_ids, prompts, group_ids)
 
-    prompts = [[7, 8, 9, 10], [3, 1, 4], [2, 2]]
+    prompts = [[7, 8, 9, 10], [], [3, 1, 4], [2, 2]]  # the empty one is refused: starts nothing
     engine(model, GroupRecorder("random"), num_slots=2).generate(
         prompts, SamplingParams(n=3, temperature=0.0, max_new_tokens=3), group_ids=group_ids)
-    want = group_ids if group_ids is not None else [group_key(p) for p in prompts]
-    assert sorted(started, key=repr) == sorted([(tuple(p), g) for p, g in zip(prompts, want)] * 3, key=repr)
+    want = group_ids if group_ids is not None else [p and group_key(p) for p in prompts]
+    runs = [(tuple(p), g) for p, g in zip(prompts, want) if p]
+    assert sorted(started, key=repr) == sorted(runs * 3, key=repr)
 
 
 def test_pluggable_budget_per_request_and_observed(pair) -> None:
