@@ -15,13 +15,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from rollout_spec.integrations.vllm.chains import best_chains, explicit_group_id
-from rollout_spec.prompt_roots import PromptRoots
 from rollout_spec.integrations.vllm.config import (
     GROUP_ID_EXTRA_ARG,
     placement_from_vllm_config,
     spec_from_vllm_config,
 )
 from rollout_spec.config import SpecConfig
+from rollout_spec.prompt_roots import PromptRoots
 
 GroupLookup = Callable[[str, np.ndarray], int]
 
