@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from rollout_spec.config import SamplingParams, SpecConfig
-from rollout_spec.groups import prompt_group_id
 from rollout_spec.engine.inputs import vocab_ids
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
@@ -117,7 +116,7 @@ class RolloutSession:
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):
             error = self._check_prompt(prompt, prompts[p])  # before its group id: that needs valid ids
-            gid = group_ids[p] if group_ids is not None else None if error else prompt_group_id(prompt)
+            gid = group_ids[p] if group_ids is not None else None if error else self.engine.prompt_roots.group_of(prompt)
             for i in range(self.params.n):
                 seq = Sequence(self.engine.new_request_id(), p, i, list(prompt or ()), self.params, gid,
                                self.stop_ids, sample_seed(call_seed, p, i))

@@ -592,6 +592,32 @@ def test_default_group_ids_are_the_routers_prompt_keys(pair) -> None:
     assert sorted(set(drafter.group_ids)) == sorted(group_key(p) for p in prompts)
 
 
+def test_a_later_turn_drafts_in_its_first_turns_group(pair) -> None:
+    """Without group ids, a prompt that extends one the engine saw before (a multi-turn sample's
+    next turn: prompt + output + tool output) gets that prompt's group; a prompt that is only a
+    prefix of one, or one that extends a prompt given its own group id, gets its own."""
+    from rollout_spec.distributed import group_key
+
+    _, model = pair
+    started: dict[tuple[int, ...], set] = {}
+
+    class GroupRecorder(ScriptedDrafter):
+        def start_batch(self, req_ids, prompts, group_ids) -> None:
+            for p, g in zip(prompts, group_ids):
+                started.setdefault(tuple(p), set()).add(g)
+            super().start_batch(req_ids, prompts, group_ids)
+
+    eng = engine(model, GroupRecorder("random"))
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=3)
+    first = eng.generate([[7, 8, 9, 10], [3, 1, 4]], params)
+    eng.generate([[5, 5, 5]], params, group_ids=[77])
+    later = [7, 8, 9, 10] + first[0].token_ids + [2, 6]
+    eng.generate([later, [3, 1], [5, 5, 5, 6]], params)
+    assert started[tuple(later)] == {group_key([7, 8, 9, 10])}
+    assert started[(3, 1)] == {group_key([3, 1])} != started[(3, 1, 4)]
+    assert started[(5, 5, 5, 6)] == {group_key([5, 5, 5, 6])}
+
+
 @pytest.mark.parametrize("group_ids", [[40, 9, None, 7], None], ids=["given", "default"])
 def test_every_sample_starts_in_its_prompts_group(pair, group_ids) -> None:
     """Every sample reaches the drafter with its own prompt's group id -- the caller's

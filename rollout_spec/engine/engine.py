@@ -29,6 +29,7 @@ from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.engine.shadow_acceptance import ShadowAcceptance
 from rollout_spec.noise import NoiseKeys
+from rollout_spec.prompt_roots import PromptRoots
 from rollout_spec.tree import DraftBatch, drafter_output, to_device
 from rollout_spec.verify import NonFiniteLogits, VerifyResult, verify
 
@@ -114,6 +115,8 @@ class RolloutEngine:
     ``phase_seconds`` accumulates the decode steps' wall time by phase (budget + propose,
     tree inputs + forward + verification, commit), their count, and the prefill steps' wall
     time, for profiling.
+    ``prompt_roots`` keeps the prompts ``generate`` saw without given group ids (least recently
+    used out), so that a prompt extending one of them takes its group.
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class RolloutEngine:
         # Slack past max_model_len: a padded tree of the widest request is written past the root.
         self.runner = ModelRunner(model, self.num_slots, self.max_model_len + self.max_draft_tokens + 1)
         self._next_req_id = 0
+        self.prompt_roots = PromptRoots()
         on_cuda = self.runner.device.type == "cuda"
         if batch_aware_budget is None:
             batch_aware_budget = on_cuda and cuda_graphs
@@ -289,7 +293,9 @@ class RolloutEngine:
         ``group_ids`` gives each prompt's group for the drafter's group scope, one entry per
         prompt: an int in ``[0, groups.GROUP_ID_MAX]``, or None for a prompt in no group (-1 is
         refused: pass None). Without it, a prompt's group is the hash of its tokens
-        (``groups.prompt_group_id``). ``max_running`` caps the samples decoded at once (default
+        (``groups.prompt_group_id``), or the group of an earlier prompt of this engine's that it
+        extends (``prompt_roots``: a multi-turn sample's later turn, sent as prompt + output +
+        tool output, drafts with its first turn's siblings). ``max_running`` caps the samples decoded at once (default
         and most: ``num_slots``); the others wait for a slot, so e.g. GRPO's n samples of a
         prompt can run one after another.
 
