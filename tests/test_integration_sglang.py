@@ -21,6 +21,7 @@ from argument_errors import argument_error
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.sglang.config import ENV_VAR, server_args, spec_from_env, spec_to_env
+from rollout_spec.integrations.sglang import corpus as corpus_module
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.plugin import register, sglang_source_dir, upstream_problems
 from rollout_spec.integrations.sglang.rid import group_from_rid, rid_with_group, rid_with_group_id
@@ -234,6 +235,53 @@ def test_an_empty_external_corpus_is_refused_as_sglang_refuses_it():
         with pytest.raises(ValueError, match="external corpus 'none' holds no tokens"):
             c.load_external_corpus_named("none", chunks)
     assert c.load_external_corpus_named("none", [[5, 6]]) == 2  # nothing was recorded
+
+
+def test_a_run_time_corpus_load_goes_in_by_batches_of_whole_documents(monkeypatch):
+    """SGLang loads a corpus on a background thread while its scheduler drafts: the documents go
+    into the drafter in several calls (its lock free between them), each of whole documents in
+    order, and the index ends up as one call would have built it."""
+    docs = [[100 + d * 10 + t for t in range(3 + d % 4)] for d in range(12)]
+    chunks = [docs[0]] + [[-(2**31)] + doc for doc in docs[1:]]
+    calls: list[list[list[int]]] = []
+
+    def loaded(batch_tokens: int) -> RolloutSpecCorpus:
+        monkeypatch.setattr(corpus_module, "LOAD_BATCH_TOKENS", batch_tokens)
+        c = corpus()
+        add = c.drafter.add_sequences
+        calls.clear()
+
+        def recorded(groups, sequences, *, pinned):
+            calls.append([list(map(int, s)) for s in sequences])
+            assert groups == [None] * len(sequences) and pinned is True
+            add(groups, sequences, pinned=pinned)
+
+        monkeypatch.setattr(c.drafter, "add_sequences", recorded)
+        assert c.load_external_corpus_named("docs", chunks) == sum(map(len, docs)) + len(docs) - 1
+        return c
+
+    batched = loaded(10)
+    assert len(calls) > 3 and [doc for call in calls for doc in call] == docs
+    assert all(sum(map(len, call)) - len(call[-1]) < 10 for call in calls)
+    whole = loaded(1 << 20)
+    assert len(calls) == 1
+    queries = [doc[:2] for doc in docs]
+    assert get(batched, queries)[0].tolist() == get(whole, queries)[0].tolist()
+    assert get(batched, [docs[5][:2]], rids=["fresh"])[0][0, 1:3].tolist() == docs[5][2:4]
+
+
+def test_a_bad_token_anywhere_in_a_corpus_loads_none_of_it():
+    """Every chunk is checked before any document is indexed: a corpus refused for its last chunk
+    leaves the index as it was, and the error names the chunk and the position in it."""
+    c = corpus()
+    before = c.drafter.stats()["index_tokens"]
+    with pytest.raises(ValueError, match=r"external corpus 'docs' chunk 2 holds -7 at position 1: "
+                                          r"not a token id in \[0, 2147483647\] nor the separator"):
+        c.load_external_corpus_named("docs", [[5, 6, 7], [-(2**31), 8, 9], [10, -7]])
+    with pytest.raises(TypeError, match=r"external corpus 'docs' chunk 0 must be a 1-D array of integers"):
+        c.load_external_corpus_named("docs", [[1.5, 2.0]])
+    assert c.drafter.stats()["index_tokens"] == before
+    assert c.load_external_corpus_named("docs", [[5, 6, 7]]) == 3  # nothing was recorded
 
 
 def _sglang_corpus_chunks(path: Path, docs: list[str], chunk_size: int) -> list[list[int]]:

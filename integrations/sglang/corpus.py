@@ -26,12 +26,17 @@ from rollout_spec.config import SpecConfig, check_int
 from rollout_spec.integrations.sglang.config import spec_from_env
 from rollout_spec.integrations.sglang.rid import group_from_rid
 from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask
+from rollout_spec.token_ids import MAX_TOKEN_ID, int_array
 
 logger = logging.getLogger(__name__)
 
 MATCH_TYPES = ("BFS", "PROB")
 SEPARATOR_TOKEN = -(2**31)
 """What SGLang puts between the documents of an external corpus (``cpp_ngram/external_corpus.py``)."""
+LOAD_BATCH_TOKENS = 1 << 16
+"""External corpus tokens indexed per drafter call (whole documents, at least one): a decode step
+that drafts while SGLang loads a corpus on its background thread waits for one such call (tens of
+milliseconds), not for the whole corpus."""
 
 
 @dataclass(slots=True)
@@ -414,28 +419,29 @@ class RolloutSpecCorpus:
         SGLang streams one token sequence in fixed-size chunks, documents after the first opening
         with ``SEPARATOR_TOKEN`` (``cpp_ngram/external_corpus.py``, and its ``documents`` API):
         the chunks are joined and split at the separators, one stored sequence per document.
+        Every token is checked first; the documents then go in by ``LOAD_BATCH_TOKENS``, the
+        drafter's lock released between batches, so drafting goes on during a run-time load.
 
         Raises:
-            ValueError: ``corpus_id`` is loaded already, the chunks exceed the token budget, or
-                they hold no document token (SGLang's corpus refuses an empty one as well).
+            ValueError: ``corpus_id`` is loaded already, the chunks exceed the token budget, hold
+                a value that is neither a token id in [0, 2**31 - 1] nor the separator, or hold
+                no document token (SGLang's corpus refuses an empty one as well).
+            TypeError: a chunk is not a 1-D sequence of integers.
         """
         if corpus_id in self._corpora:
             raise ValueError(f"external corpus {corpus_id!r} is loaded already")
-        stream = [int(t) for chunk in chunks for t in chunk]
+        stream = _corpus_stream(corpus_id, chunks)
         total = len(stream)
         if total > self.remaining_token_budget:
             raise ValueError(
                 f"external corpus {corpus_id!r} has {total} tokens, over the remaining budget "
                 f"of {self.remaining_token_budget} (external_corpus_max_tokens)"
             )
-        docs, start = [], 0
-        for end in [i for i, t in enumerate(stream) if t == SEPARATOR_TOKEN] + [total]:
-            if end > start:
-                docs.append(stream[start:end])
-            start = end + 1
+        docs = _documents(stream)
         if not docs:
             raise ValueError(f"external corpus {corpus_id!r} holds no tokens; SGLang refuses an empty corpus too")
-        self.drafter.add_sequences([None] * len(docs), docs, pinned=True)
+        for batch in _load_batches(docs, LOAD_BATCH_TOKENS):
+            self.drafter.add_sequences([None] * len(batch), batch, pinned=True)
         return total
 
     def commit_external_corpus_load(self, corpus_id: str, loaded_token_count: int) -> None:
@@ -514,3 +520,40 @@ def _tensor_parallel_size() -> int:
         return int(get_tensor_model_parallel_world_size())
     except (ImportError, AssertionError, RuntimeError):  # no SGLang, or no TP group in this process
         return 1
+
+
+def _corpus_stream(corpus_id: str, chunks: Iterable[Sequence[int]]) -> np.ndarray:
+    """SGLang's chunks of an external corpus joined into one int32 array, each value checked to be
+    a token id or ``SEPARATOR_TOKEN`` (errors name the chunk and the position in it)."""
+    name = f"external corpus {corpus_id!r}"
+    parts = []
+    for i, chunk in enumerate(chunks):
+        part = int_array(f"{name} chunk {i}", chunk, SEPARATOR_TOKEN, MAX_TOKEN_ID, kind="token ids")
+        bad = np.flatnonzero((part < 0) & (part != SEPARATOR_TOKEN))
+        if bad.size:
+            raise ValueError(f"{name} chunk {i} holds {int(part[bad[0]])} at position {int(bad[0])}: "
+                             f"not a token id in [0, {MAX_TOKEN_ID}] nor the separator {SEPARATOR_TOKEN}")
+        parts.append(part.astype(np.int32, copy=False))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _documents(stream: np.ndarray) -> list[np.ndarray]:
+    """The non-empty documents of a corpus stream, split at (and without) its separators."""
+    cuts = np.flatnonzero(stream == SEPARATOR_TOKEN)
+    starts = np.concatenate(([0], cuts + 1))
+    ends = np.concatenate((cuts, [len(stream)]))
+    return [stream[a:b] for a, b in zip(starts.tolist(), ends.tolist()) if b > a]
+
+
+def _load_batches(docs: list[np.ndarray], batch_tokens: int) -> Iterable[list[np.ndarray]]:
+    """``docs`` in order, in runs of whole documents that reach ``batch_tokens`` tokens (the last
+    run may hold fewer; a document longer than that is a run of its own)."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= batch_tokens:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
