@@ -763,6 +763,23 @@ def test_last_verify_round_reaches_siblings_when_a_request_leaves():
     assert stats["final_tokens"] == 3 and stats["gap_tokens"] == 0
 
 
+def test_untagged_requests_group_by_their_prompt_and_later_turns_join_it():
+    """Without a tag (SGLang outside verl, or n > 1 in one request, whose samples get fresh uuid4
+    ids) a request's group comes from its Req's prompt: a sibling drafts from the first sample's
+    rounds, a next turn (prompt + output + tool output) from its first turn's group, and another
+    prompt from neither (the group scope only: the global scope is off)."""
+    worker = FakeNgramWorker(group_corpus(), tail=16)
+    serve(worker, {FakeReq("uuid-a", PROMPT, 11): [list(r) for r in ROUNDS]})
+    sibling = FakeReq("uuid-b", PROMPT, 11)
+    other = FakeReq("uuid-c", [600, 601, 602], 11)
+    serve(worker, {sibling: [list(r) for r in ROUNDS], other: [list(r) for r in ROUNDS]})
+    assert worker.drafts[sibling.rid][1][:4] == [14, 15, 16, 17]
+    assert worker.drafts[other.rid][1][:4] == [14, 0, 0, 0]  # its own tokens only
+    next_turn = FakeReq("uuid-d", PROMPT + [11, 12, 13] + [700, 701], 14)  # its own tokens: no 15
+    serve(worker, {next_turn: [[15, 16, 17], [18]]})
+    assert worker.drafts[next_turn.rid][0][:4] == [14, 15, 16, 17]
+
+
 def test_last_round_of_the_last_batch_is_indexed_at_flush_cache():
     """SGLang erases the last batch's requests only on a later verify; flush_cache (our RL step
     boundary) must index their last round before ending the step."""

@@ -26,6 +26,7 @@ from rollout_spec.config import SpecConfig, check_int
 from rollout_spec.integrations.sglang.config import spec_from_env
 from rollout_spec.integrations.sglang.rid import group_from_rid
 from rollout_spec.integrations.sglang.tree_format import leaf_paths, to_ids_mask
+from rollout_spec.prompt_roots import PromptRoots
 from rollout_spec.token_ids import MAX_TOKEN_ID, int_array
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class RolloutSpecCorpus:
         self._live: dict[str, _Request] = {}
         self._tracked: dict[str, Any] = {}  # SGLang Req of each rid of a decode batch, until it leaves
         self._prefilling: dict[str, Any] = {}  # fresh Reqs of prefill batches, until they decode or finish
+        self._prompt_roots = PromptRoots()  # the groups of untagged rids, from their Req's prompt
         self._forward_hook = forward_hook
         self._hook_calls = 0  # track_requests + track_prefill_requests calls
         self._last_get: list[str] = []  # rids of the latest batch_get, to recognise batch_put
@@ -325,7 +327,7 @@ class RolloutSpecCorpus:
             self._counters["restarts"] += 1
         req = self._live[rid] = _Request(self._next_id, total_len)
         self._next_id += 1
-        pending.starts.append((req.drafter_id, tail, group_from_rid(rid)))
+        pending.starts.append((req.drafter_id, tail, self._group_of(rid, self._tracked.get(rid))))
         pending.start_tokens += len(tail)
         return req.drafter_id
 
@@ -373,7 +375,7 @@ class RolloutSpecCorpus:
             ids.append(self._next_id)
             self._next_id += 1
             prompts.append(list(req.origin_input_ids_unpadded[-self.max_trie_depth:]))
-            groups.append(group_from_rid(rid))
+            groups.append(self._group_of(rid, req))
             outputs.append(output)
         if not ids:
             return
@@ -386,6 +388,15 @@ class RolloutSpecCorpus:
             self.drafter.finish_batch(ids)
         self._counters["prefill_finished"] += len(ids)
         self._commit(sum(map(len, outputs)))
+
+    def _group_of(self, rid: str, sglang_req: Any) -> Optional[int]:
+        """The group a rid carries (``rid.rid_with_group``), else that of its SGLang ``Req``'s
+        prompt (None: untracked, no group): the hash of its token ids, or of an earlier prompt it
+        extends (a multi-turn client's next turn), as ``PromptRoots`` keeps them."""
+        group = group_from_rid(rid)
+        if group is None and sglang_req is not None:
+            group = self._prompt_roots.group_of(sglang_req.origin_input_ids_unpadded)
+        return group
 
     def _finish_requests(self, req_ids: Sequence[str]) -> None:
         """Finish the live requests among ``req_ids`` in the drafter and forget them."""

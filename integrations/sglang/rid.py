@@ -1,8 +1,9 @@
 """Carry a request's group (its prompt) inside SGLang's request id.
 
-SGLang hands the NGRAM corpus only request ids and the last few tokens of each request, so the
-group travels in the id: ``"<rid>|rsg=<8 hex digits>"``. Ids without the suffix have no group
-(their request and the global scopes still draft).
+SGLang hands the NGRAM corpus only request ids and the last few tokens of each request, so a
+group the caller knows travels in the id: ``"<rid>|rsg=<8 hex digits>"``. Ids without the suffix
+carry no group; the corpus then takes one from the request's prompt, as the forward hook hands it
+the request (``RolloutSpecCorpus._group_of``).
 """
 from __future__ import annotations
 
