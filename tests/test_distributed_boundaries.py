@@ -17,9 +17,12 @@ from rollout_spec.distributed.packing import pack
     lambda: group_keys(b"uid-7"),
     lambda: GroupRouter(4).assign("uid-7"),
     lambda: GroupRouter(4).preferences(b"ab", 2),
+    lambda: GroupRouter(4).assign(7),
+    lambda: group_keys(None),
 ])
 def test_a_single_str_or_bytes_is_not_taken_as_a_batch_of_groups(call) -> None:
-    """Iterated, "uid-7" would be five groups "u", "i", ... and b"ab" the int groups 97 and 98."""
+    """Iterated, "uid-7" would be five groups "u", "i", ... and b"ab" the int groups 97 and 98;
+    one int group (or None) is refused naming ``groups``, not with Python's "not iterable"."""
     with pytest.raises(TypeError, match="groups"):
         call()
     assert GroupRouter(4).assign(["uid-7"]).shape == (1,) and group_keys([b"ab"]).shape == (1,)

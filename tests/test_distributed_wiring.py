@@ -243,6 +243,38 @@ def test_a_replica_restarted_mid_step_labels_it_as_the_step_it_is_in(latest_at_e
     assert fresh.published == [0]
 
 
+class _StoppedPullerIndex(_FakeIndex):
+    """An index whose puller stopped: ``publish`` raises its error until the owner restarts it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped = False
+
+    def publish(self, step: int) -> None:
+        if self.stopped:
+            raise RuntimeError("shared-index puller thread failed")
+        super().publish(step)
+
+
+def test_a_step_whose_publish_failed_still_counts() -> None:
+    """Steps 1 and 2 end with the puller stopped: the drafter ages and the boundary raises. After
+    the restart the replica is in step 3 and labels it 3; labelled 1 (its peers at 3), the
+    coordinators would evict it two steps early, or drop it as stale at ``history_steps`` 1."""
+    from rollout_spec.drafter import NgramDrafter
+
+    index = _StoppedPullerIndex()
+    drafter = NgramDrafter(SpecConfig())
+    shared = SharingDrafter(drafter, index)
+    shared.end_step()
+    index.stopped = True
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="puller thread failed"):
+            shared.end_step()
+    index.stopped = False  # the owner called restart(); no peer's step 3 reached it yet
+    shared.end_step()
+    assert index.published == [0, 3] and drafter.stats()["step"] == 4
+
+
 def test_sharing_drafter_takes_group_ids_as_an_array() -> None:
     """Group ids as numpy arrays (as the engine may pass them) are followed like a list's."""
     from rollout_spec.drafter import NgramDrafter

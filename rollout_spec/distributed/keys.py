@@ -47,9 +47,10 @@ def group_keys(groups: Iterable[object]) -> np.ndarray:
 
     Raises:
         TypeError: for a str or bytes (one group, not a batch: iterated, it would be its
-            characters or byte values), and as :func:`group_key` for each group.
+            characters or byte values), anything not iterable (one int group, None), and as
+            :func:`group_key` for each group.
     """
-    if isinstance(groups, (str, bytes, bytearray, memoryview)):
+    if isinstance(groups, (str, bytes, bytearray, memoryview)) or not isinstance(groups, Iterable):
         raise TypeError(f"groups must be an iterable of group ids, got {type(groups).__name__} {groups!r} "
                         "(one group: pass [group])")
     return np.fromiter((group_key(g) for g in groups), dtype=np.int64)

@@ -89,7 +89,10 @@ class SharingDrafter:
         never evicted early.) A first boundary reached before the index's first pull returned
         takes that pull itself, so the step is numbered from what the job had published.
 
-        The drafter ages even when sharing fails; then the index's error is raised.
+        The drafter ages even when sharing fails; then the index's error is raised. A step whose
+        publish failed still counts, so the next boundary is numbered after it: a replica whose
+        puller was restarted does not label its steps behind its peers', which would evict them
+        early.
         """
         try:
             if self._next_step == 0:
@@ -98,8 +101,8 @@ class SharingDrafter:
             else:
                 first = self._next_step
             step = max(first, self.index.latest_step)
-            self.index.publish(step)
             self._next_step = step + 1
+            self.index.publish(step)
         finally:
             self.drafter.end_step()
 
