@@ -153,6 +153,30 @@ def test_index_survives_reset_unlike_sglangs_trie():
     assert c.stats()["steps"] == 2, "a flush without new tokens since the last is not a step"
 
 
+def test_a_step_whose_end_raised_is_not_ended_again_by_the_next_flush():
+    """A sharing drafter ages and then raises its index's error (a stopped puller): verl's second
+    flush of the same weight update must not age the drafter a second time."""
+    from rollout_spec.drafter import NgramDrafter
+
+    class FailingShare:
+        def __init__(self) -> None:
+            self.inner = NgramDrafter(SpecConfig())
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def end_step(self) -> None:
+            self.inner.end_step()
+            raise RuntimeError("shared-index puller thread failed")
+
+    c = corpus(drafter=FailingShare())
+    c.batch_put(SEEDS)
+    with pytest.raises(RuntimeError, match="puller"):
+        c.reset()
+    c.reset()
+    assert c.drafter.stats()["step"] == 1 and c.stats()["steps"] == 1
+
+
 # ---------------------------------------------------------------- the worker's call flow
 def worker_steps(c: RolloutSpecCorpus, rid: str, prompt: list[int], output: list[int], tail: int, per_step: int):
     """Drive ``c`` like SGLang's NGRAM worker: tails of ``tail`` tokens, ``per_step`` new each step."""

@@ -258,7 +258,8 @@ class RolloutSpecCorpus:
         (``Scheduler.flush_cache`` checks ``is_fully_idle(ignore_waiting=self._engine_paused)``);
         one that resumes keeps its rid and starts over from its tail at its next ``batch_get``.
         verl may flush more than once per weight update, so a step is ended only when tokens
-        arrived since the last one.
+        arrived since the last one (also when the drafter's ``end_step`` raised: a sharing
+        drafter has aged by then).
         """
         self.erase_match_state(list(self._live))
         self._index_finished_prefills()
@@ -266,9 +267,11 @@ class RolloutSpecCorpus:
         self._tracked.clear()
         self._last_get, self._last_tails = [], []
         if self._committed_since_step > 0:
-            self.drafter.end_step()
-            self._counters["steps"] += 1
+            # counted first: a sharing drafter ages even when its publish raises, and a second
+            # flush of the same step must not age it again
             self._committed_since_step = 0
+            self._counters["steps"] += 1
+            self.drafter.end_step()
 
     # ------------------------------------------------------------ request bookkeeping
     def _sync_batch(self, req_ids: Sequence[str], tails: list[list[int]], lens: list[int],
