@@ -481,10 +481,14 @@ def test_shape_check_fails_when_upstream_changes(tmp_path: Path):
 
 
 def _sglang_plugins_error() -> str | None:
-    try:
-        import sglang.srt.plugins  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 -- the import error is the skip reason
-        return f"sglang.srt.plugins not importable here: {type(exc).__name__}: {exc}"[:300]
+    """Why SGLang's plugin loader cannot run here, or None: the loader and the modules its hooks
+    patch must import (they need SGLang's CUDA kernels, e.g. ``sgl_kernel``)."""
+    for module in ("sglang.srt.plugins", "sglang.srt.speculative.cpp_ngram.ngram_corpus",
+                   "sglang.srt.speculative.ngram_worker"):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 -- the import error is the skip reason
+            return f"{module} not importable here: {type(exc).__name__}: {exc}"[:300]
     return None
 
 
