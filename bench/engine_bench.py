@@ -668,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine mode: also time transformers' generate at the largest B")
     ap.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 256), default=32,
                     help="engine mode: most draft nodes per request (SpecConfig.num_draft_tokens); "
-                         "the batch-aware budget picks a power of two up to it at each step")
+                         "the batch-aware budget picks a power of two below it, or it, at each step")
     ap.add_argument("--verify-backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--overlap-drafter", choices=("auto", "on", "off"), default="auto",
                     help="engine mode: the drafter on a worker thread (auto: on for CUDA)")

@@ -24,6 +24,19 @@ def test_replay_compares_drafters_on_a_recorded_trace(tmp_path, capsys):
     assert "noise keys" not in out  # the recording has no seeds
 
 
+def test_replay_shows_which_drafter_it_is_replaying_on_stderr(tmp_path, capsys, monkeypatch):
+    """One step of a shared trace took 25 s to replay on a 2-core CPU with nothing printed until
+    the table; a spinner on stderr names the drafter, the table stays alone on stdout."""
+    import re
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # the consoles draw as on a terminal: the spinner shows
+    path = _empty_step_trace(tmp_path, [True, True])
+    assert cli.main(["replay", str(path), "--draft-tokens", "2"]) == 0
+    out, err = (re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text) for text in capsys.readouterr())
+    assert "replaying 2 steps with rollout-spec" in err and "replaying 2 steps with prompt-lookup" in err
+    assert "replaying" not in out and "lock-step replay" in out
+
+
 def test_replay_of_a_keyed_recording_says_it_tells_the_keys(tmp_path, capsys):
     from rollout_spec.workloads import TraceRecorder, Workload
 
