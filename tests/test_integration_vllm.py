@@ -72,18 +72,26 @@ class FakeRunner:
     """The attributes of vLLM's GPUModelRunner that the proposer reads."""
 
     def __init__(self, rows: list[tuple[str, list[int], list[int]]], extra_args=None,
-                 params=None) -> None:
+                 params=None, prompt_is_token_ids=None) -> None:
+        """``prompt_is_token_ids``: per request id, its prompt positions' mask as vLLM's
+        ``CachedRequestState.prompt_is_token_ids`` holds it (False: given as an embedding; the
+        row's prompt list then stands for what vLLM leaves there); other prompts are token ids."""
         width = 64
         self.input_batch = SimpleNamespace(
             req_ids=[r for r, _, _ in rows],
             token_ids_cpu=np.zeros((len(rows), width), np.int32),
+            is_token_ids=np.zeros((len(rows), width), bool),
             num_tokens_no_spec=np.array([len(p) + len(o) for _, p, o in rows], np.int32),
             num_prompt_tokens=np.array([len(p) for _, p, _ in rows], np.int32),
             req_id_to_index={r: i for i, (r, _, _) in enumerate(rows)},
         )
-        for i, (_, prompt, out) in enumerate(rows):
+        for i, (rid, prompt, out) in enumerate(rows):
             seq = prompt + out
             self.input_batch.token_ids_cpu[i, : len(seq)] = seq
+            self.input_batch.is_token_ids[i, : len(seq)] = True
+            mask = (prompt_is_token_ids or {}).get(rid)
+            if mask is not None:
+                self.input_batch.is_token_ids[i, : len(prompt)] = mask
         self.requests = {
             r: SimpleNamespace(sampling_params=sampling_params(extra_args=(extra_args or {}).get(r),
                                                                **(params or {}).get(r, {})),
@@ -202,6 +210,40 @@ def test_a_later_turn_drafts_under_the_group_of_the_prompt_it_extends():
     groups = [drafter.started[i][1] for i in range(len(rows))]
     assert groups == [prompt_group_id(first), prompt_group_id(other), prompt_group_id(first),
                       prompt_group_id(first), 9]
+
+
+def test_a_prompt_given_as_embeddings_starts_empty_and_in_no_group():
+    """vLLM leaves an embeddings prompt's positions in its token table unwritten (stale ids of the
+    row's earlier requests, zeros in a fresh row), and a mixed prompt's embedding positions hold a
+    placeholder id: such a request starts with an empty prompt, drafts from its output only, and
+    joins a group only where the caller named one; a prompt of token ids is as before."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=2), drafter=drafter)
+    placeholder = [0, 0, 0]
+    rows = [("e1", placeholder, [20]), ("e2", placeholder, [30]), ("mixed", [5, 0, 6], [40]),
+            ("named", placeholder, [50]), ("ids", [0, 0, 0], [60])]
+    masks = {"e1": [False] * 3, "e2": [False] * 3, "mixed": [True, False, True],
+             "named": [False] * 3}
+    runner = FakeRunner(rows, extra_args={"named": {"rollout_spec_group": 9}},
+                        prompt_is_token_ids=masks)
+    drafts = prop.propose_for_runner(runner, sched(), [o for _, _, o in rows])
+    assert [drafter.started[i] for i in range(len(rows))] == [
+        ([], None), ([], None), ([], None), ([], 9), ([0, 0, 0], prompt_group_id([0, 0, 0]))]
+    assert drafter.context[0] == [20] and drafts[0] == [21, 22]
+    # the next step commits only the new output: the prompt's positions count as taken
+    runner = FakeRunner([("e1", placeholder, [20, 21, 7])], prompt_is_token_ids=masks)
+    prop.propose_for_runner(runner, sched(), [[21, 7]])
+    assert drafter.context[0] == [20, 21, 7]
+
+
+def test_a_runner_without_the_token_id_mask_reads_every_prompt_as_token_ids():
+    """vLLM releases whose input batch has no ``is_token_ids`` take no prompt embeddings."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=2), drafter=drafter)
+    runner = FakeRunner([("a", [10, 11], [20])])
+    del runner.input_batch.is_token_ids
+    assert prop.propose_for_runner(runner, sched(), [[20]]) == [[21, 22]]
+    assert drafter.started[0] == ([10, 11], prompt_group_id([10, 11]))
 
 
 def test_plain_custom_class_call_refuses_without_the_plugin():

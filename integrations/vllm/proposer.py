@@ -23,7 +23,8 @@ from rollout_spec.integrations.vllm.config import (
 from rollout_spec.config import SpecConfig
 from rollout_spec.prompt_roots import PromptRoots
 
-GroupLookup = Callable[[str, np.ndarray], int]
+GroupLookup = Callable[[str, Optional[np.ndarray]], Optional[int]]
+"""A request's group from its id and prompt token ids (None: its prompt is not known as token ids)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ StopLookup = Callable[[str], StopRule]
 class _Request:
     """What the proposer tracks of one request the drafter holds."""
 
-    known: int  # tokens (prompt + output) the drafter holds
+    known: int  # row positions (prompt + output) taken in; an unknown prompt's count as taken
     stop: Optional[StopRule]  # read once, when the request starts; None: nothing is cut
 
 
@@ -182,6 +183,7 @@ class RolloutSpecProposer:
             batch.num_prompt_tokens, batch.token_ids_cpu,
             _runner_group_lookup(runner, self._prompt_roots), k,
             stop_of=lambda rid: StopRule.from_sampling_params(runner.requests[rid].sampling_params),
+            is_token_ids=getattr(batch, "is_token_ids", None),
         )
 
     # -- engine-independent core --------------------------------------------------------------
@@ -195,6 +197,7 @@ class RolloutSpecProposer:
         group_of: GroupLookup,
         k: int,
         stop_of: Optional[StopLookup] = None,
+        is_token_ids: Optional[np.ndarray] = None,
     ) -> list[list[int]]:
         """Commit each row's new tokens to the drafter and return its best chain (<= k tokens).
 
@@ -209,6 +212,13 @@ class RolloutSpecProposer:
         step. So a row is committed up to and including the first token at which vLLM stops the
         request (by ``stop_of(req_id)``, read once when the request starts, or ``max_model_len``;
         without ``stop_of`` nothing is cut); that row gets no draft and is finished here.
+
+        ``is_token_ids`` (vLLM's ``InputBatch.is_token_ids``, same shape as ``token_ids``; None:
+        every position holds a token id) marks the positions given as token ids. A request whose
+        prompt has any position given as an embedding (``prompt_embeds``) starts with an empty
+        prompt: vLLM leaves such positions unwritten (stale ids of the row's earlier requests) or
+        holding a placeholder id, so neither drafting from them nor hashing them into a group
+        would mean anything (``_start_row``).
         """
         num_rows = len(req_ids)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
@@ -226,7 +236,10 @@ class RolloutSpecProposer:
             p = prompt_lens[i]
             int_id = ids_of.get(rid)
             if int_id is None:
-                int_id = self._start_row(rid, token_ids[i, :p], p, group_of, stop_of)
+                prompt = token_ids[i, :p]
+                if is_token_ids is not None and not is_token_ids[i, :p].all():
+                    prompt = None
+                int_id = self._start_row(rid, prompt, p, group_of, stop_of)
             req = live[rid]
             known = req.known
             tail, stops = self._kept(token_ids[i, known:n].tolist(), known, p, req.stop)
@@ -303,23 +316,28 @@ class RolloutSpecProposer:
                 return tail[: j + 1], True
         return tail, False
 
-    def _start_row(self, req_id: str, prompt: np.ndarray, num_prompt: int, group_of: GroupLookup,
-                   stop_of: Optional[StopLookup]) -> int:
+    def _start_row(self, req_id: str, prompt: Optional[np.ndarray], num_prompt: int,
+                   group_of: GroupLookup, stop_of: Optional[StopLookup]) -> int:
         """Start request ``req_id`` in the drafter from its row's ``prompt`` (``num_prompt``
-        tokens); returns its drafter id. All output so far follows as the row's tail: this
-        covers requests seen mid-flight."""
+        positions; None: not known as token ids, so it starts empty, in the group ``group_of``
+        gives it without a prompt); returns its drafter id. All output so far follows as the
+        row's tail: this covers requests seen mid-flight."""
         stop = stop_of(req_id) if stop_of is not None else None  # before the drafter knows it
-        int_id = self._start(req_id, prompt, group_of(req_id, prompt))
+        group = group_of(req_id, prompt)
+        int_id = self._start(req_id, _EMPTY_PROMPT if prompt is None else prompt, group)
         self._live[req_id] = _Request(known=num_prompt, stop=stop)
         return int_id
 
-    def _start(self, req_id: str, prompt: np.ndarray, group_id: int) -> int:
+    def _start(self, req_id: str, prompt: np.ndarray, group_id: Optional[int]) -> int:
         int_id = self._next_id
         self._next_id += 1
         self.drafter.start(int_id, np.asarray(prompt, dtype=np.int32), group_id=group_id)
         self._ids[req_id] = int_id
         self.counters["requests_started"] += 1
         return int_id
+
+
+_EMPTY_PROMPT = np.zeros(0, dtype=np.int32)
 
 
 def _record_extended(requests: list[_Request], tails: list[list[int]]) -> None:
@@ -337,14 +355,16 @@ def _runner_group_lookup(runner: Any, roots: PromptRoots) -> GroupLookup:
     """Group of a request: ``extra_args['rollout_spec_group']`` when the caller set it, else a
     hash of the prompt tokens (the n samples of a prompt share it, in this step and later ones),
     or of the earlier prompt in ``roots`` that this one extends (a multi-turn agent's next turn,
-    sent as prompt + output + tool output, drafts with its first turn's group)."""
+    sent as prompt + output + tool output, drafts with its first turn's group). A prompt not
+    known as token ids (None: given as embeddings) has no group unless the caller set one: a hash
+    of its row's placeholder ids would put every such prompt of a length in one group."""
 
-    def lookup(req_id: str, prompt: np.ndarray) -> int:
+    def lookup(req_id: str, prompt: Optional[np.ndarray]) -> Optional[int]:
         state = runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
         if GROUP_ID_EXTRA_ARG in extra:
             return explicit_group_id(extra[GROUP_ID_EXTRA_ARG])
-        return roots.group_of(prompt)
+        return None if prompt is None else roots.group_of(prompt)
 
     return lookup
