@@ -52,7 +52,8 @@ def test_verl_balancer_bounds_load_and_keeps_multi_turn_requests() -> None:
     assert lb.clear_sticky_cache()["cleared_entries"] > 0
     with pytest.raises(ValueError, match="prompt_ids"):
         lb.acquire_server("no-prompt")
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match=r"unknown keys \['load_factr'\]; allowed: .*'max_cache_size', "
+                                         r"'seed \(0 only\)'\]"):
         GroupStickyLoadBalancer(_servers(2), {"load_factr": 1.2})
     for seed in (5, "0", True):  # it must match the shared index's
         with pytest.raises(ValueError, match="seed must be 0"):

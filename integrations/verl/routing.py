@@ -53,7 +53,7 @@ class GroupStickyLoadBalancer:
         if type(seed) is not int or seed != 0:
             raise ValueError("router config: seed must be 0, the shared index's (a group's requests must reach "
                              f"the replica that owns its share of the index), got {seed!r}")
-        allowed = ["router_class", *_ROUTER_ARGS, "max_cache_size"]
+        allowed = ["router_class", *_ROUTER_ARGS, "max_cache_size", "seed (0 only)"]
         unknown = set(config) - set(allowed)
         if unknown:
             raise ValueError(f"router config: unknown keys {sorted(unknown)}; allowed: {allowed}")
