@@ -113,7 +113,9 @@ class SpecConfig:
     """
 
     num_draft_tokens: int = 8
-    """Most draft nodes proposed for one request in one step (0 disables speculation)."""
+    """Draft nodes proposed for one request in one step where no budget is given: budgets passed
+    to ``NgramDrafter.propose`` or an engine's ``draft_budget`` replace it; the engine's own
+    budgets never exceed it (0 disables speculation in the engine)."""
     max_batch_draft_tokens: int = 65536
     """Most draft nodes proposed by one batched ``propose`` call, over all requests (requests late
     in the call get smaller drafts once it is spent; the default covers 8192 requests x 8)."""

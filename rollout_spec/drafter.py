@@ -350,11 +350,12 @@ class NgramDrafter:
 
         The next ``propose`` with the same arguments returns those trees, exactly what it would
         have built then, waiting only for what is left of the work. A call that changes what
-        proposals read (``start``, ``extend``, ``add_sequences``, ``end_step``, ``load``, a
-        ``finish`` that evicts) drops them, and so does a ``propose`` with other arguments (it
-        proposes afresh). The engine calls this right after a drafting step's extend, so that the
-        next step's proposal is built while the engine commits this one. Malformed arguments
-        raise here; unknown or repeated ids raise in the ``propose`` that names them.
+        proposals read (``start``, ``extend``, ``set_noise_keys``, ``add_sequences``,
+        ``end_step``, ``load``, a ``finish`` that evicts) drops them, and so does a ``propose``
+        with other arguments (it proposes afresh). The engine calls this right after a drafting
+        step's extend, so that the next step's proposal is built while the engine commits this
+        one. Malformed arguments raise here; unknown or repeated ids raise in the ``propose``
+        that names them.
         """
         if self._core.propose_ahead_lists(req_ids, _listed(budgets)):
             return

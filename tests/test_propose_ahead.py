@@ -42,8 +42,8 @@ def test_the_propose_with_the_same_arguments_takes_the_proposal_drafted_ahead():
     assert a.stats()["ahead_hits"] == 1 and counters(a) == counters(b)
 
 
-@pytest.mark.parametrize("change", ["extend", "start", "add_sequences", "end_step", "other budgets",
-                                    "other ids"])
+@pytest.mark.parametrize("change", ["extend", "start", "set_noise_keys", "add_sequences", "end_step",
+                                    "other budgets", "other ids"])
 def test_a_change_or_other_arguments_drop_it(change):
     a, b = started(), started()
     a.propose_ahead([0, 1, 2], [4, 4, 4])
@@ -53,6 +53,8 @@ def test_a_change_or_other_arguments_drop_it(change):
             d.extend_batch([1], [[2]])
         elif change == "start":
             d.start_batch([3], [[1, 2, 3]], group_ids=[7])
+        elif change == "set_noise_keys":
+            d.set_noise_keys([0, 1], [3, None], [1.0, 1.0], vocab_size=20)
         elif change == "add_sequences":
             d.add_sequences([7], [[1, 2, 3, 4, 6]])
         elif change == "end_step":
