@@ -145,6 +145,7 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
         cached = [rid for rid in batch.req_ids if rid not in finished]
         sched = SimpleNamespace(
             finished_req_ids=set(finished),
+            scheduled_new_reqs=[SimpleNamespace(req_id=rid) for rid, _ in new],
             scheduled_cached_reqs=SimpleNamespace(req_ids=cached,
                                                   num_output_tokens=[pos[r] for r in cached]))
         t0 = time.process_time()
@@ -181,7 +182,7 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
         drafts.update(zip(batch.req_ids, out))
         finished = [rid for rid in batch.req_ids if pos[rid] >= len(responses[rid])]
     prop.update_states(runner, SimpleNamespace(
-        finished_req_ids=set(finished),
+        finished_req_ids=set(finished), scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_output_tokens=[])))
     return cost
 

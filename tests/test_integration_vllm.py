@@ -111,10 +111,12 @@ SPEC_TOKENS = 1024
 ``num_speculative_tokens``; this bound stands for it whatever the test's proposer was built with."""
 
 
-def sched(finished=(), k=SPEC_TOKENS, cached=()):
-    """A scheduler output; ``cached`` lists (req_id, num_output_tokens) of scheduled running requests."""
+def sched(finished=(), k=SPEC_TOKENS, cached=(), new=()):
+    """A scheduler output; ``cached`` lists (req_id, num_output_tokens) of scheduled running
+    requests, ``new`` the ids of the requests scheduled as new."""
     return SimpleNamespace(
         finished_req_ids=set(finished), num_spec_tokens_to_schedule=k,
+        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
                                               num_output_tokens=[n for _, n in cached]),
     )
@@ -333,6 +335,33 @@ def test_tokens_vllm_discards_after_the_draft_step_are_taken_back():
     assert drafter.finished == [0]  # the stale copy is let go, not kept live
     prop.update_states(runner, sched(cached=[("a", 2)]))  # nothing dropped: no restart
     assert drafter.finished == [0]
+
+
+def test_a_streaming_sessions_next_input_chunk_starts_over_from_its_rebuilt_row():
+    """A resumable request's input chunk ends at a stop that vLLM's scheduler does not report
+    finished (here one our stop rule does not cover, as its ``repetition_detection``). Its next
+    chunk comes back under the same id as a new request, its row rebuilt: the output but the last
+    token (4) is now prompt, then the new input (6, 7), with the new chunk's sampling params. The
+    drafter must not keep 4 nor skip 6, and must stop the request by the new params."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=3), drafter=drafter)
+    prop.propose_for_runner(FakeRunner([("s", [1, 2], [3])]), sched(), [[3]])
+    first = FakeRunner([("s", [1, 2], [3, 4])])
+    prop.propose_for_runner(first, sched(), [[4]])  # vLLM stops the chunk at 4
+    prop.update_states(first, sched(new=["s"]))  # the next chunk, scheduled as new
+    assert drafter.finished == [0] and drafter.context[0] == [1, 2, 3, 4]
+    rebuilt = [("s", [1, 2, 3, 6, 7], [])]
+    assert prop.propose_for_runner(FakeRunner(rebuilt), sched(), [[]]) == [[]]  # its prefill
+    capped = {"s": {"max_tokens": 2}}
+    assert prop.propose_for_runner(
+        FakeRunner([("s", [1, 2, 3, 6, 7], [8])], params=capped), sched(), [[8]]) == [[9, 10, 11]]
+    assert drafter.started[1] == ([1, 2, 3, 6, 7], drafter.started[0][1])  # its group kept
+    assert drafter.context[1] == [1, 2, 3, 6, 7, 8]
+    last = FakeRunner([("s", [1, 2, 3, 6, 7], [8, 9])], params=capped)
+    assert prop.propose_for_runner(last, sched(), [[9]]) == [[]]  # the chunk's max_tokens
+    assert drafter.finished == [0, 1]
+    prop.update_states(last, sched(new=["s"]))  # a chunk after one we finished: nothing held
+    assert drafter.finished == [0, 1]
 
 
 class RefusingDrafter(RecordingDrafter):

@@ -132,6 +132,13 @@ class RolloutSpecProposer:
         what the drafter has not seen of their tokens (committed in skipped draft steps, still in
         the runner's token table) up to the token that stopped them, and are finished.
 
+        A request the drafter holds that the scheduler lists as new is a streaming-input
+        (``resumable``) session's next input chunk: vLLM never reports its stop in
+        ``finished_req_ids`` and rebuilds its row under the same id: the output it kept (not its
+        last sampled token) now prompt, then the new input, and the chunk's sampling params (the
+        runner's ``_update_streaming_request``). It is finished as if reported, and starts over
+        from the rebuilt row at its next draft step.
+
         A scheduled request whose output the scheduler reports shorter than what the drafter
         holds had tokens discarded after our draft step saw them (a failed KV load: vLLM's own
         update truncates the runner's copy next): it is finished and starts over, from the
@@ -139,8 +146,10 @@ class RolloutSpecProposer:
         stays in the group and global indexes (the drafter has no call that takes tokens back).
         """
         batch = runner.input_batch
+        next_chunks = [new.req_id for new in scheduler_output.scheduled_new_reqs
+                       if new.req_id in self._ids]
         # in the batch's row order: a set's order moves with the hash seed, and the drafts with it
-        done = sorted(scheduler_output.finished_req_ids,
+        done = sorted({*scheduler_output.finished_req_ids, *next_chunks},
                       key=lambda r: (batch.req_id_to_index.get(r, sys.maxsize), r))
         ids, tails, extended = [], [], []
         for rid in done:
