@@ -116,7 +116,10 @@ class RolloutSession:
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):
             error = self._check_prompt(prompt, prompts[p])  # before its group id: that needs valid ids
-            gid = group_ids[p] if group_ids is not None else None if error else self.engine.prompt_roots.group_of(prompt)
+            if group_ids is not None:
+                gid = group_ids[p]
+            else:
+                gid = None if error else self.engine.prompt_roots.group_of(prompt)
             for i in range(self.params.n):
                 seq = Sequence(self.engine.new_request_id(), p, i, list(prompt or ()), self.params, gid,
                                self.stop_ids, sample_seed(call_seed, p, i))

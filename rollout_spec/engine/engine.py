@@ -295,9 +295,9 @@ class RolloutEngine:
         refused: pass None). Without it, a prompt's group is the hash of its tokens
         (``groups.prompt_group_id``), or the group of an earlier prompt of this engine's that it
         extends (``prompt_roots``: a multi-turn sample's later turn, sent as prompt + output +
-        tool output, drafts with its first turn's siblings). ``max_running`` caps the samples decoded at once (default
-        and most: ``num_slots``); the others wait for a slot, so e.g. GRPO's n samples of a
-        prompt can run one after another.
+        tool output, drafts with its first turn's siblings). ``max_running`` caps the samples
+        decoded at once (default and most: ``num_slots``); the others wait for a slot, so e.g.
+        GRPO's n samples of a prompt can run one after another.
 
         Bad arguments raise before any prefill (which prompts become an ``"error"`` output
         instead: ``RolloutSession``); a call that fails midway leaves the engine ready for the
