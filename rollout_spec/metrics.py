@@ -103,9 +103,9 @@ class SpecStats:
 
     @property
     def speedup(self) -> Optional[float]:
-        """Tokens/s with speculation over tokens/s without."""
+        """Tokens/s with speculation over tokens/s without; None unless both passes were timed."""
         base = self.base_tokens_per_s
-        return self.spec_tokens_per_s / base if base else None
+        return self.spec_tokens_per_s / base if base and self.spec_seconds > 0 else None
 
     @property
     def same_rate(self) -> Optional[float]:
@@ -189,8 +189,7 @@ def _verl_ratios(outputs: Sequence[Any]) -> tuple[float, float]:
                              drafted)
         rates.append(accepted / drafted if drafted else 0.0)
         lengths.append(1.0 + accepted / verifies if verifies else 0.0)
-    n = max(len(outputs), 1)
-    return sum(rates) / n, sum(lengths) / n
+    return sum(rates) / len(outputs), sum(lengths) / len(outputs)
 
 
 def stats_from_outputs(
@@ -207,8 +206,11 @@ def stats_from_outputs(
     ``DrafterProbe``, else they are read from the outputs when the engine reports them.
 
     Raises:
-        ValueError/TypeError naming the argument or SpecStats field that is out of range.
+        ValueError/TypeError naming the argument or SpecStats field that is out of range; a
+            ValueError for no ``spec_outputs`` (verl logs no acceptance for an empty batch).
     """
+    if not len(spec_outputs):
+        raise ValueError("spec_outputs must hold at least one output, got none")
     for name, other in (("base_outputs", base_outputs), ("rewards", rewards)):
         if other is not None and len(other) != len(spec_outputs):
             raise ValueError(f"{name} must have one entry per spec output ({len(spec_outputs)}), "
@@ -494,7 +496,7 @@ def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
     matched_tps = sum(s.spec_tokens for s in based) / matched_s if matched_s > 0 else 0.0
     return {
         "spec_tokens": spec_tokens, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
-        "speedup": matched_tps / base_tps if base_tps else None,
+        "speedup": matched_tps / base_tps if base_tps and matched_s > 0 else None,
         "tpf": spec_tokens / verifies if verifies else 0.0,
         "accept_rate": sum(s.accepted_tokens for s in history) / drafted if drafted else None,
         "mean_reward": sum(rewards) / len(rewards) if rewards else None,

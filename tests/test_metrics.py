@@ -101,6 +101,20 @@ def test_pooled_speedup_uses_only_steps_with_baseline():
     assert total["tpf"] == pytest.approx(2.0)
 
 
+def test_a_step_without_samples_is_refused_not_logged_as_zeros():
+    """verl's compute_spec_decode_metrics logs nothing for an empty batch; ours logged 0.0
+    under its two names (and a TPF and throughput of 0)."""
+    with pytest.raises(ValueError, match="spec_outputs must hold at least one output"):
+        stats_from_outputs(0, [], 1.0, draft_budget=8)
+
+
+def test_speedup_not_reported_when_the_speculative_pass_was_not_timed():
+    """A baseline of 0 s already gave no speedup; a speculative pass of 0 s gave 0.0x."""
+    untimed = SpecStats(0, 1, 100, 0.0, 50, 10, 5, 0.5, 2.0, 8, base_tokens=100, base_seconds=2.0)
+    assert untimed.speedup is None and "spec/speedup" not in wandb_metrics(untimed)
+    assert metrics.pooled([untimed])["speedup"] is None
+
+
 def test_wandb_mode_resolution(monkeypatch):
     monkeypatch.setattr(metrics, "wandb_available", lambda: False)
     assert metrics.resolve_wandb_mode(None) == "disabled"
