@@ -229,6 +229,29 @@ def as_trees(result: Any, count: int) -> list[Tree]:
     return list(result)
 
 
+def budgeted_trees(result: Any, budgets: Sequence[int]) -> list[Tree]:
+    """``as_trees`` of a proposal for ``len(budgets)`` requests, checked as the replay scores it.
+
+    The replay is the referee of the bench's equal budget, so a tree it would credit past its
+    request's budget is an error, not a gain; so are a missing tree (its request would be charged
+    a verify and emit nothing) and a parent that does not come before its node (``accepted_path``
+    walks topological trees only).
+
+    Raises:
+        ValueError: naming the request's position in the call and what is wrong.
+    """
+    trees = as_trees(result, len(budgets))
+    if len(trees) != len(budgets):
+        raise ValueError(f"the drafter proposed {len(trees)} trees for {len(budgets)} requests")
+    for b, ((tokens, parents), budget) in enumerate(zip(trees, budgets)):
+        if len(tokens) > budget:
+            raise ValueError(f"tree {b} has {len(tokens)} nodes, over its budget of {budget}")
+        if len(parents) != len(tokens) or not all(-1 <= p < i for i, p in enumerate(parents)):
+            raise ValueError(f"tree {b}: parents {list(parents)} must be one per token, each -1 "
+                             f"or an earlier node")
+    return trees
+
+
 def accepted_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> list[int]:
     """The nodes accepted when the true continuation is ``target``: walk the tree along it,
     taking at each node its first child holding the next token.
@@ -330,13 +353,14 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
             if not live:
                 continue
         ids = list(live)
-        t0 = clock()
         # A request's first iteration stands for its prefill, which draws the first token from
         # the prompt's forward without a draft (as the engine does): budget 0 there.
-        result = drafter.propose(ids, [budget if live[i] else 0 for i in ids])
+        budgets = [budget if live[i] else 0 for i in ids]
+        t0 = clock()
+        result = drafter.propose(ids, budgets)
         t1 = clock()
         emitted, done = [], []
-        for rid, tree in zip(ids, as_trees(result, len(ids))):
+        for rid, tree in zip(ids, budgeted_trees(result, budgets)):
             resp, pos = rows[rid - first_id][1], live[rid]
             if on_tree is not None and pos:
                 on_tree(tree, resp[pos:])
@@ -409,9 +433,12 @@ class PromptLookupDrafter:
         return []
 
     def propose(self, req_ids, budgets) -> list[Tree]:
-        """One chain per request."""
+        """One chain per request; none, without a search, where nothing is asked (a prefill)."""
         out = []
         for r, k in zip(req_ids, budgets):
+            if k == 0:
+                out.append(([], []))
+                continue
             toks = self.propose_one(np.asarray(self.ctx[r], dtype=np.int32), int(k))
             out.append((toks, list(range(-1, len(toks) - 1))))
         return out
@@ -460,16 +487,17 @@ class ArcticDrafter:
             self.ctx[r].extend(t)
 
     def propose(self, req_ids, budgets) -> list[Tree]:
-        """speculate per request."""
+        """speculate per request, on the last ``max_depth`` tokens as a list: Arctic takes lists
+        natively, and a numpy copy made here for each call would charge Arctic for our adapter
+        (vLLM hands it a view of its token buffer)."""
         out = []
         for r, k in zip(req_ids, budgets):
             if k == 0:  # nothing asked (a request's prefill): no call
                 out.append(([], []))
                 continue
-            ctx = np.asarray(self.ctx[r][-self.max_depth:], dtype=np.int32)
-            d = self.cache.speculate(r, ctx, max_spec_tokens=int(k), min_token_prob=self.min_token_prob,
-                                     use_tree_spec=self.tree)
-            out.append((list(d.token_ids), list(d.parents)))
+            d = self.cache.speculate(r, self.ctx[r][-self.max_depth:], max_spec_tokens=int(k),
+                                     min_token_prob=self.min_token_prob, use_tree_spec=self.tree)
+            out.append((d.token_ids, d.parents))
         return out
 
     def finish_batch(self, req_ids) -> None:

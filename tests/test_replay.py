@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
-from rollout_spec.replay import (PromptLookupDrafter, Trace, accepted_length, as_trees, load_trace,
+from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, Trace, accepted_length, as_trees, load_trace,
                                  replay, replay_step, save_trace)
 from rollout_spec.tree import DraftBatch
 
@@ -328,3 +329,78 @@ def test_an_empty_response_takes_no_verify_step():
     for max_live in (None, 1):
         (result,) = replay(PromptLookupDrafter(), trace, max_live=max_live)
         assert (result.tokens, result.verify_steps, result.tpf) == (2, 2, 1.0)
+
+
+class GreedyOracle(OracleDrafter):
+    """Drafts the recorded continuation two nodes past its budget."""
+
+    def propose(self, ids, budgets):
+        return super().propose(ids, [b + 2 if b else 0 for b in budgets])
+
+
+class TreeDropper(NullDrafter):
+    """Proposes one tree fewer than asked for (its last request would verify and emit nothing)."""
+
+    def propose(self, ids, budgets):
+        return super().propose(ids, budgets)[:-1]
+
+
+class SelfParent(NullDrafter):
+    """A node that is its own parent: not a topological tree."""
+
+    def propose(self, ids, budgets):
+        return [([4], [0]) if b else ([], []) for b in budgets]
+
+
+@pytest.mark.parametrize("drafter, message", [
+    (GreedyOracle(small_trace()), "tree 0 has 3 nodes, over its budget of 1"),
+    (TreeDropper(), "the drafter proposed 2 trees for 3 requests"),
+    (SelfParent(), r"tree 0: parents \[0\] must be one per token"),
+])
+def test_replay_refuses_a_proposal_it_would_score_unequally(drafter, message):
+    """Every drafter gets the same budget: a tree over it would be credited nodes the others were
+    not allowed (until session 85 it was: TPF 2.0 at budget 1, where 1.33 is the most), a missing
+    tree would charge a verify that emits nothing (the replay then never ended), and a node that
+    does not come after its parent would be walked wrongly."""
+    with pytest.raises(ValueError, match=message):
+        replay(drafter, small_trace(), budget=1)
+
+
+def test_prompt_lookup_searches_nothing_at_a_prefill(monkeypatch):
+    """A prefill asks for no draft: the search would be timed as its cost, which no other
+    drafter pays there."""
+    d = PromptLookupDrafter(2, 5)
+    d.start_batch([0], [[1, 2, 3, 1, 2]])
+    monkeypatch.setattr(d, "propose_one", lambda ctx, k: pytest.fail("searched for a budget of 0"))
+    assert d.propose([0], [0]) == [([], [])]
+
+
+class FakeSuffixCache:
+    """Stands in for arctic-inference's SuffixDecodingCache: records what speculate is given."""
+
+    def __init__(self, max_tree_depth, max_cached_requests):
+        self.contexts = []
+
+    def start_request(self, req_id, prompt): pass
+    def add_active_response(self, req_id, tokens): pass
+    def stop_request(self, req_id): pass
+
+    def speculate(self, req_id, context, max_spec_tokens, min_token_prob, use_tree_spec):
+        self.contexts.append(context)
+        return types.SimpleNamespace(token_ids=[9], parents=[-1])
+
+
+def test_arctic_adapter_hands_speculate_the_context_without_a_copy(monkeypatch):
+    """Arctic takes the context as a list; a numpy array built from it on every call (about 2 us
+    of the ~17 us a speculate takes) was timed as Arctic's cost, though vLLM hands it a view of
+    its own token buffer."""
+    module = types.ModuleType("arctic_inference.suffix_decoding")
+    module.SuffixDecodingCache = FakeSuffixCache
+    monkeypatch.setitem(sys.modules, "arctic_inference", types.ModuleType("arctic_inference"))
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", module)
+    d = ArcticDrafter(max_depth=3)
+    d.start_batch([0], [[1, 2, 3]])
+    d.extend_batch([0], [[4, 5]])
+    assert d.propose([0], [8]) == [([9], [-1])]
+    assert d.propose([0], [0]) == [([], [])]  # a prefill: no call
+    assert [type(c) for c in d.cache.contexts] == [list] and d.cache.contexts == [[3, 4, 5]]
