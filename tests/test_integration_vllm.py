@@ -364,6 +364,25 @@ def test_a_streaming_sessions_next_input_chunk_starts_over_from_its_rebuilt_row(
     assert drafter.finished == [0, 1]
 
 
+def test_a_request_vllm_runs_on_past_our_stop_rule_is_not_restarted_at_every_step():
+    """vLLM 0.29 caps a streaming session's chunks by the first chunk's max_tokens, while our
+    stop rule reads the chunk's own: where that is smaller, vLLM runs the request on after the
+    proposer finished it. It stays finished, undrafted, until vLLM reports it finished or lists
+    it as new; it is not started over (its whole row indexed again) at every step."""
+    drafter = RecordingDrafter()
+    prop = RolloutSpecProposer(vllm_config(k=2), drafter=drafter)
+    capped = {"s": {"max_tokens": 1}}
+    prop.propose_for_runner(FakeRunner([("s", [1, 2], [3])], params=capped), sched(), [[3]])
+    assert drafter.finished == [0]
+    for out in ([3, 4], [3, 4, 5]):  # vLLM runs on
+        runner = FakeRunner([("s", [1, 2], out), ("t", [7], [8])], params=capped)
+        assert prop.propose_for_runner(runner, sched(), [[out[-1]], [8]]) == [[], [9, 10]]
+    assert sorted(drafter.started) == [0, 1] and drafter.finished == [0]
+    prop.update_states(runner, sched(finished={"s"}))  # vLLM finishes it: forgotten
+    prop.propose_for_runner(FakeRunner([("s", [1, 2, 3, 4, 5], [6])]), sched(), [[6]])
+    assert drafter.started[2] == ([1, 2, 3, 4, 5], drafter.started[0][1])  # a next chunk starts
+
+
 class RefusingDrafter(RecordingDrafter):
     """Refuses a whole ``extend_batch`` holding a request id of ``refused``, as NgramDrafter does
     with an id it does not hold: every id is checked before any token is stored."""

@@ -103,6 +103,7 @@ class RolloutSpecProposer:
         self.drafter = drafter
         self._ids: dict[str, int] = {}  # drafter id by vLLM request id
         self._live: dict[str, _Request] = {}  # the same requests' state
+        self._stopped: set[str] = set()  # finished at our stop rule, not yet by vLLM: not restarted
         self._next_id = 0
         self._prompt_roots = PromptRoots()  # a later turn's group: the prompt it extends
         self.counters = {"requests_started": 0, "requests_finished": 0, "rows_drafted": 0,
@@ -139,6 +140,11 @@ class RolloutSpecProposer:
         runner's ``_update_streaming_request``). It is finished as if reported, and starts over
         from the rebuilt row at its next draft step.
 
+        A request finished at our stop rule is not started again while vLLM runs it on (vLLM 0.29
+        caps a streaming session's every chunk by its first chunk's ``max_tokens``, where the rule
+        reads the chunk's own): it waits, undrafted, until vLLM reports it finished or lists it as
+        new, or ``end_step``. Started anew at every step, it would index its whole row each time.
+
         A scheduled request whose output the scheduler reports shorter than what the drafter
         holds had tokens discarded after our draft step saw them (a failed KV load: vLLM's own
         update truncates the runner's copy next): it is finished and starts over, from the
@@ -146,8 +152,10 @@ class RolloutSpecProposer:
         stays in the group and global indexes (the drafter has no call that takes tokens back).
         """
         batch = runner.input_batch
-        next_chunks = [new.req_id for new in scheduler_output.scheduled_new_reqs
-                       if new.req_id in self._ids]
+        new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+        self._stopped.difference_update(scheduler_output.finished_req_ids)
+        self._stopped.difference_update(new_ids)
+        next_chunks = [rid for rid in new_ids if rid in self._ids]
         # in the batch's row order: a set's order moves with the hash seed, and the drafts with it
         done = sorted({*scheduler_output.finished_req_ids, *next_chunks},
                       key=lambda r: (batch.req_id_to_index.get(r, sys.maxsize), r))
@@ -245,6 +253,8 @@ class RolloutSpecProposer:
             p = prompt_lens[i]
             int_id = ids_of.get(rid)
             if int_id is None:
+                if rid in self._stopped:
+                    continue  # vLLM runs on past where our stop rule ended it (see update_states)
                 prompt = token_ids[i, :p]
                 if is_token_ids is not None and not is_token_ids[i, :p].all():
                     prompt = None
@@ -265,6 +275,7 @@ class RolloutSpecProposer:
         if new_ids:
             self.drafter.extend_batch(new_ids, tails)
             _record_extended(extended, tails)
+        self._stopped.update(stopped)
         if not ids or k <= 0:
             self.finish(stopped)
             return drafts
@@ -291,6 +302,7 @@ class RolloutSpecProposer:
         """RL step boundary (new policy weights): finish what is left, age the drafter's
         indexes, and return the counters so the trainer can log them."""
         self.finish(list(self._ids))
+        self._stopped.clear()
         self.drafter.end_step()
         self.counters["steps_ended"] += 1
         return self.stats()
