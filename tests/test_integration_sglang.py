@@ -10,6 +10,8 @@ import importlib.util
 import json
 from array import array
 import shutil
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -685,6 +687,32 @@ def test_replay_counts_every_draft_of_a_final_verify_as_accepted():
     replay_step(c, 0, prompts, [(0, [100, 101, 102, 103, 104])], tail=16)
     r = replay_step(c, 1, prompts, [(0, [100, 101, 102, 103])], tail=16)
     assert (r["verifies"], r["generated"], r["accepted"]) == (1, 3, 3)
+
+
+def test_replay_charges_the_corpus_cpu_time_of_every_thread_and_not_its_waits():
+    """us/req/step is CPU time, as ``rollout_spec.replay`` times a drafter: the replay timed the
+    corpus calls by the wall clock, which misses the share of the drafter's propose threads and
+    charges the time a call waits (for a CPU, or here in a sleep). Work on another thread during
+    a call counts; a call's sleep does not."""
+    from rollout_spec.integrations.sglang.replay import replay_step
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    class Timed(RolloutSpecCorpus):
+        def batch_get(self, req_ids, batch_tokens, total_lens):
+            worker = threading.Thread(target=spin, args=(0.03,))
+            worker.start()
+            worker.join()
+            time.sleep(0.2)
+            return super().batch_get(req_ids, batch_tokens, total_lens)
+
+    c = Timed(max_trie_depth=12, draft_token_num=D, forward_hook=False)
+    totals = replay_step(c, 0, {0: [1, 2, 3]}, [(0, [10, 11, 12])], tail=16)
+    assert totals["verifies"] == 2  # nothing to draft from: two calls, 0.06 s of CPU, 0.4 s asleep
+    assert 0.06 <= totals["adapter_s"] < 0.3
 
 
 # ---------------------------------------------------------------- the last verify round

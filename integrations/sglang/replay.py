@@ -77,6 +77,10 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
     """One RL step of lock-step decoding of ``(group_id, response_ids)`` pairs (a ``Trace`` step);
     returns its totals and the adapter's seconds.
 
+    ``adapter_s`` is the process's CPU time in the corpus calls, as ``rollout_spec.replay`` times
+    a drafter: it counts the drafter's propose threads (wall time would miss their share) and not
+    the time the process waits for a CPU.
+
     ``verifies``, ``accepted`` and ``generated`` count decode steps only: a response's first token
     comes from its prefill. ``prefill_only`` counts the responses that end there (one token, or
     none): they take no verify, so TPF (``generated / verifies``) leaves them out, but the corpus
@@ -85,9 +89,9 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
     d = corpus.draft_token_num
     requests = [ReplayedRequest(rid_with_group(f"s{step}-{i}", prompts[g]), prompts[g], response)
                 for i, (g, response) in enumerate(responses)]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     corpus.track_prefill_requests(requests)  # the hook's call before the prefill batch's forward
-    adapter_s = time.perf_counter() - t0
+    adapter_s = time.process_time() - t0
     for r in requests:
         r.committed = min(1, len(r.response))  # the prefill's token
     live = {r.rid: r for r in requests if not r.finished()}
@@ -98,13 +102,13 @@ def replay_step(corpus: RolloutSpecCorpus, step: int, prompts: dict[int, list[in
         rids = list(live)
         tails = [(r.origin_input_ids_unpadded + r.output_ids_through_stop)[-tail:] for r in live.values()]
         lens = [len(r.origin_input_ids_unpadded) + r.committed for r in live.values()]
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         corpus.track_requests(live.values())
         ids, mask = corpus.batch_get(rids, tails, lens)
         corpus.batch_put(tails)
         if departed:  # NGRAMWorker.forward_batch_generation erases them after the next verify's put
             corpus.erase_match_state(departed)
-        adapter_s += time.perf_counter() - t0
+        adapter_s += time.process_time() - t0
         ids, mask = ids.reshape(-1, d), mask.reshape(-1, d, d)
         done = []
         for b, rid in enumerate(rids):
