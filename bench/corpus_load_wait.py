@@ -32,7 +32,8 @@ def corpus_chunks(documents: int, doc_tokens: int, seed: int = 0) -> list[list[i
     return [docs[0]] + [[SEPARATOR_TOKEN] + doc for doc in docs[1:]]
 
 
-def waits_during_load(chunks: list[list[int]], batch_tokens: int, get_every_s: float) -> tuple[float, list[float]]:
+def waits_during_load(chunks: list[list[int]], batch_tokens: int,
+                      get_every_s: float) -> tuple[float, list[float]]:
     """Load ``chunks`` on a thread with ``batch_tokens`` per drafter call; returns the load's
     seconds and the wall seconds of each draft the main thread asked for meanwhile (a fresh
     request's ``batch_get`` and ``erase_match_state``, both drafter calls)."""
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     ways = {f"batches of {default_batch:,} tokens": default_batch, "one call": tokens + 1}
     print(f"corpus: {args.documents:,} documents, {tokens:,} tokens (separators included); "
           f"a draft every {args.get_every_ms} ms\n")
-    print("| load | round | load ms | drafts during it | median wait ms | max wait ms |\n|---|---|---|---|---|---|")
+    print("| load | round | load ms | drafts during it | median wait ms | max wait ms |\n"
+          "|---|---|---|---|---|---|")
     try:
         for r in range(args.rounds):
             for name, batch in ways.items():

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
                     help="RL steps replayed; at most the trace's step count (default: all)")
     ap.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 64), default=8,
-                    help="most draft nodes per request; the budget picks a power of two below it, or it (default 8)")
+                    help="most draft nodes per request; the budget picks a power of two below it, "
+                         "or it (default 8)")
     ap.add_argument("--cost-grid", type=Path, default=None,
                     help="an engine cost cache file (cost_*.json) to use instead of the modelled grid")
     args = ap.parse_args(argv)

@@ -12,8 +12,8 @@ import pytest
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.drafter import NgramDrafter
-from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, Trace, accepted_length, as_trees, load_trace,
-                                 replay, replay_step, save_trace)
+from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, Trace, accepted_length, as_trees,
+                                 load_trace, replay, replay_step, save_trace)
 from rollout_spec.tree import DraftBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
