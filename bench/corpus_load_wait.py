@@ -19,8 +19,7 @@ import time
 import numpy as np
 
 from rollout_spec.cli_args import int_arg
-from rollout_spec.integrations.sglang import corpus as corpus_module
-from rollout_spec.integrations.sglang.corpus import SEPARATOR_TOKEN, RolloutSpecCorpus
+from rollout_spec.integrations.sglang.corpus import LOAD_BATCH_TOKENS, SEPARATOR_TOKEN, RolloutSpecCorpus
 
 VOCAB = 32_000
 
@@ -37,9 +36,9 @@ def waits_during_load(chunks: list[list[int]], batch_tokens: int,
     """Load ``chunks`` on a thread with ``batch_tokens`` per drafter call; returns the load's
     seconds and the wall seconds of each draft the main thread asked for meanwhile (a fresh
     request's ``batch_get`` and ``erase_match_state``, both drafter calls)."""
-    corpus_module.LOAD_BATCH_TOKENS = batch_tokens
     corpus = RolloutSpecCorpus(max_trie_depth=12, draft_token_num=8, forward_hook=False,
                                external_corpus_max_tokens=sum(map(len, chunks)))
+    corpus.load_batch_tokens = batch_tokens
     rng = np.random.default_rng(1)
     loaded = threading.Event()
     load_seconds: list[float] = []
@@ -74,21 +73,18 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     chunks = corpus_chunks(args.documents, args.doc_tokens)
     tokens = sum(map(len, chunks))
-    default_batch = corpus_module.LOAD_BATCH_TOKENS
+    default_batch = LOAD_BATCH_TOKENS
     ways = {f"batches of {default_batch:,} tokens": default_batch, "one call": tokens + 1}
     print(f"corpus: {args.documents:,} documents, {tokens:,} tokens (separators included); "
           f"a draft every {args.get_every_ms} ms\n")
     print("| load | round | load ms | drafts during it | median wait ms | max wait ms |\n"
           "|---|---|---|---|---|---|")
-    try:
-        for r in range(args.rounds):
-            for name, batch in ways.items():
-                seconds, waits = waits_during_load(chunks, batch, args.get_every_ms / 1000)
-                ms = np.array(waits) * 1000
-                median, most = (f"{np.median(ms):.2f}", f"{ms.max():.1f}") if len(ms) else ("-", "-")
-                print(f"| {name} | {r + 1} | {seconds * 1000:.1f} | {len(waits)} | {median} | {most} |")
-    finally:
-        corpus_module.LOAD_BATCH_TOKENS = default_batch
+    for r in range(args.rounds):
+        for name, batch in ways.items():
+            seconds, waits = waits_during_load(chunks, batch, args.get_every_ms / 1000)
+            ms = np.array(waits) * 1000
+            median, most = (f"{np.median(ms):.2f}", f"{ms.max():.1f}") if len(ms) else ("-", "-")
+            print(f"| {name} | {r + 1} | {seconds * 1000:.1f} | {len(waits)} | {median} | {most} |")
 
 
 if __name__ == "__main__":

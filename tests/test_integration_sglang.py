@@ -23,7 +23,6 @@ from argument_errors import argument_error
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.sglang.config import ENV_VAR, server_args, spec_from_env, spec_to_env
-from rollout_spec.integrations.sglang import corpus as corpus_module
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.plugin import register, sglang_source_dir, upstream_problems
 from rollout_spec.integrations.sglang.rid import group_from_rid, rid_with_group, rid_with_group_id
@@ -272,8 +271,8 @@ def test_a_run_time_corpus_load_goes_in_by_batches_of_whole_documents(monkeypatc
     calls: list[list[list[int]]] = []
 
     def loaded(batch_tokens: int) -> RolloutSpecCorpus:
-        monkeypatch.setattr(corpus_module, "LOAD_BATCH_TOKENS", batch_tokens)
         c = corpus()
+        c.load_batch_tokens = batch_tokens
         add = c.drafter.add_sequences
         calls.clear()
 

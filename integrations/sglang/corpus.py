@@ -122,6 +122,7 @@ class RolloutSpecCorpus:
         self._tracked: dict[str, Any] = {}  # SGLang Req of each rid of a decode batch, until it leaves
         self._prefilling: dict[str, Any] = {}  # fresh Reqs of prefill batches, until they decode or finish
         self._prompt_roots = PromptRoots()  # the groups of untagged rids, from their Req's prompt
+        self.load_batch_tokens = LOAD_BATCH_TOKENS  # per drafter call of an external corpus load
         self._forward_hook = forward_hook
         self._hook_calls = 0  # track_requests + track_prefill_requests calls
         self._last_get: list[str] = []  # rids of the latest batch_get, to recognise batch_put
@@ -433,7 +434,7 @@ class RolloutSpecCorpus:
         SGLang streams one token sequence in fixed-size chunks, documents after the first opening
         with ``SEPARATOR_TOKEN`` (``cpp_ngram/external_corpus.py``, and its ``documents`` API):
         the chunks are joined and split at the separators, one stored sequence per document.
-        Every token is checked first; the documents then go in by ``LOAD_BATCH_TOKENS``, the
+        Every token is checked first; the documents then go in by ``load_batch_tokens``, the
         drafter's lock released between batches, so drafting goes on during a run-time load.
 
         Raises:
@@ -454,7 +455,7 @@ class RolloutSpecCorpus:
         docs = _documents(stream)
         if not docs:
             raise ValueError(f"external corpus {corpus_id!r} holds no tokens; SGLang refuses an empty corpus too")
-        for batch in _load_batches(docs, LOAD_BATCH_TOKENS):
+        for batch in _load_batches(docs, self.load_batch_tokens):
             self.drafter.add_sequences([None] * len(batch), batch, pinned=True)
         return total
 
