@@ -5,6 +5,7 @@ Every field is checked once, at construction; an error names the field and its a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Optional
@@ -87,7 +88,11 @@ def check_temperature(name: str, value: object) -> float:
 
 def parse_bool(name: str, text: str) -> bool:
     """A yes/no setting given as text (an environment variable, a command-line value): 1/0,
-    true/false, yes/no or on/off in any case; anything else raises naming ``name``."""
+    true/false, yes/no or on/off in any case; anything else raises naming ``name`` (TypeError
+    for a value that is not a str)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str (1/0, true/false, yes/no, on/off), "
+                        f"got {type(text).__name__} {text!r}")
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -98,10 +103,17 @@ def parse_bool(name: str, text: str) -> bool:
 
 def check_token_ids(name: str, value: object, hi: int = 2**31 - 1) -> tuple[int, ...]:
     """``value`` (a short sequence of token ids, such as stop ids) as a tuple of ints in
-    ``[0, hi]``, each checked by name (``name[i]``)."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of token ids, got {type(value).__name__} {value!r}")
-    return tuple(check_int(f"{name}[{i}]", t, 0, hi) for i, t in enumerate(value))
+    ``[0, hi]``, each checked by name (``name[i]``). Text, bytes-like objects (whose items
+    would read as ids), mappings (whose keys would) and non-iterables raise TypeError."""
+    refused = (str, bytes, bytearray, memoryview, Mapping)
+    try:
+        items = None if isinstance(value, refused) else iter(value)
+    except TypeError:  # not iterable, or a 0-d numpy array
+        items = None
+    if items is None:
+        raise TypeError(f"{name} must be a sequence of token ids in [0, {hi}], "
+                        f"got {type(value).__name__} {value!r}")
+    return tuple(check_int(f"{name}[{i}]", t, 0, hi) for i, t in enumerate(items))
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,7 @@ class SamplingParams:
     top_k: int = -1
     """Most tokens kept; -1 keeps all."""
     max_new_tokens: int = 512
+    """Most tokens generated per sample, in [1, MAX_NEW_TOKENS]."""
     stop_token_ids: Optional[tuple[int, ...]] = None
     """Tokens that end a sample (kept in the output); None means the model's EOS."""
     seed: Optional[int] = 0
@@ -220,6 +233,7 @@ class SamplingParams:
     the same (prompt, sample) at every step."""
 
     def __post_init__(self) -> None:
+        """Check every field, storing numbers as plain int/float and stop ids as a tuple."""
         _store(self, "n", check_int("n", self.n, 1, 1 << 16))
         _store(self, "temperature", check_temperature("temperature", self.temperature))
         _store(self, "top_p", check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True))

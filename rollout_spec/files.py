@@ -16,11 +16,14 @@ def replaced_on_success(path: str | os.PathLike) -> Iterator[Path]:
     mid-write thus leaves the file that was there before (or none), never half of a new one.
 
     Each call gets its own temporary, so two writers of one path (two threads of a process too)
-    never write into each other's; the last rename wins whole. A path ending in a separator
-    names a directory and is refused (IsADirectoryError), as opening it would be.
+    never write into each other's; the last rename wins whole. A path that names a directory
+    (ending in a separator, ``.`` or ``..``) is refused (IsADirectoryError) and an empty one
+    (FileNotFoundError), as opening them would be, before the block runs.
     """
     text = os.fspath(path)
-    if text.endswith(os.sep) or (os.altsep is not None and text.endswith(os.altsep)):
+    if not text:
+        raise FileNotFoundError(errno.ENOENT, "an empty path names no file", text)
+    if os.path.basename(text) in ("", ".", ".."):  # splits at altsep too, where there is one
         raise IsADirectoryError(errno.EISDIR, "names a directory, not a file", text)
     path = Path(text)
     # 200 bytes of the name at most, so that the temporary's stays within 255

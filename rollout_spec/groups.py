@@ -24,7 +24,10 @@ def hashed_group_id(data: bytes) -> int:
 
 def text_group_id(text: str) -> int:
     """The group id of an identity given as a string (a framework's uid): its UTF-8 hashed, a
-    lone surrogate (text decoded with ``surrogateescape``) kept as is rather than refused."""
+    lone surrogate (text decoded with ``surrogateescape``) kept as is rather than refused.
+    Anything but a str raises TypeError."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
     return hashed_group_id(text.encode("utf-8", "surrogatepass"))
 
 

@@ -32,12 +32,15 @@ MAX_ROOTS_LIMIT = 1 << 24
 _HASH_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so its powers never reach 0 mod 2**64
 
 
-def prefix_hashes(tokens: np.ndarray) -> np.ndarray:
+def prefix_hashes(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     """uint64[n] whose element ``L - 1`` hashes ``tokens[:L]``: ``sum(t_j * B**j) mod 2**64``.
 
     One cumulative product and one cumulative sum, wrapping mod 2**64 as numpy's unsigned
-    integer arithmetic does; equal prefixes hash equal in every process (no salt).
+    integer arithmetic does; equal prefixes hash equal in every process (no salt). ``tokens``
+    are token ids as :func:`token_array` takes them (a float or negative id would otherwise be
+    cast to another id's hash); anything else raises naming ``tokens``.
     """
+    tokens = token_array("tokens", tokens)
     powers = np.full(len(tokens), _HASH_BASE, dtype=np.uint64)
     if len(tokens):
         powers[0] = 1

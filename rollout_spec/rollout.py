@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from rollout_spec.config import SamplingParams, SpecConfig
-from rollout_spec.engine.inputs import vocab_ids
+from rollout_spec.config import SamplingParams, SpecConfig, check_int
+from rollout_spec.engine.inputs import check_group_ids, vocab_ids
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.noise import sample_seed
@@ -107,11 +107,17 @@ class RolloutSession:
         max_running: Optional[int] = None,
     ) -> list[RolloutOutput]:
         """Generate ``params.n`` samples for every prompt, at most ``max_running`` at once
-        (default: all of the engine's slots); outputs ordered by (prompt, sample)."""
+        (None: all of the engine's slots; else in [1, num_slots]); outputs ordered by (prompt,
+        sample). ``group_ids`` as ``RolloutEngine.generate`` takes them; bad ones raise before
+        any sample is queued."""
         token_prompts = self._tokenize(prompts)
+        group_ids = check_group_ids(group_ids)
         if group_ids is not None and len(group_ids) != len(token_prompts):
             raise ValueError(f"group_ids has {len(group_ids)} entries, prompts has {len(token_prompts)}")
-        sched = Scheduler(max_running or self.engine.num_slots, self.engine.max_prefill_tokens)
+        num_slots = self.engine.num_slots
+        running = (num_slots if max_running is None
+                   else check_int("max_running", max_running, 1, num_slots))
+        sched = Scheduler(running, self.engine.max_prefill_tokens)
         call_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         seqs: list[Sequence] = []
         for p, prompt in enumerate(token_prompts):

@@ -147,16 +147,20 @@ def row_stats(
     ``temp_rows`` is float32[R] of effective temperatures on the device when the table is not
     uniform (the caller uploads it with its other per-step arrays). This is the torch reference
     of verify.py (verify_triton.py computes the same inside its kernel). Never modifies
-    ``logits``. A ``rows_per_request`` of another length or sum raises ValueError.
+    ``logits``. ``logits`` that are not a 2-D tensor, a ``rows_per_request`` of another length
+    or sum, or a ``temp_rows`` that is not float32[R] on the logits' device raise.
     """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a 2-D [R, V] tensor, got {type(logits).__name__}")
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be a 2-D [R, V] tensor, got shape {list(logits.shape)}")
     vocab = logits.shape[1]
     _check_rows_per_request(rows_per_request, len(table.temperature), logits.shape[0])
     if table.uniform:
         temps = effective_temperature(table)
         temp: float | torch.Tensor = float(temps[0]) if len(temps) else 1.0
     else:
-        if temp_rows is None:
-            raise ValueError("temp_rows (float32[R]) is required when requests differ")
+        _check_temp_rows(temp_rows, logits)
         temp = temp_rows[:, None]
     scores = scale(logits, temp)
     thr = None
@@ -201,6 +205,21 @@ def _check_rows_per_request(counts: np.ndarray, num_requests: int, num_rows: int
     if counts.sum() != num_rows or (num_requests and counts.min() < 1):
         raise ValueError(f"rows_per_request must hold counts >= 1 summing to the logits' "
                          f"{num_rows} rows, got min {counts.min(initial=1)}, sum {counts.sum()}")
+
+
+def _check_temp_rows(temp_rows: torch.Tensor | None, logits: torch.Tensor) -> None:
+    """Raise unless ``temp_rows`` is float32[R] on the logits' device (TypeError for a
+    non-tensor, else ValueError): a shorter one would broadcast one request's temperature over
+    every row."""
+    want = f"float32[{logits.shape[0]}] on {logits.device}"
+    if temp_rows is None:
+        raise ValueError(f"temp_rows ({want}) is required when requests differ")
+    if not isinstance(temp_rows, torch.Tensor):
+        raise TypeError(f"temp_rows must be {want}, got {type(temp_rows).__name__}")
+    if (temp_rows.dtype, tuple(temp_rows.shape), temp_rows.device) != (
+            torch.float32, (logits.shape[0],), logits.device):
+        raise ValueError(f"temp_rows must be {want}, got {temp_rows.dtype}"
+                         f"{list(temp_rows.shape)} on {temp_rows.device}")
 
 
 def effective_temperature(table: SamplingTable) -> np.ndarray:

@@ -2,13 +2,15 @@
 and the shared index use it without loading the native drafter core.
 
 Vectorised (a dtype check, one min and one max), because token lists are checked on hot paths;
-nothing is coerced: floats, strings, bools, ints beyond int64 (numpy makes them floats) and ragged
-nesting are a TypeError, a value out of range a ValueError, both naming the argument. numpy reads
-a list that mixes bools with ints as ints, a bool as 0 or 1, so a list's elements are typed where
-its array holds a 0 or a 1 (and only there: the check costs nothing unless those occur).
+nothing is coerced: floats, strings, bytes-like objects (numpy would read a bytearray or a
+memoryview as uint8), bools, ints beyond int64 and ragged nesting are a TypeError, a value out of
+range a ValueError, both naming the argument. numpy reads a sequence that mixes bools with ints as
+ints, a bool as 0 or 1, so a sequence's elements are typed where its array holds a 0 or a 1 (and
+only there: the check costs nothing unless those occur).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -23,10 +25,12 @@ def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
               kind: str = "integers") -> np.ndarray:
     """``values`` as an ``ndim``-D integer numpy array with every element in ``[lo, hi]``.
 
-    A dtype check, one min and one max, and for a list or tuple holding a 0 or a 1 a look at
+    A dtype check, one min and one max, and for a sequence holding a 0 or a 1 a look at
     those elements (see the module's note on what is refused); errors name ``name`` and say what
     it must hold (``kind``). An empty input of any dtype gives an empty int64 array.
     """
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        raise _not_integers(name, values, ndim, lo, hi, "(bytes are not integers)")
     try:
         arr = values if isinstance(values, np.ndarray) else np.asarray(values)
     except ValueError:  # ragged nesting
@@ -37,7 +41,7 @@ def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
         got = "a ragged nesting" if arr is None else f"dtype {arr.dtype}, shape {arr.shape}"
         raise _not_integers(name, values, ndim, lo, hi, f"of {got}")
     low, high = int(arr.min()), int(arr.max())
-    if isinstance(values, (list, tuple)) and low <= 1 and high >= 0 and _holds_bool(values, arr):
+    if low <= 1 and high >= 0 and isinstance(values, Sequence) and _holds_bool(values, arr):
         raise _not_integers(name, values, ndim, lo, hi, "holding a bool")
     if low < lo or high > hi:
         raise ValueError(f"{name} must hold {kind} in [{lo}, {hi}], got values from {low} to {high}")
@@ -50,7 +54,7 @@ def _not_integers(name: str, values: object, ndim: int, lo: int, hi: int, got: s
                      f"got {type(values).__name__} {got}")
 
 
-def _holds_bool(values: list | tuple, arr: np.ndarray) -> bool:
+def _holds_bool(values: Sequence, arr: np.ndarray) -> bool:
     """Whether ``values`` holds a bool (Python's or numpy's) where ``arr``, numpy's reading of it,
     holds a 0 or a 1: only those elements can be bools that numpy read as ints, and they are
     fetched and typed without a Python loop."""

@@ -269,9 +269,10 @@ class TraceRecorder:
                 index, ids = response
             except (TypeError, ValueError):
                 raise ValueError(f"responses[{k}] must be a (prompt index, token_ids) pair") from None
-            check_int("prompt index", index, 0, len(prompts) - 1)
+            check_int(f"responses[{k}][0] (prompt index)", index, 0, len(prompts) - 1)
             rows.append((prompts[index].group_id, token_array(f"responses[{k}] token_ids", ids).tolist()))
-        step_seeds = ([None if s is None else check_int("seed", s, 0, 2**63 - 1) for s in seeds]
+        step_seeds = ([None if s is None else check_int(f"seeds[{k}]", s, 0, 2**63 - 1)
+                       for k, s in enumerate(seeds)]
                       if seeds is not None else [None] * len(rows))
         seen = dict(self._prompts)
         for i, p in enumerate(prompts):

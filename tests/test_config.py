@@ -81,3 +81,28 @@ def test_numpy_numbers_are_stored_as_python_numbers():
     assert type(sp.n) is int and type(sp.temperature) is float and type(sp.top_k) is int and type(sp.seed) is int
     assert json.loads(json.dumps(asdict(spec)))["num_draft_tokens"] == 8
     assert json.loads(json.dumps(asdict(sp)))["n"] == 4
+
+
+@pytest.mark.parametrize("stop_ids, shown", [
+    (bytearray(b"\x02"), "bytearray"),  # its bytes would read as token ids
+    (memoryview(b"\x02\x03"), "memoryview"),
+    ({2: "eos"}, "dict"),  # its keys would
+    (np.array(2), "ndarray"),  # a 0-d array is iterable by type only
+])
+def test_stop_token_ids_refuse_bytes_mappings_and_0d_arrays(stop_ids, shown):
+    with pytest.raises(TypeError, match=rf"stop_token_ids must be a sequence of token ids in "
+                                        rf"\[0, 2147483647\], got {shown}"):
+        SamplingParams(stop_token_ids=stop_ids)
+
+
+def test_stop_token_ids_take_any_iterable_of_ints():
+    assert SamplingParams(stop_token_ids=np.array([2, 3])).stop_token_ids == (2, 3)
+    assert SamplingParams(stop_token_ids=range(2, 4)).stop_token_ids == (2, 3)
+
+
+@pytest.mark.parametrize("value", [None, 1, True, b"yes"])
+def test_parse_bool_refuses_non_text_naming_the_setting(value):
+    from rollout_spec.config import parse_bool
+
+    with pytest.raises(TypeError, match=r"FLAG must be a str \(1/0, true/false, yes/no, on/off\)"):
+        parse_bool("FLAG", value)

@@ -209,3 +209,18 @@ def test_from_pretrained_takes_eos_token_ids(monkeypatch, model) -> None:
     monkeypatch.setattr(weights, "load_pretrained", lambda *a: (model, SimpleNamespace(eos_token_id=3), None))
     assert RolloutEngine.from_pretrained("x", device="cpu", spec=None).eos_token_ids == (3,)
     assert RolloutEngine.from_pretrained("x", device="cpu", spec=None, eos_token_ids=[5]).eos_token_ids == (5,)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"max_running": 0}, ValueError, r"max_running must be in \[1, 8\], got 0"),  # was: all slots
+    ({"max_running": True}, TypeError, r"max_running must be an integer in \[1, 8\], got bool"),
+    ({"group_ids": [1, True, 2, 3]}, TypeError, r"group_ids\[1\] must be an integer .* got bool"),
+    ({"group_ids": [1, 2, 3, -1]}, ValueError, r"group_ids\[3\] must be in \[0, 2147483647\]"),
+])
+def test_a_session_called_directly_checks_its_arguments_before_queueing(model, plain, kwargs, error,
+                                                                         match):
+    """``RolloutSession`` is public: its run checks what ``generate`` checks, before any prefill."""
+    eng = engine(model, SPEC)
+    with pytest.raises(error, match=match):
+        rollout.RolloutSession(eng, GREEDY).run(PROMPTS, **kwargs)
+    assert tokens(eng) == plain

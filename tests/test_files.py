@@ -87,3 +87,19 @@ def test_a_directory_path_long_names_and_the_blocks_own_error(tmp_path):
     with pytest.raises(RuntimeError, match="the block's"):  # not the cleanup's NotADirectoryError
         with replaced_on_success(tmp_path / "a_file" / "out.txt"):
             raise RuntimeError("the block's")
+
+
+@pytest.mark.parametrize("name", [".", "..", "sub/.."])
+def test_a_dot_path_is_a_directory_refused_before_the_block(tmp_path, name):
+    """``..`` ran the block, then failed to rename its file onto a directory: the work was lost."""
+    ran = []
+    with pytest.raises(IsADirectoryError, match="names a directory"):
+        with replaced_on_success(f"{tmp_path}/{name}"):
+            ran.append(True)
+    assert ran == [] and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_an_empty_path_is_refused_as_opening_it_would_be():
+    with pytest.raises(FileNotFoundError, match="an empty path names no file"):
+        with replaced_on_success(""):
+            pass

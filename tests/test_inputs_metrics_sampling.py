@@ -181,3 +181,28 @@ def test_noise_keys_check_says_what_differs():
         bad.check(2, "cpu")
     with pytest.raises(TypeError, match="keys.seeds must be an int64"):
         NoiseKeys([0, 0], keys.positions).check(2, "cpu")
+
+
+@pytest.mark.parametrize("temp_rows, match", [
+    (None, r"temp_rows \(float32\[3\] on cpu\) is required"),
+    (torch.tensor([0.5]), r"temp_rows must be float32\[3\] on cpu, got torch.float32\[1\]"),
+    (torch.ones(3, 1), r"got torch.float32\[3, 1\]"),
+    (torch.ones(3, dtype=torch.float64), r"got torch.float64\[3\]"),
+    ([0.5, 1.0, 1.0], "got list"),
+])
+def test_row_stats_checks_temp_rows_of_differing_requests(temp_rows, match):
+    """A float32[1] broadcast the first request's temperature over every row, silently."""
+    table = SamplingTable.from_params([SamplingParams(temperature=0.5), SamplingParams()], 2)
+    with pytest.raises(TypeError if isinstance(temp_rows, list) else ValueError, match=match):
+        row_stats(torch.randn(3, 10), table, np.array([1, 2]), temp_rows)
+
+
+@pytest.mark.parametrize("logits, error, got", [
+    (torch.randn(10), ValueError, r"shape \[10\]"),
+    (torch.randn(1, 2, 10), ValueError, r"shape \[1, 2, 10\]"),
+    (np.zeros((1, 10), np.float32), TypeError, "ndarray"),
+])
+def test_row_stats_needs_2d_logits(logits, error, got):
+    table = SamplingTable.from_params(SamplingParams(), 1)
+    with pytest.raises(error, match=rf"logits must be a 2-D \[R, V\] tensor, got {got}"):
+        row_stats(logits, table, np.array([1]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout_spec.groups import prompt_group_id
+from rollout_spec.groups import prompt_group_id, text_group_id
 from rollout_spec.tree import DraftBatch
 from rollout_spec.workloads import (Prompt, TraceRecorder, Workload, chat_prompt_ids,
                                     extract_code, extract_final_answer)
@@ -29,8 +29,10 @@ class ListTokenizer:
 # --- TraceRecorder ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("responses, seeds, error, message", [
-    ([(0, [1, 2])], [-1], ValueError, r"seed must be in \[0"),
-    ([(0, [1]), (5, [1, 2])], None, ValueError, r"prompt index must be in \[0, 1\]"),
+    ([(0, [1, 2])], [-1], ValueError, r"seeds\[0\] must be in \[0"),
+    ([(0, [1]), (1, [2])], [4, 2.5], TypeError, r"seeds\[1\] must be an integer in \[0"),
+    ([(0, [1]), (5, [1, 2])], None, ValueError,
+     r"responses\[1\]\[0\] \(prompt index\) must be in \[0, 1\]"),
     ([(0, [1]), (1, [-5])], None, ValueError, r"responses\[1\] token_ids .*" + TOKEN_RANGE),
     ([(0, [1]), [1, 2, 3]], None, ValueError, r"responses\[1\] must be a \(prompt index"),
 ])
@@ -124,6 +126,13 @@ def test_sampling_a_replay_could_not_read_is_refused(sampling, error):
 def test_prompt_group_id_needs_1d_token_ids(ids, error):
     with pytest.raises(error, match="prompt_ids"):
         prompt_group_id(ids)
+
+
+@pytest.mark.parametrize("uid", [b"uid-1", 7, None])
+def test_text_group_id_refuses_what_is_not_text(uid):
+    """A bytes uid gave an AttributeError about ``encode``, not what was wrong."""
+    with pytest.raises(TypeError, match=rf"^text must be a str, got {type(uid).__name__}$"):
+        text_group_id(uid)
 
 
 def test_prompt_group_id_is_unchanged_for_valid_prompts():

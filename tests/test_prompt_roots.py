@@ -99,3 +99,17 @@ def test_bad_prompts_get_the_errors_of_prompt_group_id(bad):
 def test_a_bad_capacity_is_refused_naming_max_roots(bad, error):
     with pytest.raises(error, match=rf"max_roots must .*\[1, {MAX_ROOTS_LIMIT}\]"):
         PromptRoots(max_roots=bad)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (np.array([1.7, 2.2]), TypeError), (np.array([-1]), ValueError),
+    (np.array([True, False]), TypeError), ([[1, 2]], TypeError),
+])
+def test_prefix_hashes_refuse_what_is_not_token_ids(bad, error):
+    """A float or negative id was cast to uint64: another prompt's hash, without an error."""
+    with pytest.raises(error, match="^tokens must"):
+        prefix_hashes(bad)
+
+
+def test_prefix_hashes_take_a_list_as_its_array():
+    assert prefix_hashes([3, 4]).tolist() == prefix_hashes(np.array([3, 4], np.int32)).tolist()

@@ -135,5 +135,6 @@ def test_trace_recorder_keeps_the_samples_seeds(tmp_path):
     assert trace.seeds == [[17, 2**62]] and trace.noise_keys(0) == ([17, 2**62], 0.8, 300)
     with pytest.raises(ValueError, match=r"seeds must have one entry per response \(2\), got 1"):
         rec.add_step(prompts, [(0, [5]), (1, [7])], seeds=[3])
-    with pytest.raises(ValueError, match=r"seed must be in \[0, 9223372036854775807\], got -1"):
+    with pytest.raises(ValueError, match=r"seeds\[0\] must be in \[0, 9223372036854775807\], "
+                                         r"got -1"):
         rec.add_step(prompts, [(0, [5])], seeds=[-1])
