@@ -22,7 +22,7 @@ from rollout_spec.drafter import proposes_ahead, takes_noise_keys
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
 from rollout_spec.engine.cuda_graphs import default_ladder
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
-from rollout_spec.engine.inputs import check_dtype, check_group_ids, check_options, checked_budget, vocab_ids
+from rollout_spec.engine.inputs import check_dtype, check_options, checked_budget, vocab_ids
 from rollout_spec.engine.model import Transformer
 from rollout_spec.engine.runner import ModelRunner
 from rollout_spec.engine.scheduler import Scheduler
@@ -305,16 +305,14 @@ class RolloutEngine:
         """
         from rollout_spec.rollout import RolloutSession
 
-        running = self.num_slots if max_running is None else check_int(
-            "max_running", max_running, 1, self.num_slots)
-        group_ids = check_group_ids(group_ids)
         session = RolloutSession(self, params, progress=progress)  # checks params
         first_req_id = self._next_req_id
         try:
             with self._queue.responsive():  # the drafter's worker gets the GIL without a 5 ms wait
-                return session.run(prompts, group_ids, running)
+                return session.run(prompts, group_ids, max_running)  # checks the rest first
         except BaseException:
-            self._abandon(range(first_req_id, self._next_req_id))
+            if self._next_req_id != first_req_id:  # else it failed its checks, before queueing
+                self._abandon(range(first_req_id, self._next_req_id))
             raise
 
     def _abandon(self, req_ids: range) -> None:
