@@ -224,4 +224,3 @@ def test_a_session_called_directly_checks_its_arguments_before_queueing(model, p
     with pytest.raises(error, match=match):
         rollout.RolloutSession(eng, GREEDY).run(PROMPTS, **kwargs)
     assert tokens(eng) == plain
-
