@@ -74,7 +74,8 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
 class Workload:
     """A fixed pool of prompts for one task, and the task's own reward function.
 
-    Prompts are drawn deterministically from ``seed`` (an int in [0, 2**63 - 1]);
+    Prompts are drawn deterministically from ``seed`` (an int in [0, 2**63 - 1]; HumanEval,
+    which has 164 problems, takes the first ones in order and ignores it);
     ``batch(step)`` returns the prompts of an RL step: the same pool every step (several epochs
     over a small dataset, which is what lets the drafter reuse earlier steps' responses) unless
     ``fresh_each_step`` (a bool) asks for new ones, ``max_steps`` pools of them.
@@ -120,8 +121,11 @@ class Workload:
         return self.prompts[start : start + self.num_prompts]
 
     def score(self, prompt: Prompt, response: str) -> float:
-        """The task's own reward for ``response`` (a str) to ``prompt``, in [0, 1]."""
+        """The task's own reward for ``response`` (a str) to ``prompt``, in [0, 1]. A prompt of
+        another task raises ValueError: its checker's error would otherwise read as a wrong
+        answer."""
         _check_text("response", response)
+        self._check_own(prompt)
         if prompt.kind == "code":
             return _humaneval_reward(prompt.entry, response)
         answer = extract_final_answer(response)
@@ -133,6 +137,16 @@ class Workload:
             # Some checkers raise on answers they cannot parse (prime_factorization's int() on
             # "2 x 3"): such an answer is wrong, and one odd sample must not end the run.
             return 0.0
+
+    def _check_own(self, prompt: Prompt) -> None:
+        """Raise unless ``prompt`` is a prompt of this workload's task."""
+        if not isinstance(prompt, Prompt):
+            raise TypeError(f"prompt must be a Prompt, got {type(prompt).__name__}")
+        own = (prompt.kind == "code" if self.task == HUMANEVAL
+               else prompt.kind == "math" and prompt.source == self.task)
+        if not own:
+            raise ValueError(f"prompt must be one of task {self.task!r}'s, got a {prompt.kind} "
+                             f"prompt of {prompt.source!r}")
 
     def score_many(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
         """Rewards for pairs of prompts and responses; code checks run a few at a time."""

@@ -69,6 +69,23 @@ def test_an_answer_the_checker_cannot_parse_scores_zero():
     assert wl.score_many([p, p, p], ["#### nan", "#### 2 x 3", f"#### {p.answer}"]) == [0.0, 0.0, 1.0]
 
 
+def test_a_prompt_of_another_task_is_refused_not_scored_zero():
+    """Before, a HumanEval workload scored a math prompt 0.0 (its checker's AttributeError was
+    swallowed as a wrong answer), and a prompt of another reasoning-gym task went to this task's
+    checker."""
+    math = Workload("basic_arithmetic", CharTokenizer(), num_prompts=1).batch(0)[0]
+    code = Workload(workloads.HUMANEVAL, CharTokenizer(), num_prompts=1)
+    other = Workload("chain_sum", CharTokenizer(), num_prompts=1)
+    with pytest.raises(ValueError, match=r"task 'humaneval''s, got a math prompt of 'basic_arithmetic'"):
+        code.score(math, f"#### {math.answer}")
+    with pytest.raises(ValueError, match=r"task 'chain_sum''s, got a math prompt of 'basic_arithmetic'"):
+        other.score_many([math], [f"#### {math.answer}"])
+    with pytest.raises(ValueError, match=r"got a code prompt of 'HumanEval/0'"):
+        other.score(code.batch(0)[0], "#### 1")
+    with pytest.raises(TypeError, match="prompt must be a Prompt, got str"):
+        other.score("What is 1 + 1?", "#### 2")
+
+
 def test_answer_and_code_extraction():
     assert extract_final_answer("a\n#### 4\n#### 42.") == "42"
     assert extract_final_answer("####   ") is None
