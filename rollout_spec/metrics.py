@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Protocol
 from rollout_spec.config import check_float, check_int
 from rollout_spec.drafter import background_kwargs
 from rollout_spec.files import replaced_on_success
-from rollout_spec.replay import accepted_length
+from rollout_spec.replay import accepted_length, as_trees
 
 WANDB_MODES = ("offline", "online", "disabled")
 DRAFTER_FIGURES = ("us_per_request", "index_tokens", "index_bytes")
@@ -529,7 +529,7 @@ class DrafterProbe:
             raise ValueError("drafter must be a drafter object, got None (speculation is off)")
         self._drafter = drafter
         self._seconds = 0.0
-        self._pending: dict[int, tuple[list[int], list[int]]] = {}
+        self._pending: dict[int, tuple[Sequence[int], Sequence[int]]] = {}
         self._drafted: list[int] = []
         self._accepted: list[int] = []
 
@@ -549,12 +549,11 @@ class DrafterProbe:
 
     def propose(self, req_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
         """Propose through the drafter and remember each request's tree until it is extended."""
-        batch = self._timed(self._drafter.propose)(req_ids, *args, **kwargs)
-        off, tok, par = batch.offsets.tolist(), batch.tokens.tolist(), batch.parents.tolist()
-        for b, rid in enumerate(req_ids):
-            if off[b + 1] > off[b]:
-                self._pending[int(rid)] = (tok[off[b]:off[b + 1]], par[off[b]:off[b + 1]])
-        return batch
+        result = self._timed(self._drafter.propose)(req_ids, *args, **kwargs)
+        for rid, tree in zip(req_ids, as_trees(result, len(req_ids))):  # either form of proposal
+            if len(tree[0]):
+                self._pending[int(rid)] = tree
+        return result
 
     def propose_unverified(self, req_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
         """Propose through the drafter (timed) trees the engine will not verify (its shadow

@@ -27,7 +27,7 @@ from rollout_spec.drafter import takes_noise_keys
 from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
 from rollout_spec.token_ids import MAX_TOKEN_ID
-from rollout_spec.tree import DraftBatch
+from rollout_spec.tree import DraftBatch, drafter_output
 
 Tree = tuple[Sequence[int], Sequence[int]]  # (tokens, parents) of one request's draft
 
@@ -229,29 +229,6 @@ def as_trees(result: Any, count: int) -> list[Tree]:
     return list(result)
 
 
-def budgeted_trees(result: Any, budgets: Sequence[int]) -> list[Tree]:
-    """``as_trees`` of a proposal for ``len(budgets)`` requests, checked as the replay scores it.
-
-    The replay is the referee of the bench's equal budget, so a tree it would credit past its
-    request's budget is an error, not a gain; so are a missing tree (its request would be charged
-    a verify and emit nothing) and a parent that does not come before its node (``accepted_path``
-    walks topological trees only).
-
-    Raises:
-        ValueError: naming the request's position in the call and what is wrong.
-    """
-    trees = as_trees(result, len(budgets))
-    if len(trees) != len(budgets):
-        raise ValueError(f"the drafter proposed {len(trees)} trees for {len(budgets)} requests")
-    for b, ((tokens, parents), budget) in enumerate(zip(trees, budgets)):
-        if len(tokens) > budget:
-            raise ValueError(f"tree {b} has {len(tokens)} nodes, over its budget of {budget}")
-        if len(parents) != len(tokens) or not all(-1 <= p < i for i, p in enumerate(parents)):
-            raise ValueError(f"tree {b}: parents {list(parents)} must be one per token, each -1 "
-                             f"or an earlier node")
-    return trees
-
-
 def accepted_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> list[int]:
     """The nodes accepted when the true continuation is ``target``: walk the tree along it,
     taking at each node its first child holding the next token.
@@ -359,8 +336,12 @@ def replay_step(drafter: ReplayDrafter, trace: Trace, step: int, budget: int, fi
         t0 = clock()
         result = drafter.propose(ids, budgets)
         t1 = clock()
+        # Checked untimed, as no drafter's own cost: the replay referees the equal budget, so a
+        # tree over it, a missing tree (its request charged a verify that emits nothing) and a
+        # non-topological tree (``accepted_path`` would walk it wrongly) are errors.
+        trees = as_trees(drafter_output(result, budgets), len(ids))
         emitted, done = [], []
-        for rid, tree in zip(ids, budgeted_trees(result, budgets)):
+        for rid, tree in zip(ids, trees):
             resp, pos = rows[rid - first_id][1], live[rid]
             if on_tree is not None and pos:
                 on_tree(tree, resp[pos:])

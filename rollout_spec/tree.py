@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from numbers import Integral
 from typing import TYPE_CHECKING
 
@@ -141,21 +142,76 @@ class DraftBatch:
         if n and not (probs.min() >= 0.0 and probs.max() <= 1.0):  # NaN fails both
             raise ValueError("DraftBatch.probs must be confidences in [0, 1] (finite, not NaN)")
         local = np.arange(n, dtype=np.int64) - np.repeat(self.offsets[:-1].astype(np.int64), sizes)
-        if ((self.parents < -1) | (self.parents >= local)).any():
-            raise ValueError(_PARENTS_RULE)
+        broken = (self.parents < -1) | (self.parents >= local)
+        if broken.any():
+            raise ValueError(self._parents_error(int(np.flatnonzero(broken)[0]), local))
+
+    def _parents_error(self, node: int, local: np.ndarray) -> str:
+        """The parents rule and where the flat ``node`` breaks it: its request and its index and
+        parent within that request's slice (worked out on the error path only)."""
+        request = int(np.searchsorted(self.offsets, node, side="right")) - 1
+        return (f"{_PARENTS_RULE}: request {request}'s node {int(local[node])} has parent "
+                f"{int(self.parents[node])}")
 
 
-def drafter_output(batch: object, budgets: np.ndarray) -> DraftBatch:
-    """A drafter's answer to ``propose(req_ids, budgets)``, checked against the contract: a valid
-    DraftBatch with one tree per request, none larger than its budget. Raises TypeError for
-    anything else than a DraftBatch, ValueError naming what broke."""
-    if not isinstance(batch, DraftBatch):
-        raise TypeError(f"drafter returned {type(batch).__name__}, not a DraftBatch")
+def drafter_output(result: object, budgets: Sequence[int] | np.ndarray) -> DraftBatch:
+    """A drafter's answer to ``propose(req_ids, budgets)`` as a DraftBatch checked against the
+    contract: one tree per request, none larger than its budget, each a valid CSR tree (parents
+    topological, token ids in [0, MAX_TOKEN_ID]). The one checker of that contract, for the
+    engine and for the replay (the referee of the bench's equal budget) alike.
+
+    ``result`` is a DraftBatch or, as ``replay.as_trees`` reads too, a list of per-request
+    ``(tokens, parents)`` pairs (the Arctic adapter's and the replay's list drafters' form),
+    converted here. A DraftBatch costs ``validate`` (nothing for the core's trusted batches) and
+    one vectorised comparison with the budgets: no Python loop over its trees.
+
+    Raises:
+        TypeError: ``result`` is neither form, or one of its trees is not a (tokens, parents)
+            pair.
+        ValueError: the tree count differs from the budgets', or naming the request's position
+            in the call and the rule its tree breaks (with the budget, for a tree over it).
+    """
+    batch = result if isinstance(result, DraftBatch) else _batch_of_trees(result)
     batch.validate()
-    if batch.num_requests != len(budgets) or (batch.sizes() > budgets).any():
-        raise ValueError(f"drafter returned {batch.num_requests} trees of sizes {batch.sizes().tolist()} "
-                         f"for {len(budgets)} requests with budgets {np.asarray(budgets).tolist()}")
+    if batch.num_requests != len(budgets):
+        raise ValueError(f"drafter returned {batch.num_requests} trees for {len(budgets)} requests")
+    over = batch.sizes() > budgets
+    if over.any():
+        request = int(np.flatnonzero(over)[0])
+        raise ValueError(f"drafter's tree for request {request} has {int(batch.sizes()[request])} "
+                         f"nodes, over its budget of {int(budgets[request])}")
     return batch
+
+
+def _batch_of_trees(trees: object) -> DraftBatch:
+    """Per-request ``(tokens, parents)`` pairs as an unvalidated DraftBatch (confidences 1.0:
+    lists carry none), after checking each pair's shape; ``validate`` checks the values."""
+    if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
+        raise TypeError(f"drafter returned {type(trees).__name__}, not a DraftBatch or a list of "
+                        f"(tokens, parents) trees")
+    sizes = [_tree_size(request, tree) for request, tree in enumerate(trees)]
+    tokens = token_array("the drafter's tokens", list(chain.from_iterable(t for t, _ in trees)))
+    parents = int_array("the drafter's parents", list(chain.from_iterable(p for _, p in trees)),
+                        -1, _INT32_MAX)  # checked before the int32 cast
+    offsets = np.zeros(len(sizes) + 1, np.int32)
+    offsets[1:] = np.cumsum(sizes)
+    return DraftBatch(offsets=offsets, tokens=tokens, parents=parents.astype(np.int32),
+                      probs=np.ones(len(tokens), np.float32))
+
+
+def _tree_size(request: int, tree: object) -> int:
+    """Node count of one request's ``(tokens, parents)`` pair; TypeError if it is no such pair,
+    ValueError if its lists differ in length (both naming the request)."""
+    try:
+        tokens, parents = tree
+        sizes = len(tokens), len(parents)
+    except (TypeError, ValueError):
+        raise TypeError(f"drafter's tree for request {request} must be a (tokens, parents) pair "
+                        f"of lists, got {type(tree).__name__}") from None
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"drafter's tree for request {request} has {sizes[0]} tokens and "
+                         f"{sizes[1]} parents: one parent per token")
+    return sizes[0]
 
 
 _INT32_MAX = 2**31 - 1

@@ -532,19 +532,44 @@ def test_drafter_over_budget_is_rejected() -> None:
         def propose(self, req_ids, budgets):
             return DraftBatch.from_lists([[(1, -1)] * (int(b) + 1) for b in budgets])
 
-    with pytest.raises(ValueError, match="budgets"):
+    with pytest.raises(ValueError, match=r"drafter's tree for request 0 has \d+ nodes, over its budget of \d+"):
         engine(model, Greedy("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
 
 
 def test_a_drafter_returning_no_draft_batch_is_named() -> None:
     _, model = tiny_pair("llama")
 
-    class Lists(ScriptedDrafter):
+    class Pairs(ScriptedDrafter):  # from_lists' (token, parent) pairs, not (tokens, parents)
         def propose(self, req_ids, budgets):
             return [[(1, -1)] for _ in req_ids]
 
-    with pytest.raises(TypeError, match="drafter returned list, not a DraftBatch"):
-        engine(model, Lists("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+    class Nothing(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            return None
+
+    with pytest.raises(TypeError, match=r"drafter's tree for request 0 must be a \(tokens, parents\) pair"):
+        engine(model, Pairs("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+    with pytest.raises(TypeError, match="drafter returned NoneType, not a DraftBatch or a list of"):
+        engine(model, Nothing("random")).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+
+def test_a_drafter_returning_list_trees_drafts_as_with_a_draft_batch() -> None:
+    """The engine takes the replay's list form too (one checker, tree.drafter_output): the same
+    trees as (tokens, parents) lists give the same outputs and counters as a DraftBatch."""
+    _, model = tiny_pair("llama")
+
+    class ListTrees(ScriptedDrafter):
+        def propose(self, req_ids, budgets):
+            batch = super().propose(req_ids, budgets)
+            off = batch.offsets.tolist()
+            return [(batch.tokens[lo:hi].tolist(), batch.parents[lo:hi].tolist())
+                    for lo, hi in zip(off[:-1], off[1:])]
+
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
+    runs = [[(o.token_ids, o.num_verify_steps, o.num_draft_tokens, o.num_accepted_tokens)
+             for o in engine(model, drafter).generate([[1, 2, 3], [4, 5]], params)]
+            for drafter in (ScriptedDrafter("random", seed=3), ListTrees("random", seed=3))]
+    assert runs[0] == runs[1] and sum(r[2] for r in runs[0]) > 0
 
 
 def test_a_drafted_token_outside_the_vocabulary_is_named() -> None:

@@ -207,13 +207,18 @@ def test_tables_render():
     assert "1.80" in text and "33.3%" in text and "all" in text
 
 
-def test_drafter_probe_counts_acceptance_by_depth():
+@pytest.mark.parametrize("as_lists", [False, True])
+def test_drafter_probe_counts_acceptance_by_depth(as_lists):
+    """Over a DraftBatch or the same trees as (tokens, parents) lists, which the engine takes
+    too (``tree.drafter_output``)."""
     from rollout_spec.tree import DraftBatch
 
     class Drafter:
         extended = []
 
         def propose(self, req_ids, budgets=None):
+            if as_lists:
+                return [([5, 6, 7], [-1, 0, 1]), ([8, 9, 10], [-1, -1, 0]), ([], [])]
             return DraftBatch.from_lists([[(5, -1), (6, 0), (7, 1)], [(8, -1), (9, -1), (10, 0)], []])
 
         def extend_batch(self, req_ids, token_lists):

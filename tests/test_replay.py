@@ -352,16 +352,33 @@ class SelfParent(NullDrafter):
         return [([4], [0]) if b else ([], []) for b in budgets]
 
 
+class ParentShort(NullDrafter):
+    """A tree with one parent fewer than its tokens."""
+
+    def propose(self, ids, budgets):
+        return [([4], []) if b else ([], []) for b in budgets]
+
+
+class BatchTreeAdder(NullDrafter):
+    """A DraftBatch with one tree more than asked for."""
+
+    def propose(self, ids, budgets):
+        return DraftBatch.from_lists([[]] * (len(ids) + 1))
+
+
 @pytest.mark.parametrize("drafter, message", [
-    (GreedyOracle(small_trace()), "tree 0 has 3 nodes, over its budget of 1"),
-    (TreeDropper(), "the drafter proposed 2 trees for 3 requests"),
-    (SelfParent(), r"tree 0: parents \[0\] must be one per token"),
+    (GreedyOracle(small_trace()), "drafter's tree for request 0 has 3 nodes, over its budget of 1"),
+    (TreeDropper(), "drafter returned 2 trees for 3 requests"),
+    (SelfParent(), r"parents\[i\] must be -1 or in \[0, i\) .*: request 0's node 0 has parent 0"),
+    (ParentShort(), "drafter's tree for request 0 has 1 tokens and 0 parents: one parent per token"),
+    (BatchTreeAdder(), "drafter returned 4 trees for 3 requests"),
 ])
 def test_replay_refuses_a_proposal_it_would_score_unequally(drafter, message):
     """Every drafter gets the same budget: a tree over it would be credited nodes the others were
     not allowed (until session 85 it was: TPF 2.0 at budget 1, where 1.33 is the most), a missing
     tree would charge a verify that emits nothing (the replay then never ended), and a node that
-    does not come after its parent would be walked wrongly."""
+    does not come after its parent would be walked wrongly. A DraftBatch is held to the same
+    contract as a list (until session 86 its surplus trees were silently dropped)."""
     with pytest.raises(ValueError, match=message):
         replay(drafter, small_trace(), budget=1)
 

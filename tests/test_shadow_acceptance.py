@@ -122,7 +122,7 @@ def test_a_drafter_breaking_the_contract_in_a_shadow_round_is_named(model) -> No
         def propose(self, req_ids, budgets):
             return DraftBatch.from_lists([[(1, -1)]] * (len(req_ids) + 1))
 
-    with pytest.raises(ValueError, match=r"drafter returned 3 trees .* for 2 requests"):
+    with pytest.raises(ValueError, match="drafter returned 3 trees for 2 requests"):
         engine(model, TooMany("random"), draft_budget=PlainBudget(), overlap_drafter=False).generate(
             [[1, 2, 3]], SamplingParams(n=2, temperature=0.0, max_new_tokens=30))
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_spec.tree import DraftBatch, build_tree_inputs, host_tree_inputs, index_arrays
+from rollout_spec.tree import DraftBatch, build_tree_inputs, drafter_output, host_tree_inputs, index_arrays
 
 DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
 
@@ -274,6 +274,47 @@ def test_malformed_batch_is_rejected():
         with pytest.raises(ValueError, match="parents"):
             build_tree_inputs(bad, torch.zeros(1, dtype=torch.int64),
                               torch.zeros(1, dtype=torch.int64))
+
+
+def test_a_bad_parent_is_named_with_its_request_and_node():
+    """validate says which request's node breaks the parents rule, not only the rule."""
+    bad = DraftBatch(offsets=np.array([0, 1, 3], np.int32), tokens=np.array([1, 2, 3], np.int32),
+                     parents=np.array([-1, -1, 1], np.int32), probs=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"topological order\): request 1's node 1 has parent 1"):
+        bad.validate()
+
+
+def test_drafter_output_reads_list_trees_as_a_batch():
+    """A list of (tokens, parents) pairs (as_trees' other form) becomes the batch from_lists
+    builds from the same nodes, checked like a drafter's DraftBatch."""
+    trees = [([5, 6, 7], [-1, 0, 0]), ([], []), ((9,), np.array([-1]))]
+    got = drafter_output(trees, np.array([3, 0, 1]))
+    want = DraftBatch.from_lists([[(5, -1), (6, 0), (7, 0)], [], [(9, -1)]])
+    for name in ("offsets", "tokens", "parents", "probs"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+        assert getattr(got, name).dtype == getattr(want, name).dtype
+    batch = DraftBatch.from_lists([[(1, -1)], []])
+    assert drafter_output(batch, [1, 0]) is batch
+
+
+@pytest.mark.parametrize("result, budgets, error, message", [
+    (object(), [1], TypeError, "drafter returned object, not a DraftBatch or a list of"),
+    ("ab", [1], TypeError, "drafter returned str, not a DraftBatch"),
+    ([[(1, -1)]], [1], TypeError, r"tree for request 0 must be a \(tokens, parents\) pair"),
+    ([([], []), ([1, 2], [-1])], [2, 2], ValueError, "request 1 has 2 tokens and 1 parents"),
+    ([([1], [-1])], [1, 1], ValueError, "drafter returned 1 trees for 2 requests"),
+    ([([1], [-1]), ([1, 2], [-1, 0])], [1, 1], ValueError,
+     "drafter's tree for request 1 has 2 nodes, over its budget of 1"),
+    ([([1], [-1]), ([1, 2], [-1, 1])], [2, 2], ValueError, "request 1's node 1 has parent 1"),
+    ([([-3], [-1])], [1], ValueError, "the drafter's tokens must hold token ids"),
+    ([([1.5], [-1])], [1], TypeError, "the drafter's tokens must be"),
+    (DraftBatch.from_lists([[(1, -1)], [(2, -1), (3, 0)]]), np.array([1, 1]), ValueError,
+     "drafter's tree for request 1 has 2 nodes, over its budget of 1"),
+])
+def test_drafter_output_names_the_request_and_the_rule(result, budgets, error, message):
+    """Either form is refused naming the request's position in the call and the broken rule."""
+    with pytest.raises(error, match=message):
+        drafter_output(result, budgets)
 
 
 def test_byte_packing_round_trips():

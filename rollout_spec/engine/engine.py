@@ -563,9 +563,10 @@ class RolloutEngine:
         budgets = self._capped(self._asked[1], run.room(self.max_model_len)[alive] - keep[alive])
         self._queue.submit(self._drafter.propose_ahead, run.req_id[alive].tolist(), budgets)
 
-    def _checked(self, batch: DraftBatch, budgets: np.ndarray) -> DraftBatch:
-        """The drafter's batch, after checking it against the budgets and the vocabulary."""
-        batch = drafter_output(batch, budgets)
+    def _checked(self, proposal: object, budgets: np.ndarray) -> DraftBatch:
+        """The drafter's proposal as a DraftBatch, after checking it against the budgets
+        (``drafter_output``, the replay's checker too) and the vocabulary."""
+        batch = drafter_output(proposal, budgets)
         if batch.num_nodes and int(batch.tokens.max()) >= self.model.config.vocab_size:
             raise ValueError(
                 f"drafter proposed token {int(batch.tokens.max())}, vocab_size is "
