@@ -32,7 +32,9 @@ class SamplingTable:
     verifier skip work no request needs (sorting for top-k/top-p, the greedy or the sampling law).
 
     The arrays are read-only: tables of batches sharing one SamplingParams are cached and
-    reused step after step, together with the facts derived from them.
+    reused step after step, together with the facts derived from them. Build tables with
+    ``from_params``, which checks its input (through SamplingParams) and freezes the arrays;
+    the constructor takes its arrays as they are.
     """
 
     temperature: np.ndarray  # float32[B]; 0 means greedy

@@ -240,8 +240,10 @@ class TraceRecorder:
 
     def __init__(self, model: str, sampling: dict, eos_token_id: Optional[int],
                  vocab_size: Optional[int] = None) -> None:
-        """``eos_token_id``: None or a token id in [0, MAX_TOKEN_ID] (below ``vocab_size`` when
-        that is given)."""
+        """``model``: the model's name (a str); ``eos_token_id``: None or a token id in
+        [0, MAX_TOKEN_ID] (below ``vocab_size`` when that is given)."""
+        if not isinstance(model, str):
+            raise TypeError(f"model must be the model's name (a str), got {type(model).__name__}")
         if vocab_size is not None:  # with the samples' seeds, a replay can key the drafter's noise
             vocab_size = check_int("vocab_size", vocab_size, 1, MAX_TOKEN_ID)
         if eos_token_id is not None:
@@ -277,6 +279,8 @@ class TraceRecorder:
         prompts = [replace(p, group_id=check_int(f"prompts[{i}].group_id", p.group_id, 0, GROUP_ID_MAX),
                            prompt_ids=tuple(token_array(f"prompts[{i}].prompt_ids", p.prompt_ids).tolist()))
                    for i, p in enumerate(prompts)]
+        if responses and not prompts:
+            raise ValueError("prompts is empty, so responses (which index into it) must be too")
         rows = []
         for k, response in enumerate(responses):
             try:

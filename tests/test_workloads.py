@@ -143,6 +143,15 @@ def test_trace_recorder_refuses_one_group_id_for_two_prompts(tmp_path):
     assert trace.prompts == {0: list(first[0].prompt_ids)} and trace.steps == [[(0, [5])], [(0, [9])]]
 
 
+def test_trace_recorder_names_a_bad_model_and_responses_without_prompts():
+    with pytest.raises(TypeError, match="model must be the model's name \\(a str\\), got int"):
+        TraceRecorder(7, {"temperature": 1.0}, eos_token_id=2)
+    rec = TraceRecorder("tiny", {"temperature": 1.0}, eos_token_id=2)
+    with pytest.raises(ValueError, match="prompts is empty, so responses"):  # was: "in [0, -1]"
+        rec.add_step([], [(0, [5])])
+    rec.add_step([], [])  # an empty step is still a step
+
+
 def test_trace_recorder_keeps_the_samples_seeds(tmp_path):
     """With the seeds and the vocabulary, a replay can tell the drafter the samples' noise keys."""
     prompts = Workload("basic_arithmetic", CharTokenizer(), 2, seed=0).batch(0)
