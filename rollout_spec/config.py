@@ -130,7 +130,8 @@ class SpecConfig:
     budgets never exceed it (0 disables speculation in the engine)."""
     max_batch_draft_tokens: int = 65536
     """Most draft nodes proposed by one batched ``propose`` call, over all requests (requests late
-    in the call get smaller drafts once it is spent; the default covers 8192 requests x 8)."""
+    in the call get smaller drafts once it is spent; the default covers 8192 requests x 8). In
+    [0, 2**24]; 0 proposes nothing, as ``num_draft_tokens=0`` does."""
     max_depth: int = 24
     """Longest root-to-leaf path of a draft tree."""
     max_match_len: int = 32
