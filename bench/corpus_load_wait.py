@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds, waits = waits_during_load(chunks, batch, args.get_every_ms / 1000)
             ms = np.array(waits) * 1000
             median, most = (f"{np.median(ms):.2f}", f"{ms.max():.1f}") if len(ms) else ("-", "-")
-            print(f"| {name} | {r + 1} | {seconds * 1000:.1f} | {len(waits)} | {median} | {most} |")
+            print(f"| {name} | {r + 1} | {seconds * 1000:.1f} | {len(waits)} | {median} | {most} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from rollout_spec.cli_args import int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
 from rollout_spec.replay import Trace, accepted_path, replay  # noqa: E402
-from trace_files import load_traces  # noqa: E402
+from trace_files import add_trace_option, load_traces, replay_status  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
 
@@ -52,7 +52,7 @@ def replay_sizes(trace: Trace, budget: int, steps: int, max_live: int) -> tuple[
 def main(argv: list[str] | None = None) -> None:
     """Print the table for each trace."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", action="append", help="trace file (default: the shared traces)")
+    add_trace_option(ap)
     ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
                     help="RL steps replayed; at most the trace's step count (default: the first 2, or 1 "
                          "on a one-step trace)")
@@ -62,13 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     print("| trace | E(k) | " + " | ".join(f"k={k}" for k in SIZES) + " |\n|---|---|" + "---|" * len(SIZES))
     for path, trace in traces:
         steps = args.steps or min(2, len(trace.steps))
-        kept, depth = replay_sizes(trace, max(SIZES), steps, args.max_live)
-        rates = depth[1:, 1] / np.maximum(depth[1:, 0], 1)
-        rows = {
-            "proposed at k": [1 + replay_sizes(trace, k, steps, args.max_live)[0][:, k].mean() for k in SIZES],
-            "prefix of 8-node trees": [1 + kept[:, k].mean() for k in SIZES],
-            "per-depth model": [1 + np.cumprod(rates[:k]).sum() for k in SIZES],
-        }
+        with replay_status(Path(path).name):
+            kept, depth = replay_sizes(trace, max(SIZES), steps, args.max_live)
+            rates = depth[1:, 1] / np.maximum(depth[1:, 0], 1)
+            rows = {
+                "proposed at k": [1 + replay_sizes(trace, k, steps, args.max_live)[0][:, k].mean() for k in SIZES],
+                "prefix of 8-node trees": [1 + kept[:, k].mean() for k in SIZES],
+                "per-depth model": [1 + np.cumprod(rates[:k]).sum() for k in SIZES],
+            }
         for name, values in rows.items():
             print(f"| {Path(path).name} | {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |", flush=True)
 

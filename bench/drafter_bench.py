@@ -41,7 +41,7 @@ from rollout_spec.drafter import NgramDrafter  # noqa: E402
 from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult, Trace,  # noqa: E402
                                  arctic_available, replay)
 from synthetic_trace import make_synthetic_trace  # noqa: E402
-from trace_files import load_traces  # noqa: E402
+from trace_files import add_trace_option, load_traces  # noqa: E402
 
 
 
@@ -152,7 +152,7 @@ def drafter_names(ap: argparse.ArgumentParser, drafters: list[str], counts: list
 def main(argv: list[str] | None = None) -> None:
     """Parse options, pick traces, run the drafters, print the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", action="append", help="trace file(s); default: shared traces, else synthetic")
+    add_trace_option(ap, "the shared traces, else a synthetic one")
     ap.add_argument("--synthetic", action="store_true", help="also replay a synthetic trace")
     ap.add_argument("--budget", type=int_arg("--budget", 1, 1024), default=8, help="draft tokens per request")
     ap.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 20), default=None,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter, takes_noise_keys  # noqa: E402
 from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost, draft_sizes  # noqa: E402
 from rollout_spec.replay import Trace, accepted_path, as_trees  # noqa: E402
-from trace_files import load_traces  # noqa: E402
+from trace_files import add_trace_option, load_traces, replay_status  # noqa: E402
 
 RULES = ("throughput", "drained")
 GRID_BATCHES = (1, 8, 32, 64, 128, 256)
@@ -161,7 +160,7 @@ def replay_rule(trace: Trace, rule: str, batch: int, steps: int, max_draft: int,
 def main(argv: list[str] | None = None) -> None:
     """Print one table row per trace and RL step."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", action="append", help="trace file (default: the shared traces)")
+    add_trace_option(ap)
     ap.add_argument("--batch", type=int_arg("--batch", 1, 256), default=128,
                     help="samples per call, all decoded at once (default 128: 16 prompts x n=8)")
     ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
@@ -185,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
           + " |\n|---|---|---|" + "---|" * len(RULES))
     for path, trace in traces:
         steps = args.steps or len(trace.steps)
-        t0 = time.perf_counter()
-        runs = {rule: replay_rule(trace, rule, args.batch, steps, args.draft_tokens, cost) for rule in RULES}
+        with replay_status(Path(path).name):
+            runs = {rule: replay_rule(trace, rule, args.batch, steps, args.draft_tokens, cost) for rule in RULES}
         for s in range(steps):
             rows = trace.steps[s]
             plain = sum(plain_seconds(cost, [len(r) for _, r in rows[lo:lo + args.batch]])
@@ -194,7 +193,6 @@ def main(argv: list[str] | None = None) -> None:
             cells = [f"{plain / runs[r][s].seconds:.3f}x ({runs[r][s].tpf:.2f})" if runs[r][s].seconds
                      else "- (nothing decoded)" for r in RULES]
             print(f"| {Path(path).name} | {s} | {plain:.2f} | " + " | ".join(cells) + " |", flush=True)
-        print(f"  [{Path(path).name}: replayed in {time.perf_counter() - t0:.0f}s]", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rollout_spec.cli_args import check_device, device_arg, int_arg, numbers_arg
-from rollout_spec.config import DEFAULT_MODEL, check_temperature
+from rollout_spec.cli_args import add_device_option, check_device, int_arg, numbers_arg, temperatures_arg
+from rollout_spec.config import DEFAULT_MODEL
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
 from rollout_spec.engine.kv_cache import KVCache
@@ -641,8 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every option; numbers are range-checked as they are parsed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
-    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
+    add_device_option(ap)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a checkpoint (not with --random-weights)")
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 4096),
                     default="1,8,32,64,128,256",
@@ -653,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "mode sizes its cache to --ctx and --max-new-tokens)")
     ap.add_argument("--ctx", type=int_arg("--ctx", 1, 1 << 20), default=384,
                     help="cached context of the timed steps")
-    ap.add_argument("--temperatures", type=numbers_arg("--temperatures", float, 0.0, 100.0), default="0.6,1.0")
+    ap.add_argument("--temperatures", type=temperatures_arg("--temperatures"), default="0.6,1.0",
+                    help="comma-separated; each 0 (greedy) or in [0.01, 100] (default 0.6,1.0)")
     ap.add_argument("--history", choices=tuple(HISTORY), default="cold",
                     help="engine mode: " + "; ".join(f"{k} = {v}" for k, v in HISTORY.items()))
     ap.add_argument("--repeats", type=int_arg("--repeats", 1, 1000), default=3,
@@ -700,11 +700,6 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--model {args.model}: --random-weights builds {DEFAULT_MODEL}'s shapes and loads no "
                  f"checkpoint; give one of the two")
     args.device = check_device(ap, args.device)
-    for t in args.temperatures:
-        try:
-            check_temperature("--temperatures value", t)
-        except ValueError as exc:
-            ap.error(f"every {exc}")
     if args.verify_backend == "triton" and not triton_attention.is_available():
         ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")
     if args.profile and args.mode != "engine":

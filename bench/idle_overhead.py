@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_bench import SMOLLM2_135M, random_model  # noqa: E402
 from rollout_spec import SamplingParams, SpecConfig  # noqa: E402
-from rollout_spec.cli_args import check_device, device_arg, int_arg  # noqa: E402
+from rollout_spec.cli_args import add_device_option, check_device, int_arg, numbers_arg  # noqa: E402
 from rollout_spec.engine import RolloutEngine  # noqa: E402
 
 PROMPT_LEN = 128  # random ids per prompt
@@ -49,14 +49,15 @@ class ShadowOnlyBudget:
 def main(argv: list[str] | None = None) -> None:
     """Build the three engines and print the table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", type=device_arg, default="cuda", help="cpu, cuda, cuda:N, mps or auto")
+    add_device_option(ap)
     ap.add_argument("--slots", type=int_arg("--slots", 1, 1 << 20), default=256,
                     help="KV slots per engine (default 256)")
-    ap.add_argument("--batch-sizes", type=int_arg("--batch-sizes", 1, 1 << 20), nargs="+", default=[1, 64, 256])
+    ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1 << 20), default="1,64,256",
+                    help="comma-separated samples decoded at once, each at most --slots (default 1,64,256)")
     ap.add_argument("--new-tokens", type=int_arg("--new-tokens", 1, MAX_NEW_TOKENS), default=256,
                     help="tokens per sample (default 256)")
     ap.add_argument("--rounds", type=int_arg("--rounds", 2, 1000), default=4,
-                    help="rounds per row, the first a warm-up")
+                    help="rounds per row, the first a warm-up (default 4)")
     args = ap.parse_args(argv)
     args.device = check_device(ap, args.device)
     if max(args.batch_sizes) > args.slots:

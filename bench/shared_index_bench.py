@@ -18,6 +18,7 @@ Routing ``sticky``: groups are placed by ``GroupRouter.assign`` (verl/OpenRLHF h
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for step in range(args.steps):
         rows.append(run_step(hosts, coords, step, place_groups(num_groups, args.replicas, args.n, args.routing, rng), args.n))
+        print(f"  [step {step + 1}/{args.steps}: published and ingested in "
+              f"{rows[-1]['publish+ack s'] + rows[-1]['ingest s']:.1f}s]", file=sys.stderr, flush=True)
     retained = ray.get([c.stats.remote() for c in coords])
     print(f"replicas={args.replicas} requests/replica={args.requests} n={args.n} routing={args.routing} "
           f"affinity_k={args.affinity_k} shards={args.shards} hosts={args.hosts} sink={args.sink} "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -27,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 import engine_bench as eb
-from rollout_spec.cli_args import device_arg, float_arg, int_arg, temperature_arg
+from rollout_spec.cli_args import add_device_option, float_arg, int_arg, temperature_arg
 
 WAIT = "Tensor.cpu"  # the host's wait for the GPU (verification's readback) ends here
 REPLAY = "GraphLadder.replay"  # the GPU starts a step's forward
@@ -162,8 +163,7 @@ def print_table(args: argparse.Namespace, plain: tuple, spec: tuple) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The options, each range-checked as it is parsed (errors name this script's flags)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
+    add_device_option(ap)
     ap.add_argument("--model", default=eb.DEFAULT_MODEL, help="a checkpoint (not with --random-weights)")
     ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--batch-size", type=int_arg("--batch-size", 1, 4096), default=8)
@@ -200,17 +200,20 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     bench = bench_args(ap, args)
     pool, warm, stop = eb.checked_workload(ap, bench)
+    start = time.perf_counter()
     spec_eng, base_eng = eb.build_engines(bench)
+    print(f"engines built in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     if args.fixed_budget is not None:
         spec_eng.draft_budget = lambda _num_running: args.fixed_budget
     eb.warm_up((spec_eng, base_eng), warm, args.batch_size, args.temperature, args.max_new_tokens, stop)
     timeline = Timeline()
     with installed(timeline):
         per_call, count = eb.row_shape(args.batch_size, bench.min_samples, bench.queue)
-        for _ in range(args.rounds):  # both engines on the same new prompts, as engine_bench does
+        for r in range(args.rounds):  # both engines on the same new prompts, as engine_bench does
             calls = [pool.take(per_call) for _ in range(count)]
             plain = measure(args, base_eng, calls, stop, timeline, False)
             spec = measure(args, spec_eng, calls, stop, timeline, True)
+            print(f"  [round {r + 1}/{args.rounds} done]", file=sys.stderr, flush=True)
     print_table(args, plain, spec)
 
 

@@ -34,6 +34,7 @@ and has no ratio, so --step-ms with --profile is an argument error.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, names_arg, numbers_arg
+from rollout_spec.cli_args import add_device_option, check_device, float_arg, int_arg, names_arg, numbers_arg
 from rollout_spec.config import SamplingParams
 from rollout_spec.engine import triton_attention
 from rollout_spec.tree import DraftBatch, build_tree_inputs
@@ -132,8 +133,7 @@ STEP_MS = 4.5  # --step-ms where not given: engine_bench.py --mode steps' verify
 def build_parser() -> argparse.ArgumentParser:
     """Every option, each typed and range-checked as it is parsed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu, cuda, cuda:N, mps or auto (default: cuda where available)")
+    add_device_option(ap)
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1024), default=None,
                     help="default 1,64,256 (CUDA), 1,64 (CPU), 64 with --profile")
     ap.add_argument("--budgets", type=numbers_arg("--budgets", int, 1, 256), default=None,
@@ -253,12 +253,15 @@ def print_header(device: torch.device, step_ms: float) -> None:
 
 
 def print_row(r: dict, step_ms: float) -> None:
-    """One (B, budget, mode, backend) line; ratios of build (numpy roots) + verify."""
+    """One (B, budget, mode, backend) line; ratios of build (numpy roots) + verify. Without a
+    forward (``--no-forward``) its two cells read ``-``, not nan."""
     cost = r["build_np"] + r["verify"]
+    timed = not math.isnan(r["forward"])
+    forward = f"{r['forward']:>11.2f}" if timed else f"{'-':>11}"
+    per_forward = f"{cost / r['forward'] * 100:>9.1f}%" if timed else f"{'-':>10}"
     print(f"{r['B']:>4} {r['budget']:>6} {r['W']:>3} {r['mode']:>14} {r['backend']:>8} "
           f"{r['build']:>9.3f} {r['build_np']:>8.3f} {r['verify']:>10.3f} "
-          f"{r['forward']:>11.2f} {cost / r['forward'] * 100:>9.1f}% "
-          f"{cost / step_ms * 100:>7.1f}%", flush=True)
+          f"{forward} {per_forward} {cost / step_ms * 100:>7.1f}%", flush=True)
 
 
 def profile(num_req: int, budget: int, variants: list[tuple[str, str]], context: int,

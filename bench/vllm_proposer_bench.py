@@ -43,7 +43,7 @@ from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.integrations.vllm import engine_kwargs  # noqa: E402
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer  # noqa: E402
 from rollout_spec.replay import Trace, accepted_length  # noqa: E402
-from trace_files import load_traces  # noqa: E402
+from trace_files import add_trace_option, load_traces, replay_status  # noqa: E402
 
 MAX_MODEL_LEN = 2048  # the replay's model length, unless a trace's requests need more
 
@@ -199,8 +199,7 @@ def make_proposer(spec: SpecConfig, k: int, max_model_len: int = MAX_MODEL_LEN) 
 def main(argv: Optional[list[str]] = None) -> None:
     """Parse the arguments, replay every trace --repeat times, print each step's median cost."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", action="append",
-                        help="trace file (repeatable; default: the shared traces)")
+    add_trace_option(parser)
     parser.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 16), default=512,
                         help="rows of vLLM's batch")
     parser.add_argument("--k", type=int_arg("--k", 1, 64), default=8, help="num_speculative_tokens")
@@ -215,22 +214,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     digests: dict[str, list[list[str]]] = {}
     print("| trace | step | engine steps | TPF | us/req/step (runs) |\n|---|---|---|---|---|")
     for path, trace in load_traces(parser, args.trace):
-        runs: list[list[StepCost]] = []
-        for _ in range(args.repeat):
-            prop = make_proposer(spec, args.k, trace_model_len(trace))
-            costs = []
-            for step in range(len(trace.steps)):
-                costs.append(replay_step(prop, trace, step, args.max_live))
-                prop.end_step()
-            runs.append(costs)
         name = Path(path).name.split(".json")[0]
+        runs: list[list[StepCost]] = []
+        with replay_status(f"{name}, {args.repeat} replays" if args.repeat > 1 else name):
+            for _ in range(args.repeat):
+                prop = make_proposer(spec, args.k, trace_model_len(trace))
+                costs = []
+                for step in range(len(trace.steps)):
+                    costs.append(replay_step(prop, trace, step, args.max_live))
+                    prop.end_step()
+                runs.append(costs)
         digests[name] = [c.digests for c in runs[0]]
         for s in range(len(trace.steps)):
             us = [run[s].us_per_request_step for run in runs]
             if any(run[s].digests != runs[0][s].digests for run in runs):
                 raise SystemExit(f"{name} step {s}: drafts differ between replays")
             print(f"| {name} | {s} | {runs[0][s].engine_steps} | {runs[0][s].tpf:.3f} | "
-                  f"{statistics.median(us):.2f} ({' '.join(f'{u:.2f}' for u in us)}) |")
+                  f"{statistics.median(us):.2f} ({' '.join(f'{u:.2f}' for u in us)}) |", flush=True)
     if args.digest is not None:
         args.digest.write_text(json.dumps(digests))
 

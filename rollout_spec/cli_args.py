@@ -70,6 +70,24 @@ def numbers_arg(name: str, kind: type, lo: float, hi: float) -> Callable[[str], 
     return parse
 
 
+def temperatures_arg(name: str) -> Callable[[str], list[float]]:
+    """An argparse type: one or more comma-separated sampling temperatures, each 0 (greedy) or in
+    [MIN_TEMPERATURE, 100]; an error names the option and that rule, not a plain [0, 100] range
+    that would let a temperature the sampler refuses through to the run."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be comma-separated numbers, got {text!r}") from None
+        try:
+            return [check_temperature(f"every {name} value", v) for v in values]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     """An argparse type: one or more comma-separated names, each one of ``allowed``."""
 
@@ -101,6 +119,13 @@ def device_arg(text: str) -> str:
     if not DEVICE_RE.match(text):
         raise argparse.ArgumentTypeError(f"device must be auto, cpu, mps, cuda or cuda:N, got {text!r}")
     return text
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """The bench scripts' ``--device``: a name ``device_arg`` accepts, default ``auto`` (CUDA where
+    torch sees one, else CPU; ``check_device`` resolves it), one definition for every script."""
+    parser.add_argument("--device", type=device_arg, default="auto",
+                        help="cpu, cuda, cuda:N, mps or auto (default auto: cuda where available, else cpu)")
 
 
 def model_arg(text: str) -> str:

@@ -28,8 +28,10 @@ from synthetic_trace import SyntheticSpec, make_synthetic_trace  # noqa: E402
 def test_draft_size_yield_prints_three_estimates_per_size(tmp_path, capsys) -> None:
     path = small_trace(tmp_path, seed=3)
     draft_size_yield.main(["--trace", str(path), "--steps", "2", "--max-live", "8"])
-    rows = {r[1]: [float(x) for x in r[2:]] for r in table_rows(capsys.readouterr().out)}
+    out, err = capsys.readouterr()
+    rows = {r[1]: [float(x) for x in r[2:]] for r in table_rows(out)}
     assert set(rows) == {"proposed at k", "prefix of 8-node trees", "per-depth model"}
+    assert f"[{path.name}: replayed in " in err  # a status line per trace, on stderr
     prefix = rows["prefix of 8-node trees"]
     assert prefix == sorted(prefix) and prefix[0] > 1.0  # a tree's first k nodes keep more as k grows
     assert rows["proposed at k"][-1] == prefix[-1]  # k = 8: the same replay either way
@@ -59,13 +61,28 @@ def test_draft_size_yield_bad_flags(argv, message, capsys) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cpu", "--slots", "4", "--batch-sizes", "8"], "every --batch-sizes value must be in [1, --slots=4]"),
     (["--device", "cpu", "--new-tokens", "20000000"], "argument --new-tokens: --new-tokens must be in [1, 8048]"),
-    (["--device", "cpu", "--batch-sizes", "abc"], "argument --batch-sizes: --batch-sizes must be an integer"),
+    (["--device", "cpu", "--batch-sizes", "abc"],
+     "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
+    # a comma list, as engine_bench.py, verify_bench.py and budget_overhead.py take it
+    (["--device", "cpu", "--slots", "8", "--batch-sizes", "1,64"],
+     "every --batch-sizes value must be in [1, --slots=8], got 64"),
+    (["--device", "cpu", "--batch-sizes", "1,0"],
+     "argument --batch-sizes: every --batch-sizes value must be in [1, 1048576], got 0"),
     (["--device", "cpu", "--rounds", "1"], "argument --rounds: --rounds must be in [2, 1000], got 1"),
     (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N"),
 ])
 def test_idle_overhead_bad_flags(argv, message, monkeypatch, capsys) -> None:
     monkeypatch.setattr(idle_overhead, "random_model", lambda *_: pytest.fail("model built before the error"))
     assert message in argument_error(idle_overhead.main, argv, capsys)
+
+
+def test_idle_overhead_device_defaults_to_auto(monkeypatch, capsys) -> None:
+    """Without --device it runs where it can, as the other engine scripts do (it used to default
+    to cuda, an error on a machine without one); the slots check after the device is reached."""
+    hide_cuda(monkeypatch)
+    monkeypatch.setattr(idle_overhead, "random_model", lambda *_: pytest.fail("model built before the error"))
+    err = argument_error(idle_overhead.main, ["--slots", "4", "--batch-sizes", "8"], capsys)
+    assert "every --batch-sizes value must be in [1, --slots=4], got 8" in err
 
 
 def test_idle_overhead_cuda_without_a_gpu(monkeypatch, capsys) -> None:

@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, load_trace_arg,
-                                   names_arg, numbers_arg)
+                                   names_arg, numbers_arg, temperatures_arg)
 
 
 @pytest.mark.parametrize("parse, text, needle", [
@@ -16,6 +16,9 @@ from rollout_spec.cli_args import (check_device, check_output, device_arg, float
     (numbers_arg("batch_sizes", int, 1, 64), "1,0", "every batch_sizes value must be in [1, 64], got 0"),
     (numbers_arg("batch_sizes", int, 1, 64), "1,a", "batch_sizes must be comma-separated integers, got '1,a'"),
     (numbers_arg("temperatures", float, 0.0, 2.0), "nan", "every temperatures value must be in [0.0, 2.0]"),
+    (temperatures_arg("temps"), "0.6,-1", "every temps value must be 0 (greedy) or in [0.01, 100.0], got -1.0"),
+    (temperatures_arg("temps"), "0.001", "every temps value must be 0 (greedy) or in [0.01, 100.0], got 0.001"),
+    (temperatures_arg("temps"), "0.6,", "temps must be comma-separated numbers, got '0.6,'"),
     (names_arg("modes", ("chain", "tree")), "chain,bush", "every modes value must be one of chain, tree; got 'bush'"),
     (device_arg, "gpu", "device must be auto, cpu, mps, cuda or cuda:N, got 'gpu'"),
 ])
@@ -28,6 +31,7 @@ def test_types_name_the_option_and_range(parse, text, needle):
 def test_types_return_the_parsed_values():
     assert int_arg("n", 1, 8)("8") == 8 and numbers_arg("b", int, 1, 64)("1,64") == [1, 64]
     assert names_arg("m", ("a", "b"))("b, a") == ["b", "a"] and device_arg("cuda:1") == "cuda:1"
+    assert temperatures_arg("t")("0,0.6,100") == [0.0, 0.6, 100.0]
 
 
 class Refused(Exception):

@@ -13,8 +13,8 @@ program without arguments mentions it, and one that ends in an option without it
 
 Each command runs its entry point's own ``main`` with ``ArgumentParser.parse_args`` stopped right
 after parsing, so nothing runs, and with abbreviations off, so a shortened option is refused.
-docs/bench.md's option tables must list every option of ``rollout-spec bench`` and ``replay``,
-and no other, with the parser's defaults.
+docs/bench.md's option tables must list every option of ``rollout-spec bench`` and ``replay``, and
+of every script in bench/, and no other, with the parser's defaults.
 """
 from __future__ import annotations
 
@@ -229,3 +229,59 @@ def test_the_option_tables_of_docs_bench_md_match_the_parser(command: str, table
             continue  # prose: "32 on CUDA, 8 elsewhere", "-", "all"
         cells = [c.strip().strip("`") for c in row[1].split(",")]
         assert cells == [documented_default(d) for d in defaults], row
+
+
+BENCH_SCRIPTS = sorted(f"bench/{p.name}" for p in (ROOT / "bench").glob("*.py") if p.stem != "trace_files")
+
+
+def script_tables() -> dict[str, list[list[str]]]:
+    """The data rows of the option table under each ``### `bench/NAME.py``` heading of
+    docs/bench.md, by script."""
+    text = (ROOT / "docs" / "bench.md").read_text()
+    section = text[text.index("## The scripts in `bench/`"):]
+    parts = re.split(r"^### `(bench/\w+\.py)`\n", section, flags=re.M)
+    return {script: table_rows(body) for script, body in zip(parts[1::2], parts[2::2])}
+
+
+def script_parser(monkeypatch: pytest.MonkeyPatch, program: str) -> argparse.ArgumentParser:
+    """The parser ``program``'s ``main`` builds, taken when it is about to parse (nothing runs)."""
+    main = entry_point(program)
+    built = []
+
+    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        built.append(self)
+        raise Parsed(None)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", capture)
+        with pytest.raises(Parsed):
+            main([])
+    return built[0]
+
+
+def documented_script_default(default: object) -> Optional[str]:
+    """How a script's option table writes a parser default, or None where it says it in prose
+    (an unset option, a path beside the checkout)."""
+    if default is None or default == [] or isinstance(default, Path):
+        return None
+    return ",".join(map(str, default)) if isinstance(default, list) else documented_default(default)
+
+
+@pytest.mark.parametrize("script", BENCH_SCRIPTS)
+def test_docs_bench_md_lists_every_option_of_each_bench_script(monkeypatch: pytest.MonkeyPatch,
+                                                                script: str) -> None:
+    """Each bench script has a table in docs/bench.md with all its options, no other, one per row,
+    each with the parser's default."""
+    tables = script_tables()
+    assert script in tables, f"docs/bench.md has no table for {script}"
+    parser = script_parser(monkeypatch, script)
+    actions = {flag: action for action in parser._actions for flag in action.option_strings}
+    listed = [re.findall(r"--[a-z][\w-]*", row[0]) for row in tables[script]]
+    assert all(len(flags) == 1 for flags in listed), listed
+    assert sorted(flags[0] for flags in listed) == sorted(set(actions) - {"-h", "--help"})
+    for [flag], row in zip(listed, tables[script]):
+        default = actions[flag].default
+        if isinstance(default, Path):  # the shared trace beside the checkout: the doc names its tail
+            assert str(default).endswith(row[1].strip("`")), row
+        elif documented_script_default(default) is not None:
+            assert row[1].strip("`") == documented_script_default(default), row

@@ -179,8 +179,13 @@ def test_budget_decisions_are_counted_per_row_and_round(monkeypatch: pytest.Monk
     ("--repeats", "0", "argument --repeats: --repeats must be in [1, 1000], got 0"),
     ("--min-samples", "-3", "argument --min-samples: --min-samples must be in [1, 1048576], got -3"),
     ("--repeats", "2.5", "argument --repeats: --repeats must be an integer in [1, 1000], got '2.5'"),
-    ("--temperatures", "0.6,nan", "argument --temperatures: every --temperatures value must be in [0.0, 100.0]"),
-    ("--temperatures", "0.6,1e-9", "every --temperatures value must be 0 (greedy) or in [0.01, 100.0], got 1e-09"),
+    ("--temperatures", "0.6,nan",
+     "argument --temperatures: every --temperatures value must be 0 (greedy) or in [0.01, 100.0], got nan"),
+    ("--temperatures", "0.6,1e-9",
+     "argument --temperatures: every --temperatures value must be 0 (greedy) or in [0.01, 100.0], got 1e-09"),
+    # a negative temperature used to be refused with the range [0.0, 100.0], which holds 0.005
+    ("--temperatures", "-1", "every --temperatures value must be 0 (greedy) or in [0.01, 100.0], got -1.0"),
+    ("--temperatures", "0.6,hot", "argument --temperatures: --temperatures must be comma-separated numbers"),
     ("--history", "hot", "argument --history: invalid choice: 'hot'"),
     ("--device", "foo", "argument --device: device must be auto, cpu, mps, cuda or cuda:N, got 'foo'"),
 ])

@@ -21,7 +21,9 @@ def test_table_lists_both_engines_and_timers_come_off(monkeypatch, capsys) -> No
     before = (RolloutEngine._decode, runner.ModelRunner.verify_forward, runner.host_tree_inputs)
     st.main(["--device", "cpu", "--random-weights", "--batch-size", "2", "--max-new-tokens", "4",
              "--rounds", "1", "--min-ms", "0"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "engines built in " in err and "[round 1/1 done]" in err  # progress on stderr only
+    assert "round 1/1" not in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert "## Host time per decode step, B=2, T=0.6" in out
     # Every decode step goes through _decode on both engines; only the spec engine proposes.

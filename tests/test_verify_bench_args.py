@@ -50,6 +50,12 @@ def test_cpu_defaults_and_a_tiny_grid(capsys) -> None:
              "--no-forward"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("   2 ")]
     assert [r[:5] for r in rows] == [["2", "3", "4", "greedy", "torch"]]
+    assert rows[0][8:10] == ["-", "-"]  # no forward was timed: its two cells say so, not nan
+
+
+def test_device_defaults_to_auto(monkeypatch) -> None:
+    hide_cuda(monkeypatch)
+    assert vb.parse_args([]).device == "cpu"
 
 
 def test_profile_defaults_to_one_point_of_ten_calls() -> None:

@@ -18,8 +18,10 @@ def test_replays_print_a_row_per_step_and_write_matching_digests(tmp_path, capsy
     trace, digest = small_trace(tmp_path), tmp_path / "d.json"
     vllm_proposer_bench.main(["--trace", str(trace), "--max-live", "8", "--repeat", "2",
                               "--digest", str(digest)])
-    rows = table_rows(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    rows = table_rows(out)
     assert [r[1] for r in rows] == ["0", "1"]
+    assert "[t, 2 replays: replayed in " in err and "replayed in" not in out  # progress on stderr
     assert all(int(r[2]) > 0 and float(r[3]) >= 1.0 for r in rows)
     assert float(rows[1][3]) > 1.0  # step 1 drafts from step 0's siblings, which share spans
     assert all(len(r[4].split("(")[1].split()) == 2 for r in rows)  # both runs' figures shown
