@@ -106,8 +106,9 @@ def _load_corpus(index: int, path: str) -> np.ndarray:
 
 def _sized(name: str, values: object) -> int:
     """``len(values)``; TypeError naming ``name`` for anything without a length (None, a number,
-    a generator), where ``len`` would not say which argument it was."""
-    if not hasattr(values, "__len__"):
+    a generator), where ``len`` would not say which argument it was, and for bytes-like objects,
+    whose elements would read as small ints (b"\x01" as group id 1 or seed 1)."""
+    if isinstance(values, (bytes, bytearray, memoryview)) or not hasattr(values, "__len__"):
         raise TypeError(f"{name} must be a sequence with one entry per request, got {type(values).__name__}")
     return len(values)
 
@@ -460,8 +461,10 @@ class NgramDrafter:
         """
         if not hasattr(req_ids, "__iter__"):  # None, a single id: list() would not name the argument
             raise TypeError(f"req_ids must be a sequence of request ids, got {type(req_ids).__name__} {req_ids!r}")
-        ids = int_array("req_ids", req_ids if isinstance(req_ids, np.ndarray) else list(req_ids), 0, _MAX_REQ_ID,
-                        kind="request ids")
+        # Arrays and bytes-like objects go to int_array as given: it refuses bytes (a list of
+        # them would read as small ints, so b"\x00" would name request 0).
+        as_given = isinstance(req_ids, (np.ndarray, bytes, bytearray, memoryview))
+        ids = int_array("req_ids", req_ids if as_given else list(req_ids), 0, _MAX_REQ_ID, kind="request ids")
         if core_checks:
             return ids.astype(np.int64, copy=False)
         as_list = ids.tolist()
