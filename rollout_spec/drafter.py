@@ -22,6 +22,7 @@ import os
 import weakref
 from dataclasses import asdict
 from itertools import chain
+from numbers import Integral
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -400,7 +401,11 @@ class NgramDrafter:
             raise RuntimeError(f"drafter integrity check failed: {problem}")
 
     def is_live(self, req_id: int) -> bool:
-        """Whether ``req_id`` was started and not finished."""
+        """Whether ``req_id`` (an integer; any value outside the id range is simply not live) was
+        started and not finished. A bool or a float raises TypeError, as everywhere else an id
+        goes: ``True`` would otherwise ask about request 1."""
+        if isinstance(req_id, bool) or not isinstance(req_id, Integral):
+            raise TypeError(f"req_id must be an integer, got {type(req_id).__name__} {req_id!r}")
         return req_id in self._live
 
     # ----------------------------------------------------------------- checkpoints

@@ -153,3 +153,13 @@ def test_core_rejects_a_chain_walk_it_cannot_store(field, walk):
     setattr(cfg, field, walk)
     with pytest.raises(ValueError, match=rf"^{field} must be in \[1, 4096\]"):
         _core.DrafterCore(cfg)
+
+
+@pytest.mark.parametrize("req_id", [True, 1.0, "1", None])
+def test_is_live_refuses_what_is_not_an_id(req_id):
+    """Before, ``is_live(True)`` and ``is_live(1.0)`` answered for request 1."""
+    d = NgramDrafter()
+    d.start(1, [1, 2, 3])
+    with pytest.raises(TypeError, match="req_id must be an integer"):
+        d.is_live(req_id)
+    assert d.is_live(1) and d.is_live(np.int64(1)) and not d.is_live(-1) and not d.is_live(2**70)
