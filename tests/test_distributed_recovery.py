@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray", reason="the shared index needs Ray: pip install
 
 from rollout_spec.distributed import shared_index  # noqa: E402
 from rollout_spec.distributed.coordinator import IndexCoordinator  # noqa: E402
-from rollout_spec.distributed.packing import pack  # noqa: E402
+from rollout_spec.distributed.packing import pack, unpack  # noqa: E402
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig  # noqa: E402
 from rollout_spec.distributed.sharing import SharingDrafter  # noqa: E402
 from polling import wait_until  # noqa: E402
@@ -504,3 +504,89 @@ def test_one_coordinator_lookup_per_reap_that_lost_publishes(
     client.flush()
     assert client.stats()["publish_errors"] == 3
     assert len(lookups) == 2
+
+
+def _stopped_client(handle: _FlakyHandle, **options: Any) -> tuple[SharedIndexClient, _Sink]:
+    """A client whose puller stopped at its first (failed) pull; ``options`` go to its config."""
+    handle.pull_failures.append(_unavailable())
+    sink = _Sink()
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=2, poll_interval_s=0.001, max_poll_interval_s=0.004,
+                            max_pull_errors=1, **options)
+    client = SharedIndexClient(sink, cfg)
+    wait_until(lambda: client._error is not None, "the failed pull did not stop the puller")
+    return client, sink
+
+
+def _publish_raising(client: SharedIndexClient, step: int, *responses: tuple[int, list[int]]) -> None:
+    for group, tokens in responses:
+        client.record(group, tokens)
+    with pytest.raises(RuntimeError, match="puller thread failed"):
+        client.publish(step)
+
+
+def _steps_received(coord: IndexCoordinator, dest: int) -> list[tuple[int, list[list[int]]]]:
+    """(step, responses) of every publication ``coord`` keeps for ``dest``, in arrival order."""
+    got = coord.pull(dest, -1, own_steps=[])
+    return [(e.step, unpack(b)[1]) for e, b in zip(got.entries, got.buckets())]
+
+
+def test_the_responses_of_publishes_that_raised_go_out_under_their_own_steps_after_restart(
+        handle: _FlakyHandle) -> None:
+    """A publish that raised kept its responses in ``_recorded``: they piled up step after step,
+    and the first publish after restart() sent them all labelled with its own (newer) step."""
+    client, _ = _stopped_client(handle)
+    _publish_raising(client, 3, (5, [1, 2]))
+    _publish_raising(client, 4, (6, [3, 4]), (6, [5, 6]))
+    client.restart()
+    client.record(7, [7, 8])
+    cost = client.publish(5)
+    client.flush()
+    for dest in (0, 1):  # affinity_k=2 of 2 replicas: both get every group
+        assert _steps_received(handle.coord, dest) == [(3, [[1, 2]]), (4, [[3, 4], [5, 6]]), (5, [[7, 8]])]
+    assert cost["tokens"] == 8
+    stats = client.stats()
+    assert stats["publishes"] == 3 and stats["backlog_sequences_dropped"] == 0
+    client.record(8, [9])
+    client.publish(6)  # the backlog went out once
+    client.flush()
+    assert [step for step, _ in _steps_received(handle.coord, 1)] == [3, 4, 5, 6]
+    client.close()
+
+
+def test_the_backlog_keeps_the_newest_retain_steps_steps_and_counts_the_dropped(
+        handle: _FlakyHandle, caplog) -> None:
+    """An owner that kept ending steps without restart() made the client hold every response."""
+    client, _ = _stopped_client(handle, retain_steps=2)
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
+        for step in range(4):
+            _publish_raising(client, step, (5, [step, 100]), (6, [step, 200]))
+    assert sorted(client._backlog) == [2, 3]
+    assert sum("dropped the 2 responses of step" in r.getMessage() for r in caplog.records) == 2
+    client.restart()
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
+        client.publish(4)  # nothing recorded in step 4: step 2 falls out of the window
+    client.flush()
+    assert _steps_received(handle.coord, 1) == [(3, [[3, 100], [3, 200]])]
+    assert client.stats()["backlog_sequences_dropped"] == 6
+    client.close()
+
+
+@pytest.mark.parametrize("history_steps, retain", [(7, 7), (0, 1)])
+def test_share_drafter_bounds_the_backlog_by_the_coordinators_retain_steps(
+        monkeypatch: pytest.MonkeyPatch, history_steps: int, retain: int) -> None:
+    """The client's ``retain_steps`` is what ``ensure_coordinators`` gives the coordinators."""
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.distributed import sharing
+    from rollout_spec.distributed.placement import ReplicaPlacement
+
+    monkeypatch.setattr(sharing, "_join_ray", lambda: None)
+    monkeypatch.setattr(sharing, "SharedIndexClient", lambda drafter, config: config)
+    shared = sharing.share_drafter(_Sink(), SpecConfig(shared_index="x", history_steps=history_steps),
+                                   ReplicaPlacement(0, 2))
+    assert shared.index.retain_steps == retain
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), ((1 << 20) + 1, ValueError), (2.0, TypeError)])
+def test_retain_steps_is_checked(value: Any, exc: type) -> None:
+    with pytest.raises(exc, match="retain_steps must be"):
+        SharedIndexConfig(replica_id=0, num_replicas=1, retain_steps=value)

@@ -13,6 +13,8 @@ restarted or replaced, a lost object) is retried with a doubling pause, counted 
 ``max_pull_errors`` of them in a row, or at once for any other error, the thread stops and its
 error is raised at the owner's next step boundary. :meth:`SharedIndexClient.restart` starts it
 again on purpose. A publish the coordinator did not acknowledge is reported lost, never retried.
+A publish that raises the puller's error keeps its step's responses, for the last ``retain_steps``
+steps, and the next publish after :meth:`SharedIndexClient.restart` sends them under their own steps.
 """
 from __future__ import annotations
 
@@ -87,6 +89,11 @@ class SharedIndexConfig:
     the puller stops; in [1, 1000000] (1: stop at the first, as any other error does). The pause
     after a failed pull doubles from ``poll_interval_s`` up to ``max_poll_interval_s``: with the
     defaults ten failures span about 7 s."""
+    retain_steps: int = 4
+    """The coordinators' ``retain_steps``, in [1, 1048576] (``share_drafter`` passes what
+    ``ensure_coordinators`` gives them: ``max(1, history_steps)``). The client cannot ask them while
+    its puller is stopped, which is when it needs it: a publish that raises keeps the responses of
+    at most this many steps, the newest, for after ``restart()``; older ones would be stale there."""
 
     def __post_init__(self) -> None:
         def put(field: str, value: object) -> None:  # frozen: store the checked (plain int/float) value
@@ -105,6 +112,7 @@ class SharedIndexConfig:
         put("pull_timeout_s", check_float("pull_timeout_s", self.pull_timeout_s, 0.0, 86400.0, lo_open=True))
         put("apply_chunk_sequences", check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20))
         put("max_pull_errors", check_int("max_pull_errors", self.max_pull_errors, 1, 1_000_000))
+        put("retain_steps", check_int("retain_steps", self.retain_steps, 1, 1 << 20))
         if not isinstance(self.apply_in_thread, bool):
             raise TypeError(f"apply_in_thread must be a bool, got {self.apply_in_thread!r}")
         if not isinstance(self.name, str):
@@ -135,6 +143,8 @@ class SharedIndexClient:
         self.router = GroupRouter(config.num_replicas, seed=config.router_seed)
         self._coords = self._look_up_coordinators(config.lookup_timeout_s)
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
+        # step -> its responses, kept by publishes that raised the puller's error; the owner's only
+        self._backlog: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
         self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
         self._cursor = -1  # -1: the first pull also takes our own history
@@ -172,14 +182,49 @@ class SharedIndexClient:
     def publish(self, step: int) -> dict[str, float]:
         """Send what was recorded since the last publish, as step ``step``; returns at once.
 
-        Returns the cost paid on the calling thread: ``seconds``, ``bytes``, ``tokens``, ``buckets``.
+        While the puller is stopped, the puller's error is raised and the responses are kept as
+        step ``step``'s backlog (with those of earlier such steps, the newest ``retain_steps``
+        steps; the others are dropped, counted in ``backlog_sequences_dropped`` and logged). The
+        first publish after :meth:`restart` sends the backlog first, each step under its own number,
+        so no response is labelled with a later step than its own.
+
+        Returns the cost paid on the calling thread, over all steps sent: ``seconds``, ``bytes``,
+        ``tokens``, ``buckets``.
         """
-        check_int("step", step, 0)
+        step = check_int("step", step, 0)
+        self._hold_recorded(step)
         self._raise_background_error()
         t0 = time.perf_counter()
-        self._published_steps.add(step)
+        held, self._backlog = self._backlog, {}
+        sent = [self._send_step(s, *held.get(s, ([], []))) for s in sorted(held.keys() | {step})]
+        cost = {"seconds": time.perf_counter() - t0, "bytes": sum(b for b, _, _ in sent),
+                "tokens": sum(t for _, t, _ in sent), "buckets": sum(n for _, _, n in sent)}
+        self._add_stats(publish_s=cost["seconds"], published_bytes=cost["bytes"], published_tokens=cost["tokens"],
+                        publishes=len(sent))
+        return cost
+
+    def _hold_recorded(self, step: int) -> None:
+        """Move the recorded responses into ``step``'s backlog entry, then drop the entries the
+        coordinators would not keep next to the newest step (counted and logged): the backlog holds
+        at most ``retain_steps`` steps, whatever the owner records between publishes."""
         groups, seqs = self._recorded
         self._recorded = ([], [])
+        if seqs:
+            entry = self._backlog.setdefault(step, ([], []))
+            entry[0].extend(groups)
+            entry[1].extend(seqs)
+        oldest_kept = max([step, *self._backlog]) - self.config.retain_steps + 1
+        for old in [s for s in self._backlog if s < oldest_kept]:
+            dropped = len(self._backlog.pop(old)[1])
+            self._add_stats(backlog_sequences_dropped=dropped)
+            logger.warning("shared-index replica %d dropped the %d responses of step %d: its publish failed "
+                           "and it is outside the newest retain_steps=%d steps", self.config.replica_id, dropped, old,
+                           self.config.retain_steps)
+
+    def _send_step(self, step: int, groups: list[int], seqs: list[np.ndarray]) -> tuple[int, int, int]:
+        """Submit step ``step``'s responses, one call per coordinator shard with buckets for it;
+        returns the bytes, tokens and buckets sent."""
+        self._published_steps.add(step)
         gids = np.asarray(groups, np.int64)
         buckets = split_by_destination(gids, seqs, self.router.preferences(gids, self.config.affinity_k))
         per_shard: dict[int, list[int]] = {}
@@ -192,12 +237,7 @@ class SharedIndexClient:
             ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, lengths, payload)
             with self._pub_lock:
                 self._inflight_publishes.append((step, shard, ref))
-        nbytes = sum(int(b.nbytes) for b in buckets.values())
-        cost = {"seconds": time.perf_counter() - t0, "bytes": nbytes,
-                "tokens": sum(len(s) for s in seqs), "buckets": len(buckets)}
-        self._add_stats(publish_s=cost["seconds"], published_bytes=nbytes, published_tokens=cost["tokens"],
-                        publishes=1)
-        return cost
+        return sum(int(b.nbytes) for b in buckets.values()), sum(len(s) for s in seqs), len(buckets)
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every publish has reached its coordinator (tests, shutdown), then check them
@@ -308,7 +348,8 @@ class SharedIndexClient:
         the error is cleared, the coordinators are looked up again by name (the driver's
         ``create_coordinators`` replaces one that died), and pulling resumes from the cursor, so
         nothing already ingested comes again. Publications the old puller reported lost stay
-        lost. ``timeout_s`` (a number in [0, 3600]) bounds the wait for a stopping puller to exit.
+        lost; the responses of steps whose publish raised go out with the next publish.
+        ``timeout_s`` (a number in [0, 3600]) bounds the wait for a stopping puller to exit.
 
         Raises:
             RuntimeError: the puller is running, or the stopping one did not exit in time.
@@ -341,7 +382,9 @@ class SharedIndexClient:
         (``fetched_*`` and ``entries_fetched`` count what a pull staged for ingest, not our own
         entries of this process's steps that came back);
         failed pulls that were retried (``pull_errors``), publishes reported lost
-        (``publish_errors``), coordinators found restarted or replaced (``coordinator_resets``)."""
+        (``publish_errors``), coordinators found restarted or replaced (``coordinator_resets``),
+        responses of steps whose publish raised dropped as older than ``retain_steps``
+        (``backlog_sequences_dropped``). ``publishes`` counts steps sent."""
         self._raise_background_error()
         with self._stage_lock:
             out = dict(self._stats)
@@ -549,5 +592,5 @@ def transient_ray_error(exc: BaseException) -> bool:
 _COUNTERS = (
     "publishes", "publish_s", "published_bytes", "published_tokens", "pulls", "fetch_s", "fetched_bytes",
     "fetched_tokens", "entries_fetched", "entries_over_budget", "apply_s", "apply_max_s",
-    "sequences_applied", "pull_errors", "publish_errors", "coordinator_resets",
+    "sequences_applied", "pull_errors", "publish_errors", "coordinator_resets", "backlog_sequences_dropped",
 )

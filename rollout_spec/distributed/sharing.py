@@ -92,7 +92,8 @@ class SharingDrafter:
         The drafter ages even when sharing fails; then the index's error is raised. A step whose
         publish failed still counts, so the next boundary is numbered after it: a replica whose
         puller was restarted does not label its steps behind its peers', which would evict them
-        early.
+        early. Its responses are kept by the index and sent under its number after the restart
+        (see ``SharedIndexClient.publish``).
         """
         try:
             if self._next_step == 0:
@@ -129,7 +130,9 @@ def share_drafter(
 
     ``placement`` comes from the framework hook; None falls back to the ``ROLLOUT_SPEC_REPLICA_ID``
     / ``ROLLOUT_SPEC_NUM_REPLICAS`` variables. Ray is joined (``address="auto"``) when this process
-    is not connected yet. ``client_options`` go to :class:`SharedIndexConfig`.
+    is not connected yet. ``client_options`` go to :class:`SharedIndexConfig`; its ``retain_steps``
+    defaults to what ``ensure_coordinators`` gives the coordinators (pass the driver's own value
+    when it passed one).
 
     Raises:
         ValueError: a shared index is asked for but no placement is known.
@@ -144,7 +147,8 @@ def share_drafter(
             f"count: run it through a rollout-spec framework hook or set {ENV_REPLICA_ID} and {ENV_NUM_REPLICAS}"
         )
     _join_ray()
-    options = {"namespace": NAMESPACE, "num_shards": default_num_shards(placement.num_replicas), **client_options}
+    options = {"namespace": NAMESPACE, "num_shards": default_num_shards(placement.num_replicas),
+               "retain_steps": _default_retain_steps(spec), **client_options}
     config = SharedIndexConfig(replica_id=placement.replica_id, num_replicas=placement.num_replicas,
                                name=spec.shared_index, **options)
     logger.info("rollout-spec: replica %d/%d shares its index through %r", placement.replica_id,
@@ -154,14 +158,22 @@ def share_drafter(
 
 def ensure_coordinators(spec: SpecConfig, num_replicas: int, retain_steps: Optional[int] = None) -> list[Any]:
     """Create (or get) the coordinators ``spec.shared_index`` names, sized for ``num_replicas``;
-    the framework hooks call it in the driver. Returns [] when no shared index is configured."""
+    the framework hooks call it in the driver. ``retain_steps`` None: ``max(1, spec.history_steps)``.
+    Returns [] when no shared index is configured."""
     if spec.shared_index is None:
         return []
     from rollout_spec.distributed.coordinator import create_coordinators
 
     _join_ray()
-    retain = retain_steps if retain_steps is not None else max(1, spec.history_steps)
+    retain = retain_steps if retain_steps is not None else _default_retain_steps(spec)
     return create_coordinators(spec.shared_index, default_num_shards(num_replicas), retain, namespace=NAMESPACE)
+
+
+def _default_retain_steps(spec: SpecConfig) -> int:
+    """Steps the coordinators keep unless the driver says otherwise: the drafter's group history
+    (at least 1). ``share_drafter`` gives it to each replica's client too, which cannot ask the
+    coordinators while its puller is stopped, to bound what failed publishes keep."""
+    return max(1, spec.history_steps)
 
 
 def _join_ray() -> None:
