@@ -154,7 +154,8 @@ def test_an_interrupted_gguf_conversion_leaves_nothing_behind(monkeypatch, tmp_p
     from rollout_spec.engine import weights
 
     ref = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: ref)
+    monkeypatch.setattr(weights, "check_gguf_architecture", lambda path: None)
+    monkeypatch.setattr(weights, "load_gguf_model", lambda path: ref)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -175,8 +176,8 @@ def test_a_gguf_conversion_replaces_an_incomplete_cache_folder(tmp_path, monkeyp
     from rollout_spec.engine import weights
 
     converted = []
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **kw: converted.append(1) or object())
+    monkeypatch.setattr(weights, "check_gguf_architecture", lambda path: None)
+    monkeypatch.setattr(weights, "load_gguf_model", lambda path: converted.append(1) or object())
     monkeypatch.setattr(weights, "_write_model_dir", lambda hf, gguf, out: (out / "config.json").write_text("{}"))
     out = tmp_path / "models" / "tiny"
     out.mkdir(parents=True)
@@ -359,3 +360,173 @@ def test_an_index_with_an_empty_weight_map_is_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     with pytest.raises(ValueError, match=r"names no shard: its 'weight_map' .* is empty"):
         checkpoint_files(tmp_path)
+
+
+def write_tiny_gguf(path, *, arch: str = "llama", drop: tuple[str, ...] = ()) -> None:
+    """A random fp32 2-layer Llama GGUF (TINY's sizes) with a 97-token BPE tokenizer, written with
+    the gguf package; ``drop`` leaves out tensors or tokenizer fields (``tokenizer.ggml.scores``)."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    h, inter, kv_dim, vocab = 64, 96, 32, 97
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(256)
+    w.add_embedding_length(h)
+    w.add_block_count(2)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    if "tokenizer.ggml.scores" not in drop:
+        w.add_token_scores([0.0] * vocab)
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "output.weight": (vocab, h)}
+    for i in range(2):
+        shapes.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
+                       f"blk.{i}.attn_q.weight": (h, h), f"blk.{i}.attn_k.weight": (kv_dim, h),
+                       f"blk.{i}.attn_v.weight": (kv_dim, h), f"blk.{i}.attn_output.weight": (h, h),
+                       f"blk.{i}.ffn_gate.weight": (inter, h), f"blk.{i}.ffn_up.weight": (inter, h),
+                       f"blk.{i}.ffn_down.weight": (h, inter)})
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        if name not in drop:
+            w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_missing_a_tensor_is_refused_not_left_random(tmp_path, monkeypatch) -> None:
+    """transformers initialises a tensor the GGUF lacks at random and only logs it, so the
+    conversion cached, and the engine ran, a model with random layers; now the file and the
+    tensor are named. A complete file loads (without output.weight too: llama.cpp ties it)."""
+    from rollout_spec.engine import weights
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
+    for drop in [(), ("output.weight",)]:
+        write_tiny_gguf(tmp_path / "ok.gguf", drop=drop)
+        model, _, tokenizer = weights.load_pretrained(str(tmp_path / "ok.gguf"), torch.device("cpu"), torch.float32)
+        assert model.config.num_layers == 2 and model.config.tie_word_embeddings == bool(drop)
+        assert tokenizer is not None
+    write_tiny_gguf(tmp_path / "holey.gguf", drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"holey\.gguf lacks 1 tensors of its llama model .*"
+                                         r"'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        weights.load_pretrained(str(tmp_path / "holey.gguf"), torch.device("cpu"), torch.float32)
+    assert not any(p.name.startswith("holey") for p in (tmp_path / "cache" / "models").iterdir())
+
+
+@pytest.mark.parametrize("arch", ["mamba", "qwen3moe", "bert"])
+def test_a_gguf_of_another_architecture_is_refused_before_conversion(tmp_path, monkeypatch, arch) -> None:
+    """A GGUF of a family we do not run was converted first (minutes for a real model, the copy
+    left in the cache) and then refused, or failed inside transformers with a RuntimeError
+    pointing at a logged report; now its header's architecture is checked first."""
+    from rollout_spec.engine import weights
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "other.gguf", arch=arch)
+    with pytest.raises(ValueError, match=rf"other\.gguf: general\.architecture must be one of "
+                                         rf"\('llama', 'qwen2', 'qwen3'\), got '{arch}'"):
+        weights.load_pretrained(str(tmp_path / "other.gguf"), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf file", b"GGUF\x03\x00\x00\x00\x00\x00"],
+                         ids=["empty", "other-format", "truncated-header"])
+def test_an_unreadable_gguf_names_the_file(tmp_path, monkeypatch, content: bytes) -> None:
+    """An empty or truncated .gguf failed with "cannot mmap an empty file" or a struct.error."""
+    from rollout_spec.engine import weights
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "bad.gguf").write_bytes(content)
+    with pytest.raises(ValueError, match=r"bad\.gguf is not a readable GGUF file \("):
+        weights.load_pretrained(str(tmp_path / "bad.gguf"), torch.device("cpu"), torch.float32)
+
+
+def test_a_gguf_with_an_incomplete_tokenizer_names_the_field(tmp_path, monkeypatch) -> None:
+    """A GGUF tokenizer without scores failed with transformers' bare KeyError('scores')."""
+    from rollout_spec.engine import weights
+
+    monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "notok.gguf", drop=("tokenizer.ggml.scores",))
+    with pytest.raises(ValueError, match=r"notok\.gguf: its tokenizer \(tokenizer\.ggml\.\* fields\) "
+                                         r"lacks 'scores'"):
+        weights.load_pretrained(str(tmp_path / "notok.gguf"), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("cut", [0, 7, "half"])
+def test_an_unreadable_safetensors_file_names_it(tmp_path, cut) -> None:
+    """A truncated or empty weights file raised safetensors' own SafetensorError, without the path."""
+    from rollout_spec.engine import weights
+
+    _save_tiny_llama(tmp_path)
+    f = tmp_path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2 if cut == "half" else cut])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file \("):
+        weights.load_pretrained(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_a_checkpoint_tensor_that_is_not_floating_point_is_a_value_error(dtype) -> None:
+    """An integer weight (a quantised checkpoint's packed tensor, a broken export) failed inside
+    torch's load_state_dict with a RuntimeError about gradients."""
+    _, ours = reference_and_ours("llama")
+    state = dict(ours.state_dict())
+    state["norm.weight"] = torch.ones(64, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"must be floating point; 1 are not, e\.g\. norm\.weight is {dtype}"):
+        build_model(tiny_config("llama"), state, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", -1), ("num_attention_heads", 0),
+                                          ("num_hidden_layers", 0), ("hidden_size", "64"),
+                                          ("head_dim", 16.0), ("intermediate_size", True)])
+def test_a_config_size_that_is_no_positive_integer_names_the_field(tmp_path, field, value) -> None:
+    """A zero or negative size failed inside transformers or torch (ZeroDivisionError, "negative
+    dimension"); wrong types passed transformers 4.x unchecked. A null head_dim stays allowed."""
+    import json
+
+    from rollout_spec.engine import weights
+
+    _save_tiny_llama(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "head_dim": None}))
+    weights.load_pretrained(str(tmp_path), torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=rf"config\.json: {field} must be a positive integer, got {value!r}"):
+        weights.load_pretrained(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("text, error", [("{oops", "not valid JSON"), ("[1]", "must be a JSON object, got list")])
+def test_a_config_that_is_no_json_object_names_the_file(tmp_path, text, error) -> None:
+    """Unparsable JSON was transformers' OSError, a JSON list its "Unrecognized model"."""
+    from rollout_spec.engine import weights
+
+    _save_tiny_llama(tmp_path)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"config\.json: {error}"):
+        weights.load_pretrained(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_an_unknown_model_says_what_it_lacks(tmp_path) -> None:
+    """The error listed what a model may be but not what the argument missed: a directory's
+    absent files, a file's suffix, a near miss of a name."""
+    from rollout_spec.engine import weights
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.bin").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    for arg, why in [(str(tmp_path), "the directory has no *.safetensors"),
+                     (str(tmp_path / "empty"), "the directory has no config.json and no *.safetensors"),
+                     (str(tmp_path / "model.bin"), "a file, but not a .gguf one"),
+                     ("SmolLM2-135M", "did you mean 'smollm2-135m'?"),
+                     (str(tmp_path / "absent"), "no such model name, file or directory")]:
+        with pytest.raises(ValueError, match="model must be one of") as err:
+            weights.resolve_model_dir(arg)
+        assert str(err.value).endswith(f"got {arg!r}: {why}")

