@@ -139,7 +139,8 @@ def test_grpo_tiny_reports_an_unloadable_model_without_a_traceback(tmp_path, cap
 
 def test_bench_reports_a_truncated_gguf_without_a_traceback(tmp_path, capsys, monkeypatch):
     """A .gguf cut short (an interrupted download) made transformers' GGUF reader raise
-    struct.error, which ended the bench in a traceback; it is 'cannot load --model', status 1."""
+    struct.error, which ended the bench in a traceback; it is 'cannot load --model', status 1,
+    found by the header check before any conversion."""
     monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "cut.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic and version, then nothing
@@ -147,4 +148,4 @@ def test_bench_reports_a_truncated_gguf_without_a_traceback(tmp_path, capsys, mo
             "--wandb", "disabled"]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert f"rollout-spec bench: error: cannot load --model {gguf}: the file is truncated" in err
+    assert f"rollout-spec bench: error: cannot load --model {gguf}: {gguf} is not a readable GGUF file" in err
