@@ -13,7 +13,6 @@ import argparse
 import importlib.util
 import json
 import os
-import struct
 import sys
 import time
 from contextlib import contextmanager
@@ -357,16 +356,12 @@ class ModelNotLoaded(RuntimeError):
 @contextmanager
 def loading_model(model: str) -> Iterator[None]:
     """Turn what loading ``--model`` raises for a missing, damaged or unsupported model (OSError,
-    ValueError, ImportError, safetensors' error; transformers' GGUF reader's struct.error on a
-    truncated file) into ModelNotLoaded naming it."""
-    from safetensors import SafetensorError
-
+    ValueError, ImportError; ``engine.weights`` turns unreadable GGUF and safetensors files into
+    ValueErrors naming them) into ModelNotLoaded naming it."""
     try:
         yield
-    except (OSError, ValueError, ImportError, SafetensorError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
         raise ModelNotLoaded(f"cannot load --model {model}: {exc}") from exc
-    except struct.error as exc:
-        raise ModelNotLoaded(f"cannot load --model {model}: the file is truncated ({exc})") from exc
 
 
 class ContextTooShort(ValueError):
