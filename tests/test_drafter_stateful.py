@@ -131,6 +131,11 @@ class DrafterMachine(RuleBasedStateMachine):
         """Ids that are not live: never started or finished (a start may reuse them)."""
         return [i for i in IDS if i not in self.live]
 
+    def unknown_id(self) -> int:
+        """An id no live request holds: the last free one, else one never started."""
+        free = self.free_ids()
+        return free[-1] if free else NEVER_STARTED
+
     def pick(self, data: Any, pool: list[int], min_size: int = 0) -> list[int]:
         """Distinct ids from ``pool`` in a drawn order (none when the pool is empty)."""
         return data.draw(st.lists(st.sampled_from(pool), min_size=min_size, unique=True)) if pool else []
@@ -299,7 +304,7 @@ class DrafterMachine(RuleBasedStateMachine):
     def bad_extend(self, data, background):
         """extend/extend_batch with unknown or repeated ids, wrong lengths, bad tokens or flags."""
         live = sorted(self.live)
-        unknown = self.free_ids()[-1] if self.free_ids() else NEVER_STARTED
+        unknown = self.unknown_id()
         calls = [
             lambda d: d.extend(unknown, [1]),
             lambda d: d.extend_batch([unknown], [[1]], background=background),
@@ -338,7 +343,7 @@ class DrafterMachine(RuleBasedStateMachine):
     def bad_propose(self, data):
         """propose with unknown or repeated ids, bad budgets; propose_ahead with bad budgets."""
         live = sorted(self.live)
-        unknown = self.free_ids()[-1] if self.free_ids() else NEVER_STARTED
+        unknown = self.unknown_id()
         calls = [
             lambda d: d.propose([unknown]),
             lambda d: d.propose(np.array([unknown])),
@@ -377,7 +382,7 @@ class DrafterMachine(RuleBasedStateMachine):
     def bad_propose_ahead_ids(self, data):
         """Unknown or repeated ids may raise here or only in the propose that names them."""
         live = sorted(self.live)
-        unknown = self.free_ids()[-1] if self.free_ids() else NEVER_STARTED
+        unknown = self.unknown_id()
         calls = [lambda d: d.propose_ahead([unknown]), lambda d: d.propose_ahead([-1])]
         if live:
             calls += [lambda d: d.propose_ahead([live[0], live[0]]),
@@ -388,7 +393,7 @@ class DrafterMachine(RuleBasedStateMachine):
     def bad_finish(self, data):
         """finish/finish_batch naming an unknown, repeated or malformed id beside live ones."""
         live = sorted(self.live)
-        unknown = self.free_ids()[-1] if self.free_ids() else NEVER_STARTED
+        unknown = self.unknown_id()
         calls = [
             lambda d: d.finish(unknown),
             lambda d: d.finish(-1),
@@ -410,7 +415,7 @@ class DrafterMachine(RuleBasedStateMachine):
     def bad_add_or_keys(self, data):
         """add_sequences and set_noise_keys with wrong lengths, ranges or types."""
         live = sorted(self.live)
-        unknown = self.free_ids()[-1] if self.free_ids() else NEVER_STARTED
+        unknown = self.unknown_id()
         calls = [
             lambda d: d.add_sequences([1, 2], [[1]]),
             lambda d: d.add_sequences([1], [[1, -1]]),
