@@ -94,15 +94,9 @@ class DraftBatch:
             parents = [p for _, p in flat]
         except (TypeError, ValueError):
             raise ValueError("trees must be per-request lists of (token, parent) pairs") from None
-        parent_arr = int_array("parents", parents, -1, _INT32_MAX)  # checked before the int32 cast
-        offsets = np.zeros(len(trees) + 1, np.int32)
-        offsets[1:] = np.cumsum(sizes)
-        batch = DraftBatch(
-            offsets=offsets,
-            tokens=token_array("tokens", tokens),
-            parents=parent_arr.astype(np.int32),
-            probs=np.ones(len(flat), np.float32) if probs is None else _flat_probs(probs, sizes),
-        )
+        parent_arr = int_array("parents", parents, -1, _INT32_MAX)
+        batch = _csr_batch(sizes, token_array("tokens", tokens), parent_arr,
+                           None if probs is None else _flat_probs(probs, sizes))
         batch.validate()
         return batch
 
@@ -192,11 +186,19 @@ def _batch_of_trees(trees: object) -> DraftBatch:
     sizes = [_tree_size(request, tree) for request, tree in enumerate(trees)]
     tokens = token_array("the drafter's tokens", list(chain.from_iterable(t for t, _ in trees)))
     parents = int_array("the drafter's parents", list(chain.from_iterable(p for _, p in trees)),
-                        -1, _INT32_MAX)  # checked before the int32 cast
+                        -1, _INT32_MAX)
+    return _csr_batch(sizes, tokens, parents, None)
+
+
+def _csr_batch(sizes: list[int], tokens: np.ndarray, parents: np.ndarray,
+               probs: np.ndarray | None) -> DraftBatch:
+    """An unvalidated DraftBatch of trees of ``sizes`` nodes from their checked flat token ids and
+    parents (already in [-1, 2**31 - 1], so the int32 cast is exact); ``probs`` None is 1.0 per
+    node (lists of trees carry no confidences)."""
     offsets = np.zeros(len(sizes) + 1, np.int32)
     offsets[1:] = np.cumsum(sizes)
     return DraftBatch(offsets=offsets, tokens=tokens, parents=parents.astype(np.int32),
-                      probs=np.ones(len(tokens), np.float32))
+                      probs=np.ones(len(tokens), np.float32) if probs is None else probs)
 
 
 def _tree_size(request: int, tree: object) -> int:
