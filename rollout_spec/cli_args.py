@@ -55,13 +55,9 @@ def temperature_arg(name: str) -> Callable[[str], float]:
 
 def numbers_arg(name: str, kind: type, lo: float, hi: float) -> Callable[[str], list]:
     """An argparse type: one or more comma-separated ``kind`` (int or float) values in [lo, hi]."""
-    noun = "integers" if kind is int else "numbers"
 
     def parse(text: str) -> list:
-        try:
-            values = [kind(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be comma-separated {noun}, got {text!r}") from None
+        values = _comma_values(name, text, kind)
         bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
         if bad:
             raise argparse.ArgumentTypeError(f"every {name} value must be in [{lo}, {hi}], got {bad[0]}")
@@ -76,16 +72,23 @@ def temperatures_arg(name: str) -> Callable[[str], list[float]]:
     that would let a temperature the sampler refuses through to the run."""
 
     def parse(text: str) -> list[float]:
-        try:
-            values = [float(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be comma-separated numbers, got {text!r}") from None
+        values = _comma_values(name, text, float)
         try:
             return [check_temperature(f"every {name} value", v) for v in values]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
+
+
+def _comma_values(name: str, text: str, kind: type) -> list:
+    """``text``'s comma-separated values as ``kind`` (int or float); an argparse error naming
+    ``name`` when one does not convert."""
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        noun = "integers" if kind is int else "numbers"
+        raise argparse.ArgumentTypeError(f"{name} must be comma-separated {noun}, got {text!r}") from None
 
 
 def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:

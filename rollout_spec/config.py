@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Optional
 
+from rollout_spec.token_ids import BYTES_LIKE
+
 
 def int_interval(lo: int, hi: Optional[int] = None) -> str:
     """``[lo, hi]`` as error messages write it (``inf`` for no upper bound)."""
@@ -105,7 +107,7 @@ def check_token_ids(name: str, value: object, hi: int = 2**31 - 1) -> tuple[int,
     """``value`` (a short sequence of token ids, such as stop ids) as a tuple of ints in
     ``[0, hi]``, each checked by name (``name[i]``). Text, bytes-like objects (whose items
     would read as ids), mappings (whose keys would) and non-iterables raise TypeError."""
-    refused = (str, bytes, bytearray, memoryview, Mapping)
+    refused = (str, *BYTES_LIKE, Mapping)
     try:
         items = None if isinstance(value, refused) else iter(value)
     except TypeError:  # not iterable, or a 0-d numpy array

@@ -31,7 +31,7 @@ from rollout_spec import _core
 from rollout_spec.config import SpecConfig, check_float, check_int
 from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
-from rollout_spec.token_ids import MAX_TOKEN_ID, int_array, token_array
+from rollout_spec.token_ids import BYTES_LIKE, MAX_TOKEN_ID, int_array, token_array
 from rollout_spec.tree import DraftBatch
 
 TokenIds = Union[Sequence[int], np.ndarray]
@@ -109,7 +109,7 @@ def _sized(name: str, values: object) -> int:
     """``len(values)``; TypeError naming ``name`` for anything without a length (None, a number,
     a generator), where ``len`` would not say which argument it was, and for bytes-like objects,
     whose elements would read as small ints (b"\x01" as group id 1 or seed 1)."""
-    if isinstance(values, (bytes, bytearray, memoryview)) or not hasattr(values, "__len__"):
+    if isinstance(values, BYTES_LIKE) or not hasattr(values, "__len__"):
         raise TypeError(f"{name} must be a sequence with one entry per request, got {type(values).__name__}")
     return len(values)
 
@@ -468,7 +468,7 @@ class NgramDrafter:
             raise TypeError(f"req_ids must be a sequence of request ids, got {type(req_ids).__name__} {req_ids!r}")
         # Arrays and bytes-like objects go to int_array as given: it refuses bytes (a list of
         # them would read as small ints, so b"\x00" would name request 0).
-        as_given = isinstance(req_ids, (np.ndarray, bytes, bytearray, memoryview))
+        as_given = isinstance(req_ids, (np.ndarray, *BYTES_LIKE))
         ids = int_array("req_ids", req_ids if as_given else list(req_ids), 0, _MAX_REQ_ID, kind="request ids")
         if core_checks:
             return ids.astype(np.int64, copy=False)

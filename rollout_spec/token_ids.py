@@ -18,6 +18,9 @@ import numpy as np
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the drafter stores (int32)."""
 
+BYTES_LIKE = (bytes, bytearray, memoryview)
+"""Objects whose items numpy and iteration read as small ints (``b"\\x01"`` as 1): never ids."""
+
 _BOOL_TYPES = frozenset((bool, np.bool_))
 
 
@@ -29,7 +32,7 @@ def int_array(name: str, values: object, lo: int, hi: int, ndim: int = 1,
     those elements (see the module's note on what is refused); errors name ``name`` and say what
     it must hold (``kind``). An empty input of any dtype gives an empty int64 array.
     """
-    if isinstance(values, (bytes, bytearray, memoryview)):
+    if isinstance(values, BYTES_LIKE):
         raise _not_integers(name, values, ndim, lo, hi, "(bytes are not integers)")
     try:
         arr = values if isinstance(values, np.ndarray) else np.asarray(values)

@@ -10,7 +10,7 @@ from numbers import Integral
 
 import numpy as np
 
-from rollout_spec.token_ids import token_array
+from rollout_spec.token_ids import BYTES_LIKE, token_array
 from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id, prompt_group_id, text_group_id
 
 
@@ -35,7 +35,7 @@ def group_key(group: object) -> int:
         return value
     if isinstance(group, str):
         return text_group_id(group)
-    if isinstance(group, (bytes, bytearray, memoryview)):
+    if isinstance(group, BYTES_LIKE):
         return hashed_group_id(bytes(group))
     if isinstance(group, (Sequence, np.ndarray)):
         return prompt_group_id(token_array("group id token sequence", group))
@@ -50,7 +50,7 @@ def group_keys(groups: Iterable[object]) -> np.ndarray:
             characters or byte values), anything not iterable (one int group, None), and as
             :func:`group_key` for each group.
     """
-    if isinstance(groups, (str, bytes, bytearray, memoryview)) or not isinstance(groups, Iterable):
+    if isinstance(groups, (str, *BYTES_LIKE)) or not isinstance(groups, Iterable):
         raise TypeError(f"groups must be an iterable of group ids, got {type(groups).__name__} {groups!r} "
                         "(one group: pass [group])")
     return np.fromiter((group_key(g) for g in groups), dtype=np.int64)
