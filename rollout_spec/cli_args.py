@@ -109,7 +109,14 @@ def task_arg(text: str) -> str:
     """An argparse type: a task name the workloads accept (reasoning-gym's registry or humaneval)."""
     from rollout_spec.workloads import task_names
 
-    names = task_names()
+    try:
+        names = task_names()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "reasoning_gym":
+            raise
+        raise argparse.ArgumentTypeError(
+            f"task {text!r}: the task registry needs reasoning-gym, not installed: "
+            f"pip install 'rollout-spec[workloads]'") from None
     if text not in names:
         raise argparse.ArgumentTypeError(
             f"task must be a reasoning-gym task or 'humaneval' (e.g. gsm_symbolic, basic_arithmetic, "

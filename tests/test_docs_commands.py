@@ -5,7 +5,7 @@ Commands are read from README.md, examples/README.md and docs/*.md, but for the 
 (docs/drafter-log.md, docs/gpu.md), whose commands are history. They come from fenced blocks
 (lines joined at a trailing backslash, ``#`` comments dropped) and from inline code spans (joined
 across a paragraph's line breaks). A command is ``rollout-spec bench|replay ...``,
-``bench/NAME.py ...`` (or a bare ``NAME.py`` of bench/), ``examples/NAME.py ...`` or
+``bench/NAME.py ...`` (or a bare ``NAME.py`` of bench/), ``examples/[DIR/]NAME.py ...`` or
 ``python -m rollout_spec.integrations.sglang.replay ...``; its arguments run to the end of the
 span or to a shell operator, and the brackets of optional parts are dropped. A span that names a
 program without arguments mentions it, and one that ends in an option without its value
@@ -35,7 +35,7 @@ from markdown_table import table_rows
 SGLANG_REPLAY = "rollout_spec.integrations.sglang.replay"
 PROGRAM = re.compile(
     r"(?<![\w/.-])(?:\.venv/bin/)?(?P<cli>rollout-spec\s+(?:bench|replay))\b"
-    r"|(?<![\w/.-])(?P<script>(?:bench/|examples/)?\w+\.py)\b"
+    r"|(?<![\w/.-])(?P<script>(?:bench/|examples/(?:\w+/)?)?\w+\.py)\b"
     rf"|(?<![\w/.-])python3?\s+-m\s+(?P<module>{re.escape(SGLANG_REPLAY)})\b")
 NEEDS_VALUE = "expected one argument"
 OPTIONAL_PACKAGES = ("ray", "vllm", "sglang", "triton")
@@ -165,7 +165,8 @@ def test_the_docs_show_the_commands_this_test_checks() -> None:
     programs = {cmd.program for cmd in doc_commands()}
     assert {"rollout-spec bench", "rollout-spec replay", "examples/grpo_tiny.py", SGLANG_REPLAY,
             "bench/drafter_bench.py", "bench/engine_bench.py", "bench/verify_bench.py",
-            "bench/shared_index_bench.py", "bench/vllm_proposer_bench.py"} <= programs
+            "bench/shared_index_bench.py", "bench/vllm_proposer_bench.py",
+            "examples/verl/make_gsm_data.py", "examples/openrlhf/make_prompts.py"} <= programs
 
 
 @pytest.mark.parametrize("cmd", doc_commands(), ids=str)
@@ -179,6 +180,7 @@ def test_doc_command_parses(monkeypatch: pytest.MonkeyPatch, cmd: DocCommand) ->
     ("rollout-spec bench --max-new 16", "unrecognized arguments: --max-new"),  # an abbreviation
     ("rollout-spec replay t.json --draft-tokens 0", "--draft-tokens must be"),
     ("python bench/drafter_bench.py --max-live 512 --drafters ours,artic", "--drafters value"),
+    ("python examples/verl/make_gsm_data.py --out d --train-size 0", "--train-size must be in [1,"),
 ])
 def test_a_misspelt_or_out_of_range_command_in_a_doc_is_refused(
         monkeypatch: pytest.MonkeyPatch, line: str, message: str) -> None:

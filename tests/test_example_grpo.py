@@ -104,6 +104,16 @@ def test_bad_options_are_argument_errors(argv, message, capsys):
     assert message in argument_error(grpo.parse_args, argv, capsys)
 
 
+def test_missing_reasoning_gym_is_an_argument_error_naming_the_extra(monkeypatch, capsys):
+    """Without the [workloads] extra the README's smoke command died in a ModuleNotFoundError
+    traceback while argparse converted --task's default."""
+    grpo = _example()
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # an import of it now fails
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)
+    err = argument_error(grpo.parse_args, ["--device", "cpu", "--steps", "1"], capsys)
+    assert "--task: task 'basic_arithmetic'" in err and "pip install 'rollout-spec[workloads]'" in err
+
+
 def test_cuda_without_a_gpu_is_an_argument_error(monkeypatch, capsys):
     grpo = _example()
     hide_cuda(monkeypatch)

@@ -353,6 +353,33 @@ def test_example_script_launches_with_or_without_speculation(tmp_path, baseline)
     assert "--actor.model_name_or_path" in train
 
 
+def test_example_scripts_default_run_folder_is_git_ignored(tmp_path):
+    """Run from a checkout, the script keeps its checkpoints under examples/openrlhf/runs/: that
+    folder was not ignored, so a run left gigabytes of untracked files in the repository."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" >> "$CALLS"; echo ---- >> "$CALLS"\n')
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "BASELINE")}
+    env.update(PATH=f"{fake.parent}:{os.environ['PATH']}", CALLS=str(calls))
+    subprocess.run(["bash", str(root / "examples/openrlhf/train_grpo_rollout_spec.sh")], env=env, check=True,
+                   timeout=60)
+    prompts = calls.read_text().split("----\n")[0].split("\n")
+    out = Path(prompts[prompts.index("--out") + 1])
+    assert out.parent == root / "examples/openrlhf/runs/grpo_rollout_spec"
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(out)], timeout=60)
+    assert ignored.returncode == 0, f"{out.relative_to(root)} is not git-ignored"
+
+
 def test_example_script_refuses_a_baseline_switch_it_does_not_know(tmp_path):
     import os
     import subprocess

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO on gsm8k-style data with verl, rollouts drafted by rollout-spec (one GPU).
-#   pip install "rollout-spec[verl,sglang]"        # or [verl,vllm] with ROLLOUT=vllm
+#   pip install "rollout-spec[verl,sglang,workloads]"   # or [verl,vllm,workloads], ROLLOUT=vllm
 #   python examples/verl/make_gsm_data.py --out ~/data/gsm_symbolic   # the default $DATA
 #   (another folder: `export DATA=/that/folder` first and pass --out "$DATA" above)
 #   bash examples/verl/run_grpo_smollm2.sh [extra hydra overrides]
