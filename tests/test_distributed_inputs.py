@@ -67,6 +67,7 @@ class _Sink:
 
 def _client(monkeypatch: pytest.MonkeyPatch) -> SharedIndexClient:
     monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: [None])
+    monkeypatch.setattr(shared_index, "coordinators_retain_steps", lambda *a: 4)
     return SharedIndexClient(_Sink(), SharedIndexConfig(0, 2), start=False)
 
 

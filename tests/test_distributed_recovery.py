@@ -76,6 +76,10 @@ class _FlakyHandle:
     def publish(self) -> _Method:
         return _Method(self.coord.publish, self.publish_failures)
 
+    @property
+    def get_retain_steps(self) -> _Method:
+        return _Method(self.coord.get_retain_steps, [])
+
 
 class _Sink:
     def __init__(self) -> None:
@@ -169,12 +173,11 @@ def test_the_limit_of_failures_in_a_row_stops_the_puller_and_restart_recovers(ha
     with pytest.raises(RuntimeError, match="puller thread failed") as err:
         client.publish(0)
     assert isinstance(err.value.__cause__, ray.exceptions.ActorUnavailableError)
-    with pytest.raises(RuntimeError, match="puller thread failed"):
-        client.stats()
     _publish_for_replica_0(handle.coord, 0, 100)
     client.restart()
     wait_until(lambda: sink.got == [[100, 2, 3]], "the restarted puller did not pull")
-    assert client.stats()["pull_errors"] == 3
+    assert client.stats()["pull_errors"] == 3 and client.stats()["puller_failed"] == 0.0
+    assert client.puller_error is None
     with pytest.raises(RuntimeError, match="is running"):
         client.restart()
     client.close()
@@ -556,7 +559,9 @@ def test_the_responses_of_publishes_that_raised_go_out_under_their_own_steps_aft
 def test_the_backlog_keeps_the_newest_retain_steps_steps_and_counts_the_dropped(
         handle: _FlakyHandle, caplog) -> None:
     """An owner that kept ending steps without restart() made the client hold every response."""
-    client, _ = _stopped_client(handle, retain_steps=2)
+    handle.coord = IndexCoordinator(retain_steps=2)
+    client, _ = _stopped_client(handle)
+    assert client.retain_steps == 2
     with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
         for step in range(4):
             _publish_raising(client, step, (5, [step, 100]), (6, [step, 200]))
@@ -571,19 +576,106 @@ def test_the_backlog_keeps_the_newest_retain_steps_steps_and_counts_the_dropped(
     client.close()
 
 
-@pytest.mark.parametrize("history_steps, retain", [(7, 7), (0, 1)])
-def test_share_drafter_bounds_the_backlog_by_the_coordinators_retain_steps(
-        monkeypatch: pytest.MonkeyPatch, history_steps: int, retain: int) -> None:
-    """The client's ``retain_steps`` is what ``ensure_coordinators`` gives the coordinators."""
+class _NgramLike(_Sink):
+    """The drafter calls SharingDrafter.stats makes."""
+
+    def stats(self) -> dict:
+        return {"step": 0}
+
+
+def test_stats_answer_while_the_puller_is_stopped(handle: _FlakyHandle) -> None:
+    """stats() raised the puller's error, so an owner whose step boundary raised it could not even
+    log what the backlog dropped; publish and close still raise it."""
+    handle.coord = IndexCoordinator(retain_steps=1)
+    client, _ = _stopped_client(handle)
+    _publish_raising(client, 0, (5, [1, 2]))
+    _publish_raising(client, 1, (6, [3, 4]), (6, [5, 6]))  # step 0 falls out of the window
+    stats = client.stats()
+    assert (stats["puller_failed"], stats["backlog_sequences_dropped"], stats["backlog_sequences"]) == (1.0, 1, 2)
+    assert isinstance(client.puller_error, ray.exceptions.ActorUnavailableError)
+    owner = SharingDrafter(_NgramLike(), client)
+    assert owner.stats()["shared_index/puller_failed"] == 1.0
+    with pytest.raises(RuntimeError, match="puller thread failed"):
+        client.close()
+
+
+class _FailingSubmit(_FlakyHandle):
+    """A handle whose ``publish.remote`` raises at once on the calls numbered in ``fail_calls``
+    (from 1), as a Ray call that cannot be submitted does."""
+
+    def __init__(self, fail_calls: set[int]) -> None:
+        super().__init__()
+        self.fail_calls, self.calls = fail_calls, 0
+
+    @property
+    def publish(self) -> Any:
+        inner = super().publish
+
+        def remote(*args: Any) -> Any:
+            self.calls += 1
+            if self.calls in self.fail_calls:
+                raise ConnectionError("the call could not be submitted")
+            return inner.remote(*args)
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_submit_that_raises_keeps_the_steps_not_yet_submitted(handle: _FlakyHandle) -> None:
+    """The backlog was emptied before it was sent: a submit that raised on its 2nd of 3 steps lost
+    that step's responses and the next one's."""
+    flaky = _FailingSubmit(fail_calls={2})
+    handle.lookups["handle"] = flaky
+    flaky.pull_failures.append(_unavailable())
+    sink = _Sink()
+    client = SharedIndexClient(sink, SharedIndexConfig(replica_id=0, num_replicas=2, max_pull_errors=1))
+    wait_until(lambda: client._error is not None, "the failed pull did not stop the puller")
+    _publish_raising(client, 3, (5, [1, 2]))
+    _publish_raising(client, 4, (6, [3, 4]))
+    client.restart()
+    client.record(7, [5, 6])
+    with pytest.raises(ConnectionError, match="could not be submitted"):
+        client.publish(5)  # step 3 goes out, step 4's submit raises
+    assert sorted(client._backlog) == [4, 5]
+    assert client.stats()["publishes"] == 1 and client.stats()["backlog_sequences"] == 2
+    client.publish(6)
+    client.flush()
+    assert _steps_received(flaky.coord, 1) == [(3, [[1, 2]]), (4, [[3, 4]]), (5, [[5, 6]])]
+    assert client._backlog == {} and client.stats()["publishes"] == 4
+    client.close()
+
+
+def test_the_client_reads_retain_steps_from_the_coordinators(handle: _FlakyHandle) -> None:
+    """The client's retain_steps had to be passed by hand to match the coordinators'; a value the
+    driver chose (not history_steps) left the client bounding its backlog by another."""
+    handle.coord = IndexCoordinator(retain_steps=7)
+    assert _unstarted_client().retain_steps == 7
+    with pytest.raises(ValueError, match=r"retain_steps=3 but the coordinators 'rollout-spec-index' keep 7"):
+        SharedIndexClient(_Sink(), SharedIndexConfig(replica_id=0, num_replicas=2, retain_steps=3), start=False)
+    agreeing = SharedIndexConfig(replica_id=0, num_replicas=2, retain_steps=7)
+    assert SharedIndexClient(_Sink(), agreeing, start=False).retain_steps == 7
+
+
+def test_coordinator_shards_that_disagree_on_retain_steps_are_refused(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = _FlakyHandle()
+    other.coord = IndexCoordinator(retain_steps=2)
+    monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: [handle, other])
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=2, num_shards=2)
+    with pytest.raises(ValueError, match=r"shards disagree on retain_steps: \[4, 2\]"):
+        SharedIndexClient(_Sink(), cfg, start=False)
+
+
+def test_share_drafter_leaves_retain_steps_to_the_coordinators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """share_drafter gave the client max(1, history_steps), wrong for a driver that passed its own
+    value to ensure_coordinators; a retain_steps client option still reaches the config."""
     from rollout_spec.config import SpecConfig
     from rollout_spec.distributed import sharing
     from rollout_spec.distributed.placement import ReplicaPlacement
 
     monkeypatch.setattr(sharing, "_join_ray", lambda: None)
     monkeypatch.setattr(sharing, "SharedIndexClient", lambda drafter, config: config)
-    shared = sharing.share_drafter(_Sink(), SpecConfig(shared_index="x", history_steps=history_steps),
-                                   ReplicaPlacement(0, 2))
-    assert shared.index.retain_steps == retain
+    spec, placement = SpecConfig(shared_index="x", history_steps=7), ReplicaPlacement(0, 2)
+    assert sharing.share_drafter(_Sink(), spec, placement).index.retain_steps is None
+    assert sharing.share_drafter(_Sink(), spec, placement, retain_steps=3).index.retain_steps == 3
 
 
 @pytest.mark.parametrize("value, exc", [(0, ValueError), ((1 << 20) + 1, ValueError), (2.0, TypeError)])

@@ -12,6 +12,7 @@ from rollout_spec.lazy_imports import lazy_attributes
 _LAZY = {
     "IndexCoordinator": "rollout_spec.distributed.coordinator",
     "coordinator_handles": "rollout_spec.distributed.coordinator",
+    "coordinators_retain_steps": "rollout_spec.distributed.coordinator",
     "create_coordinators": "rollout_spec.distributed.coordinator",
     "default_num_shards": "rollout_spec.distributed.coordinator",
     "destroy_coordinators": "rollout_spec.distributed.coordinator",

@@ -142,6 +142,11 @@ class IndexCoordinator:
         return Pulled(self._seq, self._latest_step, [e for e, _ in chosen], payload, len(got) - len(chosen),
                       self.instance)
 
+    def get_retain_steps(self) -> int:
+        """Its ``retain_steps``, for a client sizing its backlog by it: a method, since a Ray actor's
+        attributes cannot be read through its handle."""
+        return self.retain_steps
+
     def stats(self) -> dict[str, float]:
         """Retained buckets, tokens and bytes, the newest step seen, time spent in publish and pull,
         publishes of a step too old to keep."""
@@ -270,6 +275,23 @@ def coordinator_handles(name: str, num_shards: int, namespace: str | None = None
                     ) from None
                 time.sleep(0.1)
     return handles
+
+
+def coordinators_retain_steps(handles: list[Any], timeout_s: float = 60.0) -> int:
+    """The ``retain_steps`` the coordinators behind ``handles`` were created with: one cheap call
+    per shard, waiting up to ``timeout_s`` for the answers.
+
+    Raises:
+        ValueError: the shards disagree (they were created by calls with different values).
+        ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a shard did not answer.
+    """
+    import ray
+
+    values = ray.get([h.get_retain_steps.remote() for h in handles], timeout=timeout_s)
+    if len(set(values)) > 1:
+        raise ValueError(f"the coordinator shards disagree on retain_steps: {values} (shard 0 first); "
+                         "create them with one create_coordinators call")
+    return int(values[0])
 
 
 def destroy_coordinators(name: str, num_shards: int, namespace: str | None = None) -> None:

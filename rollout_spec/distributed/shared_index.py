@@ -11,10 +11,11 @@ included.
 A pull that fails with an error Ray may clear by itself (a timeout, a coordinator that died and is
 restarted or replaced, a lost object) is retried with a doubling pause, counted and logged; after
 ``max_pull_errors`` of them in a row, or at once for any other error, the thread stops and its
-error is raised at the owner's next step boundary. :meth:`SharedIndexClient.restart` starts it
-again on purpose. A publish the coordinator did not acknowledge is reported lost, never retried.
-A publish that raises the puller's error keeps its step's responses, for the last ``retain_steps``
-steps, and the next publish after :meth:`SharedIndexClient.restart` sends them under their own steps.
+error is raised at the owner's next step boundary (``stats`` still answers, with
+``puller_failed``). :meth:`SharedIndexClient.restart` starts it again on purpose. A publish the
+coordinator did not acknowledge is reported lost, never retried. A publish that raises (the
+puller's error, or a submit that failed) keeps the responses of every step it did not submit, for
+the coordinators' last ``retain_steps`` steps, and the next publish sends them under their own steps.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
-from rollout_spec.distributed.coordinator import Entry, Pulled, coordinator_handles
+from rollout_spec.distributed.coordinator import Entry, Pulled, coordinator_handles, coordinators_retain_steps
 from rollout_spec.distributed.packing import Bucket, split_by_destination, unpack
 from rollout_spec.token_ids import token_array
 from rollout_spec.distributed.router import GroupRouter
@@ -89,11 +90,12 @@ class SharedIndexConfig:
     the puller stops; in [1, 1000000] (1: stop at the first, as any other error does). The pause
     after a failed pull doubles from ``poll_interval_s`` up to ``max_poll_interval_s``: with the
     defaults ten failures span about 7 s."""
-    retain_steps: int = 4
-    """The coordinators' ``retain_steps``, in [1, 1048576] (``share_drafter`` passes what
-    ``ensure_coordinators`` gives them: ``max(1, history_steps)``). The client cannot ask them while
-    its puller is stopped, which is when it needs it: a publish that raises keeps the responses of
-    at most this many steps, the newest, for after ``restart()``; older ones would be stale there."""
+    retain_steps: Optional[int] = None
+    """The coordinators' ``retain_steps``: None (the default) reads it from them when the client
+    is built, as one cheap call per shard; an int in [1, 1048576] must equal theirs (the client
+    refuses another). A publish that raises keeps the responses of at most this many steps, the
+    newest, for the next publish; older ones would be stale there. It is read at construction,
+    not when it is needed: the puller may have stopped on a dead coordinator then."""
 
     def __post_init__(self) -> None:
         def put(field: str, value: object) -> None:  # frozen: store the checked (plain int/float) value
@@ -112,7 +114,8 @@ class SharedIndexConfig:
         put("pull_timeout_s", check_float("pull_timeout_s", self.pull_timeout_s, 0.0, 86400.0, lo_open=True))
         put("apply_chunk_sequences", check_int("apply_chunk_sequences", self.apply_chunk_sequences, 1, 1 << 20))
         put("max_pull_errors", check_int("max_pull_errors", self.max_pull_errors, 1, 1_000_000))
-        put("retain_steps", check_int("retain_steps", self.retain_steps, 1, 1 << 20))
+        if self.retain_steps is not None:
+            put("retain_steps", check_int("retain_steps", self.retain_steps, 1, 1 << 20))
         if not isinstance(self.apply_in_thread, bool):
             raise TypeError(f"apply_in_thread must be a bool, got {self.apply_in_thread!r}")
         if not isinstance(self.name, str):
@@ -133,6 +136,10 @@ class SharedIndexClient:
 
     Raises:
         TypeError: when the drafter has no ``add_sequences``.
+        LookupError: the coordinators are not found within ``lookup_timeout_s``.
+        ValueError: ``config.retain_steps`` is not the coordinators' value, or their shards disagree.
+        ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a coordinator did not tell
+            its ``retain_steps`` within ``lookup_timeout_s``.
     """
 
     def __init__(self, drafter: IngestingDrafter, config: SharedIndexConfig, start: bool = True) -> None:
@@ -142,8 +149,9 @@ class SharedIndexClient:
         self.config = config
         self.router = GroupRouter(config.num_replicas, seed=config.router_seed)
         self._coords = self._look_up_coordinators(config.lookup_timeout_s)
+        self._retain_steps = self._agreed_retain_steps()
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
-        # step -> its responses, kept by publishes that raised the puller's error; the owner's only
+        # step -> its responses, until a publish submits them (one that raised keeps them); the owner's only
         self._backlog: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
         self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
@@ -164,6 +172,21 @@ class SharedIndexClient:
         if start:
             self.start()
 
+    @property
+    def retain_steps(self) -> int:
+        """The coordinators' ``retain_steps``, read at construction: the backlog keeps at most this
+        many steps."""
+        return self._retain_steps
+
+    def _agreed_retain_steps(self) -> int:
+        """The coordinators' ``retain_steps``, checked against the config's when it names one."""
+        theirs = coordinators_retain_steps(self._coords, self.config.lookup_timeout_s)
+        ours = self.config.retain_steps
+        if ours is not None and ours != theirs:
+            raise ValueError(f"SharedIndexConfig.retain_steps={ours} but the coordinators {self.config.name!r} "
+                             f"keep {theirs} steps: leave it None to use theirs")
+        return theirs
+
     def record(self, group_id: Optional[int], token_ids: Sequence[int] | np.ndarray) -> None:
         """Note one finished response generated here; groupless ones (None) are not shared.
 
@@ -182,11 +205,14 @@ class SharedIndexClient:
     def publish(self, step: int) -> dict[str, float]:
         """Send what was recorded since the last publish, as step ``step``; returns at once.
 
-        While the puller is stopped, the puller's error is raised and the responses are kept as
-        step ``step``'s backlog (with those of earlier such steps, the newest ``retain_steps``
-        steps; the others are dropped, counted in ``backlog_sequences_dropped`` and logged). The
-        first publish after :meth:`restart` sends the backlog first, each step under its own number,
-        so no response is labelled with a later step than its own.
+        The responses go into step ``step``'s backlog entry first; the backlog holds the newest
+        ``retain_steps`` steps (older ones are dropped, counted in ``backlog_sequences_dropped``
+        and logged). While the puller is stopped, its error is raised and the backlog is kept.
+        Otherwise the backlog is sent oldest step first, each step under its own number, so no
+        response is labelled with a later step than its own. A step leaves the backlog once it is
+        submitted: when a submit raises (a Ray call that failed), that step and the later ones
+        stay for the next publish and the error is raised. A step whose submit failed after some
+        of its shards took it is sent whole again, so those shards may hold it twice.
 
         Returns the cost paid on the calling thread, over all steps sent: ``seconds``, ``bytes``,
         ``tokens``, ``buckets``.
@@ -195,13 +221,23 @@ class SharedIndexClient:
         self._hold_recorded(step)
         self._raise_background_error()
         t0 = time.perf_counter()
-        held, self._backlog = self._backlog, {}
-        sent = [self._send_step(s, *held.get(s, ([], []))) for s in sorted(held.keys() | {step})]
-        cost = {"seconds": time.perf_counter() - t0, "bytes": sum(b for b, _, _ in sent),
-                "tokens": sum(t for _, t, _ in sent), "buckets": sum(n for _, _, n in sent)}
-        self._add_stats(publish_s=cost["seconds"], published_bytes=cost["bytes"], published_tokens=cost["tokens"],
-                        publishes=len(sent))
+        sent: list[tuple[int, int, int]] = []
+        try:
+            self._send_backlog(step, sent)
+        finally:  # the steps submitted before a failure were sent: count them
+            cost = {"seconds": time.perf_counter() - t0, "bytes": sum(b for b, _, _ in sent),
+                    "tokens": sum(t for _, t, _ in sent), "buckets": sum(n for _, _, n in sent)}
+            self._add_stats(publish_s=cost["seconds"], published_bytes=cost["bytes"],
+                            published_tokens=cost["tokens"], publishes=len(sent))
         return cost
+
+    def _send_backlog(self, step: int, sent: list[tuple[int, int, int]]) -> None:
+        """Submit the backlog's steps and ``step`` (sent even without responses), oldest first,
+        appending each one's cost to ``sent``; a step leaves the backlog only once submitted, so
+        one whose submit raises stays there with every later one."""
+        for s in sorted(self._backlog.keys() | {step}):
+            sent.append(self._send_step(s, *self._backlog.get(s, ([], []))))
+            self._backlog.pop(s, None)
 
     def _hold_recorded(self, step: int) -> None:
         """Move the recorded responses into ``step``'s backlog entry, then drop the entries the
@@ -213,13 +249,13 @@ class SharedIndexClient:
             entry = self._backlog.setdefault(step, ([], []))
             entry[0].extend(groups)
             entry[1].extend(seqs)
-        oldest_kept = max([step, *self._backlog]) - self.config.retain_steps + 1
+        oldest_kept = max([step, *self._backlog]) - self._retain_steps + 1
         for old in [s for s in self._backlog if s < oldest_kept]:
             dropped = len(self._backlog.pop(old)[1])
             self._add_stats(backlog_sequences_dropped=dropped)
             logger.warning("shared-index replica %d dropped the %d responses of step %d: its publish failed "
                            "and it is outside the newest retain_steps=%d steps", self.config.replica_id, dropped, old,
-                           self.config.retain_steps)
+                           self._retain_steps)
 
     def _send_step(self, step: int, groups: list[int], seqs: list[np.ndarray]) -> tuple[int, int, int]:
         """Submit step ``step``'s responses, one call per coordinator shard with buckets for it;
@@ -384,12 +420,23 @@ class SharedIndexClient:
         failed pulls that were retried (``pull_errors``), publishes reported lost
         (``publish_errors``), coordinators found restarted or replaced (``coordinator_resets``),
         responses of steps whose publish raised dropped as older than ``retain_steps``
-        (``backlog_sequences_dropped``). ``publishes`` counts steps sent."""
-        self._raise_background_error()
+        (``backlog_sequences_dropped``), sequences waiting in the backlog
+        (``backlog_sequences``). ``publishes`` counts steps sent.
+
+        It never raises the puller's error, so an owner can log the counters after a step
+        boundary raised it: ``puller_failed`` is 1.0 while the puller is stopped on an error
+        (:attr:`puller_error`; ``publish``, ``join`` and ``close`` raise it) and 0.0 otherwise."""
         with self._stage_lock:
             out = dict(self._stats)
             out["staged_sequences"] = float(sum(len(s) for _, s in self._staged))
+        out["backlog_sequences"] = float(sum(len(seqs) for _, seqs in self._backlog.values()))
+        out["puller_failed"] = float(self._error is not None)
         return out
+
+    @property
+    def puller_error(self) -> Optional[BaseException]:
+        """The error that stopped the puller, until :meth:`restart` clears it (None: none)."""
+        return self._error
 
     def _pull_round(self, wait: float, failures: int) -> tuple[float, float, int]:
         """One round of the puller: pull, and ingest with ``apply_in_thread``.
@@ -415,7 +462,7 @@ class SharedIndexClient:
         return wait, wait, 0
 
     def _stop_on(self, exc: BaseException) -> None:
-        """Keep the error that stopped the puller for the owner's next publish/stats/close."""
+        """Keep the error that stopped the puller for the owner's next publish/join/close."""
         self._error = exc
         logger.error("shared-index puller of replica %d stopped (raised at the next step "
                      "boundary): %r", self.config.replica_id, exc)
@@ -558,7 +605,7 @@ def _pull_until_stopped(client_ref: weakref.ref[SharedIndexClient], stop: thread
     while client is not None and not stop.is_set():
         try:
             pause, wait, failures = client._pull_round(wait, failures)
-        except BaseException as exc:  # surfaced on the owner's next publish/stats/close
+        except BaseException as exc:  # surfaced on the owner's next publish/join/close
             client._stop_on(exc)
             return
         del client  # hold no reference while paused

@@ -108,7 +108,8 @@ class SharingDrafter:
             self.drafter.end_step()
 
     def stats(self) -> dict[str, Any]:
-        """The drafter's statistics plus the shared index's counters under ``shared_index/``."""
+        """The drafter's statistics plus the shared index's counters under ``shared_index/``; it
+        answers while the index's puller is stopped (``shared_index/puller_failed`` is then 1.0)."""
         out = dict(self.drafter.stats())
         out.update({f"shared_index/{k}": v for k, v in self.index.stats().items()})
         return out
@@ -131,11 +132,11 @@ def share_drafter(
     ``placement`` comes from the framework hook; None falls back to the ``ROLLOUT_SPEC_REPLICA_ID``
     / ``ROLLOUT_SPEC_NUM_REPLICAS`` variables. Ray is joined (``address="auto"``) when this process
     is not connected yet. ``client_options`` go to :class:`SharedIndexConfig`; its ``retain_steps``
-    defaults to what ``ensure_coordinators`` gives the coordinators (pass the driver's own value
-    when it passed one).
+    is read from the coordinators, whatever the driver gave ``ensure_coordinators``.
 
     Raises:
-        ValueError: a shared index is asked for but no placement is known.
+        ValueError: a shared index is asked for but no placement is known, or a ``retain_steps``
+            client option is not the coordinators' value.
         LookupError: the coordinators were not created (``create_coordinators`` in the driver).
     """
     if spec.shared_index is None:
@@ -148,7 +149,7 @@ def share_drafter(
         )
     _join_ray()
     options = {"namespace": NAMESPACE, "num_shards": default_num_shards(placement.num_replicas),
-               "retain_steps": _default_retain_steps(spec), **client_options}
+               **client_options}
     config = SharedIndexConfig(replica_id=placement.replica_id, num_replicas=placement.num_replicas,
                                name=spec.shared_index, **options)
     logger.info("rollout-spec: replica %d/%d shares its index through %r", placement.replica_id,
@@ -171,8 +172,7 @@ def ensure_coordinators(spec: SpecConfig, num_replicas: int, retain_steps: Optio
 
 def _default_retain_steps(spec: SpecConfig) -> int:
     """Steps the coordinators keep unless the driver says otherwise: the drafter's group history
-    (at least 1). ``share_drafter`` gives it to each replica's client too, which cannot ask the
-    coordinators while its puller is stopped, to bound what failed publishes keep."""
+    (at least 1). Each replica's client reads the value from the coordinators themselves."""
     return max(1, spec.history_steps)
 
 
