@@ -148,4 +148,4 @@ def test_bench_reports_a_truncated_gguf_without_a_traceback(tmp_path, capsys, mo
             "--wandb", "disabled"]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert f"rollout-spec bench: error: cannot load --model {gguf}: {gguf} is not a readable GGUF file" in err
+    assert f"rollout-spec bench: error: cannot load --model {gguf}: {gguf} is not a GGUF file transformers can read" in err

@@ -154,8 +154,8 @@ def test_an_interrupted_gguf_conversion_leaves_nothing_behind(monkeypatch, tmp_p
     from rollout_spec.engine import weights
 
     ref = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
-    monkeypatch.setattr(weights, "check_gguf_architecture", lambda path: None)
-    monkeypatch.setattr(weights, "load_gguf_model", lambda path: ref)
+    monkeypatch.setattr(weights, "read_gguf_config", lambda path: ref.config)
+    monkeypatch.setattr(weights, "load_gguf_model", lambda path, config: ref)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -176,8 +176,8 @@ def test_a_gguf_conversion_replaces_an_incomplete_cache_folder(tmp_path, monkeyp
     from rollout_spec.engine import weights
 
     converted = []
-    monkeypatch.setattr(weights, "check_gguf_architecture", lambda path: None)
-    monkeypatch.setattr(weights, "load_gguf_model", lambda path: converted.append(1) or object())
+    monkeypatch.setattr(weights, "read_gguf_config", lambda path: None)
+    monkeypatch.setattr(weights, "load_gguf_model", lambda path, config: converted.append(1) or object())
     monkeypatch.setattr(weights, "_write_model_dir", lambda hf, gguf, out: (out / "config.json").write_text("{}"))
     out = tmp_path / "models" / "tiny"
     out.mkdir(parents=True)
@@ -422,18 +422,41 @@ def test_a_gguf_missing_a_tensor_is_refused_not_left_random(tmp_path, monkeypatc
     assert not any(p.name.startswith("holey") for p in (tmp_path / "cache" / "models").iterdir())
 
 
-@pytest.mark.parametrize("arch", ["mamba", "qwen3moe", "bert"])
-def test_a_gguf_of_another_architecture_is_refused_before_conversion(tmp_path, monkeypatch, arch) -> None:
+@pytest.mark.parametrize("arch, got", [("mamba", "its model_type .* got 'mamba'"),
+                                       ("qwen3moe", "its model_type .* got 'qwen3_moe'"),
+                                       ("bert", r"is not a GGUF file transformers can read \(GGUF model with "
+                                                "architecture bert is not supported")])
+def test_a_gguf_of_another_architecture_is_refused_before_conversion(tmp_path, monkeypatch, arch,
+                                                                     got) -> None:
     """A GGUF of a family we do not run was converted first (minutes for a real model, the copy
     left in the cache) and then refused, or failed inside transformers with a RuntimeError
-    pointing at a logged report; now its header's architecture is checked first."""
+    pointing at a logged report; now the config read from its header is checked first."""
     from rollout_spec.engine import weights
 
     monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
     write_tiny_gguf(tmp_path / "other.gguf", arch=arch)
-    with pytest.raises(ValueError, match=rf"other\.gguf: general\.architecture must be one of "
-                                         rf"\('llama', 'qwen2', 'qwen3'\), got '{arch}'"):
+    monkeypatch.setattr(weights, "load_gguf_model", lambda *args: pytest.fail("converted"))
+    with pytest.raises(ValueError, match=rf"other\.gguf:? {got}"):
         weights.load_pretrained(str(tmp_path / "other.gguf"), torch.device("cpu"), torch.float32)
+
+
+def test_a_gguf_conversion_parses_the_header_no_more_than_transformers_does(tmp_path,
+                                                                             monkeypatch) -> None:
+    """The architecture check read the whole header with gguf's reader (4 s for SmolLM2's
+    49k-token vocabulary) before transformers read it again for the config; now transformers'
+    config is the one checked and handed to the model load."""
+    gguf = pytest.importorskip("gguf")
+    from rollout_spec.engine import weights
+
+    reads = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **kw: reads.append(1) or reader(*a, **kw))
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    for load in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):  # what we convert
+        load.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    transformers_reads, reads[:] = len(reads), []
+    weights.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+    assert len(reads) == transformers_reads
 
 
 @pytest.mark.parametrize("content", [b"", b"not a gguf file", b"GGUF\x03\x00\x00\x00\x00\x00"],
@@ -444,7 +467,7 @@ def test_an_unreadable_gguf_names_the_file(tmp_path, monkeypatch, content: bytes
 
     monkeypatch.setenv("ROLLOUT_SPEC_CACHE", str(tmp_path / "cache"))
     (tmp_path / "bad.gguf").write_bytes(content)
-    with pytest.raises(ValueError, match=r"bad\.gguf is not a readable GGUF file \("):
+    with pytest.raises(ValueError, match=r"bad\.gguf is not a GGUF file transformers can read \("):
         weights.load_pretrained(str(tmp_path / "bad.gguf"), torch.device("cpu"), torch.float32)
 
 

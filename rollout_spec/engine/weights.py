@@ -20,11 +20,10 @@ from typing import Any, Optional
 import torch
 
 from rollout_spec.config import DEFAULT_MODEL
-from rollout_spec.engine.model import ModelConfig, Transformer, rope_inverse_frequencies
+from rollout_spec.engine.model import (SUPPORTED_MODEL_TYPES, ModelConfig, Transformer,
+                                       rope_inverse_frequencies)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# GGUF ``general.architecture`` values that transformers converts into a family we run.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # config.json sizes that must be positive integers (null allowed where transformers derives them).
 CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "max_position_embeddings")
@@ -57,8 +56,7 @@ def packaged_gguf(name: str) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise a GGUF file with transformers and write a safetensors directory (atomically:
     a conversion that fails or is interrupted leaves nothing behind, the next run starts over)."""
-    check_gguf_architecture(gguf_path)
-    hf = load_gguf_model(gguf_path)
+    hf = load_gguf_model(gguf_path, read_gguf_config(gguf_path))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -74,28 +72,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def check_gguf_architecture(gguf_path: Path) -> None:
-    """Read the GGUF header (not the tensors) and refuse, before minutes of conversion, a file that
-    is no GGUF or whose ``general.architecture`` is not one we run.
+def read_gguf_config(gguf_path: Path) -> Any:
+    """transformers' config of a GGUF file, read from its header (not the tensors), so that a
+    file that is no GGUF or of a family we do not run is refused before minutes of conversion.
+    ``load_gguf_model`` takes it, so the header is parsed for the config once (gguf's reader
+    takes seconds over a 49k-token vocabulary).
 
     Raises:
-        ValueError: unreadable header (empty, truncated, other format) or another architecture.
+        ValueError: unreadable header (empty, truncated, other format, an architecture
+            transformers cannot convert) or a ``model_type`` outside SUPPORTED_MODEL_TYPES.
     """
-    import gguf
+    from transformers import AutoConfig
 
     try:
-        field = gguf.GGUFReader(str(gguf_path)).get_field("general.architecture")
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, struct.error, IndexError, KeyError, OSError) as exc:
-        raise ValueError(f"{gguf_path} is not a readable GGUF file ({exc})") from exc
-    arch = None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{gguf_path}: general.architecture must be one of {GGUF_ARCHITECTURES}, "
-                         f"got {arch!r}")
+        raise ValueError(f"{gguf_path} is not a GGUF file transformers can read ({exc})") from exc
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{gguf_path}: its model_type (from general.architecture) must be one of "
+                         f"{SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
+    return config
 
 
-def load_gguf_model(gguf_path: Path) -> Any:
-    """The GGUF file as a transformers fp32 model. A tensor the file lacks is an error: transformers
-    initialises it at random and only logs it, which gave a silently wrong model.
+def load_gguf_model(gguf_path: Path, config: Any) -> Any:
+    """The GGUF file as a transformers fp32 model, built with ``config`` (``read_gguf_config``'s).
+    A tensor the file lacks is an error: transformers initialises it at random and only logs it,
+    which gave a silently wrong model.
 
     Raises:
         ValueError: tensors missing, or not loadable (shapes other than the metadata gives).
@@ -104,7 +106,7 @@ def load_gguf_model(gguf_path: Path) -> Any:
 
     try:
         hf, info = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32,
+            str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32,
             output_loading_info=True,
         )
     except torch.OutOfMemoryError:
