@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rollout_spec.config import check_int
+from rollout_spec.token_ids import int_array
 
 # torch is imported inside the functions that make or read tensors: the drafter uses the
 # layout (quarter_block) and must not load torch (DESIGN.md).
@@ -34,6 +35,8 @@ MAX_VERIFY_VOCAB = 2**24 - 1
 """Largest vocabulary a verify step races over (verify.py: token ids exact in float32)."""
 MAX_SEED = 2**63 - 1
 """Largest seed, prompt or sample index (``SamplingParams.seed``; int64 on the device)."""
+MAX_POSITION = 2**63 - 1
+"""Largest noise position (int64; the core reads it as Philox counter words 1 and 2)."""
 
 
 def quarter_block(vocab: int) -> int:
@@ -66,22 +69,47 @@ class NoiseKeys:
 
     def check(self, num_requests: int, device: torch.device | str) -> None:
         """Raise naming the field and what differs (dtype, shape, device) unless both are
-        int64[num_requests] tensors on ``device`` (a torch.device or its name, e.g. "cuda:0")."""
+        int64[num_requests] tensors on ``device`` (a torch.device or its name; "cuda" is the
+        current CUDA device, as for a tensor made there: ``same_device``)."""
         import torch
 
         num_requests = check_int("num_requests", num_requests, 0)
-        device = torch.device(device) if isinstance(device, str) else device
+        device = torch.device(device)
         for name in ("seeds", "positions"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"keys.{name} must be an int64[{num_requests}] tensor on {device}, "
                                 f"got {type(t).__name__}")
-            if t.dtype == torch.int64 and t.shape == (num_requests,) and t.device == device:
-                continue
-            fields = (("dtype", t.dtype, torch.int64), ("shape", tuple(t.shape), (num_requests,)),
-                      ("device", t.device, device))
-            got = ", ".join(f"{what} {have}" for what, have, want in fields if have != want)
-            raise ValueError(f"keys.{name} must be int64[{num_requests}] on {device}, got {got}")
+            differs = {"dtype": (t.dtype, t.dtype != torch.int64),
+                       "shape": (tuple(t.shape), t.shape != (num_requests,)),
+                       "device": (t.device, not same_device(t.device, device))}
+            got = ", ".join(f"{what} {have}" for what, (have, bad) in differs.items() if bad)
+            if got:
+                raise ValueError(f"keys.{name} must be int64[{num_requests}] on {device}, got {got}")
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether ``a`` and ``b`` (torch devices or their names) are one device, as tensors made on
+    them would be: torch.device("cuda") != torch.device("cuda:0"), yet a tensor made on "cuda"
+    lands on the current CUDA device, and "cpu:0" is the CPU."""
+    import torch
+
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a == b or a.type == "cpu" or _placed_index(a) == _placed_index(b)
+
+
+def _placed_index(device: torch.device) -> int:
+    """The index of the device a tensor made on ``device`` lands on: its own, else the current
+    device of its type (MPS has one device, index 0, and no ``current_device``)."""
+    import torch
+
+    if device.index is not None:
+        return device.index
+    if device.type == "mps":
+        return 0
+    return torch.get_device_module(device.type).current_device()
 
 
 def sample_seed(call_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -101,7 +129,8 @@ def sample_seed(call_seed: int, prompt_index: int, sample_index: int) -> int:
 def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32[A, V] on the keys' device: the uniforms, in (0, 1), of rows keyed (seeds[a], positions[a]),
     every column (computed by the native core on the host). ``seeds`` and ``positions`` are 1-D
-    integer tensors of one length, ``vocab`` in [1, MAX_VERIFY_VOCAB]; anything else raises."""
+    integer tensors of one length, seeds in [0, MAX_SEED] and positions in [0, MAX_POSITION],
+    ``vocab`` in [1, MAX_VERIFY_VOCAB]; anything else raises naming the argument."""
     import torch
 
     from rollout_spec import _core
@@ -116,6 +145,11 @@ def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
         raise ValueError(f"seeds and positions must be 1-D tensors of one length, got shapes "
                          f"{list(seeds.shape)} and {list(positions.shape)}")
 
-    host = [np.ascontiguousarray(t.cpu().numpy(), np.int64) for t in (seeds, positions)]
-    u = _core.race_uniforms(*host, vocab, quarter_block(vocab), NOISE_TAG)
+    # The core reads each key as 64 unsigned bits: a negative one would alias a large seed or
+    # position, so both are checked here, on the host copies it reads.
+    host_seeds, host_positions = (np.ascontiguousarray(t.cpu().numpy(), np.int64)
+                                  for t in (seeds, positions))
+    int_array("seeds", host_seeds, 0, MAX_SEED)
+    int_array("positions", host_positions, 0, MAX_POSITION)
+    u = _core.race_uniforms(host_seeds, host_positions, vocab, quarter_block(vocab), NOISE_TAG)
     return torch.from_numpy(u).to(seeds.device)

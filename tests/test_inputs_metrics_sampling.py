@@ -9,7 +9,7 @@ import torch
 
 from rollout_spec.config import SamplingParams
 from rollout_spec.metrics import SpecStats, plot_dashboard, stats_from_outputs
-from rollout_spec.noise import NoiseKeys, quarter_block, race_uniforms, sample_seed
+from rollout_spec.noise import NoiseKeys, quarter_block, race_uniforms, same_device, sample_seed
 from rollout_spec.sampling import SamplingTable, row_stats
 
 STATS = dict(step=0, num_requests=2, spec_tokens=10, spec_seconds=1.0, verify_steps=5,
@@ -206,3 +206,43 @@ def test_row_stats_needs_2d_logits(logits, error, got):
     table = SamplingTable.from_params(SamplingParams(), 1)
     with pytest.raises(error, match=rf"logits must be a 2-D \[R, V\] tensor, got {got}"):
         row_stats(logits, table, np.array([1]))
+
+
+@pytest.mark.parametrize("seeds, positions, match", [
+    ([-1, 3], [0, 0], r"seeds must hold integers in \[0, 9223372036854775807\], got values from -1 to 3"),
+    ([0, 3], [5, -2], r"positions must hold integers in \[0, 9223372036854775807\], got values from -2 to 5"),
+])
+def test_race_uniforms_refuses_negative_keys(seeds, positions, match):
+    """The core reads a key as 64 unsigned bits, so seed -1 raced as seed 2**64 - 1 (no seed
+    SamplingParams or sample_seed gives) and position -2 as 2**64 - 2, silently."""
+    with pytest.raises(ValueError, match=match):
+        race_uniforms(torch.tensor(seeds), torch.tensor(positions), 5)
+    assert race_uniforms(torch.tensor([2**63 - 1]), torch.tensor([2**63 - 1]), 5).shape == (1, 5)
+
+
+def test_noise_keys_check_compares_devices_as_tensors_land():
+    """A device named with an index the tensors' device lacks ("cpu:0": tensors on the CPU have
+    none) was a mismatch, and so was "cuda" for keys on cuda:0."""
+    keys = NoiseKeys(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    keys.check(2, "cpu:0")
+    keys.check(2, torch.device("cpu", 0))
+    with pytest.raises(ValueError, match=r"keys.seeds must be int64\[2\] on meta, got device cpu$"):
+        keys.check(2, "meta")
+
+
+def test_same_device_resolves_an_index_less_device_to_the_current_one(monkeypatch):
+    """"cuda" is the device a tensor made on "cuda" lands on: the current CUDA device."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert same_device("cuda", "cuda:1") and same_device(torch.device("cuda:1"), "cuda")
+    assert not same_device("cuda", "cuda:0") and not same_device("cuda:0", "cuda:1")
+    assert same_device("cuda", "cuda") and not same_device("cuda", "cpu")
+    assert same_device("cpu:0", "cpu") and same_device("mps", "mps:0")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_noise_keys_on_cuda_pass_a_check_against_cuda():
+    keys = NoiseKeys(*torch.zeros(2, 2, dtype=torch.int64, device="cuda"))
+    keys.check(2, "cuda")
+    keys.check(2, torch.device("cuda", torch.cuda.current_device()))
+    with pytest.raises(ValueError, match=r"keys.seeds must be int64\[2\] on cpu, got device cuda:\d$"):
+        keys.check(2, "cpu")
