@@ -64,3 +64,24 @@ def test_bad_layout_is_refused() -> None:
     walk = torch.zeros(2, 7, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="contiguous"):
         compact_accepted_kv(cache.kv.transpose(4, 5), walk, walk[:, 0], walk[:, 0])
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("kv", lambda c, w, s, x: (c.kv[0], w, s, x), r"kv must be a contiguous \[2, layers"),
+    ("walk", lambda c, w, s, x: (c.kv, w.long(), s, x), r"walk must be a row-major int32"),
+    # one slot for two walk rows: the kernel would read past it and move another slot's KV
+    ("slots", lambda c, w, s, x: (c.kv, w, s[:1], x), r"slots must be an int \[2\] tensor"),
+    ("ctx_lens", lambda c, w, s, x: (c.kv, w, s, x.float()), r"ctx_lens must be an int \[2\]"),
+    ("ctx_lens", lambda c, w, s, x: (c.kv, w, s, x.to("meta")), r"ctx_lens is on meta"),
+])
+def test_bad_inputs_name_the_argument(field: str, bad, match: str) -> None:
+    """Every argument the kernel cannot take is refused by name before the kernel runs."""
+    cache = KVCache(1, 3, 1, 8, 4, torch.float32, DEVICE)
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    before = cache.kv.clone()
+    walk = walk_rows([[2, 3], [1]], 3)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    ctx = torch.tensor([1, 4], device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        compact_accepted_kv(*bad(cache, walk, slots, ctx))
+    assert torch.equal(cache.kv, before)

@@ -114,6 +114,29 @@ def test_bad_inputs_raise(field, bad):
         ta.tree_attention_triton(*case, 0.25)
 
 
+@pytest.mark.parametrize("split_len", [0, -64, 32])
+def test_split_len_must_be_a_positive_multiple_of_block_n(split_len):
+    """A zero or negative split length is refused by name, not a division by zero or an empty grid."""
+    case = make_case(2, 6, 3, 2, 16, [3, 4], slots=2, max_len=64, seed=1)
+    with pytest.raises(ValueError, match="split_len must be a positive multiple of 64"):
+        ta.tree_attention_triton(*case, 0.25, split_len=split_len)
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("slot_ids", lambda c: c[3].float(), "slot_ids must be an integer tensor"),
+    ("ctx_lens", lambda c: c[4].to(torch.bool), "ctx_lens must be an integer tensor"),
+    ("v_cache", lambda c: c[2].half(), "k_cache and v_cache must share a dtype"),
+    ("ctx_lens", lambda c: c[4].to("meta"), "ctx_lens is on meta"),
+])
+def test_bad_dtypes_and_devices_name_the_input(field, bad, match):
+    """Index tensors of a float dtype or on another device are refused before any kernel runs."""
+    case = make_case(2, 6, 3, 2, 16, [3, 4], slots=2, max_len=64, seed=1)
+    idx = {"v_cache": 2, "slot_ids": 3, "ctx_lens": 4}[field]
+    case[idx] = bad(case)
+    with pytest.raises(ValueError, match=match):
+        ta.tree_attention_triton(*case, 0.25)
+
+
 def test_backend_switch_and_dispatch_rules():
     """Dispatch takes the kernel only for CUDA steps whose G*W rows fit; bad names are refused."""
     q_small = torch.zeros(2, 9, 4, 64, device=DEVICE)

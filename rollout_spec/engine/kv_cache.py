@@ -5,6 +5,8 @@ graphs). Slot ``s`` holds one request's keys and values at positions ``0 .. ctx_
 """
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        sizes = {"num_layers": num_layers, "num_slots": num_slots, "num_kv_heads": num_kv_heads,
+                 "max_len": max_len, "head_dim": head_dim}
+        for field, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+                raise ValueError(f"KVCache {field} must be a positive int, got {value!r}")
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         # One tensor, k and v its two halves: a move or prefix copy is one indexing op for both.
         self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
@@ -58,7 +65,15 @@ class KVCache:
         self.kv[:, :, slots, :, dst] = self.kv[:, :, slots, :, src]
 
     def copy_prefix(self, src_slot: int, dst_slots: Tensor, length: int) -> None:
-        """Copy the first ``length`` positions of one slot into others (n samples, one prefill)."""
+        """Copy the first ``length`` positions of one slot into others (n samples, one prefill).
+
+        ``src_slot`` must be in ``[0, num_slots)`` and ``length`` in ``[0, max_len]``: a slice past
+        the cache would copy fewer positions than asked without any error.
+        """
+        if not 0 <= src_slot < self.num_slots:
+            raise ValueError(f"src_slot must be in [0, {self.num_slots}), got {src_slot}")
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be in [0, max_len={self.max_len}], got {length}")
         if dst_slots.numel() == 0 or length == 0:
             return
         self.kv[:, :, dst_slots, :, :length] = self.kv[:, :, src_slot : src_slot + 1, :, :length]

@@ -47,10 +47,13 @@ def compact_accepted_kv(kv: torch.Tensor, walk: torch.Tensor, slots: torch.Tenso
         kv: the cache ``[2, layers, slots, kv_heads, max_len, head_dim]`` (contiguous).
         walk: int32 ``[B, 1 + 3W]`` rows of the fused walk (accepted count, then columns).
         slots, ctx_lens: int ``[B]`` device tensors of the step (cached lengths before it).
+    Raises:
+        ValueError: a layout, dtype, shape or device the kernel cannot take. Nothing checks the
+            values (that would sync the GPU); the kernel reads one slot and context length per walk
+            row, so shorter ``slots`` or ``ctx_lens`` would make it move another slot's KV.
     """
+    _check_inputs(kv, walk, slots, ctx_lens)
     two, layers, _, heads, _, dim = kv.shape
-    if not kv.is_contiguous() or walk.dim() != 2 or walk.stride(1) != 1:
-        raise ValueError("kv must be contiguous and walk a row-major [B, 1 + 3W] tensor")
     num_req = walk.shape[0]
     if num_req == 0:
         return
@@ -60,3 +63,21 @@ def compact_accepted_kv(kv: torch.Tensor, walk: torch.Tensor, slots: torch.Tenso
         planes.stride(2), planes.stride(3), HEADS=heads, HPAD=triton.next_power_of_2(heads),
         DIM=dim, DPAD=triton.next_power_of_2(dim), num_warps=1,
     )
+
+
+def _check_inputs(kv: torch.Tensor, walk: torch.Tensor, slots: torch.Tensor,
+                  ctx_lens: torch.Tensor) -> None:
+    """Raise ValueError naming the first argument the kernel cannot take as it is."""
+    if kv.dim() != 6 or kv.shape[0] != 2 or not kv.is_contiguous():
+        raise ValueError(f"kv must be a contiguous [2, layers, slots, kv_heads, max_len, head_dim] "
+                         f"tensor, got shape {tuple(kv.shape)} (contiguous: {kv.is_contiguous()})")
+    if walk.dim() != 2 or walk.stride(1) != 1 or walk.dtype != torch.int32:
+        raise ValueError(f"walk must be a row-major int32 [B, 1 + 3W] tensor, got {walk.dtype} "
+                         f"{tuple(walk.shape)}")
+    for name, rows in (("slots", slots), ("ctx_lens", ctx_lens)):
+        if tuple(rows.shape) != (walk.shape[0],) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+            raise ValueError(f"{name} must be an int [{walk.shape[0]}] tensor (one per walk row), "
+                             f"got {rows.dtype} {tuple(rows.shape)}")
+    for name, t in (("walk", walk), ("slots", slots), ("ctx_lens", ctx_lens)):
+        if t.device != kv.device:
+            raise ValueError(f"{name} is on {t.device}, kv on {kv.device}: they must share a device")

@@ -57,9 +57,11 @@ class ModelRunner:
 
         ``prefill`` (prompts per prefill, padded lengths) sets the prefill's ladder (default:
         ``prefill_ladder`` for this cache), captured too. An eager prefill of 16 prompts cost
-        ~40 ms of host time on the H100 for ~7 ms of GPU work.
+        ~40 ms of host time on the H100 for ~7 ms of GPU work. A width or padded length past
+        the cache raises ValueError before anything is captured (capture writes every bucket).
         """
         groups, lengths = prefill or prefill_ladder(self.scratch_slot, self.cache.max_len)
+        self._check_room("prefill lengths", np.zeros(1, np.int64), max(lengths, default=1))
         with torch.inference_mode():
             self.graphs = self.verify_ladder(batch_sizes, widths)
             self.prefill_graphs = GraphLadder(self._prefill_step, prefill_input_specs(self.scratch_slot),
@@ -68,6 +70,8 @@ class ModelRunner:
     def verify_ladder(self, batch_sizes: list[int], widths: list[int], eager: bool = False) -> GraphLadder:
         """The decode/verify step over (B, W) buckets: captured (``capture_graphs``), or with
         ``eager`` run as is on the same padded inputs (to time steps where nothing is captured)."""
+        # Capture runs every bucket on pad inputs (ctx_len 0): a wider bucket writes past the cache.
+        self._check_room("widths", np.zeros(1, np.int64), max(widths, default=1))
         return GraphLadder(self._graph_step, verify_input_specs(self.scratch_slot), batch_sizes, widths,
                            self.device, eager=eager)
 
@@ -81,6 +85,18 @@ class ModelRunner:
         ctx = StepContext(self.cache, inp["slot_ids"], inp["ctx_lens"], None, kv_limit=ids.shape[1])
         hidden = self.model.hidden(ids, inp["positions"], ctx)
         return hidden[torch.arange(ids.shape[0], device=ids.device), inp["last"]]
+
+    def _check_room(self, field: str, ctx_lens: np.ndarray, width: int) -> None:
+        """Raise unless ``width`` new positions after every ``ctx_lens`` fit the cache.
+
+        A step writes its (padded) columns at ``ctx_len .. ctx_len + width - 1`` of each slot; past
+        ``cache_len`` that is an index error on CPU and a device-side assert (a dead CUDA context)
+        on a GPU. The host arrays are at hand, so the check costs no sync.
+        """
+        need = int(ctx_lens.max(initial=0)) + width
+        if need > self.cache.max_len:
+            raise ValueError(f"{field}: the step would write cache position {need - 1} (max ctx_len + "
+                             f"width - 1), past cache_len={self.cache.max_len}")
 
     def _long(self, values: list[int] | np.ndarray) -> Tensor:
         """int64 values on the device; from pinned memory without a host sync on CUDA (a
@@ -108,6 +124,7 @@ class ModelRunner:
         host = {"input_ids": ids, "positions": np.broadcast_to(np.arange(T), (G, T)),
                 "slot_ids": np.array([g[0].slot for g in groups], np.int64),
                 "ctx_lens": np.zeros(G, np.int64), "last": np.array(lens, np.int64) - 1}
+        self._check_room("prompt lengths", host["ctx_lens"], T)  # buckets fit: capture_graphs
         graphs = self.prefill_graphs
         if graphs is not None and graphs.fits(G, T):
             key = graphs.bucket(G, T)
@@ -137,7 +154,10 @@ class ModelRunner:
         """
         num, width = len(slots), 1 + int(batch.sizes().max(initial=0))
         if self.graphs is not None and self.graphs.fits(num, width):
-            return self._graph_forward(self.graphs.bucket(num, width), slots, ctx_lens, roots, batch)
+            key = self.graphs.bucket(num, width)
+            self._check_room("ctx_lens", ctx_lens, key[1])  # the bucket's padding columns write too
+            return self._graph_forward(key, slots, ctx_lens, roots, batch)
+        self._check_room("ctx_lens", ctx_lens, width)
         slot_t, ctx_t, root_t = self._upload_step(slots, ctx_lens, roots).unbind(0)
         self._step_rows = (slot_t, ctx_t)
         if batch.num_nodes == 0:  # plain decode: the tree is each root alone

@@ -189,7 +189,9 @@ def _num_sms(device: torch.device) -> int:
     return 8  # interpreter runs: a few splits, so the merge path is exercised
 
 
-def _check_inputs(q, k_cache, v_cache, slot_ids, ctx_lens, tree_mask) -> None:
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_ids: torch.Tensor, ctx_lens: torch.Tensor, tree_mask: torch.Tensor) -> None:
+    """Raise ValueError naming the first input the kernels cannot take (shapes, dtypes, devices)."""
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"q must be [B,Hq,W,D] and k_cache [S,Hkv,Lmax,D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}")
@@ -210,6 +212,16 @@ def _check_inputs(q, k_cache, v_cache, slot_ids, ctx_lens, tree_mask) -> None:
                          f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
     if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous in head_dim")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype}, {v_cache.dtype}")
+    for name, rows in (("slot_ids", slot_ids), ("ctx_lens", ctx_lens)):
+        if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {rows.dtype}")
+    named = (("k_cache", k_cache), ("v_cache", v_cache), ("slot_ids", slot_ids),
+             ("ctx_lens", ctx_lens), ("tree_mask", tree_mask))
+    for name, t in named:
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: every input must share a device")
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -237,7 +249,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(group * width))
     if split_len is None:
         split_len = choose_split_len(bsz, hkv, max_len, _num_sms(q.device))
-    if split_len % BLOCK_N:
+    if split_len < BLOCK_N or split_len % BLOCK_N:
         raise ValueError(f"split_len must be a positive multiple of {BLOCK_N}, got {split_len}")
     splits = -(-max_len // split_len)
     out = torch.empty_like(q)

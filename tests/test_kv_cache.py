@@ -1,0 +1,113 @@
+"""KVCache and ModelRunner at the cache's edges: bad sizes and steps past ``cache_len`` raise a
+ValueError naming the field and the limit, before anything is written or silently truncated.
+
+``ROLLOUT_SPEC_TEST_DEVICE=cuda`` runs the same tests on a GPU, where a write past the cache
+would otherwise be a device-side assert that kills the CUDA context.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_spec.engine.kv_cache import KVCache
+from rollout_spec.tree import DraftBatch
+
+DEVICE = torch.device(os.environ.get("ROLLOUT_SPEC_TEST_DEVICE", "cpu"))
+
+
+def filled_cache(slots: int = 3, max_len: int = 8) -> KVCache:
+    """A cache whose every cell holds a distinct value."""
+    cache = KVCache(2, slots, 2, max_len, 4, torch.float32, DEVICE)
+    cache.kv.copy_(torch.arange(cache.kv.numel(), dtype=torch.float32).view(cache.kv.shape))
+    return cache
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_slots", "num_kv_heads", "max_len", "head_dim"])
+@pytest.mark.parametrize("bad", [0, -1, 2.0])
+def test_bad_sizes_name_the_field(field: str, bad) -> None:
+    sizes = dict(num_layers=1, num_slots=2, num_kv_heads=1, max_len=8, head_dim=4)
+    sizes[field] = bad
+    with pytest.raises(ValueError, match=f"{field} must be a positive int"):
+        KVCache(**sizes, dtype=torch.float32, device=DEVICE)
+
+
+def test_copy_prefix_copies_exactly_length_positions() -> None:
+    cache = filled_cache()
+    before = cache.kv.clone()
+    cache.copy_prefix(0, torch.tensor([2], device=DEVICE), 5)
+    torch.testing.assert_close(cache.kv[:, :, 2, :, :5], before[:, :, 0, :, :5], rtol=0, atol=0)
+    torch.testing.assert_close(cache.kv[:, :, 2, :, 5:], before[:, :, 2, :, 5:], rtol=0, atol=0)
+    torch.testing.assert_close(cache.kv[:, :, :2], before[:, :, :2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("src,length,match", [
+    (0, 9, r"length must be in \[0, max_len=8\], got 9"),  # a slice would copy 8 quietly
+    (0, -1, r"length must be in \[0, max_len=8\], got -1"),  # a slice would copy 7 quietly
+    (3, 4, r"src_slot must be in \[0, 3\), got 3"),
+])
+def test_copy_prefix_past_the_cache_raises(src: int, length: int, match: str) -> None:
+    cache = filled_cache()
+    before = cache.kv.clone()
+    with pytest.raises(ValueError, match=match):
+        cache.copy_prefix(src, torch.tensor([1], device=DEVICE), length)
+    assert torch.equal(cache.kv, before)
+
+
+def tiny_runner(cache_len: int):
+    """A ModelRunner over a random two-layer Llama with ``cache_len`` positions per slot."""
+    transformers = pytest.importorskip("transformers")
+    from rollout_spec.engine.runner import ModelRunner
+    from rollout_spec.engine.weights import build_model
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    model = build_model(cfg, state, DEVICE, torch.float32)
+    return ModelRunner(model, num_slots=2, cache_len=cache_len)
+
+
+def chain(length: int) -> DraftBatch:
+    """One request drafting a chain of ``length`` tokens."""
+    return DraftBatch.from_lists([[(1, i - 1) for i in range(length)]])
+
+
+def test_verify_step_past_the_cache_raises() -> None:
+    runner = tiny_runner(cache_len=16)
+    slots, roots = np.array([0]), np.array([5])
+    runner.verify_forward(slots, np.array([12]), roots, chain(3))  # positions 12..15: the last fit
+    before = runner.cache.kv.clone()
+    with pytest.raises(ValueError, match=r"ctx_lens: .*position 16 .*cache_len=16"):
+        runner.verify_forward(slots, np.array([13]), roots, chain(3))
+    with pytest.raises(ValueError, match=r"ctx_lens: .*position 16 .*cache_len=16"):
+        runner.verify_forward(slots, np.array([16]), roots, chain(0))  # plain decode
+    assert torch.equal(runner.cache.kv, before)
+
+
+def test_graphed_step_checks_the_bucket_width() -> None:
+    """A bucket's padding columns are written too: a step that fits may not fit its bucket."""
+    runner = tiny_runner(cache_len=16)
+    runner.capture_graphs([1, 2], [1, 4], prefill=([1], [8]))  # eager on CPU, same padding
+    runner.verify_forward(np.array([0]), np.array([12]), np.array([5]), chain(1))  # bucket W=4 fits
+    with pytest.raises(ValueError, match=r"ctx_lens: .*position 16 .*cache_len=16"):
+        runner.verify_forward(np.array([0]), np.array([13]), np.array([5]), chain(1))  # W=2 in W=4
+    with pytest.raises(ValueError, match=r"widths: .*position 16 .*cache_len=16"):
+        runner.verify_ladder([1], [1, 17])
+    with pytest.raises(ValueError, match=r"prefill lengths: .*position 31 .*cache_len=16"):
+        runner.capture_graphs([1], [1], prefill=([1], [8, 32]))
+
+
+def test_prefill_past_the_cache_raises() -> None:
+    from rollout_spec.config import SamplingParams
+    from rollout_spec.engine.sequence import Sequence
+
+    runner = tiny_runner(cache_len=16)
+    seq = Sequence(req_id=0, prompt_index=0, sample_index=0, prompt=list(range(17)),
+                   params=SamplingParams(), group_id=None, stop_ids=frozenset(), seed=0, slot=0)
+    with pytest.raises(ValueError, match=r"prompt lengths: .*position 16 .*cache_len=16"):
+        runner.prefill([[seq]])
