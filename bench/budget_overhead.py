@@ -9,14 +9,13 @@ should stay a few microseconds. Runs on a synthetic cost grid, no GPU needed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_spec.cli_args import int_arg, numbers_arg  # noqa: E402
+from rollout_spec.cli_args import DefaultsParser, int_arg, numbers_arg  # noqa: E402
 from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost, draft_sizes  # noqa: E402
 
 MAX_DRAFT = 32  # the engine bench's default draft budget
@@ -41,7 +40,7 @@ def per_step_us(fn, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: one row per batch size."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = DefaultsParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int_arg("--steps", 1, 10**9), default=20000)
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, MAX_BATCH), default="8,128,256")
     args = ap.parse_args(argv)

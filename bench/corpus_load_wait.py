@@ -12,13 +12,12 @@ waits. Two rows in one run: the corpus indexed in drafter calls of ``LOAD_BATCH_
 """
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 
 import numpy as np
 
-from rollout_spec.cli_args import int_arg
+from rollout_spec.cli_args import DefaultsParser, int_arg
 from rollout_spec.integrations.sglang.corpus import LOAD_BATCH_TOKENS, SEPARATOR_TOKEN, RolloutSpecCorpus
 
 VOCAB = 32_000
@@ -65,7 +64,7 @@ def waits_during_load(chunks: list[list[int]], batch_tokens: int,
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, run both ways ``--rounds`` times, print one table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = DefaultsParser(description=__doc__.splitlines()[0])
     ap.add_argument("--documents", type=int_arg("--documents", 1, 1_000_000), default=4000)
     ap.add_argument("--doc-tokens", type=int_arg("--doc-tokens", 1, 1_000_000), default=500)
     ap.add_argument("--get-every-ms", type=int_arg("--get-every-ms", 0, 1000), default=2)

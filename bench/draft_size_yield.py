@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import int_arg  # noqa: E402
+from rollout_spec.cli_args import DefaultsParser, int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
 from rollout_spec.replay import Trace, accepted_path, replay  # noqa: E402
@@ -51,12 +51,12 @@ def replay_sizes(trace: Trace, budget: int, steps: int, max_live: int) -> tuple[
 
 def main(argv: list[str] | None = None) -> None:
     """Print the table for each trace."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = DefaultsParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_option(ap)
     ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
                     help="RL steps replayed; at most the trace's step count (default: the first 2, or 1 "
                          "on a one-step trace)")
-    ap.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 20), default=256, help="concurrent requests (default 256)")
+    ap.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 20), default=256, help="concurrent requests")
     args = ap.parse_args(argv)
     traces = load_traces(ap, args.trace, args.steps)
     print("| trace | E(k) | " + " | ".join(f"k={k}" for k in SIZES) + " |\n|---|---|" + "---|" * len(SIZES))

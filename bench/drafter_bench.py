@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import int_arg, names_arg, numbers_arg  # noqa: E402
+from rollout_spec.cli_args import DefaultsParser, int_arg, names_arg, numbers_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
 from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult, Trace,  # noqa: E402
@@ -151,18 +151,18 @@ def drafter_names(ap: argparse.ArgumentParser, drafters: list[str], counts: list
 
 def main(argv: list[str] | None = None) -> None:
     """Parse options, pick traces, run the drafters, print the tables."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = DefaultsParser(description=__doc__.splitlines()[0])
     add_trace_option(ap, "the shared traces, else a synthetic one")
     ap.add_argument("--synthetic", action="store_true", help="also replay a synthetic trace")
     ap.add_argument("--budget", type=int_arg("--budget", 1, 1024), default=8, help="draft tokens per request")
     ap.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 20), default=None,
                     help="cap on concurrent requests (default: all of a step's requests)")
-    ap.add_argument("--drafters", type=names_arg("--drafters", DRAFTERS), default=list(DRAFTERS),
-                    help=f"comma-separated, from {', '.join(DRAFTERS)} (default: all)")
+    ap.add_argument("--drafters", type=names_arg("--drafters", DRAFTERS), default=",".join(DRAFTERS),
+                    help=f"comma-separated, from {', '.join(DRAFTERS)}")
     ap.add_argument("--propose-threads", type=numbers_arg("--propose-threads", int, 0, 256), default=None,
-                    help="comma-separated thread counts for ours/ours-full (0 = auto); default 1")
+                    help="comma-separated thread counts for ours/ours-full (0 = auto) (default: 1)")
     ap.add_argument("--repeat", type=int_arg("--repeat", 1, 1000), default=1,
-                    help="replays of every trace per drafter, in turns; rows show the median run (default 1)")
+                    help="replays of every trace per drafter, in turns; rows show the median run")
     args = ap.parse_args(argv)
     counts = args.propose_threads or [1]
     names = drafter_names(ap, args.drafters, args.propose_threads)

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import int_arg  # noqa: E402
+from rollout_spec.cli_args import DefaultsParser, int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter, takes_noise_keys  # noqa: E402
 from rollout_spec.engine.budget import CostModel, DraftBudget, budget_from_cost, draft_sizes  # noqa: E402
@@ -159,15 +159,15 @@ def replay_rule(trace: Trace, rule: str, batch: int, steps: int, max_draft: int,
 
 def main(argv: list[str] | None = None) -> None:
     """Print one table row per trace and RL step."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = DefaultsParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_option(ap)
     ap.add_argument("--batch", type=int_arg("--batch", 1, 256), default=128,
-                    help="samples per call, all decoded at once (default 128: 16 prompts x n=8)")
+                    help="samples per call, all decoded at once (default: %(default)s, 16 prompts x n=8)")
     ap.add_argument("--steps", type=int_arg("--steps", 1), default=None,
                     help="RL steps replayed; at most the trace's step count (default: all)")
     ap.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 64), default=8,
                     help="most draft nodes per request; the budget picks a power of two below it, "
-                         "or it (default 8)")
+                         "or it")
     ap.add_argument("--cost-grid", type=Path, default=None,
                     help="an engine cost cache file (cost_*.json) to use instead of the modelled grid")
     args = ap.parse_args(argv)

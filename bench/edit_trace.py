@@ -11,13 +11,12 @@ prompt and one RL step: the group and global scopes have nothing to add.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from rollout_spec.cli_args import check_output, int_arg
+from rollout_spec.cli_args import DefaultsParser, check_output, int_arg
 from rollout_spec.config import check_fields
 from rollout_spec.replay import Trace, save_trace
 from rollout_spec.token_ids import MAX_TOKEN_ID
@@ -75,7 +74,7 @@ def make_edit_trace(spec: EditSpec = EditSpec()) -> Trace:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: write one code-edit trace."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = DefaultsParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="trace file to write (gzip JSON when it ends in .gz)")
     ap.add_argument("--prompts", type=int_arg("--prompts", 1, 100_000), default=64)
     ap.add_argument("--file-tokens", type=int_arg("--file-tokens", 1, 1 << 20), default=1500,

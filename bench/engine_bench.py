@@ -40,7 +40,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rollout_spec.cli_args import add_device_option, check_device, int_arg, numbers_arg, temperatures_arg
+from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, int_arg, numbers_arg,
+                                   temperatures_arg)
 from rollout_spec.config import DEFAULT_MODEL
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
@@ -639,7 +640,7 @@ def steps_mode(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every option; numbers are range-checked as they are parsed."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = DefaultsParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("steps", "engine"), default="engine")
     add_device_option(ap)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a checkpoint (not with --random-weights)")
@@ -648,12 +649,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="samples decoded at once (engine mode: max_running; n=8 samples per prompt)")
     ap.add_argument("--max-new-tokens", type=int_arg("--max-new-tokens", 1, 1 << 16), default=256)
     ap.add_argument("--max-model-len", type=int_arg("--max-model-len", 2, 1 << 20), default=None,
-                    help="engine mode: most tokens (prompt + output) of one request (default 1024; steps "
+                    help="engine mode: most tokens (prompt + output) of one request (default: 1024; steps "
                          "mode sizes its cache to --ctx and --max-new-tokens)")
     ap.add_argument("--ctx", type=int_arg("--ctx", 1, 1 << 20), default=384,
                     help="cached context of the timed steps")
     ap.add_argument("--temperatures", type=temperatures_arg("--temperatures"), default="0.6,1.0",
-                    help="comma-separated; each 0 (greedy) or in [0.01, 100] (default 0.6,1.0)")
+                    help="comma-separated; each 0 (greedy) or in [0.01, 100]")
     ap.add_argument("--history", choices=tuple(HISTORY), default="cold",
                     help="engine mode: " + "; ".join(f"{k} = {v}" for k, v in HISTORY.items()))
     ap.add_argument("--repeats", type=int_arg("--repeats", 1, 1000), default=3,

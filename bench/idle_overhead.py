@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_bench import SMOLLM2_135M, random_model  # noqa: E402
 from rollout_spec import SamplingParams, SpecConfig  # noqa: E402
-from rollout_spec.cli_args import add_device_option, check_device, int_arg, numbers_arg  # noqa: E402
+from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, int_arg,  # noqa: E402
+                                   numbers_arg)
 from rollout_spec.engine import RolloutEngine  # noqa: E402
 
 PROMPT_LEN = 128  # random ids per prompt
@@ -48,16 +49,16 @@ class ShadowOnlyBudget:
 
 def main(argv: list[str] | None = None) -> None:
     """Build the three engines and print the table."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = DefaultsParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_option(ap)
     ap.add_argument("--slots", type=int_arg("--slots", 1, 1 << 20), default=256,
-                    help="KV slots per engine (default 256)")
+                    help="KV slots per engine")
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1 << 20), default="1,64,256",
-                    help="comma-separated samples decoded at once, each at most --slots (default 1,64,256)")
+                    help="comma-separated samples decoded at once, each at most --slots")
     ap.add_argument("--new-tokens", type=int_arg("--new-tokens", 1, MAX_NEW_TOKENS), default=256,
-                    help="tokens per sample (default 256)")
+                    help="tokens per sample")
     ap.add_argument("--rounds", type=int_arg("--rounds", 2, 1000), default=4,
-                    help="rounds per row, the first a warm-up (default 4)")
+                    help="rounds per row, the first a warm-up")
     args = ap.parse_args(argv)
     args.device = check_device(ap, args.device)
     if max(args.batch_sizes) > args.slots:

@@ -17,7 +17,6 @@ Routing ``sticky``: groups are placed by ``GroupRouter.assign`` (verl/OpenRLHF h
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from rollout_spec.cli_args import int_arg, load_trace_arg
+from rollout_spec.cli_args import DefaultsParser, int_arg, load_trace_arg
 from rollout_spec.config import SpecConfig
 from rollout_spec.distributed import GroupRouter, SharedIndexClient, SharedIndexConfig, create_coordinators
 from rollout_spec.drafter import NgramDrafter
@@ -183,7 +182,7 @@ def print_table(rows: list[dict[str, float]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse options, start a local Ray cluster, run the steps, print one row per step."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = DefaultsParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int_arg("--replicas", 1, 1 << 16), default=64)
     ap.add_argument("--requests", type=int_arg("--requests", 1, 1 << 20), default=512, help="requests per replica per step")
     ap.add_argument("--n", type=int_arg("--n", 1, 1024), default=8,

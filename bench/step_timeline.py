@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import torch
 
 import engine_bench as eb
-from rollout_spec.cli_args import add_device_option, float_arg, int_arg, temperature_arg
+from rollout_spec.cli_args import (DefaultsParser, add_device_option, float_arg, int_arg,
+                                   temperature_arg)
 
 WAIT = "Tensor.cpu"  # the host's wait for the GPU (verification's readback) ends here
 REPLAY = "GraphLadder.replay"  # the GPU starts a step's forward
@@ -162,7 +163,7 @@ def print_table(args: argparse.Namespace, plain: tuple, spec: tuple) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The options, each range-checked as it is parsed (errors name this script's flags)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = DefaultsParser(description=__doc__.split("\n\n")[0])
     add_device_option(ap)
     ap.add_argument("--model", default=eb.DEFAULT_MODEL, help="a checkpoint (not with --random-weights)")
     ap.add_argument("--random-weights", action="store_true")

@@ -9,13 +9,12 @@ lengths vary, and each later RL step re-samples the prompts from a slowly drifti
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from rollout_spec.cli_args import check_output, int_arg
+from rollout_spec.cli_args import DefaultsParser, check_output, int_arg
 from rollout_spec.config import check_fields
 from rollout_spec.replay import Trace, save_trace
 from rollout_spec.token_ids import MAX_TOKEN_ID
@@ -113,7 +112,7 @@ def make_synthetic_trace(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: write one synthetic trace."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = DefaultsParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="trace file to write (gzip JSON when it ends in .gz)")
     ap.add_argument("--prompts", type=int_arg("--prompts", 1, 100_000), default=64, help="groups per step")
     ap.add_argument("--n", type=int_arg("--n", 1, 1024), default=8, help="samples per prompt")

@@ -42,7 +42,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rollout_spec.cli_args import add_device_option, check_device, float_arg, int_arg, names_arg, numbers_arg
+from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, float_arg, int_arg, names_arg,
+                                   numbers_arg)
 from rollout_spec.config import SamplingParams
 from rollout_spec.engine import triton_attention
 from rollout_spec.tree import DraftBatch, build_tree_inputs
@@ -132,29 +133,29 @@ STEP_MS = 4.5  # --step-ms where not given: engine_bench.py --mode steps' verify
 
 def build_parser() -> argparse.ArgumentParser:
     """Every option, each typed and range-checked as it is parsed."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = DefaultsParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_device_option(ap)
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1024), default=None,
-                    help="default 1,64,256 (CUDA), 1,64 (CPU), 64 with --profile")
+                    help="(default: 1,64,256 on CUDA, 1,64 on CPU, 64 with --profile)")
     ap.add_argument("--budgets", type=numbers_arg("--budgets", int, 1, 256), default=None,
-                    help="default 4,8,16 (CUDA), 4,8 (CPU), 8 with --profile")
-    ap.add_argument("--modes", type=names_arg("--modes", tuple(MODES)), default=list(MODES),
+                    help="(default: 4,8,16 on CUDA, 4,8 on CPU, 8 with --profile)")
+    ap.add_argument("--modes", type=names_arg("--modes", tuple(MODES)), default=",".join(MODES),
                     help=f"subset of {','.join(MODES)}")
     ap.add_argument("--backends", type=names_arg("--backends", BACKENDS), default=None,
-                    help="subset of torch,auto,triton; default torch,auto (CUDA), torch (CPU)")
+                    help="subset of torch,auto,triton (default: torch,auto on CUDA, torch on CPU)")
     ap.add_argument("--context", type=int_arg("--context", 1, MAX_POSITIONS - 2), default=512,
                     help=f"cached tokens per request before the tree (context + budget + 1 <= {MAX_POSITIONS})")
     ap.add_argument("--reps", type=int_arg("--reps", 1, 100000), default=None,
-                    help="timed repetitions (default 20 CUDA, 3 CPU);\n"
-                         "with --profile: profiled calls per table (default 10)")
+                    help="timed repetitions; with --profile, profiled calls per table\n"
+                         "(default: 20 on CUDA, 3 on CPU, 10 with --profile)")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
     ap.add_argument("--deep", action="store_true",
                     help="logits that accept the drafts: the walk reads whole paths")
     ap.add_argument("--step-ms", type=float_arg("--step-ms", 0.0, 1e6, lo_open=True), default=None,
-                    help=f"engine verify step to compare with (default {STEP_MS}; not with --profile)")
+                    help=f"engine verify step to compare with (default: {STEP_MS}; not with --profile)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler tables of build and verify instead, at each\n"
-                         "--batch-sizes x --budgets point (default B=64, budget 8 only)")
+                         "--batch-sizes x --budgets point (default: B=64, budget 8 only)")
     return ap
 
 

@@ -23,7 +23,6 @@ propose the same.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import statistics
@@ -38,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_spec.cli_args import check_output, int_arg  # noqa: E402
+from rollout_spec.cli_args import DefaultsParser, check_output, int_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.integrations.vllm import engine_kwargs  # noqa: E402
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer  # noqa: E402
@@ -198,7 +197,7 @@ def make_proposer(spec: SpecConfig, k: int, max_model_len: int = MAX_MODEL_LEN) 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Parse the arguments, replay every trace --repeat times, print each step's median cost."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = DefaultsParser(description=__doc__.split("\n\n")[0])
     add_trace_option(parser)
     parser.add_argument("--max-live", type=int_arg("--max-live", 1, 1 << 16), default=512,
                         help="rows of vLLM's batch")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
-from rollout_spec.cli_args import (check_device, check_output, check_trace_steps, device_arg, float_arg, int_arg,
-                                   load_trace_arg, model_arg, task_arg, temperature_arg)
+from rollout_spec.cli_args import (DefaultsParser, check_device, check_output, check_trace_steps, device_arg, float_arg,
+                                   int_arg, load_trace_arg, model_arg, task_arg, temperature_arg)
 from rollout_spec.config import DEFAULT_MODEL, SamplingParams
 from rollout_spec.files import replaced_on_success
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
@@ -59,11 +59,11 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every step (default: the same pool each step, like epochs)")
     p.add_argument("--max-batch", type=int_arg("--max-batch", 1, 1 << 16), default=256,
-                   help="most requests decoded at once (KV slots); default min(prompts x n, 256)")
+                   help="most requests decoded at once: KV slots = min(prompts x n, this)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the speculation-off pass (no speedup figure)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
-                   help="default: offline when wandb is installed, else disabled")
+                   help="(default: offline when wandb is installed, else disabled)")
     p.add_argument("--wandb-project", default="rollout-spec", help="the wandb project the run logs to")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a PNG dashboard here")
     p.add_argument("--record", type=Path, metavar="TRACE.json",
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """``build_parser``'s parser, and its subcommands' parsers by name."""
-    parser = argparse.ArgumentParser(
+    parser = DefaultsParser(
         prog="rollout-spec", description="Model-free speculative decoding for RL rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="GRPO-style rollout steps with speculation on and off",
@@ -88,9 +88,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     replay.add_argument("trace", type=Path, metavar="TRACE.json",
                         help="a recorded trace in the shared format (gzip JSON when it ends in .gz)")
     replay.add_argument("--draft-tokens", type=int_arg("--draft-tokens", 1, 1024), default=8,
-                        help="draft budget per request and iteration (default 8)")
+                        help="draft budget per request and iteration")
     replay.add_argument("--max-steps", type=int_arg("--max-steps", 1, 1 << 20), default=None,
-                        help="replay only the first RL steps of the trace")
+                        help="replay only the first RL steps of the trace (default: all)")
     return parser, {"bench": bench, "replay": replay}
 
 

@@ -19,6 +19,32 @@ if TYPE_CHECKING:
     from rollout_spec.replay import Trace
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DEFAULT_IN_HELP = "%(default)s"  # argparse fills it in when help is printed, from the action's default
+
+
+def states_default(default: Any) -> bool:
+    """Whether ``--help`` should state ``default``: not for an unset option (None), an off flag
+    (False) or an empty list, whose help says in words what leaving them out does."""
+    return default is not None and default is not False and default != [] and default is not argparse.SUPPRESS
+
+
+class DefaultsParser(argparse.ArgumentParser):
+    """The ``argparse.ArgumentParser`` of ``rollout-spec`` and every bench script: each option's
+    help ends with "(default: VALUE)", one rule for all, so no help text restates (or misstates)
+    a default by hand. Help that already holds ``%(default)s`` places it itself; options whose
+    default is unset, an off flag or an empty list (``states_default``) say nothing. Unlike
+    ``argparse.ArgumentDefaultsHelpFormatter``, an option without help text shows its default
+    too, and the parser's own formatter (raw text, raw description) stays free to choose.
+    Subcommand parsers made by ``add_subparsers().add_parser`` are of this class as well; options
+    added through ``add_argument_group`` are not covered (none of these parsers uses a group)."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """``argparse.ArgumentParser.add_argument``, with the default appended to an option's help."""
+        action = super().add_argument(*args, **kwargs)
+        shown = action.help is not argparse.SUPPRESS and DEFAULT_IN_HELP not in (action.help or "")
+        if action.option_strings and shown and states_default(action.default):
+            action.help = f"{action.help or ''} (default: {DEFAULT_IN_HELP})".lstrip()
+        return action
 
 
 def _checked_arg(convert: Callable[[str], Any], check: Callable[[Any], Any], expected: str) -> Callable[[str], Any]:
@@ -135,7 +161,7 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
     """The bench scripts' ``--device``: a name ``device_arg`` accepts, default ``auto`` (CUDA where
     torch sees one, else CPU; ``check_device`` resolves it), one definition for every script."""
     parser.add_argument("--device", type=device_arg, default="auto",
-                        help="cpu, cuda, cuda:N, mps or auto (default auto: cuda where available, else cpu)")
+                        help="cpu, cuda, cuda:N, mps or auto (cuda where available, else cpu)")
 
 
 def model_arg(text: str) -> str:

@@ -3,8 +3,8 @@ import argparse
 
 import pytest
 
-from rollout_spec.cli_args import (check_device, check_output, device_arg, float_arg, int_arg, load_trace_arg,
-                                   names_arg, numbers_arg, temperatures_arg)
+from rollout_spec.cli_args import (DefaultsParser, check_device, check_output, device_arg, float_arg, int_arg,
+                                   load_trace_arg, names_arg, numbers_arg, temperatures_arg)
 
 
 @pytest.mark.parametrize("parse, text, needle", [
@@ -74,3 +74,23 @@ def test_a_cuda_device_is_refused_where_torch_sees_none(monkeypatch):
         check_device(Parser(), "cuda:2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert check_device(Parser(), "cpu") == "cpu" and check_device(Parser(), "auto") == "cpu"
+
+
+def test_defaults_parser_states_each_set_default_in_help():
+    """Every option with a set default shows it, help text or not; unset, off and empty ones do
+    not; help holding %(default)s places it itself; subcommand parsers follow the same rule."""
+    parser = DefaultsParser(prog="p")
+    parser.add_argument("--steps", type=int_arg("--steps", 1), default=2)
+    parser.add_argument("--n", default=4, help="samples per prompt")
+    parser.add_argument("--cap", default=256, help="at most min(n, %(default)s)")
+    parser.add_argument("--plot", default=None, help="write a PNG")
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--profile", type=numbers_arg("--profile", int, 1, 8), default=[], help="these B")
+    parser.add_argument("trace", help="a trace file")
+    sub = parser.add_subparsers().add_parser("replay")
+    sub.add_argument("--draft-tokens", default=8)
+    text = " ".join(parser.format_help().split())
+    assert "--steps STEPS (default: 2)" in text and "samples per prompt (default: 4)" in text
+    assert "at most min(n, 256)" in text and text.count("default") == 2  # --steps and --n only
+    assert "write a PNG" in text and "a smoke run" in text and "these B" in text and "a trace file" in text
+    assert isinstance(sub, DefaultsParser) and "(default: 8)" in sub.format_help()

@@ -14,7 +14,8 @@ program without arguments mentions it, and one that ends in an option without it
 Each command runs its entry point's own ``main`` with ``ArgumentParser.parse_args`` stopped right
 after parsing, so nothing runs, and with abbreviations off, so a shortened option is refused.
 docs/bench.md's option tables must list every option of ``rollout-spec bench`` and ``replay``, and
-of every script in bench/, and no other, with the parser's defaults.
+of every script in bench/, and no other, with the parser's defaults; and each of those programs'
+``--help`` states every option's set default (``cli_args.DefaultsParser``).
 """
 from __future__ import annotations
 
@@ -287,3 +288,30 @@ def test_docs_bench_md_lists_every_option_of_each_bench_script(monkeypatch: pyte
             assert str(default).endswith(row[1].strip("`")), row
         elif documented_script_default(default) is not None:
             assert row[1].strip("`") == documented_script_default(default), row
+
+
+def program_parser(monkeypatch: pytest.MonkeyPatch, program: str) -> argparse.ArgumentParser:
+    """The parser of a bench script (``bench/NAME.py``) or of a ``rollout-spec`` subcommand."""
+    if program.startswith("rollout-spec "):
+        from rollout_spec.cli import _parsers
+
+        return _parsers()[1][program.split()[1]]
+    return script_parser(monkeypatch, program)
+
+
+@pytest.mark.parametrize("program", ["rollout-spec bench", "rollout-spec replay", *BENCH_SCRIPTS])
+def test_help_states_every_option_default(monkeypatch: pytest.MonkeyPatch, program: str) -> None:
+    """``--help`` shows "(default: VALUE)" for every option whose default is set (not None, an off
+    flag or an empty list), with the value the parser uses, and no help names a default twice."""
+    from rollout_spec.cli_args import states_default
+
+    parser = program_parser(monkeypatch, program)
+    shown = "".join(parser.format_help().split())  # wrapping may break a value, even a word (a path)
+    for action in parser._actions:
+        if not action.option_strings or action.help is argparse.SUPPRESS:
+            continue
+        flag, text = action.option_strings[-1], action.help or ""
+        assert text.replace("%(default)s", "").lower().count("default") <= 1, f"{flag}: {text!r}"
+        if states_default(action.default):
+            assert "%(default)s" in text, f"{flag}: its help does not show its default"
+            assert "".join(f"(default: {action.default}".split()) in shown, f"{flag}: {action.default} not in --help"
