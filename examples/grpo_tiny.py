@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from rollout_spec.cli_args import check_device, device_arg, float_arg, int_arg, model_arg, task_arg
+from rollout_spec.cli_args import (DefaultsParser, check_device, device_arg, float_arg, int_arg, model_arg,
+                                   task_arg)
 from rollout_spec.config import DEFAULT_MODEL, MIN_TEMPERATURE, SamplingParams, SpecConfig
 from rollout_spec.metrics import (DrafterProbe, make_sink, resolve_wandb_mode, stats_from_outputs,
                                   wandb_metrics)
@@ -45,7 +46,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command-line options of the example, every one checked before any model is built."""
     from rollout_spec.cli import check_task_pool
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = DefaultsParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=model_arg, default=DEFAULT_MODEL)
     p.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, mps, cuda or cuda:N")
     p.add_argument("--task", type=task_arg, default="basic_arithmetic")

@@ -43,8 +43,16 @@ class DefaultsParser(argparse.ArgumentParser):
         action = super().add_argument(*args, **kwargs)
         shown = action.help is not argparse.SUPPRESS and DEFAULT_IN_HELP not in (action.help or "")
         if action.option_strings and shown and states_default(action.default):
-            action.help = f"{action.help or ''} (default: {DEFAULT_IN_HELP})".lstrip()
+            action.help = f"{action.help or ''} (default: {shown_default(action.default)})".lstrip()
         return action
+
+
+def shown_default(default: Any) -> str:
+    """How ``--help`` writes ``default``: a list (an ``nargs`` option's) as its values separated by
+    spaces, as they are typed; anything else through argparse's own ``%(default)s``."""
+    if isinstance(default, (list, tuple)):
+        return " ".join(str(v) for v in default).replace("%", "%%")
+    return DEFAULT_IN_HELP
 
 
 def _checked_arg(convert: Callable[[str], Any], check: Callable[[Any], Any], expected: str) -> Callable[[str], Any]:

@@ -94,3 +94,13 @@ def test_defaults_parser_states_each_set_default_in_help():
     assert "at most min(n, 256)" in text and text.count("default") == 2  # --steps and --n only
     assert "write a PNG" in text and "a smoke run" in text and "these B" in text and "a trace file" in text
     assert isinstance(sub, DefaultsParser) and "(default: 8)" in sub.format_help()
+
+
+def test_defaults_parser_writes_a_list_default_as_typed():
+    """An nargs option's list default reads as its values typed on the command line, not as a
+    Python list ("['a', 'b']"); a % in a value is not taken for a format."""
+    parser = DefaultsParser(prog="p")
+    parser.add_argument("--tasks", nargs="+", default=["basic_arithmetic", "chain_sum"])
+    parser.add_argument("--fmt", nargs="+", default=("5%",))
+    text = " ".join(parser.format_help().split())
+    assert "(default: basic_arithmetic chain_sum)" in text and "(default: 5%)" in text

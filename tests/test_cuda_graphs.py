@@ -103,6 +103,26 @@ def test_outside_ladder_and_missing_input_raise():
         GraphLadder(step, specs(), batch_sizes=[], widths=[1], device="cpu")
 
 
+@pytest.mark.parametrize("field, sizes, error, match", [
+    ("batch_sizes", [1, 2.5], TypeError,
+     r"batch_sizes\[1\] must be an integer in \[1, inf\], got float 2\.5"),
+    ("widths", [True], TypeError, r"widths\[0\] must be an integer in \[1, inf\], got bool True"),
+    ("widths", [0, 2], ValueError, r"widths\[0\] must be in \[1, inf\], got 0"),
+    ("batch_sizes", [], ValueError, r"batch_sizes must be a non-empty list of positive ints, got \[\]"),
+])
+def test_ladder_sizes_that_are_no_positive_integers_are_refused(field, sizes, error, match):
+    """A float size was truncated (2.5 captured as 2) and a bool read as 1; now each size is
+    checked as ``config.check_int`` checks ints, naming the field, the index and the range."""
+    sizes_of = {"batch_sizes": [1], "widths": [1], field: sizes}
+    with pytest.raises(error, match=match):
+        GraphLadder(step, specs(), device="cpu", **sizes_of)
+
+
+def test_ladder_takes_numpy_integers_as_plain_ints():
+    ladder = GraphLadder(step, specs(), batch_sizes=np.array([2, 1]), widths=[np.int64(1)], device="cpu")
+    assert ladder.batch_sizes == (1, 2) and all(type(b) is int for b in ladder.batch_sizes)
+
+
 def test_ladder_built_in_inference_mode_runs_outside_it():
     """Static buffers are normal tensors, so a ladder made under inference_mode can be fed later."""
     with torch.inference_mode():

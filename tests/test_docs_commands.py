@@ -15,7 +15,8 @@ Each command runs its entry point's own ``main`` with ``ArgumentParser.parse_arg
 after parsing, so nothing runs, and with abbreviations off, so a shortened option is refused.
 docs/bench.md's option tables must list every option of ``rollout-spec bench`` and ``replay``, and
 of every script in bench/, and no other, with the parser's defaults; and each of those programs'
-``--help`` states every option's set default (``cli_args.DefaultsParser``).
+``--help``, and that of the examples' scripts and the SGLang replay, states every option's set
+default (``cli_args.DefaultsParser``).
 """
 from __future__ import annotations
 
@@ -291,7 +292,8 @@ def test_docs_bench_md_lists_every_option_of_each_bench_script(monkeypatch: pyte
 
 
 def program_parser(monkeypatch: pytest.MonkeyPatch, program: str) -> argparse.ArgumentParser:
-    """The parser of a bench script (``bench/NAME.py``) or of a ``rollout-spec`` subcommand."""
+    """The parser of a bench or examples script (``bench/NAME.py``, ``examples/[DIR/]NAME.py``),
+    of the SGLang replay module, or of a ``rollout-spec`` subcommand."""
     if program.startswith("rollout-spec "):
         from rollout_spec.cli import _parsers
 
@@ -299,11 +301,16 @@ def program_parser(monkeypatch: pytest.MonkeyPatch, program: str) -> argparse.Ar
     return script_parser(monkeypatch, program)
 
 
-@pytest.mark.parametrize("program", ["rollout-spec bench", "rollout-spec replay", *BENCH_SCRIPTS])
+EXAMPLE_SCRIPTS = ["examples/grpo_tiny.py", "examples/openrlhf/make_prompts.py",
+                   "examples/verl/make_gsm_data.py"]
+
+
+@pytest.mark.parametrize("program", ["rollout-spec bench", "rollout-spec replay", *BENCH_SCRIPTS,
+                                     *EXAMPLE_SCRIPTS, SGLANG_REPLAY])
 def test_help_states_every_option_default(monkeypatch: pytest.MonkeyPatch, program: str) -> None:
     """``--help`` shows "(default: VALUE)" for every option whose default is set (not None, an off
     flag or an empty list), with the value the parser uses, and no help names a default twice."""
-    from rollout_spec.cli_args import states_default
+    from rollout_spec.cli_args import shown_default, states_default
 
     parser = program_parser(monkeypatch, program)
     shown = "".join(parser.format_help().split())  # wrapping may break a value, even a word (a path)
@@ -313,5 +320,7 @@ def test_help_states_every_option_default(monkeypatch: pytest.MonkeyPatch, progr
         flag, text = action.option_strings[-1], action.help or ""
         assert text.replace("%(default)s", "").lower().count("default") <= 1, f"{flag}: {text!r}"
         if states_default(action.default):
-            assert "%(default)s" in text, f"{flag}: its help does not show its default"
-            assert "".join(f"(default: {action.default}".split()) in shown, f"{flag}: {action.default} not in --help"
+            value = shown_default(action.default)
+            assert value in text, f"{flag}: its help does not show its default"
+            value = action.default if value == "%(default)s" else value.replace("%%", "%")
+            assert "".join(f"(default: {value}".split()) in shown, f"{flag}: {value} not in --help"

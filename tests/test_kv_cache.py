@@ -102,6 +102,30 @@ def test_graphed_step_checks_the_bucket_width() -> None:
         runner.capture_graphs([1], [1], prefill=([1], [8, 32]))
 
 
+def test_graph_ladders_refuse_sizes_that_are_no_integers() -> None:
+    """``capture_graphs`` and ``verify_ladder`` name the ladder whose size is a float or a bool
+    (it was truncated, or read as 1) before anything is captured."""
+    runner = tiny_runner(cache_len=16)
+    with pytest.raises(TypeError, match=r"prefill lengths\[1\] must be an integer in \[1, inf\], "
+                                        r"got float 8\.5"):
+        runner.capture_graphs([1], [1], prefill=([1], [4, 8.5]))
+    with pytest.raises(TypeError, match=r"prefill groups\[0\] must be an integer .*got bool True"):
+        runner.capture_graphs([1], [1], prefill=([True], [8]))
+    with pytest.raises(TypeError, match=r"widths\[1\] must be an integer in \[1, inf\], got float 2\.5"):
+        runner.verify_ladder([1], [1, 2.5])
+    assert runner.graphs is None and runner.prefill_graphs is None
+
+
+@pytest.mark.parametrize("call", ["noise_keys", "compact_kv"])
+def test_reading_the_last_step_before_any_verify_is_a_runtime_error(call: str) -> None:
+    """Both read the last ``verify_forward``'s rows; called first, they raise a RuntimeError
+    naming the call (an assert guarded it, gone under ``python -O``)."""
+    runner = tiny_runner(cache_len=16)
+    args = (torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),) if call == "compact_kv" else ()
+    with pytest.raises(RuntimeError, match=rf"^{call} called before any verify_forward"):
+        getattr(runner, call)(*args)
+
+
 def test_prefill_past_the_cache_raises() -> None:
     from rollout_spec.config import SamplingParams
     from rollout_spec.engine.sequence import Sequence

@@ -139,6 +139,18 @@ def test_an_mlp_other_than_swiglu_is_refused(act: str) -> None:
     build_model(cfg, ours.state_dict(), torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("kv_heads", [3, 8])
+def test_query_heads_that_are_no_multiple_of_the_kv_heads_are_refused(kv_heads: int) -> None:
+    """GQA shares each key/value head among num_heads // num_kv_heads query heads: another ratio
+    failed at the first forward, deep in torch ("size of tensor a (4) must match ...")."""
+    from rollout_spec.engine.model import ModelConfig
+
+    cfg = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": kv_heads})
+    with pytest.raises(ValueError, match=rf"num_attention_heads \(4\) must be a multiple of "
+                                         rf"num_key_value_heads \({kv_heads}\)"):
+        ModelConfig.from_hf(cfg)
+
+
 def test_mismatched_checkpoint_names_the_keys() -> None:
     _, ours = reference_and_ours("llama")
     state = {k: v for k, v in ours.state_dict().items() if "layers.1.mlp" not in k}

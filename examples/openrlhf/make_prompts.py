@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
-from rollout_spec.cli_args import check_output, int_arg
+from rollout_spec.cli_args import DefaultsParser, check_output, int_arg
 from rollout_spec.workloads import checked_gym_dataset
 
 INSTRUCTION = "Solve the problem. End your reply with 'Answer: <number>'.\n\n"
@@ -51,7 +51,7 @@ def write_prompts(out: Path, tasks: list[str], size: int, seed: int) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = DefaultsParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/prompts.jsonl"))
     parser.add_argument("--tasks", type=task_arg, nargs="+", default=["basic_arithmetic", "chain_sum"])
     parser.add_argument("--size", type=int_arg("--size", 1, 1_000_000), default=256, help="prompts per task")

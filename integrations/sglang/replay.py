@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout_spec.cli_args import check_trace_responses, int_arg, load_trace_arg
+from rollout_spec.cli_args import DefaultsParser, check_trace_responses, int_arg, load_trace_arg
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.sglang.corpus import RolloutSpecCorpus
 from rollout_spec.integrations.sglang.rid import rid_with_group
@@ -154,7 +154,7 @@ def step_row(step: int, responses: int, totals: dict, num_draft_tokens: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     """Replay a trace file and print one row per RL step."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = DefaultsParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="trace in the shared format (gzip JSON when it ends in .gz)")
     ap.add_argument("--num-draft-tokens", type=int_arg("--num-draft-tokens", 1, 1024), default=8,
                     help="draft budget")

@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from rollout_spec.config import check_int
 from rollout_spec.tree import byte_spans
 
 StepFn = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
@@ -94,11 +95,18 @@ def default_ladder(max_batch: int, max_width: int) -> tuple[list[int], list[int]
     return batches + [max_batch], widths + [max_width]
 
 
-def _ladder(values: Sequence[int], field: str) -> tuple[int, ...]:
-    out = tuple(sorted(set(int(v) for v in values)))
-    if not out or out[0] < 1:
-        raise ValueError(f"{field} must be a non-empty list of positive ints, got {list(values)}")
-    return out
+def check_ladder(field: str, values: Sequence[int]) -> tuple[int, ...]:
+    """``values`` sorted without repeats, each checked by ``config.check_int`` as ``field[i]``:
+    a float such as 2.5 or a bool is a TypeError, not a size truncated or read as 1.
+
+    Raises:
+        ValueError: no values, or a value below 1.
+        TypeError: a value that is no integer (a bool included).
+    """
+    values = list(values)
+    if not values:
+        raise ValueError(f"{field} must be a non-empty list of positive ints, got []")
+    return tuple(sorted({check_int(f"{field}[{i}]", v, 1) for i, v in enumerate(values)}))
 
 
 class GraphLadder:
@@ -114,8 +122,8 @@ class GraphLadder:
                  widths: Sequence[int], device: torch.device | str, eager: bool = False) -> None:
         self.step_fn = step_fn
         self.specs = tuple(specs)
-        self.batch_sizes = _ladder(batch_sizes, "batch_sizes")
-        self.widths = _ladder(widths, "widths")
+        self.batch_sizes = check_ladder("batch_sizes", batch_sizes)
+        self.widths = check_ladder("widths", widths)
         self.device = torch.device(device)
         self.eager = eager or self.device.type != "cuda"
         self.static: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

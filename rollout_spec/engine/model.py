@@ -42,6 +42,15 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
     hf_config: Any  # kept for the RoPE init functions of transformers
 
+    def __post_init__(self) -> None:
+        # Each key/value head serves num_heads // num_kv_heads query heads (GQA); otherwise the
+        # first forward failed deep in torch's attention ("size of tensor a (4) must match ...").
+        if self.num_kv_heads < 1:
+            raise ValueError(f"num_key_value_heads must be in [1, inf], got {self.num_kv_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+
     @staticmethod
     def from_hf(cfg: Any) -> "ModelConfig":
         """Read a transformers ``PretrainedConfig``; raise ValueError for unsupported families."""

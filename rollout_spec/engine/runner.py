@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollout_spec.engine.cuda_graphs import (GraphLadder, prefill_input_specs, prefill_ladder,
-                                             verify_input_specs)
+from rollout_spec.engine.cuda_graphs import (GraphLadder, check_ladder, prefill_input_specs,
+                                             prefill_ladder, verify_input_specs)
 from rollout_spec.engine.kv_cache import KVCache
 from rollout_spec.engine.model import StepContext, Transformer
 from rollout_spec.engine.sequence import Sequence
@@ -57,11 +57,14 @@ class ModelRunner:
 
         ``prefill`` (prompts per prefill, padded lengths) sets the prefill's ladder (default:
         ``prefill_ladder`` for this cache), captured too. An eager prefill of 16 prompts cost
-        ~40 ms of host time on the H100 for ~7 ms of GPU work. A width or padded length past
-        the cache raises ValueError before anything is captured (capture writes every bucket).
+        ~40 ms of host time on the H100 for ~7 ms of GPU work. Before anything is captured, a
+        width or padded length past the cache raises ValueError (capture writes every bucket),
+        and so does an empty ladder or a size below 1; a size that is no integer (2.5, True)
+        raises TypeError (``cuda_graphs.check_ladder``).
         """
         groups, lengths = prefill or prefill_ladder(self.scratch_slot, self.cache.max_len)
-        self._check_room("prefill lengths", np.zeros(1, np.int64), max(lengths, default=1))
+        groups, lengths = check_ladder("prefill groups", groups), check_ladder("prefill lengths", lengths)
+        self._check_room("prefill lengths", np.zeros(1, np.int64), lengths[-1])
         with torch.inference_mode():
             self.graphs = self.verify_ladder(batch_sizes, widths)
             self.prefill_graphs = GraphLadder(self._prefill_step, prefill_input_specs(self.scratch_slot),
@@ -70,8 +73,9 @@ class ModelRunner:
     def verify_ladder(self, batch_sizes: list[int], widths: list[int], eager: bool = False) -> GraphLadder:
         """The decode/verify step over (B, W) buckets: captured (``capture_graphs``), or with
         ``eager`` run as is on the same padded inputs (to time steps where nothing is captured)."""
+        batch_sizes, widths = check_ladder("batch_sizes", batch_sizes), check_ladder("widths", widths)
         # Capture runs every bucket on pad inputs (ctx_len 0): a wider bucket writes past the cache.
-        self._check_room("widths", np.zeros(1, np.int64), max(widths, default=1))
+        self._check_room("widths", np.zeros(1, np.int64), widths[-1])
         return GraphLadder(self._graph_step, verify_input_specs(self.scratch_slot), batch_sizes, widths,
                            self.device, eager=eager)
 
@@ -256,15 +260,21 @@ class ModelRunner:
     def noise_keys(self) -> NoiseKeys:
         """The noise keys of the last ``verify_forward``'s requests: their slots' seeds, and
         their roots' positions (the context lengths), already on the device."""
-        assert self._step_rows is not None, "noise_keys called before any verify_forward"
-        slot_t, ctx_t = self._step_rows
+        slot_t, ctx_t = self._last_step_rows("noise_keys")
         return NoiseKeys(self.slot_seeds[slot_t], ctx_t)
 
     def compact_kv(self, walk: Tensor) -> None:
         """``keep_accepted_kv`` on the device: one kernel reads the moves from the fused
         verification's walk rows of the last ``verify_forward`` (``kv_compact``), queued
         behind the walk without waiting for it."""
+        step_rows = self._last_step_rows("compact_kv")
         from rollout_spec.engine.kv_compact import compact_accepted_kv
 
-        assert self._step_rows is not None, "compact_kv called before any verify_forward"
-        compact_accepted_kv(self.cache.kv, walk, *self._step_rows)
+        compact_accepted_kv(self.cache.kv, walk, *step_rows)
+
+    def _last_step_rows(self, caller: str) -> tuple[Tensor, Tensor]:
+        """The last ``verify_forward``'s (slot, ctx_len) rows on the device; a RuntimeError
+        naming ``caller`` before any (a check that ``python -O`` keeps, unlike an assert)."""
+        if self._step_rows is None:
+            raise RuntimeError(f"{caller} called before any verify_forward: there is no step to read")
+        return self._step_rows
