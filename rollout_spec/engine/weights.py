@@ -134,8 +134,10 @@ def _write_model_dir(hf: Any, gguf_path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except KeyError as exc:  # transformers reads tokenizer.ggml.* fields by name
+    except KeyError as exc:  # transformers 5.24 reads tokenizer.ggml.* fields by name
         raise ValueError(f"{gguf_path}: its tokenizer (tokenizer.ggml.* fields) lacks {exc}") from exc
+    except ValueError as exc:  # transformers 5.17 checks them while building the tokenizer
+        raise ValueError(f"{gguf_path}: its tokenizer (tokenizer.ggml.* fields) cannot be built: {exc}") from exc
     tokenizer.save_pretrained(str(out))
 
 
