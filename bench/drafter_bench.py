@@ -31,6 +31,7 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,14 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_spec.cli_args import DefaultsParser, int_arg, names_arg, numbers_arg  # noqa: E402
 from rollout_spec.config import SpecConfig  # noqa: E402
 from rollout_spec.drafter import NgramDrafter  # noqa: E402
-from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, StepResult, Trace,  # noqa: E402
-                                 arctic_available, replay)
+from rollout_spec.replay import (ArcticDrafter, PromptLookupDrafter, ReplayDrafter, StepResult,  # noqa: E402
+                                 Trace, arctic_available, replay)
 from synthetic_trace import make_synthetic_trace  # noqa: E402
 from trace_files import add_trace_option, load_traces  # noqa: E402
 
 
 
-def make_drafter(name: str, budget: int):
+def make_drafter(name: str, budget: int) -> ReplayDrafter:
     """Fresh drafter by bench name: ``ours`` runs on one thread (SpecConfig's default, 0, would
     pick half the machine's hardware threads), ``ours@4`` splits its calls over 4 threads."""
     base, _, threads = name.partition("@")
@@ -76,7 +77,7 @@ def median_run(name: str, runs: list[StepResult]) -> StepResult:
 
 
 def run_trace(label: str, trace: Trace, names: list[str], budget: int, max_live: int | None,
-              clock=time.process_time, repeat: int = 1) -> None:
+              clock: Callable[[], float] = time.process_time, repeat: int = 1) -> None:
     """Replay ``trace`` ``repeat`` times with every drafter (in turns) and print one table row
     per (step, drafter): its median run, and with ``repeat`` > 1 the range of all runs' costs."""
     runs: dict[str, list[list[StepResult]]] = {name: [] for name in names}

@@ -46,7 +46,7 @@ from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_devi
                                    numbers_arg)
 from rollout_spec.config import SamplingParams
 from rollout_spec.engine import triton_attention
-from rollout_spec.tree import DraftBatch, build_tree_inputs
+from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs
 from rollout_spec.verify import verify
 
 VOCAB = 49152
@@ -100,7 +100,8 @@ def make_model(device: torch.device) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def forward_ms(model, ti, context: int, device, reps: int, warmup: int) -> float:
+def forward_ms(model: torch.nn.Module, ti: TreeInputs, context: int, device: torch.device, reps: int,
+               warmup: int) -> float:
     """Time one tree forward over ti's [B, W] tokens on top of a ``context``-token KV cache."""
     from transformers import DynamicCache
 
@@ -136,18 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap = DefaultsParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_device_option(ap)
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1024), default=None,
-                    help="(default: 1,64,256 on CUDA, 1,64 on CPU, 64 with --profile)")
+                    help="(default: 1,64,256 on CUDA, 1,64 elsewhere, 64 with --profile)")
     ap.add_argument("--budgets", type=numbers_arg("--budgets", int, 1, 256), default=None,
-                    help="(default: 4,8,16 on CUDA, 4,8 on CPU, 8 with --profile)")
+                    help="(default: 4,8,16 on CUDA, 4,8 elsewhere, 8 with --profile)")
     ap.add_argument("--modes", type=names_arg("--modes", tuple(MODES)), default=",".join(MODES),
                     help=f"subset of {','.join(MODES)}")
     ap.add_argument("--backends", type=names_arg("--backends", BACKENDS), default=None,
-                    help="subset of torch,auto,triton (default: torch,auto on CUDA, torch on CPU)")
+                    help="subset of torch,auto,triton (default: torch,auto on CUDA, torch elsewhere)")
     ap.add_argument("--context", type=int_arg("--context", 1, MAX_POSITIONS - 2), default=512,
                     help=f"cached tokens per request before the tree (context + budget + 1 <= {MAX_POSITIONS})")
     ap.add_argument("--reps", type=int_arg("--reps", 1, 100000), default=None,
                     help="timed repetitions; with --profile, profiled calls per table\n"
-                         "(default: 20 on CUDA, 3 on CPU, 10 with --profile)")
+                         "(default: 20 on CUDA, 3 elsewhere, 10 with --profile)")
     ap.add_argument("--no-forward", action="store_true", help="skip the model forward")
     ap.add_argument("--deep", action="store_true",
                     help="logits that accept the drafts: the walk reads whole paths")
@@ -203,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                 print_row(row, args.step_ms)
 
 
-def bench_point(num_req, budget, variants, model, context, device, reps, warmup,
-                deep=False) -> list[dict]:
+def bench_point(num_req: int, budget: int, variants: list[tuple[str, str]], model: torch.nn.Module | None,
+                context: int, device: torch.device, reps: int, warmup: int,
+                deep: bool = False) -> list[dict[str, object]]:
     """Time build, verify per (mode, backend) and the forward for one (B, budget)."""
     rng = np.random.default_rng(num_req * 100 + budget)
     batch = random_trees(num_req, budget, rng)

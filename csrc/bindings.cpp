@@ -278,6 +278,9 @@ void bind_config(nb::module_& m) {
       .def_rw("evidence_discount", &CoreConfig::evidence_discount)
       .def_rw("propose_threads", &CoreConfig::propose_threads)
       .def_rw("parallel_min_requests", &CoreConfig::parallel_min_requests)
+      .def_prop_ro("scope_weights", [](const CoreConfig& c) {
+        return nb::make_tuple(c.scope_weight[0], c.scope_weight[1], c.scope_weight[2]);
+      })
       .def("set_scope_weights", [](CoreConfig& c, double r, double g, double w) {
         c.scope_weight[0] = r;
         c.scope_weight[1] = g;

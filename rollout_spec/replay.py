@@ -386,17 +386,18 @@ class PromptLookupDrafter:
     """vLLM-style prompt-lookup n-gram: copy what followed the latest earlier occurrence of the
     context's last n tokens (n from ``max_n`` down to ``min_n``) in the request's own tokens."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 5):
+    def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
         """Match lengths tried, longest first."""
         self.min_n, self.max_n = min_n, max_n
         self.ctx: dict[int, list[int]] = {}
 
-    def start_batch(self, req_ids, prompts, group_ids=None) -> None:
+    def start_batch(self, req_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                    group_ids: Optional[Sequence[Optional[int]]] = None) -> None:
         """Remember each request's prompt."""
         for r, p in zip(req_ids, prompts):
             self.ctx[r] = list(p)
 
-    def extend_batch(self, req_ids, token_lists) -> None:
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> None:
         """Append committed tokens."""
         for r, t in zip(req_ids, token_lists):
             self.ctx[r].extend(t)
@@ -413,7 +414,7 @@ class PromptLookupDrafter:
                 return ctx[start:start + k].tolist()
         return []
 
-    def propose(self, req_ids, budgets) -> list[Tree]:
+    def propose(self, req_ids: Sequence[int], budgets: Sequence[int]) -> list[Tree]:
         """One chain per request; none, without a search, where nothing is asked (a prefill)."""
         out = []
         for r, k in zip(req_ids, budgets):
@@ -424,7 +425,7 @@ class PromptLookupDrafter:
             out.append((toks, list(range(-1, len(toks) - 1))))
         return out
 
-    def finish_batch(self, req_ids) -> None:
+    def finish_batch(self, req_ids: Sequence[int]) -> None:
         """Forget finished requests."""
         for r in req_ids:
             del self.ctx[r]
@@ -447,7 +448,7 @@ class ArcticDrafter:
     (tree depth 24, ``min_token_prob`` 0.1, chain drafts); ImportError if not installed."""
 
     def __init__(self, max_depth: int = 24, min_token_prob: float = 0.1, tree: bool = False,
-                 max_cached_requests: int = 100_000):
+                 max_cached_requests: int = 100_000) -> None:
         """Build the cache; the context passed to ``speculate`` is the last ``max_depth`` tokens."""
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
@@ -455,19 +456,20 @@ class ArcticDrafter:
         self.max_depth, self.min_token_prob, self.tree = max_depth, min_token_prob, tree
         self.ctx: dict[int, list[int]] = {}
 
-    def start_batch(self, req_ids, prompts, group_ids=None) -> None:
+    def start_batch(self, req_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                    group_ids: Optional[Sequence[Optional[int]]] = None) -> None:
         """start_request per request (its prompt goes into the request's local tree)."""
         for r, p in zip(req_ids, prompts):
             self.cache.start_request(r, np.asarray(p, dtype=np.int32))
             self.ctx[r] = list(p)
 
-    def extend_batch(self, req_ids, token_lists) -> None:
+    def extend_batch(self, req_ids: Sequence[int], token_lists: Sequence[Sequence[int]]) -> None:
         """add_active_response per request."""
         for r, t in zip(req_ids, token_lists):
             self.cache.add_active_response(r, t)
             self.ctx[r].extend(t)
 
-    def propose(self, req_ids, budgets) -> list[Tree]:
+    def propose(self, req_ids: Sequence[int], budgets: Sequence[int]) -> list[Tree]:
         """speculate per request, on the last ``max_depth`` tokens as a list: Arctic takes lists
         natively, and a numpy copy made here for each call would charge Arctic for our adapter
         (vLLM hands it a view of its token buffer)."""
@@ -481,7 +483,7 @@ class ArcticDrafter:
             out.append((d.token_ids, d.parents))
         return out
 
-    def finish_batch(self, req_ids) -> None:
+    def finish_batch(self, req_ids: Sequence[int]) -> None:
         """stop_request: the response stays in the global tree."""
         for r in req_ids:
             self.cache.stop_request(r)

@@ -6,7 +6,7 @@ loader that ``plugin.py`` registers imports it (after verl's own loader prepared
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer, SGLangReplica
@@ -18,6 +18,9 @@ from rollout_spec.integrations.verl.config import spec_from_rollout_config
 from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
 from rollout_spec.integrations.verl.replicas import ScaleOutReplicaMixin, server_placement
 from rollout_spec.prompt_roots import PromptRoots
+
+if TYPE_CHECKING:  # verl's return type of generate, for annotations only
+    from verl.workers.rollout.replica import TokenOutput
 
 
 class RolloutSpecSGLangHttpServer(SGLangHttpServer):
@@ -53,7 +56,8 @@ class RolloutSpecSGLangHttpServer(SGLangHttpServer):
         if self._spec is not None and getattr(self, "tokenizer_manager", None) is not None:
             capture.record_sglang_meta(self.tokenizer_manager, self._spec_meta)
 
-    async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str, *args: Any, **kwargs: Any):
+    async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, *args: Any,
+                       **kwargs: Any) -> TokenOutput:
         """verl's generate with a request id tagged with the group of the sample's first prompt
         and the three counters in extra_fields."""
         if self._spec is None:

@@ -4,7 +4,7 @@ Like ``sglang_server.py``: subclasses of verl's own, identical to them with the 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
@@ -15,6 +15,9 @@ from rollout_spec.integrations.verl.engine_args import install_engine_kwargs
 from rollout_spec.integrations.verl.replicas import ScaleOutReplicaMixin, server_placement
 from rollout_spec.integrations.vllm.config import GROUP_ID_EXTRA_ARG
 from rollout_spec.prompt_roots import PromptRoots
+
+if TYPE_CHECKING:  # verl's return type of generate, for annotations only
+    from verl.workers.rollout.replica import TokenOutput
 
 
 class RolloutSpecvLLMHttpServer(vLLMHttpServer):
@@ -57,7 +60,8 @@ class RolloutSpecvLLMHttpServer(vLLMHttpServer):
             await self.engine.collective_rpc("rollout_spec_end_step")
         await super().set_global_steps(global_steps)
 
-    async def generate(self, prompt_ids: Any, sampling_params: dict, request_id: str, *args: Any, **kwargs: Any):
+    async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, *args: Any,
+                       **kwargs: Any) -> TokenOutput:
         """verl's generate with the group of the sample's first prompt in the sampling parameters
         and the three counters in extra_fields."""
         if self._spec is None:
