@@ -137,9 +137,12 @@ def test_a_pick_under_the_throughput_rule_does_not_outlive_the_drain():
 
 def test_drained_pricing_needs_the_reported_batch():
     """A report for another batch size (the batch changed since) falls back to the throughput rule."""
-    budget, room = with_stragglers()
+    throughput, room = with_stragglers()
+    throughput.set_running(IDS, room, draining=False)
+    budget, _ = with_stragglers()
     budget.set_running(IDS, room, draining=True)
-    assert budget.best(len(IDS) - 1) > 0
+    assert budget.best(len(IDS)) == 0  # the reported batch: the call's end says plain
+    assert budget.best(len(IDS) - 1) == throughput.best(len(IDS) - 1) > 0
 
 
 def test_set_running_validates_and_prunes_histories():

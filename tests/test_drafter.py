@@ -289,7 +289,7 @@ def test_load_rejects_a_format_5_request_index_out_of_order(tmp_path):
 def test_load_rejects_a_foreign_file(tmp_path):
     path = tmp_path / "junk.bin"
     path.write_bytes(b"not a checkpoint at all")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="not a rollout-spec drafter checkpoint"):
         NgramDrafter.load(path)
 
 

@@ -94,7 +94,7 @@ def test_config_must_be_a_spec_config():
 def test_corpus_file_must_hold_token_ids(tmp_path):
     path = tmp_path / "c.npy"
     np.save(path, np.array([0.5, 1.5]))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"corpus .*c\.npy\[0\] must be a 1-D .*float64"):  # file, dtype
         NgramDrafter(SpecConfig(external_corpora=(str(path),)))
 
 

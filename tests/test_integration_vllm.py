@@ -15,7 +15,7 @@ import pytest
 
 from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.vllm import SpecDecodeCounters, engine_kwargs, spec_from_vllm_config
-from rollout_spec.groups import prompt_group_id
+from rollout_spec.groups import prompt_group_id, text_group_id
 from rollout_spec.integrations.vllm.chains import best_chain, best_chains, explicit_group_id
 from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH, speculative_config
 import rollout_spec.integrations.vllm.plugin as plugin
@@ -164,7 +164,10 @@ def test_group_ids_are_stable_and_explicit_ones_are_checked():
     assert prompt_group_id([1, 2, 3]) != prompt_group_id([1, 2, 4])
     assert 0 <= prompt_group_id([7]) < 2**31
     assert explicit_group_id(42) == 42
-    assert explicit_group_id("prompt-17") == explicit_group_id("prompt-17")
+    # a string's id is its blake2b digest, the same in every process and release (Python's hash()
+    # is salted per process), so replicas and later RL steps agree on the group
+    assert explicit_group_id("prompt-17") == text_group_id("prompt-17") == 292762764
+    assert explicit_group_id("prompt-17") != explicit_group_id("prompt-18")
     with pytest.raises(TypeError, match="rollout_spec_group"):
         explicit_group_id(1.5)
     with pytest.raises(ValueError, match="rollout_spec_group"):

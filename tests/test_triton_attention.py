@@ -100,17 +100,17 @@ def test_choose_split_len_is_shape_only_and_aligned():
         assert s % ta.BLOCK_N == 0 and s & (s - 1) == 0
 
 
-@pytest.mark.parametrize("field,bad", [
-    ("tree_mask", lambda c: c[5].float()),
-    ("slot_ids", lambda c: c[3][:1]),
-    ("q", lambda c: c[0][:, :5]),
+@pytest.mark.parametrize("field,bad,message", [
+    ("tree_mask", lambda c: c[5].float(), r"tree_mask must be bool \[2,2,2\]; got torch.float32"),
+    ("slot_ids", lambda c: c[3][:1], r"slot_ids and ctx_lens must have shape \(2,\); got \(1,\)"),
+    ("q", lambda c: c[0][:, :5], r"query heads \(5\) must be a multiple of kv heads \(3\)"),
 ])
-def test_bad_inputs_raise(field, bad):
+def test_bad_inputs_raise(field, bad, message):
     """Shape and dtype errors name what is wrong before any kernel runs."""
     case = make_case(2, 6, 3, 2, 16, [3, 4], slots=2, max_len=64, seed=1)
     idx = {"q": 0, "slot_ids": 3, "tree_mask": 5}[field]
     case[idx] = bad(case)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         ta.tree_attention_triton(*case, 0.25)
 
 

@@ -98,6 +98,20 @@ def random_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray
     return logits
 
 
+def steered_to_argmax(trees: list[list[tuple[int, int]]], logits: np.ndarray,
+                      rng: np.random.Generator) -> list[list[tuple[int, int]]]:
+    """``trees`` with about half their nodes' tokens replaced by the argmax of the parent's logits
+    row (the root's row for a root child), so that greedy and cold requests accept chains several
+    nodes deep; uniform tokens alone are rarely accepted once, never twice in a row."""
+    steered, root = [], 0
+    for tree in trees:
+        rows = [root if parent < 0 else root + 1 + parent for _, parent in tree]
+        steered.append([(int(np.argmax(logits[row])) if rng.random() < 0.5 else token, parent)
+                        for (token, parent), row in zip(tree, rows)])
+        root += 1 + len(tree)
+    return steered
+
+
 @pytest.mark.parametrize("vocab, dtype, strided", [(12, torch.float32, False),
                                                    (12, torch.bfloat16, True),
                                                    (12, torch.float64, False),
@@ -107,13 +121,15 @@ def test_speculative_steps_emit_the_tokens_and_logprobs_of_plain_steps(vocab, dt
     draws from that row with the same seed, with the same logprob: per-request parameters (greedy
     beside sampling) in one batch, trees with duplicate siblings and drafts outside the support."""
     rng = np.random.default_rng(vocab + 7 * strided)
+    deepest = 0
     for _ in range(40 if vocab < 1000 else 12):
         num_req = int(rng.integers(1, 5))
         trees = [[(int(rng.integers(0, vocab)), int(rng.integers(-1, j)) if j else -1)
                   for j in range(int(rng.integers(0, 7)))] for _ in range(num_req)]
-        batch = DraftBatch.from_lists(trees)
         params = [random_params(rng, vocab) for _ in range(num_req)]
-        logits = torch.tensor(random_logits(rng, num_req + batch.num_nodes, vocab)).to(dtype)
+        host_logits = random_logits(rng, num_req + sum(len(t) for t in trees), vocab)
+        batch = DraftBatch.from_lists(steered_to_argmax(trees, host_logits, rng))
+        logits = torch.tensor(host_logits).to(dtype)
         if strided:  # every other column of a wider tensor
             logits = torch.stack([logits, logits], -1).reshape(len(logits), -1)[:, ::2]
         logits = logits.to(DEVICE)
@@ -124,9 +140,11 @@ def test_speculative_steps_emit_the_tokens_and_logprobs_of_plain_steps(vocab, dt
             root = int(batch.offsets[b]) + b
             a0, a1 = spec.accepted_offsets[b : b + 2]
             e0 = spec.emitted_offsets[b]
-            rows = [root] + [root + 1 + int(j) for j in spec.accepted_nodes[a0:a1]]
-            for depth, row in enumerate(rows):
+            path = [root] + [root + 1 + int(j) for j in spec.accepted_nodes[a0:a1]]
+            deepest = max(deepest, len(path) - 1)
+            for depth, row in enumerate(path):
                 key = NoiseKeys(seeds[b : b + 1], pos[b : b + 1] + depth)
                 plain = verify(logits[row : row + 1], DraftBatch.empty(1), params[b], keys=key).host
                 assert plain.bonus[0] == spec.emitted_tokens[e0 + depth], (params[b], depth)
                 assert plain.emitted_logprobs[0] == spec.emitted_logprobs[e0 + depth], (params[b], depth)
+    assert deepest >= 2, "no request accepted two draft nodes: the coupling below depth 1 went unchecked"
