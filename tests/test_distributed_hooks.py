@@ -104,6 +104,24 @@ def test_verl_balancer_follows_removed_and_returning_servers() -> None:
     assert empty.acquire_server("x", prompt_ids=[1]) == ("s", "h")
 
 
+def test_verl_balancer_keeps_reserved_slots_for_servers_added_later() -> None:
+    """A balancer built before its servers (``slots``) gives each its replica rank's slot, so a
+    group lands where it would over the full list, whatever order verl adds the servers in."""
+    servers = _servers(3)
+    full = GroupStickyLoadBalancer(servers)
+    later = GroupStickyLoadBalancer({}, {}, list(servers))
+    assert later.get_all_servers() == []
+    with pytest.raises(RuntimeError, match="No available servers"):
+        later.acquire_server("x", prompt_ids=_prompt(0))
+    for sid in reversed(list(servers)):
+        later.add_servers({sid: servers[sid]})
+    assert later.get_all_servers() == list(servers)
+    assert [later.acquire_server(f"r{i}", prompt_ids=_prompt(i)) for i in range(12)] == \
+           [full.acquire_server(f"r{i}", prompt_ids=_prompt(i)) for i in range(12)]
+    with pytest.raises(ValueError, match="slots: each server address once"):
+        GroupStickyLoadBalancer({}, {}, ["a", "a"])
+
+
 def test_verl_balancer_counts_nothing_a_removed_server_held() -> None:
     """verl's separate-async trainer removes servers when it trains and adds them back to roll
     out; what they held in flight is aborted and released while they are out. Their counts start

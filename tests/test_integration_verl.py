@@ -383,6 +383,10 @@ def test_verl_still_has_the_shape_the_hook_relies_on():
     manager = (VERL / "workers/rollout/llm_server.py").read_text()
     assert "from verl.workers.rollout.router import get_router_handle" in manager  # looked up at call time
     assert "num_replicas = world_size // rollout_world_size" in manager
+    # hybrid_engine=False: the empty manager's balancer is built first but never routed through
+    separate = (VERL / "trainer/ppo/v1/trainer_separate_async.py").read_text()
+    assert "LLMServerManager.create_empty(config=self.config)" in (VERL / "trainer/ppo/v1/trainer_base.py").read_text()
+    assert "return self.standalone_server_manager.get_client(" in separate
     assert "async def set_global_steps(self, global_steps: int):" in vllm_server  # our step boundary
     weights = (VERL / "workers/rollout/vllm_rollout/vllm_rollout.py").read_text()
     assert weights.count("await self.server_handle.set_global_steps.remote(global_steps)") >= 2

@@ -3,15 +3,23 @@
 verl's server modules import SGLang's and vLLM's CUDA kernels, so they cannot be imported on a
 CPU machine; the stand-ins reproduce only what the subclasses rely on (``config``, the engine
 object set by ``launch_server``, ``generate`` returning a TokenOutput with ``extra_fields``),
-which ``test_verl_still_has_the_shape_the_hook_relies_on`` checks in verl's real source.
+which ``test_verl_still_has_the_shape_the_hook_relies_on`` checks in verl's real source. verl's
+server managers, whose module cannot be imported either, are compiled from its source alone and
+run over our replicas on those stand-ins, with verl's real router module.
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
+import importlib.util
+import logging
 import os
 import sys
+import time
 import types
+import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -61,13 +69,16 @@ class SGLangReplica:
         self.server_class = "verl's own"
 
     async def init_hybrid(self, worker_group):
-        self._server_address = f"10.0.0.{self.replica_rank}:8000"
+        self._started(f"10.0.0.{self.replica_rank}:8000")
 
     async def init_colocated(self, resource_pool):
-        self._server_address = f"10.0.1.{self.replica_rank}:8000"
+        self._started(f"10.0.1.{self.replica_rank}:8000")
 
     async def init_standalone(self):
-        self._server_address = f"10.0.2.{self.replica_rank}:8000"
+        self._started(f"10.0.2.{self.replica_rank}:8000")
+
+    def _started(self, address):
+        self._server_address, self._server_handle = address, f"actor at {address}"
 
 
 @pytest.fixture
@@ -271,6 +282,132 @@ def test_an_empty_router_config_path_gets_our_balancer_as_verls_default_does(sgl
     monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
     assert type(router.get_router_handle(ours, router_config_path="")).__name__ == "GroupStickyLoadBalancer"
     assert router.get_router_handle(ours, router_config_path="mine.yaml") == ("verl's", "mine.yaml")
+
+
+def test_a_balancer_built_before_our_servers_routes_them_by_group_when_verl_adds_them(
+        sglang_server, monkeypatch, caplog):
+    """An empty ``servers`` is a balancer verl fills later: ours while servers of ours exist that
+    no balancer has yet, with the same exceptions as a full one; another empty start is not ours."""
+    from rollout_spec.integrations.verl import replicas as hook
+
+    router = _stub_router(monkeypatch)
+    monkeypatch.setattr(hook, "_BALANCED", set())
+    replicas = [sglang_server.RolloutSpecSGLangReplica(r, config({"speculative": "rollout_spec"})) for r in range(2)]
+    for replica in replicas:
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=2)))
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
+    with caplog.at_level("WARNING", logger=hook.__name__):
+        assert router.get_router_handle({}, full_determinism=True) == ("verl's", None)
+    assert "group-sticky routing is off" in caplog.text
+    hook._BALANCED.clear()
+    assert router.get_router_handle({}, router_config_path="mine.yaml") == ("verl's", "mine.yaml")
+    hook._BALANCED.clear()
+    lb = router.get_router_handle({})
+    assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == []
+    assert router.get_router_handle({}) == ("verl's", None)  # our servers have their balancer
+
+
+def _verl_class(rel: str, name: str, namespace: dict) -> type:
+    """verl's class ``name`` from its installed source, compiled alone in ``namespace`` (its module
+    imports uvicorn, SGLang's or torch's pieces, which a CPU test machine may lack)."""
+    found = importlib.util.find_spec("verl")
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+class _LocalActor:
+    """A Ray actor handle's stand-in: ``handle.method.remote(...)`` runs the object's method here
+    and returns a coroutine with its result (verl awaits what this test drives)."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name):
+        async def call(*args, **kwargs):
+            return getattr(self.obj, name)(*args, **kwargs)
+
+        return SimpleNamespace(remote=call)
+
+
+def _trainer_config(**rollout):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"actor_rollout_ref": {"model": {}, "rollout": {
+        "name": "sglang", "custom": {"speculative": "rollout_spec"}, "engine_kwargs": {"sglang": {}}, "mtp": None,
+        "disaggregation": {"enabled": False}, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+        "pipeline_model_parallel_size": 1, "n_gpus_per_node": 2, "nnodes": 1, "prometheus": {"enable": False},
+        "disable_log_stats": True, "router_config_path": None, "full_determinism": False, **rollout}}})
+
+
+@pytest.fixture
+def verl_managers(sglang_server, monkeypatch):
+    """verl's ``LLMServerManager`` and ``FullyAsyncLLMServerManager`` from its source, over our
+    SGLang replica (on the stand-in server), with verl's real router module and no Ray cluster."""
+    verl_router = pytest.importorskip("verl.workers.rollout.router")
+    from omegaconf import DictConfig, open_dict
+    from verl.utils.ray_utils import auto_await
+
+    from rollout_spec.integrations.verl import replicas as hook
+
+    monkeypatch.setattr(verl_router, "get_router_handle", verl_router.get_router_handle)  # the hook, undone after
+    monkeypatch.setattr(hook, "_SPEC_REPLICAS", weakref.WeakSet())
+    monkeypatch.setattr(hook, "_BALANCED", set())
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *a, **k: _LocalActor(cls(*a, **k))))
+    ours = sglang_server.RolloutSpecSGLangReplica
+    namespace = {"asyncio": asyncio, "auto_await": auto_await, "DictConfig": DictConfig, "RayWorkerGroup": object,
+                 "RayResourcePool": object, "RolloutReplica": object, "LLMServerClient": object,
+                 "FullyAsyncLLMServerClient": object,
+                 "get_rollout_replica_class": lambda name, disaggregation_enabled: ours,
+                 "RLInsightLogger": SimpleNamespace(enabled=lambda: False), "update_prometheus_config": None,
+                 "open_dict": open_dict, "time": time, "logger": logging.getLogger("verl"), "ray": ray}
+    namespace["LLMServerManager"] = _verl_class("workers/rollout/llm_server.py", "LLMServerManager", namespace)
+    fully_async = _verl_class("experimental/fully_async_policy/fully_async_rollouter.py",
+                              "FullyAsyncLLMServerManager", namespace)
+    return namespace["LLMServerManager"], fully_async
+
+
+def test_separate_async_without_hybrid_replicas_routes_its_standalone_servers_by_group(verl_managers):
+    """``hybrid_engine=False``: verl's PPOTrainer._setup builds an empty manager (its balancer
+    before any server, and before our hook exists), then the separate-async _setup starts the
+    standalone manager, whose balancer (the one its client routes through) sees our servers."""
+    manager, _ = verl_managers
+    cfg = _trainer_config()
+    empty = manager.create_empty(config=cfg)
+    standalone = manager.create(config=cfg, start_rank=len(empty.rollout_replicas))
+    assert type(empty.global_load_balancer.obj).__name__ == "GlobalRequestLoadBalancer"  # never routed through
+    lb = standalone.global_load_balancer.obj
+    assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == standalone.server_addresses
+    assert len(standalone.server_addresses) == 2
+
+
+def test_fully_async_hybrid_only_balancer_routes_our_servers_added_later_by_group(verl_managers):
+    """verl's fully-async rollouter with no standalone rollout GPUs (dynamic resource scheduling)
+    builds its balancer empty, then adds its hybrid servers: ours route by group, each server in
+    its replica rank's slot whatever order they are added in, and one re-added counts nothing."""
+    from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer
+
+    _, fully_async = verl_managers
+
+    async def run():
+        manager = await fully_async.create(config=_trainer_config(nnodes=0), worker_group=SimpleNamespace(world_size=3))
+        lb = manager.global_load_balancer.obj
+        assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == []
+        assert await manager.add_replicas(["hybrid_2", "hybrid_0", "hybrid_1"]) == 3
+        by_rank = [manager.hybrid_replicas[f"hybrid_{r}"]._server_address for r in range(3)]
+        assert lb.get_all_servers() == by_rank
+        reference = GroupStickyLoadBalancer({sid: None for sid in by_rank})
+        prompts = [[p, p + 1, p + 2] for p in range(12)]
+        assert [lb.acquire_server(f"r{i}", prompt_ids=p)[0] for i, p in enumerate(prompts)] == \
+               [reference.acquire_server(f"r{i}", prompt_ids=p)[0] for i, p in enumerate(prompts)]
+        assert lb.acquire_server("again", prompt_ids=prompts[0])[0] == lb.acquire_server("r0")[0]
+        busy = lb.acquire_server("r0")[0]
+        assert await manager.remove_replicas(["hybrid_0", "hybrid_1", "hybrid_2"]) == 3
+        assert await manager.add_replicas(["hybrid_0", "hybrid_1", "hybrid_2"]) == 3
+        assert lb.get_status()["servers"][busy] == 0
+
+    asyncio.run(run())
 
 
 class _VllmEngine:

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 NUM_REPLICAS_KEY = "rollout_spec_num_replicas"
 """Key in ``actor_rollout_ref.rollout.custom`` where the replica count reaches the server."""
 _SPEC_REPLICAS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # replicas with the flag, this process
+_BALANCED: set[str] = set()  # server addresses some balancer was built over, this process
 _HOOK_MARK = "_rollout_spec_router_hook"
 
 
@@ -111,14 +112,31 @@ def server_placement(config: Any, spec: SpecConfig, replica_rank: int) -> Option
     return ReplicaPlacement(int(replica_rank), int(count))
 
 
+def _servers_for_group_routing(servers: Mapping[str, Any]) -> list[str]:
+    """The server addresses a default balancer built over ``servers`` would route for us, in slot
+    order; empty when they are not all ours.
+
+    A balancer built before its servers (``servers`` empty: verl's fully-async rollouter with
+    dynamic resource scheduling and no standalone rollout GPUs builds it, then adds its hybrid
+    servers) is ours when servers of ours exist that no balancer was built over yet: those, by
+    replica rank, are the ones verl will add.
+    """
+    ours = [r for r in list(_SPEC_REPLICAS) if getattr(r, "_server_address", None)]
+    if servers:
+        return list(servers) if set(servers) <= {r._server_address for r in ours} else []
+    waiting = [r for r in ours if r._server_address not in _BALANCED]
+    return [r._server_address for r in sorted(waiting, key=lambda r: r.replica_rank)]
+
+
 def install_router_hook() -> bool:
     """Make verl's router factory pick ``GroupStickyLoadBalancer`` for our servers; idempotent.
 
     It applies only when verl would build its default balancer (no or an empty ``router_config_path``, no
     injected ``load_balancer_cls``, no ``full_determinism``: verl then routes by request id so
     that a rerun samples on the same replicas) and every server belongs to a replica with the flag
-    on, so a user's own router and other models' servers (reward, teacher) keep verl's choice. Returns True
-    when the hook was installed by this call.
+    on, so a user's own router and other models' servers (reward, teacher) keep verl's choice. A
+    balancer built with no server is ours when servers of ours exist that no balancer has yet
+    (:func:`_servers_for_group_routing`). Returns True when the hook was installed by this call.
     """
     from importlib import import_module
 
@@ -129,17 +147,22 @@ def install_router_hook() -> bool:
 
     def get_router_handle(servers: dict[str, Any], router_config_path: Optional[str] = None,
                           full_determinism: bool = False, load_balancer_cls: Optional[type] = None) -> Any:
-        ours = {r._server_address for r in list(_SPEC_REPLICAS) if getattr(r, "_server_address", None)}
-        if full_determinism and servers and set(servers) <= ours:
+        slots = _servers_for_group_routing(servers)
+        _BALANCED.update(servers, slots)  # an empty start's slots are claimed by whichever balancer it is
+        if full_determinism and slots:
             logger.warning("rollout-spec: full_determinism keeps verl's deterministic routing (by request "
                            "id); group-sticky routing is off, so a prompt's samples may scatter over replicas")
-        elif not router_config_path and load_balancer_cls is None and servers and set(servers) <= ours:
+        elif not router_config_path and load_balancer_cls is None and slots:
             import ray
 
             from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer
 
-            logger.info("rollout-spec: group-sticky routing over %d servers", len(servers))
-            return ray.remote(GroupStickyLoadBalancer).remote(servers, {})
+            if servers:
+                logger.info("rollout-spec: group-sticky routing over %d servers", len(servers))
+                return ray.remote(GroupStickyLoadBalancer).remote(servers, {})
+            logger.info("rollout-spec: group-sticky routing, starting empty; slots kept for the %d servers "
+                        "of ours that verl adds later", len(slots))
+            return ray.remote(GroupStickyLoadBalancer).remote({}, {}, slots)
         return original(servers, router_config_path=router_config_path, full_determinism=full_determinism,
                         load_balancer_cls=load_balancer_cls)
 

@@ -45,9 +45,16 @@ class GroupStickyLoadBalancer:
     Args:
         servers: verl's ``{server_address: actor_handle}``, in replica-rank order.
         config: the router YAML as a dict (``router_class`` plus optional GroupRouter arguments).
+        slots: addresses of servers verl adds later (a balancer built before its servers), in
+            replica-rank order after ``servers``: each is out of service until added, then takes
+            its slot, so slot i stays replica i whatever order verl adds them in.
+
+    Raises:
+        ValueError: an unknown or out-of-range config key, or an address twice in ``slots``.
     """
 
-    def __init__(self, servers: Mapping[str, Any], config: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, servers: Mapping[str, Any], config: Optional[Mapping[str, Any]] = None,
+                 slots: Sequence[str] = ()) -> None:
         config = dict(config or {})
         seed = config.pop("seed", 0)
         if type(seed) is not int or seed != 0:
@@ -57,12 +64,16 @@ class GroupStickyLoadBalancer:
         unknown = set(config) - set(allowed)
         if unknown:
             raise ValueError(f"router config: unknown keys {sorted(unknown)}; allowed: {allowed}")
-        self._ids: list[str] = list(servers)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots: each server address once, got {list(slots)}")
+        self._ids: list[str] = list(servers) + [sid for sid in slots if sid not in servers]
         self._handles: dict[str, Any] = dict(servers)
         self._slot = {sid: i for i, sid in enumerate(self._ids)}
         self._router = GroupRouter(max(len(self._ids), 1), **{k: config[k] for k in _ROUTER_ARGS if k in config})
         if not self._ids:
             self._router.set_available(0, False)
+        for sid in self._ids[len(self._handles):]:  # reserved for a server verl adds later
+            self._router.set_available(self._slot[sid], False)
         self._by_request: OrderedDict[str, str] = OrderedDict()  # request id -> server, LRU
         self._prompt_roots = PromptRoots()  # a later call's group is its first prompt's
         self._max_requests = check_int("router config max_cache_size", config.get("max_cache_size", 10_000),
