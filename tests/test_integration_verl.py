@@ -508,6 +508,7 @@ def test_router_hook_replaces_verls_default_balancer_for_our_servers(monkeypatch
     ours = Replica()
     monkeypatch.setattr(verl_router, "get_router_handle", verl_router.get_router_handle)  # undone after
     monkeypatch.setattr(replicas, "_SPEC_REPLICAS", weakref.WeakSet([ours]))
+    monkeypatch.setattr(replicas, "_BALANCED", set())  # what the hook claims here stays here
     assert replicas.install_router_hook() and not replicas.install_router_hook()
     monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
     lb = verl_router.get_router_handle({ours._server_address: "handle"})

@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import time
 import types
 import weakref
@@ -79,6 +80,16 @@ class SGLangReplica:
 
     def _started(self, address):
         self._server_address, self._server_handle = address, f"actor at {address}"
+
+
+@pytest.fixture(autouse=True)
+def fresh_router_hook_state(monkeypatch):
+    """Each test starts with no replica of ours and no balanced server: the hook's state is
+    process-wide, and the stand-ins' addresses repeat from test to test."""
+    from rollout_spec.integrations.verl import replicas as hook
+
+    monkeypatch.setattr(hook, "_SPEC_REPLICAS", weakref.WeakSet())
+    monkeypatch.setattr(hook, "_BALANCED", set())
 
 
 @pytest.fixture
@@ -291,7 +302,6 @@ def test_a_balancer_built_before_our_servers_routes_them_by_group_when_verl_adds
     from rollout_spec.integrations.verl import replicas as hook
 
     router = _stub_router(monkeypatch)
-    monkeypatch.setattr(hook, "_BALANCED", set())
     replicas = [sglang_server.RolloutSpecSGLangReplica(r, config({"speculative": "rollout_spec"})) for r in range(2)]
     for replica in replicas:
         asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=2)))
@@ -305,6 +315,49 @@ def test_a_balancer_built_before_our_servers_routes_them_by_group_when_verl_adds
     lb = router.get_router_handle({})
     assert type(lb).__name__ == "GroupStickyLoadBalancer" and lb.get_all_servers() == []
     assert router.get_router_handle({}) == ("verl's", None)  # our servers have their balancer
+
+
+def test_an_empty_start_keeps_one_slot_per_address_of_ours(sglang_server, monkeypatch):
+    """Two live replicas of one server (verl made the replica object again) gave the balancer one
+    address twice in its slots, which it refuses: verl's balancer construction raised."""
+    router = _stub_router(monkeypatch)
+    replicas = [sglang_server.RolloutSpecSGLangReplica(r, config({"speculative": "rollout_spec"})) for r in (0, 1, 0)]
+    for replica in replicas:
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=2)))
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
+    lb = router.get_router_handle({})
+    lb.add_servers({r._server_address: f"h{r.replica_rank}" for r in replicas})
+    assert lb.get_all_servers() == ["10.0.0.0:8000", "10.0.0.1:8000"]
+
+
+def test_two_empty_starts_at_once_claim_our_waiting_servers_once(sglang_server, monkeypatch):
+    """A balancer's read of the waiting servers and its claim were two steps: two balancers built
+    at once on two threads both took every slot, so both routed the same servers."""
+    from rollout_spec.integrations.verl import replicas as hook
+
+    router = _stub_router(monkeypatch)
+    replicas = [sglang_server.RolloutSpecSGLangReplica(r, config({"speculative": "rollout_spec"})) for r in range(2)]
+    for replica in replicas:
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=2)))
+    both_read = threading.Barrier(2, timeout=1.0)  # both threads between their read and their claim
+
+    class MeetingClaims(set):
+        def update(self, *claims):
+            try:
+                both_read.wait()
+            except threading.BrokenBarrierError:  # the other thread did not read alongside
+                pass
+            super().update(*claims)
+
+    monkeypatch.setattr(hook, "_BALANCED", MeetingClaims())
+    monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *args: cls(*args)))  # no cluster
+    built = []
+    threads = [threading.Thread(target=lambda: built.append(router.get_router_handle({}))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(type(lb).__name__ for lb in built) == ["GroupStickyLoadBalancer", "tuple"]
 
 
 def _verl_class(rel: str, name: str, namespace: dict) -> type:
@@ -352,8 +405,6 @@ def verl_managers(sglang_server, monkeypatch):
     from rollout_spec.integrations.verl import replicas as hook
 
     monkeypatch.setattr(verl_router, "get_router_handle", verl_router.get_router_handle)  # the hook, undone after
-    monkeypatch.setattr(hook, "_SPEC_REPLICAS", weakref.WeakSet())
-    monkeypatch.setattr(hook, "_BALANCED", set())
     monkeypatch.setattr(ray, "remote", lambda cls: SimpleNamespace(remote=lambda *a, **k: _LocalActor(cls(*a, **k))))
     ours = sglang_server.RolloutSpecSGLangReplica
     namespace = {"asyncio": asyncio, "auto_await": auto_await, "DictConfig": DictConfig, "RayWorkerGroup": object,

@@ -11,6 +11,7 @@ imports verl at module level.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
@@ -25,6 +26,7 @@ NUM_REPLICAS_KEY = "rollout_spec_num_replicas"
 """Key in ``actor_rollout_ref.rollout.custom`` where the replica count reaches the server."""
 _SPEC_REPLICAS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # replicas with the flag, this process
 _BALANCED: set[str] = set()  # server addresses some balancer was built over, this process
+_BALANCED_LOCK = threading.Lock()  # a balancer's read of _BALANCED and its claim are one step
 _HOOK_MARK = "_rollout_spec_router_hook"
 
 
@@ -119,13 +121,23 @@ def _servers_for_group_routing(servers: Mapping[str, Any]) -> list[str]:
     A balancer built before its servers (``servers`` empty: verl's fully-async rollouter with
     dynamic resource scheduling and no standalone rollout GPUs builds it, then adds its hybrid
     servers) is ours when servers of ours exist that no balancer was built over yet: those, by
-    replica rank, are the ones verl will add.
+    replica rank, are the ones verl will add; an address two replicas share (a replica object
+    verl made again for one server) takes one slot.
     """
     ours = [r for r in list(_SPEC_REPLICAS) if getattr(r, "_server_address", None)]
     if servers:
         return list(servers) if set(servers) <= {r._server_address for r in ours} else []
     waiting = [r for r in ours if r._server_address not in _BALANCED]
-    return [r._server_address for r in sorted(waiting, key=lambda r: r.replica_rank)]
+    return list(dict.fromkeys(r._server_address for r in sorted(waiting, key=lambda r: r.replica_rank)))
+
+
+def _claim_servers_for_group_routing(servers: Mapping[str, Any]) -> list[str]:
+    """:func:`_servers_for_group_routing`, with ``servers`` and those slots marked as having a
+    balancer in the same step, so two balancers built at once never claim one slot twice."""
+    with _BALANCED_LOCK:
+        slots = _servers_for_group_routing(servers)
+        _BALANCED.update(servers, slots)  # an empty start's slots are claimed by whichever balancer it is
+        return slots
 
 
 def install_router_hook() -> bool:
@@ -147,8 +159,7 @@ def install_router_hook() -> bool:
 
     def get_router_handle(servers: dict[str, Any], router_config_path: Optional[str] = None,
                           full_determinism: bool = False, load_balancer_cls: Optional[type] = None) -> Any:
-        slots = _servers_for_group_routing(servers)
-        _BALANCED.update(servers, slots)  # an empty start's slots are claimed by whichever balancer it is
+        slots = _claim_servers_for_group_routing(servers)
         if full_determinism and slots:
             logger.warning("rollout-spec: full_determinism keeps verl's deterministic routing (by request "
                            "id); group-sticky routing is off, so a prompt's samples may scatter over replicas")
