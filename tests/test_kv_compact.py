@@ -72,6 +72,7 @@ def test_bad_layout_is_refused() -> None:
     # one slot for two walk rows: the kernel would read past it and move another slot's KV
     ("slots", lambda c, w, s, x: (c.kv, w, s[:1], x), r"slots must be an int \[2\] tensor"),
     ("ctx_lens", lambda c, w, s, x: (c.kv, w, s, x.float()), r"ctx_lens must be an int \[2\]"),
+    ("slots", lambda c, w, s, x: (c.kv, w, s.to(torch.complex64), x), r"slots must be an int \[2\]"),
     ("ctx_lens", lambda c, w, s, x: (c.kv, w, s, x.to("meta")), r"ctx_lens is on meta"),
 ])
 def test_bad_inputs_name_the_argument(field: str, bad, match: str) -> None:

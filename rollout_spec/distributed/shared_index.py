@@ -429,7 +429,9 @@ class SharedIndexClient:
         with self._stage_lock:
             out = dict(self._stats)
             out["staged_sequences"] = float(sum(len(s) for _, s in self._staged))
-        out["backlog_sequences"] = float(sum(len(seqs) for _, seqs in self._backlog.values()))
+        # list() copies the owner's dict in one step, so a stats() from another thread during a
+        # publish cannot meet it mid-resize
+        out["backlog_sequences"] = float(sum(len(seqs) for _, seqs in list(self._backlog.values())))
         out["puller_failed"] = float(self._error is not None)
         return out
 

@@ -75,7 +75,8 @@ def _check_inputs(kv: torch.Tensor, walk: torch.Tensor, slots: torch.Tensor,
         raise ValueError(f"walk must be a row-major int32 [B, 1 + 3W] tensor, got {walk.dtype} "
                          f"{tuple(walk.shape)}")
     for name, rows in (("slots", slots), ("ctx_lens", ctx_lens)):
-        if tuple(rows.shape) != (walk.shape[0],) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        if (tuple(rows.shape) != (walk.shape[0],) or rows.dtype.is_floating_point
+                or rows.dtype.is_complex or rows.dtype == torch.bool):
             raise ValueError(f"{name} must be an int [{walk.shape[0]}] tensor (one per walk row), "
                              f"got {rows.dtype} {tuple(rows.shape)}")
     for name, t in (("walk", walk), ("slots", slots), ("ctx_lens", ctx_lens)):
