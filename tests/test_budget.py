@@ -692,3 +692,22 @@ def test_decisions_count_each_step_by_its_reason():
     budget.tracker.reset(0.0)
     budget(16)  # another half-octave: decided afresh
     assert budget.decisions["model"] == 1 and sum(budget.decisions.values()) == 7
+
+
+def test_a_grid_of_decode_steps_alone_is_interpolated_in_batch_size():
+    """widths (1,) is a valid grid (decode only): every width is priced as a decode step."""
+    cost = CostModel((1, 9), (1,), ((1e-3,), (2e-3,)))
+    assert cost.step_time(5, 1) == pytest.approx(1.5e-3)
+    assert cost.step_time(5, 8) == cost.step_time(5, 1)
+    assert cost.step_time(18, 4) == pytest.approx(4e-3)  # beyond the grid: linear in B
+
+
+def test_budget_refuses_negative_candidates_and_prices_only_its_candidates():
+    with pytest.raises(ValueError, match=r"candidates must be >= 0, got \[2, -1\]"):
+        DraftBudget(gpu_grid(), AcceptanceTracker(8), [2, -1])
+    budget = DraftBudget(gpu_grid(), AcceptanceTracker(8), [2, 4])
+    assert budget.step_time(8, 4) == gpu_grid().step_time(8, 5)
+    with pytest.raises(ValueError, match=r"k must be one of the candidates \[0, 2, 4\], got 3"):
+        budget.step_time(8, 3)
+    with pytest.raises(ValueError, match="k must be one of the candidates"):
+        budget.throughput(8, 3)

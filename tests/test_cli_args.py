@@ -104,3 +104,37 @@ def test_defaults_parser_writes_a_list_default_as_typed():
     parser.add_argument("--fmt", nargs="+", default=("5%",))
     text = " ".join(parser.format_help().split())
     assert "(default: basic_arithmetic chain_sum)" in text and "(default: 5%)" in text
+
+
+def test_mps_where_torch_has_none_is_an_argument_error(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(Refused, match=r"--device: device 'mps': MPS is not available here \(use 'cpu'\)"):
+        check_device(Parser(), "mps")
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a read-only folder (root may write any)
+    with pytest.raises(Refused, match=r"--out .*x\.json: folder .* is not writable"):
+        check_output(Parser(), "--out", tmp_path / "x.json")
+
+
+def test_a_task_registry_broken_by_another_missing_module_is_not_blamed_on_reasoning_gym(monkeypatch):
+    """Only reasoning-gym missing is the install hint; any other missing module is re-raised as is."""
+    from rollout_spec import workloads
+    from rollout_spec.cli_args import task_arg
+
+    def missing(module: str):
+        def task_names() -> list[str]:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+        return task_names
+
+    monkeypatch.setattr(workloads, "task_names", missing("sympy"))
+    with pytest.raises(ModuleNotFoundError, match="sympy"):
+        task_arg("chain_sum")
+    monkeypatch.setattr(workloads, "task_names", missing("reasoning_gym.core"))
+    with pytest.raises(argparse.ArgumentTypeError, match=r"needs reasoning-gym, not installed"):
+        task_arg("chain_sum")

@@ -3,6 +3,8 @@ state changes; nothing is truncated, wrapped or taken as a bool (no Ray needed).
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -182,3 +184,122 @@ def test_placement_from_env_takes_only_plain_decimal_digits(text: str) -> None:
     with pytest.raises(ValueError, match=ENV_REPLICA_ID):
         placement_from_env({ENV_REPLICA_ID: text, ENV_NUM_REPLICAS: "20"})
     assert placement_from_env({ENV_REPLICA_ID: "10", ENV_NUM_REPLICAS: "20"}) == ReplicaPlacement(10, 20)
+
+
+def test_config_refuses_a_non_bool_apply_in_thread() -> None:
+    with pytest.raises(TypeError, match="apply_in_thread must be a bool, got 1"):
+        SharedIndexConfig(0, 2, apply_in_thread=1)
+
+
+def test_record_keeps_nothing_of_a_groupless_response(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = _client(monkeypatch)
+    client.record(None, [1, 2])
+    assert client._recorded == ([], [])
+
+
+def test_restart_refuses_while_a_stopped_puller_has_not_exited(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = _client(monkeypatch)
+    leave = threading.Event()
+    stuck = threading.Thread(target=leave.wait, daemon=True)
+    stuck.start()
+    client._thread = stuck
+    client._stop.set()  # told to stop, but still in its round
+    try:
+        with pytest.raises(RuntimeError, match=r"the stopped shared-index puller did not exit within 0.0 s"):
+            client.restart(timeout_s=0.0)
+        assert client._thread is stuck
+    finally:
+        leave.set()
+        stuck.join()
+
+
+def test_a_pull_round_refuses_to_call_into_a_shut_down_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = pytest.importorskip("ray")
+    client = _client(monkeypatch)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="Ray was shut down while the shared index was open"):
+        client._pull_round(0.0, 0)
+
+
+def test_a_puller_whose_client_is_already_gone_ends_at_once() -> None:
+    class Gone:
+        pass
+
+    ref = weakref.ref(Gone())  # collected at once: the client was dropped before its puller ran
+    assert ref() is None
+    shared_index._pull_until_stopped(ref, threading.Event())
+
+
+class _Handle:
+    """A stand-in actor handle: ``stats.remote()`` returns a ref that the patched ray.get reads."""
+
+    def __init__(self) -> None:
+        self.stats = self
+        self.calls = 0
+
+    def remote(self) -> "_Handle":
+        self.calls += 1
+        return self
+
+
+def _scripted_get_actor(script: list[Any]) -> Callable[..., Any]:
+    """ray.get_actor that raises ValueError (no such actor) for None entries, else returns them."""
+    def get_actor(name: str, namespace: Any = None) -> Any:
+        got = script.pop(0)
+        if got is None:
+            raise ValueError(f"Failed to look up actor {name!r}")
+        return got
+    return get_actor
+
+
+class _NameTaken:
+    """remote_cls whose creation fails as Ray's does while a dead actor's name is not released."""
+
+    def options(self, **kwargs: Any) -> "_NameTaken":
+        return self
+
+    def remote(self, retain_steps: int) -> Any:
+        raise ValueError("The name 'c.0' is already taken")
+
+
+def test_a_dead_coordinators_name_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead actor found by name, then a name not yet released: retried until a live one answers;
+    a name never released is a RuntimeError naming the shard."""
+    ray = pytest.importorskip("ray")
+    from rollout_spec.distributed import coordinator
+
+    dead, live = _Handle(), _Handle()
+    monkeypatch.setattr(coordinator, "_all_alive", lambda handles: handles[0] is live)
+    monkeypatch.setattr(ray, "get_actor", _scripted_get_actor([dead, None, live]))
+    assert coordinator._live_or_new(_NameTaken(), "c.0", {"namespace": None}, 4, timeout_s=5.0) is live
+    monkeypatch.setattr(ray, "get_actor", _scripted_get_actor([None]))
+    with pytest.raises(RuntimeError, match=r"coordinator 'c.0' died and its name was not released within 0.0 s"):
+        coordinator._live_or_new(_NameTaken(), "c.0", {"namespace": None}, 4, timeout_s=0.0)
+
+
+def test_handles_are_looked_up_until_the_driver_has_created_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = pytest.importorskip("ray")
+    from rollout_spec.distributed.coordinator import coordinator_handles
+
+    handle = _Handle()
+    monkeypatch.setattr(ray, "get_actor", _scripted_get_actor([None, handle]))
+    assert coordinator_handles("late", 1, timeout_s=5.0) == [handle]
+
+
+def test_detached_coordinators_are_created_with_a_detached_lifetime(monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = pytest.importorskip("ray")
+    from rollout_spec.distributed import coordinator
+
+    made: list[dict] = []
+
+    def live_or_new(remote_cls: Any, shard: str, options: dict, retain_steps: int) -> _Handle:
+        made.append(dict(options, shard=shard))
+        return _Handle()
+
+    monkeypatch.setattr(coordinator, "_live_or_new", live_or_new)
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    monkeypatch.setattr(coordinator, "_KEEP_ALIVE", {})
+    handles = coordinator.create_coordinators("kept", num_shards=2, namespace="ns", detached=True)
+    assert [h.calls for h in handles] == [1, 1]
+    assert made == [{"namespace": "ns", "lifetime": "detached", "shard": coordinator._shard_name("kept", s)}
+                    for s in range(2)]

@@ -158,3 +158,34 @@ def test_coordinator_keeps_only_recent_steps() -> None:
         coord.publish(0, 5, [1], [4, 4], np.zeros(8, np.int32))
     with pytest.raises(ValueError, match="payload"):
         coord.publish(0, 5, [1], [4], np.zeros(5, np.int32))
+
+
+def test_assign_and_acquire_refuse_what_they_cannot_place() -> None:
+    router = GroupRouter(3)
+    with pytest.raises(ValueError, match=r"weights must hold one int per group \(2\), got 3"):
+        router.assign([1, 2], weights=[1, 1, 1])
+    with pytest.raises(ValueError, match=r"base_load must hold one int per replica \(3\), got 2"):
+        router.assign([1, 2], base_load=[0, 0])
+    for replica in range(3):
+        router.set_available(replica, False)
+    with pytest.raises(RuntimeError, match="no replica is available"):
+        router.assign([1])
+    with pytest.raises(RuntimeError, match="no replica is available"):
+        router.acquire(1)
+    assert router.inflight().tolist() == [0, 0, 0]
+
+
+def test_a_group_with_no_preference_under_capacity_goes_to_the_least_loaded() -> None:
+    """Base loads above every replica's room: the heavy group is not kept on its first choice."""
+    router = GroupRouter(3, load_factor=1.0, slack=0)
+    prefs = router.preferences([7], 3)[0]
+    base = np.zeros(3, np.int64)
+    base[prefs] = [6, 5, 4]  # cap = max(ceil(19 / 3), 4) = 7: none has room for 4 more
+    assert router.assign([7], weights=[4], base_load=base).tolist() == [prefs[2]]
+
+
+def test_acquire_remembers_only_the_most_recent_groups() -> None:
+    router = GroupRouter(2, max_sticky_groups=2)
+    for group in ("a", "b", "c"):
+        router.acquire(group)
+    assert router.clear_sticky() == 2 and router.inflight().sum() == 3

@@ -1230,3 +1230,14 @@ def test_drafter_is_fed_every_token_once_deferred_while_not_drafting(pair, draft
         assert drafter.extend_calls == 1 + (steps - 1) // DrafterFeed.flush_every
     elif drafts == 2:
         assert drafter.extend_calls >= max(o.num_verify_steps for o in outs) - 1  # about one per step
+
+
+def test_a_drafter_with_no_draft_room_decodes_plainly(pair):
+    """max_draft_tokens=0 leaves the drafter nothing to offer: no shadow rounds, no drafts, and the
+    samples of plain decoding."""
+    _, model = pair
+    prompts, params = mixed_prompts(2), SamplingParams(n=2, temperature=0.0, max_new_tokens=4)
+    eng = engine(model, SpecConfig(), max_draft_tokens=0)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine(model).generate(prompts, params)]
+    assert sum(o.num_draft_tokens for o in outs) == 0 and eng.shadow_rounds == 0

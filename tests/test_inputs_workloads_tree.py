@@ -182,6 +182,7 @@ def test_from_lists_rejects_bad_nodes(trees, error, message):
     ([[True], [0.4, 0.3]], TypeError),  # one bool among numbers was read as 1.0
     ([[0.5], [np.False_, 0.3]], TypeError),
     ([[None], [0.4, 0.3]], TypeError),
+    ([[[0.5, 0.6]], [0.4, 0.3]], TypeError),  # a nested list where a number belongs
     (5, ValueError),
 ])
 def test_from_lists_checks_probs_per_tree_and_range(probs, error):

@@ -9,6 +9,7 @@ import pytest
 import rollout_spec
 import rollout_spec.distributed
 import rollout_spec.engine
+import rollout_spec.integrations.sglang
 
 
 def test_importing_the_packages_loads_no_heavy_module_until_a_lazy_name_is_used() -> None:
@@ -25,7 +26,8 @@ assert "rollout_spec.drafter" in sys.modules and "torch" not in sys.modules
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("package", [rollout_spec, rollout_spec.distributed, rollout_spec.engine],
+@pytest.mark.parametrize("package", [rollout_spec, rollout_spec.distributed, rollout_spec.engine,
+                                     rollout_spec.integrations.sglang],
                          ids=lambda p: p.__name__)
 def test_every_exported_name_resolves_and_an_unknown_one_is_an_attribute_error(package) -> None:
     assert all(getattr(package, name) is not None for name in package.__all__)

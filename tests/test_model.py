@@ -566,3 +566,31 @@ def test_an_unknown_model_says_what_it_lacks(tmp_path) -> None:
         with pytest.raises(ValueError, match="model must be one of") as err:
             weights.resolve_model_dir(arg)
         assert str(err.value).endswith(f"got {arg!r}: {why}")
+
+
+def test_a_packaged_model_whose_file_is_missing_names_the_package_and_path(monkeypatch) -> None:
+    from rollout_spec.engine import weights
+
+    monkeypatch.setitem(weights.KNOWN_MODELS, "gone", ("json", "gone.gguf"))  # json: a package
+    with pytest.raises(FileNotFoundError, match=r"package 'json' is installed but .*json/gone\.gguf is missing"):
+        weights.packaged_gguf("gone")
+
+
+def test_a_folder_without_weights_is_refused(tmp_path) -> None:
+    from rollout_spec.engine.weights import checkpoint_files
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files in .*"):
+        checkpoint_files(tmp_path)
+
+
+def test_a_gguf_transformers_cannot_load_is_a_value_error_naming_it(tmp_path, monkeypatch) -> None:
+    """transformers reports tensors of the wrong size with a RuntimeError that does not name the file."""
+    from rollout_spec.engine import weights
+
+    def size_mismatch(*args, **kwargs):
+        raise RuntimeError("Error(s) in loading state_dict: size mismatch for model.embed_tokens.weight")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", size_mismatch)
+    with pytest.raises(ValueError, match=r"odd\.gguf: transformers could not load its tensors \(.*size mismatch"):
+        weights.load_gguf_model(tmp_path / "odd.gguf", config=None)

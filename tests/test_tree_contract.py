@@ -42,3 +42,20 @@ def test_mismatched_lengths_are_rejected():
     )
     with pytest.raises(ValueError, match="tokens"):
         b.validate()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("offsets", np.array([0, 1], np.int64), "DraftBatch.offsets must be a 1-D int32"),
+    ("parents", np.array([[-1]], np.int32), "DraftBatch.parents must be a 1-D int32"),
+    ("tokens", [5], "DraftBatch.tokens must be a 1-D int32"),
+    ("tokens", np.array([-5], np.int32), "DraftBatch.tokens must be non-negative"),
+])
+def test_a_batch_built_directly_is_checked_field_by_field(field, value, message):
+    """The constructor takes arrays as given (from_lists converts); validate names the field
+    that breaks the contract and does not remember the batch as valid."""
+    arrays = dict(offsets=np.array([0, 1], np.int32), tokens=np.array([5], np.int32),
+                  parents=np.array([-1], np.int32), probs=np.ones(1, np.float32))
+    bad = DraftBatch(**{**arrays, field: value})
+    for _ in range(2):
+        with pytest.raises(ValueError, match=message):
+            bad.validate()

@@ -368,3 +368,27 @@ def test_scaling_is_the_ieee_quotient_on_every_device(temp):
     x = 5 * torch.randn(4000, generator=torch.Generator().manual_seed(0))
     exact = (x.double() / torch.tensor(temp, dtype=torch.float32).double()).float()
     assert torch.equal(scale(x.to(DEVICE), temp).cpu(), exact)
+
+
+def test_an_unknown_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
+        verify(torch.zeros(5, 5), BATCH, SamplingParams(), backend="cuda")
+
+
+def test_a_tree_of_another_batch_is_refused():
+    """A TreeInputs built for another batch (fewer requests here) cannot describe these logits."""
+    other = DraftBatch.from_lists([[(1, -1)]])
+    tree = build_tree_inputs(other, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"tree must be built from this batch: \[B, W>=3\] = \[2, >=3\], got \(1, 2\)"):
+        verify(torch.zeros(5, 5), BATCH, SamplingParams(), tree=tree)
+
+
+def test_result_tensors_are_its_only_extra_attributes():
+    """Only the CSR fields are served as tensors; any other name is an AttributeError (so
+    hasattr and copy see a plain object), and the repr shows the host arrays and device."""
+    result = verify(torch.zeros(5, 5), BATCH, SamplingParams(temperature=0.0))
+    assert result.bonus.tolist() == [0, 0]
+    assert not hasattr(result, "bonuses")
+    with pytest.raises(AttributeError, match="VerifyResult has no attribute 'bonuses'"):
+        result.bonuses
+    assert repr(result).startswith("VerifyResult(HostVerifyResult(") and repr(result).endswith("device=cpu)")

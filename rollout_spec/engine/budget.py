@@ -312,13 +312,11 @@ class DraftBudget:
         return np.maximum(gpu + self.host.residuals(batch, nodes), 0.5 * gpu)
 
     def step_time(self, batch: int, k: int) -> float:
-        """Predicted wall seconds of a step offering ``k`` nodes to each of ``batch`` requests."""
-        if k in self.candidates:
-            return float(self.step_times(batch)[self.candidates.index(k)])
-        gpu = self.cost.step_time(batch, k + 1)
-        if self.host is None:
-            return gpu
-        return max(gpu + self.host.residual(k > 0, batch, self.fill * batch * k), 0.5 * gpu)
+        """Predicted wall seconds of a step offering ``k`` nodes, one of ``candidates``, to each of
+        ``batch`` requests (the budget prices only the sizes it may pick)."""
+        if k not in self.candidates:
+            raise ValueError(f"k must be one of the candidates {list(self.candidates)}, got {k!r}")
+        return float(self.step_times(batch)[self.candidates.index(k)])
 
     def throughput(self, batch: int, k: int) -> float:
         """Predicted tokens per second at ``batch`` requests offering ``k`` nodes each."""

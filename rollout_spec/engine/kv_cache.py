@@ -60,8 +60,6 @@ class KVCache:
         entry's source (a path with skips: columns 2, 3 move 2 -> 1 and 3 -> 2); destinations
         must be distinct.
         """
-        if slots.numel() == 0:
-            return
         self.kv[:, :, slots, :, dst] = self.kv[:, :, slots, :, src]
 
     def copy_prefix(self, src_slot: int, dst_slots: Tensor, length: int) -> None:

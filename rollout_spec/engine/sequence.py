@@ -35,16 +35,6 @@ class Sequence:
     fed: int = 0  # output tokens handed to the drafter so far (``drafter_queue.DrafterFeed``)
 
     @property
-    def ctx_len(self) -> int:
-        """Tokens whose KV is cached: everything committed except the root."""
-        return len(self.prompt) + len(self.output) - 1
-
-    @property
-    def root(self) -> int:
-        """The last committed token, column 0 of the next draft tree."""
-        return self.output[-1]
-
-    @property
     def finished(self) -> bool:
         """True once a finish reason is set."""
         return self.finish_reason is not None

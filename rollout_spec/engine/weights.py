@@ -109,8 +109,6 @@ def load_gguf_model(gguf_path: Path, config: Any) -> Any:
             str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype=torch.float32,
             output_loading_info=True,
         )
-    except torch.OutOfMemoryError:
-        raise
     except RuntimeError as exc:  # e.g. transformers' size-mismatch report, logged just before
         raise ValueError(f"{gguf_path}: transformers could not load its tensors ({exc})") from exc
     missing = sorted(info.get("missing_keys", ()))
