@@ -157,7 +157,8 @@ class RolloutSession:
         """Token ids for every prompt (strings go through the engine's tokenizer); None for an
         entry that is neither a string nor a sequence of token ids (``_check_prompt`` says why)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
-            raise TypeError("prompts must be a list of token-id lists or a list of strings")
+            raise TypeError(f"prompts must be a list of token-id lists or a list of strings, "
+                            f"got {type(prompts).__name__}")
         if any(isinstance(p, str) for p in prompts) and self.engine.tokenizer is None:
             raise ValueError("string prompts need a tokenizer; this engine has none")
         return [self.engine.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str)

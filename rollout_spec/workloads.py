@@ -153,7 +153,8 @@ class Workload:
         if isinstance(responses, str):
             raise TypeError("responses must be a sequence of str, got one str")
         if len(prompts) != len(responses):
-            raise ValueError(f"responses must match prompts in length, got {len(responses)} != {len(prompts)}")
+            raise ValueError(f"responses must hold one response per prompt ({len(prompts)}), "
+                             f"got {len(responses)}")
         with ThreadPoolExecutor(max_workers=4 if self.task == HUMANEVAL else 1) as pool:
             return list(pool.map(self.score, prompts, responses))
 
@@ -230,7 +231,8 @@ def _humaneval_problems() -> list[dict]:
 def _humaneval_entries(count: int) -> list[dict]:
     problems = _humaneval_problems()
     if count > len(problems):
-        raise ValueError(f"prompts x steps must be <= {len(problems)} for humaneval, got {count}")
+        raise ValueError(f"num_prompts (times max_steps with fresh_each_step) must be in "
+                         f"[1, {len(problems)}] for humaneval's {len(problems)} problems, got {count}")
     return problems[:count]
 
 

@@ -35,6 +35,14 @@ def test_a_request_the_drafter_misses_caps_the_gain_when_it_has_the_most_left():
     assert np.all(gains[1:] > 1.0 + 0.9 * MEAN[1:])  # the others keep what the batch does
 
 
+def test_a_call_with_no_room_left_gains_nothing_at_any_size():
+    """Every request at its length limit: no size can save a step, so each gain is plain
+    decoding's 1.0 (not a division by a zero step count)."""
+    ce = CallEnd()
+    ce.observe(IDS, np.full(len(IDS), 0.8), np.full(len(IDS), 0.8))
+    np.testing.assert_array_equal(ce.gains(IDS, np.zeros(len(IDS)), MEAN), np.ones(len(MEAN)))
+
+
 def test_ratios_are_pulled_towards_one_and_history_decays():
     """A single lucky step is mostly prior; many good steps win; old steps fade."""
     ce = CallEnd(decay=0.1, prior_steps=5.0)
@@ -72,7 +80,8 @@ def test_retain_forgets_finished_requests():
     (lambda ce: ce.observe(IDS, np.ones(3), np.ones(len(IDS))), "one length"),
     (lambda ce: ce.observe(IDS, -np.ones(len(IDS)), np.ones(len(IDS))), ">= 0"),
     (lambda ce: ce.observe([3, 4, 3], np.ones(3), np.ones(3)), "repeat"),
-    (lambda ce: ce.gains(IDS, np.ones(3), MEAN), "room"),
+    (lambda ce: ce.gains(IDS, np.ones(3), MEAN), r"room must hold one entry per request, got shape \(3,\) for 32"),
+    (lambda ce: ce.gains(IDS[:0], np.ones(0), MEAN), r"room must hold one entry per request, got shape \(0,\) for 0"),
     (lambda ce: CallEnd(decay=0.0), "decay"),
     (lambda ce: CallEnd(prior_steps=-1.0), "prior_steps"),
 ])

@@ -50,6 +50,12 @@ def test_argument_errors(capsys, argv, needle):
     assert needle in argument_error(cli.main, argv, capsys)
 
 
+@pytest.mark.parametrize("text, top_k", [("-1", -1), ("1", 1), ("50", 50)])
+def test_top_k_takes_minus_one_or_a_positive_count(text, top_k):
+    """The values --top-k's refusals leave allowed are parsed as the int SamplingParams takes."""
+    assert cli.build_parser().parse_args(["bench", "--top-k", text]).top_k == top_k
+
+
 @pytest.mark.parametrize("argv", [["bench", "--plot", "d.jpg"], ["replay", "/no/such/trace.json"]])
 def test_checks_after_parsing_report_as_the_subcommand(capsys, argv):
     """Their usage line and prefix are the subcommand's, as argparse's own errors are."""

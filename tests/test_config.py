@@ -1,5 +1,6 @@
 """SpecConfig and SamplingParams reject bad input with errors that name the field."""
 import json
+import re
 from dataclasses import asdict
 
 import numpy as np
@@ -42,6 +43,15 @@ def test_spec_config_shared_index_errors(value, error, message):
     with pytest.raises(error, match=message):
         SpecConfig(shared_index=value)
     assert SpecConfig(shared_index="x" * 128).shared_index == "x" * 128
+
+
+@pytest.mark.parametrize("field", ["tree", "adaptive_budget"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_spec_config_bool_fields_refuse_other_types(field, value):
+    """``tree`` and ``adaptive_budget`` take only True/False: a truthy 1 or "yes" is refused by
+    name rather than read as True."""
+    with pytest.raises(TypeError, match=rf"^{field} must be a bool, got {re.escape(repr(value))}$"):
+        SpecConfig(**{field: value})
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ def _prompt(i: int) -> list[int]:
 
 def test_verl_balancer_keeps_siblings_and_later_steps_together() -> None:
     lb = GroupStickyLoadBalancer(_servers(4))
-    assert lb.require_acquire_fields() == ["prompt_ids"]
+    assert lb.require_acquire_fields() == ["prompt_ids"] and lb.require_release_fields() == []
     placed = {}
     for step in range(2):
         for p in range(8):
@@ -63,6 +63,29 @@ def test_verl_balancer_bounds_load_and_keeps_multi_turn_requests() -> None:
                        (0, ValueError), (-1, ValueError)):
         with pytest.raises(error, match="router config max_cache_size"):
             GroupStickyLoadBalancer(_servers(2), {"max_cache_size": bad})
+
+
+def test_verl_balancer_remembers_only_the_most_recent_requests() -> None:
+    """``max_cache_size`` bounds the request -> server map: the oldest request is forgotten (a
+    later turn of it is a new request and needs its prompt), the newest are still sticky."""
+    lb = GroupStickyLoadBalancer(_servers(2), {"max_cache_size": 2})
+    first = {rid: lb.acquire_server(rid, prompt_ids=_prompt(p))[0] for p, rid in enumerate("abc")}
+    with pytest.raises(ValueError, match="prompt_ids is required to route a new request by its group"):
+        lb.acquire_server("a")
+    assert lb.acquire_server("b")[0] == first["b"] and lb.acquire_server("c")[0] == first["c"]
+
+
+def test_verl_balancer_started_empty_takes_a_first_batch_of_several_servers() -> None:
+    """verl may build the balancer before its servers and add them all at once: the placeholder
+    slot becomes the first and the rest are added, so groups go where a balancer built with the
+    same servers sends them."""
+    empty = GroupStickyLoadBalancer({})
+    empty.add_servers(_servers(3))
+    built = GroupStickyLoadBalancer(_servers(3))
+    assert empty.get_all_servers() == built.get_all_servers()
+    placed = [empty.acquire_server(f"r{p}", prompt_ids=_prompt(p)) for p in range(12)]
+    assert placed == [built.acquire_server(f"r{p}", prompt_ids=_prompt(p)) for p in range(12)]
+    assert len(set(placed)) > 1  # not all on the placeholder's server
 
 
 def test_verl_balancer_routes_a_resumed_tail_by_its_first_prompts_group() -> None:

@@ -224,6 +224,33 @@ def test_sharing_drafter_records_grouped_responses_and_numbers_steps_like_the_jo
     assert shared.is_live(1) is False  # everything else reaches the wrapped drafter
 
 
+def test_a_sharing_drafter_without_its_fields_raises_attribute_error_not_recursion() -> None:
+    """``__getattr__`` forwards to ``drafter``: on an instance whose fields are not set yet (as
+    copy and pickle make it before restoring its state) asking for them must raise
+    AttributeError, or the forward would recurse until RecursionError."""
+    import copy
+
+    from rollout_spec.drafter import NgramDrafter
+
+    bare = SharingDrafter.__new__(SharingDrafter)
+    for name in ("drafter", "index", "is_live"):
+        with pytest.raises(AttributeError, match="^(drafter|index)$"):
+            getattr(bare, name)
+    shared = SharingDrafter(NgramDrafter(SpecConfig()), _FakeIndex())
+    clone = copy.copy(shared)
+    assert clone.drafter is shared.drafter and clone.index is shared.index
+    assert clone.is_live(1) is False
+
+
+def test_no_coordinators_are_made_without_a_shared_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The framework hooks call ``ensure_coordinators`` whatever the config: without
+    ``shared_index`` it returns [] and never joins Ray."""
+    from rollout_spec.distributed import sharing
+
+    monkeypatch.setattr(sharing, "_join_ray", lambda: pytest.fail("joined Ray"))
+    assert ensure_coordinators(SpecConfig(), num_replicas=2) == []
+
+
 @pytest.mark.parametrize("latest_at_end", [3, 2], ids=["a-peer-ended-first", "it-ends-first"])
 def test_a_replica_restarted_mid_step_labels_it_as_the_step_it_is_in(latest_at_end: int) -> None:
     """Joined when step 2 was the newest published, it generates for step 3: labelled 3 whether
@@ -317,6 +344,24 @@ def test_sglang_corpus_refuses_a_shared_index_under_tensor_parallelism(monkeypat
     with pytest.raises(ValueError, match="tensor parallelism"):
         corpus.RolloutSpecCorpus(spec=SpecConfig(shared_index="x"))
     assert corpus.RolloutSpecCorpus(spec=SpecConfig()).spec.shared_index is None  # no index: TP is fine
+
+
+def test_sglang_corpus_shares_its_drafter_once_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tp_size 1 the corpus wraps its drafter through ``share_drafter`` (placement from the
+    environment: None); a drafter that already shares is kept as it is, not wrapped twice."""
+    from rollout_spec.distributed import sharing
+    from rollout_spec.drafter import NgramDrafter
+    from rollout_spec.integrations.sglang import corpus
+
+    spec = SpecConfig(shared_index="x")
+    wrapped = SharingDrafter(NgramDrafter(spec), _FakeIndex())
+    calls = []
+    monkeypatch.setattr(corpus, "_tensor_parallel_size", lambda: 1)
+    monkeypatch.setattr(sharing, "share_drafter", lambda *args: calls.append(args) or wrapped)
+    plain = NgramDrafter(spec)
+    assert corpus.RolloutSpecCorpus(spec=spec, drafter=plain, forward_hook=False).drafter is wrapped
+    assert corpus.RolloutSpecCorpus(spec=spec, drafter=wrapped, forward_hook=False).drafter is wrapped
+    assert calls == [(plain, spec, None)]
 
 
 class _PlainDrafter:

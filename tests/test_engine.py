@@ -1053,6 +1053,23 @@ def test_vectorised_commit_cuts_like_one_request_at_a_time() -> None:
             assert (len(kept), s.finish_reason) == (keep[i], reason_name(reason[i])), trial
 
 
+def test_stop_mask_uses_each_requests_own_stop_tokens() -> None:
+    """Requests of calls with different stop_token_ids share a batch: each emitted token is a stop
+    only for the request that emitted it (the shared-set shortcut applies to one call's only)."""
+    from rollout_spec.engine.commit import stop_mask
+    from rollout_spec.engine.sequence import Sequence
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    seqs = [Sequence(r, r, 0, [10], params, None, stops, 0)
+            for r, stops in enumerate([frozenset({3}), frozenset({7}), frozenset()])]
+    req_of_token = np.array([0, 0, 1, 1, 2, 2])
+    tokens = np.array([3, 7, 3, 7, 3, 7], np.int64)
+    assert stop_mask(seqs, req_of_token, tokens).tolist() == [True, False, False, True, False, False]
+    shared = [Sequence(r, r, 0, [10], params, None, seqs[0].stop_ids, 0) for r in range(3)]
+    assert stop_mask(shared, req_of_token, tokens).tolist() == [True, False] * 3
+    assert stop_mask([], np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
+
+
 def test_drafter_queue_keeps_order_bounds_itself_and_reports_errors() -> None:
     import threading
 

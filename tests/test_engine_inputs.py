@@ -224,3 +224,23 @@ def test_a_session_called_directly_checks_its_arguments_before_queueing(model, p
     with pytest.raises(error, match=match):
         rollout.RolloutSession(eng, GREEDY).run(PROMPTS, **kwargs)
     assert tokens(eng) == plain
+
+
+@pytest.mark.parametrize("params", [None, {"temperature": 0.0}, SpecConfig()])
+def test_a_session_refuses_params_that_are_not_sampling_params(model, params) -> None:
+    """``RolloutSession(engine, params)``: anything but a SamplingParams is named by type."""
+    with pytest.raises(TypeError, match=f"params must be a SamplingParams, got {type(params).__name__}"):
+        rollout.RolloutSession(engine(model, SPEC), params)
+
+
+@pytest.mark.parametrize("prompts, shown", [("1 2 3", "str"), (b"\x01\x02", "bytes"), (42, "int"),
+                                            ({0: [1, 2]}, "dict")])
+def test_a_session_refuses_prompts_that_are_not_a_list_before_queueing(model, prompts, shown) -> None:
+    """A bare string is one prompt given where a list is wanted; it and a non-sequence are refused
+    by type before a request id is taken or anything queued."""
+    eng = engine(model, SPEC)
+    next_id = eng.new_request_id()
+    with pytest.raises(TypeError, match=rf"prompts must be a list of token-id lists or a list of strings, "
+                                        rf"got {shown}$"):
+        rollout.RolloutSession(eng, GREEDY).run(prompts)
+    assert eng.new_request_id() == next_id + 1  # no request was created

@@ -43,6 +43,9 @@ SPEC = [Out([1, 2, 3]), Out([4, 5])]
      r"depth_accepted must have one count per depth of depth_drafted \(2\), got 3"),
     ({"depth_drafted": (1,), "depth_accepted": (5,)}, ValueError, r"depth_accepted\[0\] must be in \[0, 1\]"),
     ({"depth_drafted": (1,)}, ValueError, "both be given"),
+    ({"depth_drafted": 3, "depth_accepted": (1,)}, TypeError, "depth_drafted must be a sequence of counts, got int"),
+    ({"depth_drafted": (3,), "depth_accepted": "1"}, TypeError,
+     "depth_accepted must be a sequence of counts, got str"),
 ])
 def test_spec_stats_refuses_bad_fields(change, error, match):
     with pytest.raises(error, match=match):
@@ -155,6 +158,17 @@ def test_sampling_table_checks_sizes():
         with pytest.raises(TypeError, match="vocab_size must be an integer"):
             method(4.0)
     assert table.truncates(10) and table.cut_candidates(10) == 10
+
+
+@pytest.mark.parametrize("sampling, error, match", [
+    ([SamplingParams()] * 3, ValueError, r"sampling must be one SamplingParams or B=2 of them, got 3"),
+    ("greedy", TypeError, "sampling must be SamplingParams or a sequence of them, got str"),
+    ({"temperature": 0.0}, TypeError, "sampling must be SamplingParams or a sequence of them, got dict"),
+])
+def test_sampling_table_refuses_what_is_not_one_or_b_params(sampling, error, match):
+    """One SamplingParams for the batch or one per request: another count or type is named."""
+    with pytest.raises(error, match=match):
+        SamplingTable.from_params(sampling, 2)
 
 
 @pytest.mark.parametrize("rows, match", [

@@ -278,6 +278,15 @@ def test_responses_must_be_text():
         wl.score_many(wl.batch(0), "ab")
 
 
+@pytest.mark.parametrize("count", [1, 3])
+def test_responses_must_pair_one_to_one_with_prompts(count):
+    """``score_many`` zips prompts with responses: a missing or extra response is refused with
+    the count it needs, not scored as a shorter batch."""
+    wl = Workload("basic_arithmetic", ListTokenizer(), 2)
+    with pytest.raises(ValueError, match=rf"responses must hold one response per prompt \(2\), got {count}$"):
+        wl.score_many(wl.batch(0), ["#### 1"] * count)
+
+
 def test_chat_prompt_ids_are_not_coerced():
     with pytest.raises(TypeError, match="prompt_ids"):
         chat_prompt_ids(ListTokenizer([1.5, 2.7]), "hi")

@@ -70,8 +70,27 @@ def test_layout_truncates_to_draft_slots_keeping_parents():
     ids, mask = to_ids_mask(batch, [7], 3)
     assert ids.tolist() == [7, 1, 2]
     assert leaf_paths(ids.tolist(), mask.reshape(3, 3).tolist()) == [[7, 1, 2]]
-    with pytest.raises(ValueError, match="roots"):
+    with pytest.raises(ValueError, match="roots has 0 tokens for a DraftBatch of 1 requests"):
         to_ids_mask(batch, [], 3)
+    with pytest.raises(ValueError, match=r"draft_token_num must be in \[1, inf\], got 0"):
+        to_ids_mask(batch, [7], 0)
+
+
+@pytest.mark.parametrize("mask, shape", [([[1, 0], [1, 1]], r"\(2, 2\)"), ([[1, 0, 0]] * 3 + [[1, 0, 0]], r"\(4, 3\)"),
+                                         ([1, 1, 1], r"\(3,\)")])
+def test_leaf_paths_refuse_a_mask_that_is_not_one_row_and_column_per_token(mask, shape):
+    """A mask of another size than the tokens' would pair slots with the wrong tokens."""
+    with pytest.raises(ValueError, match=rf"mask must be 3x3 for 3 tokens, got shape {shape}"):
+        leaf_paths([7, 1, 2], mask)
+    with pytest.raises(ValueError, match="mask must be 3x3"):
+        corpus().leaf_paths_from_mask([7, 1, 2], mask)
+
+
+def test_the_corpus_gives_leaf_paths_as_sglangs_ngram_corpus_does():
+    """``leaf_paths_from_mask`` mirrors SGLang's NgramCorpus debugging helper: root-to-leaf token
+    paths of one request's flat tree."""
+    mask = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    assert corpus().leaf_paths_from_mask([7, 1, 2, 5], mask) == [[7, 1, 2], [7, 5]]
 
 
 # ---------------------------------------------------------------- SGLang's corpus cases
@@ -370,6 +389,13 @@ def test_group_travels_in_request_id():
                   "a|rsg=0000000A"):
         assert group_from_rid(other) is None
         assert group_from_rid(rid_with_group(other, [1, 2, 3])) == group_from_rid(rid)
+
+
+@pytest.mark.parametrize("request_id", [7, b"abc", None])
+def test_a_request_id_that_is_not_text_is_refused_by_type(request_id):
+    """SGLang's rids are str: another type would make a group suffix of its repr."""
+    with pytest.raises(TypeError, match=f"request_id must be a str, got {type(request_id).__name__}"):
+        rid_with_group(request_id, [1, 2, 3])
 
 
 def test_a_known_group_id_travels_in_request_id():

@@ -237,6 +237,23 @@ def test_a_replica_count_of_0_is_refused_naming_the_count_not_an_empty_rank_rang
     assert "[0, -1]" not in str(err.value)
 
 
+def test_a_read_only_custom_config_is_refused_before_coordinators_are_made(sglang_server, monkeypatch):
+    """With shared_index the replica records the replica count in ``custom`` for its servers: a
+    read-only mapping (which the option parser reads fine) is refused by type, naming the field
+    and what it must be, before any coordinator is created."""
+    from rollout_spec.distributed import sharing
+    from rollout_spec.integrations.verl.replicas import NUM_REPLICAS_KEY
+
+    monkeypatch.setattr(sharing, "ensure_coordinators", lambda spec, n: pytest.fail("created"))
+    _stub_router(monkeypatch)
+    custom = types.MappingProxyType({"speculative": "rollout_spec", "rollout_spec": {"shared_index": "ro"}})
+    replica = sglang_server.RolloutSpecSGLangReplica(0, config(custom))
+    with pytest.raises(TypeError, match=r"actor_rollout_ref\.rollout\.custom must be a mutable dict with "
+                                        r"shared_index .*, got mappingproxy"):
+        asyncio.run(replica.init_hybrid(SimpleNamespace(world_size=1)))
+    assert NUM_REPLICAS_KEY not in custom
+
+
 def _stub_router(monkeypatch):
     router = types.ModuleType("verl.workers.rollout.router")
     router.get_router_handle = lambda servers, router_config_path=None, full_determinism=False, \

@@ -147,6 +147,31 @@ def test_config_errors_name_the_field():
         spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {1: 2, "a": 3}}))
 
 
+@pytest.mark.parametrize("extra", [["rollout_spec"], "rollout_spec", 3])
+def test_an_additional_config_that_is_no_dict_is_refused_by_type(extra):
+    """vLLM's ``additional_config`` carries our options as a dict: another type is named, not read
+    as "no options" (which would draft with the defaults)."""
+    with pytest.raises(TypeError, match=f"^vLLM additional_config must be a dict, got {type(extra).__name__}$"):
+        spec_from_vllm_config(SimpleNamespace(additional_config=extra))
+
+
+def test_the_replica_placement_travels_in_additional_config():
+    """``engine_kwargs(placement=...)`` is read back by the proposer; none given is None, and a
+    malformed one names the keys it needs."""
+    from rollout_spec.distributed import ReplicaPlacement
+    from rollout_spec.integrations.vllm.config import REPLICA_CONFIG_KEY, placement_from_vllm_config
+
+    kw = engine_kwargs(SpecConfig(shared_index="x"), placement=ReplicaPlacement(1, 3))
+    assert placement_from_vllm_config(SimpleNamespace(**kw)) == ReplicaPlacement(1, 3)
+    assert placement_from_vllm_config(SimpleNamespace(**engine_kwargs(SpecConfig()))) is None
+    assert placement_from_vllm_config(SimpleNamespace(additional_config=None)) is None
+    with pytest.raises(ValueError, match=r"replica placement must be \{'replica_id': int, 'num_replicas': int\}"):
+        placement_from_vllm_config(SimpleNamespace(additional_config={REPLICA_CONFIG_KEY: {"replica_id": 1}}))
+    with pytest.raises(ValueError, match=r"replica_id must be in \[0, 2\], got 3"):
+        placement_from_vllm_config(SimpleNamespace(additional_config={
+            REPLICA_CONFIG_KEY: {"replica_id": 3, "num_replicas": 3}}))
+
+
 def test_best_chain_follows_first_children_and_stops_at_the_cap():
     batch = DraftBatch.from_lists([
         [(5, -1), (6, -1), (7, 0), (8, 1), (9, 2)],  # 5 -> 7 -> 9 is the first-child path

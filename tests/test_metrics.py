@@ -182,6 +182,16 @@ def test_wandb_sink_logs_through_wandb_api(monkeypatch):
     assert calls[-1] == ("finish",)
 
 
+def test_wandb_sink_refuses_a_mode_that_is_not_a_run_before_importing_wandb(monkeypatch):
+    """``make_sink`` takes an already resolved mode: an unresolved one ("auto") or a typo is
+    refused by name with the two modes a run has, and wandb.init is never called."""
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: pytest.fail("init")))
+    for mode in ("auto", "Offline"):
+        with pytest.raises(ValueError, match=rf"wandb mode must be 'offline' or 'online' for WandbSink, "
+                                             rf"got '{mode}'"):
+            metrics.make_sink(mode, "rollout-spec", {})
+
+
 def test_dashboard_png_written(tmp_path):
     outs = _outputs()
     outs[0].extra = {"num_drafted_by_depth": [4, 3], "num_accepted_by_depth": [3, 1]}

@@ -151,6 +151,26 @@ def test_query_heads_that_are_no_multiple_of_the_kv_heads_are_refused(kv_heads: 
         ModelConfig.from_hf(cfg)
 
 
+def test_a_negative_kv_head_count_is_refused_naming_its_range() -> None:
+    """0 key/value heads means "as many as the query heads" in transformers; a negative count is
+    refused by name before the GQA ratio divides by it."""
+    from rollout_spec.engine.model import ModelConfig
+
+    cfg = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": -2})
+    with pytest.raises(ValueError, match=r"num_key_value_heads must be in \[1, inf\], got -2"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_a_sliding_window_config_is_refused_naming_the_field() -> None:
+    """Our attention is full attention: a Qwen2 config that turns its sliding window on would give
+    other logits, so it is refused, naming the field and the value it must have."""
+    from rollout_spec.engine.model import ModelConfig
+
+    cfg = transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16)
+    with pytest.raises(ValueError, match=r"use_sliding_window must be False .*full attention only\), got True"):
+        ModelConfig.from_hf(cfg)
+
+
 def test_mismatched_checkpoint_names_the_keys() -> None:
     _, ours = reference_and_ours("llama")
     state = {k: v for k, v in ours.state_dict().items() if "layers.1.mlp" not in k}

@@ -177,3 +177,36 @@ def test_the_benchs_probe_counts_only_verified_trees_by_depth(model, k: int) -> 
     assert sum(drafted) == sum(o.num_draft_tokens for o in outs)  # depth-1 trees: one node each
     assert sum(accepted) == sum(o.num_accepted_tokens for o in outs)
     assert len(drafted) == k and probe.take_seconds() > 0
+
+
+def test_a_round_is_harvested_only_once_its_proposal_and_outputs_are_ready() -> None:
+    """``harvest`` keeps a round pending while its proposal runs, then while a request has
+    neither emitted ``budget`` tokens since nor finished; it then walks the round once."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from rollout_spec.engine.commit import RunningBatch
+    from rollout_spec.engine.sequence import Sequence
+    from rollout_spec.engine.shadow_acceptance import ShadowAcceptance
+
+    future: Future = Future()
+    queue = SimpleNamespace(call=lambda fn, req_ids, budgets: future)
+    drafter = SimpleNamespace(propose=lambda *a: pytest.fail("called outside the queue"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    seqs = [Sequence(r, r, 0, [1, 2], params, None, frozenset(), 0) for r in range(2)]
+    for s in seqs:
+        s.output = [5]
+    shadow = ShadowAcceptance(budget=2, requests=2)
+    shadow.propose(queue, drafter, seqs, RunningBatch.of(seqs), max_model_len=64)
+    seen: list[np.ndarray] = []
+    shadow.harvest(seen.append)  # the proposal is still running
+    future.set_result([([7, 8], [-1, 0]), ([9], [-1])])
+    shadow.harvest(seen.append)  # no output has grown yet
+    seqs[0].output += [7, 8]
+    seqs[1].output += [3]
+    shadow.harvest(seen.append)  # request 1 emitted 1 of 2 tokens and runs on
+    assert seen == [] and shadow.rounds == 1
+    seqs[1].finish_reason = "stop"
+    shadow.harvest(seen.append)
+    shadow.harvest(seen.append)  # harvested once
+    assert len(seen) == 1 and seen[0].tolist() == [[0, 1, 2], [0, 0, 0]]

@@ -52,6 +52,19 @@ def test_bad_workload_arguments():
         Workload("chain_sum", CharTokenizer(), 0)
 
 
+@pytest.mark.parametrize("kwargs, count", [({"num_prompts": 4}, 4),
+                                           ({"num_prompts": 2, "fresh_each_step": True, "max_steps": 2}, 4)])
+def test_a_humaneval_pool_beyond_its_problems_is_refused(monkeypatch, kwargs, count):
+    """HumanEval has a fixed number of problems (3 here, monkeypatched): a pool larger than that is
+    refused naming the fields that size it and the allowed range, not silently cut short."""
+    problems = [{"task_id": f"HumanEval/{i}", "prompt": "def f():\n"} for i in range(3)]
+    monkeypatch.setattr(workloads, "_humaneval_problems", lambda: problems)
+    with pytest.raises(ValueError, match=rf"num_prompts \(times max_steps with fresh_each_step\) must be in "
+                                         rf"\[1, 3\] for humaneval's 3 problems, got {count}$"):
+        Workload(workloads.HUMANEVAL, CharTokenizer(), **kwargs)
+    assert len(Workload(workloads.HUMANEVAL, CharTokenizer(), num_prompts=3).prompts) == 3
+
+
 def test_humaneval_reward_runs_the_tests():
     wl = Workload(workloads.HUMANEVAL, CharTokenizer(), num_prompts=1)
     p = wl.batch(0)[0]

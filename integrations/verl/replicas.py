@@ -89,7 +89,8 @@ class ScaleOutReplicaMixin:
         ReplicaPlacement(self.replica_rank, num_replicas)
         custom = self.config.custom
         if not isinstance(custom, MutableMapping):
-            raise TypeError(f"actor_rollout_ref.rollout.custom must be a dict, got {type(custom).__name__}")
+            raise TypeError(f"actor_rollout_ref.rollout.custom must be a mutable dict with shared_index (the "
+                            f"replica count is recorded in it), got {type(custom).__name__}")
         custom[NUM_REPLICAS_KEY] = int(num_replicas)
         from rollout_spec.distributed.sharing import ensure_coordinators
 

@@ -58,7 +58,8 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {mt!r}")
         if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported (full attention only)")
+            raise ValueError("use_sliding_window must be False (rollout-spec's attention is full "
+                             "attention only), got True")
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):  # the MLP is SwiGLU; another one would give other logits
             raise ValueError(f"hidden_act must be 'silu' (a SwiGLU MLP), got {act!r}")
