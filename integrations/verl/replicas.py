@@ -169,12 +169,10 @@ def install_router_hook() -> bool:
 
             from rollout_spec.integrations.verl.routing import GroupStickyLoadBalancer
 
-            if servers:
-                logger.info("rollout-spec: group-sticky routing over %d servers", len(servers))
-                return ray.remote(GroupStickyLoadBalancer).remote(servers, {})
-            logger.info("rollout-spec: group-sticky routing, starting empty; slots kept for the %d servers "
-                        "of ours that verl adds later", len(slots))
-            return ray.remote(GroupStickyLoadBalancer).remote({}, {}, slots)
+            # slots lists servers themselves, or (an empty start) the servers of ours verl adds later
+            logger.info("rollout-spec: group-sticky routing over %d servers (%d to be added)", len(slots),
+                        len(slots) - len(servers))
+            return ray.remote(GroupStickyLoadBalancer).remote(servers, {}, slots)
         return original(servers, router_config_path=router_config_path, full_determinism=full_determinism,
                         load_balancer_cls=load_balancer_cls)
 

@@ -166,14 +166,8 @@ def ensure_coordinators(spec: SpecConfig, num_replicas: int, retain_steps: Optio
     from rollout_spec.distributed.coordinator import create_coordinators
 
     _join_ray()
-    retain = retain_steps if retain_steps is not None else _default_retain_steps(spec)
+    retain = retain_steps if retain_steps is not None else max(1, spec.history_steps)
     return create_coordinators(spec.shared_index, default_num_shards(num_replicas), retain, namespace=NAMESPACE)
-
-
-def _default_retain_steps(spec: SpecConfig) -> int:
-    """Steps the coordinators keep unless the driver says otherwise: the drafter's group history
-    (at least 1). Each replica's client reads the value from the coordinators themselves."""
-    return max(1, spec.history_steps)
 
 
 def _join_ray() -> None:

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_spec.engine.tensor_checks import check_same_device, is_integer_dtype
+
 
 @triton.jit
 def _compact_kernel(kv_ptr, walk_ptr, walk_stride, slot_ptr, ctx_ptr, stride_kl, stride_slot,
@@ -75,10 +77,7 @@ def _check_inputs(kv: torch.Tensor, walk: torch.Tensor, slots: torch.Tensor,
         raise ValueError(f"walk must be a row-major int32 [B, 1 + 3W] tensor, got {walk.dtype} "
                          f"{tuple(walk.shape)}")
     for name, rows in (("slots", slots), ("ctx_lens", ctx_lens)):
-        if (tuple(rows.shape) != (walk.shape[0],) or rows.dtype.is_floating_point
-                or rows.dtype.is_complex or rows.dtype == torch.bool):
+        if tuple(rows.shape) != (walk.shape[0],) or not is_integer_dtype(rows.dtype):
             raise ValueError(f"{name} must be an int [{walk.shape[0]}] tensor (one per walk row), "
                              f"got {rows.dtype} {tuple(rows.shape)}")
-    for name, t in (("walk", walk), ("slots", slots), ("ctx_lens", ctx_lens)):
-        if t.device != kv.device:
-            raise ValueError(f"{name} is on {t.device}, kv on {kv.device}: they must share a device")
+    check_same_device(("kv", kv), (("walk", walk), ("slots", slots), ("ctx_lens", ctx_lens)))

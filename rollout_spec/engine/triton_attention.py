@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from rollout_spec.engine.tensor_checks import check_same_device, is_integer_dtype
+
 try:  # triton is optional: the engine runs on CPU without it.
     import triton
     import triton.language as tl
@@ -215,13 +217,10 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype}, {v_cache.dtype}")
     for name, rows in (("slot_ids", slot_ids), ("ctx_lens", ctx_lens)):
-        if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+        if not is_integer_dtype(rows.dtype):
             raise ValueError(f"{name} must be an integer tensor, got {rows.dtype}")
-    named = (("k_cache", k_cache), ("v_cache", v_cache), ("slot_ids", slot_ids),
-             ("ctx_lens", ctx_lens), ("tree_mask", tree_mask))
-    for name, t in named:
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}: every input must share a device")
+    check_same_device(("q", q), (("k_cache", k_cache), ("v_cache", v_cache), ("slot_ids", slot_ids),
+                                 ("ctx_lens", ctx_lens), ("tree_mask", tree_mask)))
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
