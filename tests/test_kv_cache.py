@@ -26,11 +26,13 @@ def filled_cache(slots: int = 3, max_len: int = 8) -> KVCache:
 
 
 @pytest.mark.parametrize("field", ["num_layers", "num_slots", "num_kv_heads", "max_len", "head_dim"])
-@pytest.mark.parametrize("bad", [0, -1, 2.0])
-def test_bad_sizes_name_the_field(field: str, bad) -> None:
+@pytest.mark.parametrize("bad,error,got", [(0, ValueError, "got 0"), (-1, ValueError, "got -1"),
+                                           (2.0, TypeError, "got float 2.0"),
+                                           (True, TypeError, "got bool True")])
+def test_bad_sizes_name_the_field(field: str, bad, error: type, got: str) -> None:
     sizes = dict(num_layers=1, num_slots=2, num_kv_heads=1, max_len=8, head_dim=4)
     sizes[field] = bad
-    with pytest.raises(ValueError, match=f"{field} must be a positive int"):
+    with pytest.raises(error, match=rf"KVCache {field} must be .*in \[1, inf\], {got}"):
         KVCache(**sizes, dtype=torch.float32, device=DEVICE)
 
 
@@ -43,15 +45,17 @@ def test_copy_prefix_copies_exactly_length_positions() -> None:
     torch.testing.assert_close(cache.kv[:, :, :2], before[:, :, :2], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("src,length,match", [
-    (0, 9, r"length must be in \[0, max_len=8\], got 9"),  # a slice would copy 8 quietly
-    (0, -1, r"length must be in \[0, max_len=8\], got -1"),  # a slice would copy 7 quietly
-    (3, 4, r"src_slot must be in \[0, 3\), got 3"),
+@pytest.mark.parametrize("src,length,error,match", [
+    (0, 9, ValueError, r"length must be in \[0, 8\], got 9"),  # a slice would copy 8 quietly
+    (0, -1, ValueError, r"length must be in \[0, 8\], got -1"),  # a slice would copy 7 quietly
+    (3, 4, ValueError, r"src_slot must be in \[0, 2\], got 3"),
+    (0.5, 4, TypeError, r"src_slot must be an integer in \[0, 2\], got float 0.5"),
+    (0, 4.0, TypeError, r"length must be an integer in \[0, 8\], got float 4.0"),
 ])
-def test_copy_prefix_past_the_cache_raises(src: int, length: int, match: str) -> None:
+def test_copy_prefix_past_the_cache_raises(src, length, error: type, match: str) -> None:
     cache = filled_cache()
     before = cache.kv.clone()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         cache.copy_prefix(src, torch.tensor([1], device=DEVICE), length)
     assert torch.equal(cache.kv, before)
 

@@ -5,10 +5,10 @@ graphs). Slot ``s`` holds one request's keys and values at positions ``0 .. ctx_
 """
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 from torch import Tensor
+
+from rollout_spec.config import check_int
 
 
 class KVCache:
@@ -26,10 +26,8 @@ class KVCache:
     ) -> None:
         sizes = {"num_layers": num_layers, "num_slots": num_slots, "num_kv_heads": num_kv_heads,
                  "max_len": max_len, "head_dim": head_dim}
-        for field, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-                raise ValueError(f"KVCache {field} must be a positive int, got {value!r}")
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        shape = tuple(check_int(f"KVCache {field}", value, 1) for field, value in sizes.items())
+        num_slots, max_len = shape[1], shape[3]
         # One tensor, k and v its two halves: a move or prefix copy is one indexing op for both.
         self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k, self.v = self.kv[0], self.kv[1]
@@ -41,7 +39,9 @@ class KVCache:
         """Store the step's ``k, v [B, Hkv, W, D]`` at ``ctx_len .. ctx_len+W-1``; return the layer's cache.
 
         Padding columns are written too (their positions are overwritten by later steps before
-        anyone may attend to them), which keeps the write shape static.
+        anyone may attend to them), which keeps the write shape static. Nothing here checks the
+        positions (reading them would sync the host in every layer): the runner refuses a step
+        whose ``ctx_len + W`` passes ``max_len`` before its forward.
         """
         W = k.shape[2]
         pos = ctx_lens[:, None] + torch.arange(W, device=k.device)  # [B, W]
@@ -65,13 +65,12 @@ class KVCache:
     def copy_prefix(self, src_slot: int, dst_slots: Tensor, length: int) -> None:
         """Copy the first ``length`` positions of one slot into others (n samples, one prefill).
 
-        ``src_slot`` must be in ``[0, num_slots)`` and ``length`` in ``[0, max_len]``: a slice past
-        the cache would copy fewer positions than asked without any error.
+        ``src_slot`` must be an integer in ``[0, num_slots - 1]`` and ``length`` one in
+        ``[0, max_len]``: a slice past the cache would copy fewer positions than asked without any
+        error.
         """
-        if not 0 <= src_slot < self.num_slots:
-            raise ValueError(f"src_slot must be in [0, {self.num_slots}), got {src_slot}")
-        if not 0 <= length <= self.max_len:
-            raise ValueError(f"length must be in [0, max_len={self.max_len}], got {length}")
+        src_slot = check_int("src_slot", src_slot, 0, self.num_slots - 1)
+        length = check_int("length", length, 0, self.max_len)
         if dst_slots.numel() == 0 or length == 0:
             return
         self.kv[:, :, dst_slots, :, :length] = self.kv[:, :, src_slot : src_slot + 1, :, :length]
