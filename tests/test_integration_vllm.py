@@ -17,7 +17,8 @@ from rollout_spec.config import SpecConfig
 from rollout_spec.integrations.vllm import SpecDecodeCounters, engine_kwargs, spec_from_vllm_config
 from rollout_spec.groups import prompt_group_id, text_group_id
 from rollout_spec.integrations.vllm.chains import best_chain, best_chains, explicit_group_id
-from rollout_spec.integrations.vllm.config import PROPOSER_CLASS_PATH, speculative_config
+from rollout_spec.integrations.vllm.config import (PROPOSER_CLASS_PATH, placement_from_vllm_config,
+                                                  speculative_config)
 import rollout_spec.integrations.vllm.plugin as plugin
 from rollout_spec.integrations.vllm.plugin import VllmProposer, check_runner, install
 from rollout_spec.integrations.vllm.proposer import RolloutSpecProposer
@@ -151,15 +152,16 @@ def test_config_errors_name_the_field():
 def test_an_additional_config_that_is_no_dict_is_refused_by_type(extra):
     """vLLM's ``additional_config`` carries our options as a dict: another type is named, not read
     as "no options" (which would draft with the defaults)."""
-    with pytest.raises(TypeError, match=f"^vLLM additional_config must be a dict, got {type(extra).__name__}$"):
-        spec_from_vllm_config(SimpleNamespace(additional_config=extra))
+    for read in (spec_from_vllm_config, placement_from_vllm_config):
+        with pytest.raises(TypeError, match=f"^vLLM additional_config must be a dict, got {type(extra).__name__}$"):
+            read(SimpleNamespace(additional_config=extra))
 
 
 def test_the_replica_placement_travels_in_additional_config():
     """``engine_kwargs(placement=...)`` is read back by the proposer; none given is None, and a
     malformed one names the keys it needs."""
     from rollout_spec.distributed import ReplicaPlacement
-    from rollout_spec.integrations.vllm.config import REPLICA_CONFIG_KEY, placement_from_vllm_config
+    from rollout_spec.integrations.vllm.config import REPLICA_CONFIG_KEY
 
     kw = engine_kwargs(SpecConfig(shared_index="x"), placement=ReplicaPlacement(1, 3))
     assert placement_from_vllm_config(SimpleNamespace(**kw)) == ReplicaPlacement(1, 3)

@@ -95,16 +95,21 @@ def engine_kwargs(
     }
 
 
+def _additional_config(vllm_config: Any) -> Mapping:
+    """The engine's ``additional_config`` (empty when none was passed); TypeError unless a dict."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"vLLM additional_config must be a dict, got {type(extra).__name__}")
+    return extra
+
+
 def placement_from_vllm_config(vllm_config: Any) -> ReplicaPlacement | None:
     """The replica placement an engine was built with (None: not given)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    value = extra.get(REPLICA_CONFIG_KEY) if isinstance(extra, Mapping) else None
+    value = _additional_config(vllm_config).get(REPLICA_CONFIG_KEY)
     return None if value is None else ReplicaPlacement.from_dict(value)
 
 
 def spec_from_vllm_config(vllm_config: Any) -> SpecConfig:
     """The ``SpecConfig`` a vLLM engine was built with (defaults when none was passed)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(f"vLLM additional_config must be a dict, got {type(extra).__name__}")
+    extra = _additional_config(vllm_config)
     return spec_from_dict(extra.get(ADDITIONAL_CONFIG_KEY, {}))
