@@ -643,6 +643,88 @@ def test_a_submit_that_raises_keeps_the_steps_not_yet_submitted(handle: _FlakyHa
     client.close()
 
 
+def _three_shards(handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch,
+                  failing: set[int]) -> tuple[SharedIndexClient, list[_FailingSubmit]]:
+    """An unstarted client of replica 0 of 3 on 3 coordinator shards, each response going to all 3
+    replicas (so to every shard, replica r on shard r); the first submit to a shard in ``failing``
+    raises."""
+    shards = [_FailingSubmit(fail_calls={1} if s in failing else set()) for s in range(3)]
+    monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: shards)
+    cfg = SharedIndexConfig(replica_id=0, num_replicas=3, affinity_k=3, num_shards=3)
+    return SharedIndexClient(_Sink(), cfg, start=False), shards
+
+
+def _publish_failing_on_shard_2(client: SharedIndexClient, step: int, *responses: tuple[int, list[int]]) -> None:
+    for group, tokens in responses:
+        client.record(group, tokens)
+    with pytest.raises(ConnectionError, match="could not be submitted"):
+        client.publish(step)  # shards 0 and 1 take the step, shard 2's submit raises
+
+
+def test_a_step_some_shards_took_before_a_submit_raised_goes_only_to_the_others(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole step stayed in the backlog: the next publish sent it to every shard again, so the
+    shards that took it before the failure held each response twice."""
+    client, shards = _three_shards(handle, monkeypatch, failing={2})
+    _publish_failing_on_shard_2(client, 3, (5, [1, 2]), (6, [3, 4, 5]))
+    assert [s.calls for s in shards] == [1, 1, 1]
+    assert client.stats()["backlog_sequences"] == 2  # shard 2 still has to take them
+    client.publish(4)
+    client.flush()
+    assert [s.calls for s in shards] == [1, 1, 2]
+    for dest, shard in enumerate(shards):
+        assert _steps_received(shard.coord, dest) == [(3, [[1, 2], [3, 4, 5]])]
+    assert client._backlog == {}
+
+
+def test_responses_recorded_for_a_partly_sent_step_reach_every_shard_once(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New responses joined the step's old ones, and the step went out whole: to the shards that
+    had taken the old ones too."""
+    client, shards = _three_shards(handle, monkeypatch, failing={2})
+    _publish_failing_on_shard_2(client, 3, (5, [1, 2]))
+    client.record(6, [3, 4])  # more for step 3: every shard needs these, only shard 2 the first
+    client.publish(3)
+    client.flush()
+    for dest in (0, 1):
+        assert _steps_received(shards[dest].coord, dest) == [(3, [[1, 2]]), (3, [[3, 4]])]
+    assert _steps_received(shards[2].coord, 2) == [(3, [[1, 2], [3, 4]])]
+    assert client._backlog == {}
+
+
+def test_a_second_publish_that_fails_part_way_leaves_each_shard_what_it_did_not_take(
+        handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two publishes of one step that raised on different shards, then one that succeeds: each
+    shard ends with every response once."""
+    client, shards = _three_shards(handle, monkeypatch, failing={2})
+    _publish_failing_on_shard_2(client, 3, (5, [1, 2]))
+    shards[1].fail_calls = {2}  # shard 1's next submit raises, after shard 0 took the new response
+    client.record(6, [3, 4])
+    with pytest.raises(ConnectionError, match="could not be submitted"):
+        client.publish(3)
+    assert client.stats()["backlog_sequences"] == 2
+    client.publish(4)
+    client.flush()
+    assert _steps_received(shards[0].coord, 0) == [(3, [[1, 2]]), (3, [[3, 4]])]
+    assert _steps_received(shards[1].coord, 1) == [(3, [[1, 2]]), (3, [[3, 4]])]
+    assert _steps_received(shards[2].coord, 2) == [(3, [[1, 2], [3, 4]])]
+    assert client._backlog == {} and client.stats()["published_tokens"] == 4
+
+
+def test_the_publish_counters_count_what_was_submitted(handle: _FlakyHandle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish whose submit raised counted nothing of what its other shards took, and the next
+    one counted the step whole; a response's tokens count once, however many shards hold it."""
+    client, _ = _three_shards(handle, monkeypatch, failing={2})
+    bucket_bytes = pack(np.array([5, 6]), [np.array([1, 2]), np.array([3, 4, 5])]).nbytes  # one per replica
+    _publish_failing_on_shard_2(client, 3, (5, [1, 2]), (6, [3, 4, 5]))
+    stats = client.stats()
+    assert (stats["published_bytes"], stats["published_tokens"], stats["publishes"]) == (2 * bucket_bytes, 5, 0)
+    cost = client.publish(4)  # shard 2 takes step 3; step 4 has no responses
+    assert (cost["bytes"], cost["tokens"], cost["buckets"]) == (bucket_bytes, 0, 1)
+    stats = client.stats()
+    assert (stats["published_bytes"], stats["published_tokens"], stats["publishes"]) == (3 * bucket_bytes, 5, 2)
+
+
 def test_the_client_reads_retain_steps_from_the_coordinators(handle: _FlakyHandle) -> None:
     """The client's retain_steps had to be passed by hand to match the coordinators'; a value the
     driver chose (not history_steps) left the client bounding its backlog by another."""

@@ -14,8 +14,9 @@ restarted or replaced, a lost object) is retried with a doubling pause, counted 
 error is raised at the owner's next step boundary (``stats`` still answers, with
 ``puller_failed``). :meth:`SharedIndexClient.restart` starts it again on purpose. A publish the
 coordinator did not acknowledge is reported lost, never retried. A publish that raises (the
-puller's error, or a submit that failed) keeps the responses of every step it did not submit, for
-the coordinators' last ``retain_steps`` steps, and the next publish sends them under their own steps.
+puller's error, or a submit that failed) keeps the responses that some coordinator shard did not
+take, for the coordinators' last ``retain_steps`` steps, and the next publish sends them under
+their own steps to those shards only.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -126,6 +127,34 @@ class SharedIndexConfig:
             raise ValueError("name and namespace must be non-empty strs (namespace None: the caller's)")
 
 
+@dataclass
+class _Batch:
+    """Responses recorded for one step between two publishes, and the coordinator shards that
+    already took them: after a submit that raised, only the other shards are sent them again."""
+
+    groups: list[int]
+    """Each response's group id."""
+    seqs: list[np.ndarray]
+    """The responses' token ids, one array each."""
+    taken_by: set[int] = field(default_factory=set)
+    """Shards whose publish call for these responses was submitted."""
+
+
+@dataclass
+class _PublishCost:
+    """What one ``publish`` submitted: counted per call, so a publish that raised counts the calls
+    submitted before the failure and no more."""
+
+    bytes: int = 0
+    """Bytes of the buckets submitted."""
+    tokens: int = 0
+    """Tokens of the responses submitted to a shard for the first time."""
+    buckets: int = 0
+    """Buckets submitted (one per destination replica and call)."""
+    steps: int = 0
+    """Steps that left the backlog: every shard with buckets for them took all of them."""
+
+
 class SharedIndexClient:
     """A replica's end of the shared index: ``record`` + ``publish`` out, a puller thread in.
 
@@ -151,8 +180,9 @@ class SharedIndexClient:
         self._coords = self._look_up_coordinators(config.lookup_timeout_s)
         self._retain_steps = self._agreed_retain_steps()
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
-        # step -> its responses, until a publish submits them (one that raised keeps them); the owner's only
-        self._backlog: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+        # step -> its responses, until every shard took them (a publish that raised keeps what some did
+        # not take); the owner's only
+        self._backlog: dict[int, list[_Batch]] = {}
         self._staged: deque[tuple[list[Optional[int]], list[list[int]]]] = deque()
         self._shard = config.replica_id % config.num_shards  # the only shard holding our buckets
         self._cursor = -1  # -1: the first pull also takes our own history
@@ -209,71 +239,124 @@ class SharedIndexClient:
         ``retain_steps`` steps (older ones are dropped, counted in ``backlog_sequences_dropped``
         and logged). While the puller is stopped, its error is raised and the backlog is kept.
         Otherwise the backlog is sent oldest step first, each step under its own number, so no
-        response is labelled with a later step than its own. A step leaves the backlog once it is
-        submitted: when a submit raises (a Ray call that failed), that step and the later ones
-        stay for the next publish and the error is raised. A step whose submit failed after some
-        of its shards took it is sent whole again, so those shards may hold it twice.
+        response is labelled with a later step than its own. A step is submitted with one call per
+        coordinator shard that has buckets for it; the backlog remembers which shards took which of
+        its responses, and a step leaves it once every such shard took every response. When a
+        submit raises (a Ray call that failed), the error is raised and the step keeps only what
+        its other shards did not take, with every later step, for the next publish: no shard is
+        sent a response twice.
 
-        Returns the cost paid on the calling thread, over all steps sent: ``seconds``, ``bytes``,
-        ``tokens``, ``buckets``.
+        Returns the cost paid on the calling thread, over all the calls submitted: ``seconds``,
+        ``bytes`` and ``buckets`` (those submitted), ``tokens`` (of the responses submitted to a
+        shard for the first time).
         """
         step = check_int("step", step, 0)
         self._hold_recorded(step)
         self._raise_background_error()
         t0 = time.perf_counter()
-        sent: list[tuple[int, int, int]] = []
+        cost = _PublishCost()
         try:
-            self._send_backlog(step, sent)
-        finally:  # the steps submitted before a failure were sent: count them
-            cost = {"seconds": time.perf_counter() - t0, "bytes": sum(b for b, _, _ in sent),
-                    "tokens": sum(t for _, t, _ in sent), "buckets": sum(n for _, _, n in sent)}
-            self._add_stats(publish_s=cost["seconds"], published_bytes=cost["bytes"],
-                            published_tokens=cost["tokens"], publishes=len(sent))
-        return cost
+            self._send_backlog(step, cost)
+        finally:  # the calls submitted before a failure were sent: count them
+            seconds = time.perf_counter() - t0
+            self._add_stats(publish_s=seconds, published_bytes=cost.bytes, published_tokens=cost.tokens,
+                            publishes=cost.steps)
+        return {"seconds": seconds, "bytes": cost.bytes, "tokens": cost.tokens, "buckets": cost.buckets}
 
-    def _send_backlog(self, step: int, sent: list[tuple[int, int, int]]) -> None:
+    def _send_backlog(self, step: int, cost: _PublishCost) -> None:
         """Submit the backlog's steps and ``step`` (sent even without responses), oldest first,
-        appending each one's cost to ``sent``; a step leaves the backlog only once submitted, so
-        one whose submit raises stays there with every later one."""
+        adding to ``cost``; a step leaves the backlog only once every shard took all of it, so one
+        whose submit raises stays there (less what its other shards took) with every later one."""
         for s in sorted(self._backlog.keys() | {step}):
-            sent.append(self._send_step(s, *self._backlog.get(s, ([], []))))
+            self._send_step(s, self._backlog.get(s, []), cost)
             self._backlog.pop(s, None)
+            cost.steps += 1
 
     def _hold_recorded(self, step: int) -> None:
         """Move the recorded responses into ``step``'s backlog entry, then drop the entries the
         coordinators would not keep next to the newest step (counted and logged): the backlog holds
-        at most ``retain_steps`` steps, whatever the owner records between publishes."""
+        at most ``retain_steps`` steps, whatever the owner records between publishes.
+
+        The responses join the entry's last batch while no shard has taken it; after a publish that
+        failed part-way they start a batch of their own, which every shard still has to take."""
         groups, seqs = self._recorded
         self._recorded = ([], [])
         if seqs:
-            entry = self._backlog.setdefault(step, ([], []))
-            entry[0].extend(groups)
-            entry[1].extend(seqs)
+            batches = self._backlog.setdefault(step, [])
+            if batches and not batches[-1].taken_by:
+                batches[-1].groups.extend(groups)
+                batches[-1].seqs.extend(seqs)
+            else:
+                batches.append(_Batch(groups, seqs))
         oldest_kept = max([step, *self._backlog]) - self._retain_steps + 1
         for old in [s for s in self._backlog if s < oldest_kept]:
-            dropped = len(self._backlog.pop(old)[1])
+            dropped = sum(len(batch.seqs) for batch in self._backlog.pop(old))
             self._add_stats(backlog_sequences_dropped=dropped)
             logger.warning("shared-index replica %d dropped the %d responses of step %d: its publish failed "
                            "and it is outside the newest retain_steps=%d steps", self.config.replica_id, dropped, old,
                            self._retain_steps)
 
-    def _send_step(self, step: int, groups: list[int], seqs: list[np.ndarray]) -> tuple[int, int, int]:
-        """Submit step ``step``'s responses, one call per coordinator shard with buckets for it;
-        returns the bytes, tokens and buckets sent."""
+    def _send_step(self, step: int, batches: list[_Batch], cost: _PublishCost) -> None:
+        """Submit step ``step``'s batches to every coordinator shard that has buckets for them and
+        has not taken them yet, one call per shard, adding to ``cost``. Shards owed the same
+        batches share one split; a batch that every shard it goes to took leaves ``batches``, even
+        when a later submit raises."""
         self._published_steps.add(step)
-        gids = np.asarray(groups, np.int64)
-        buckets = split_by_destination(gids, seqs, self.router.preferences(gids, self.config.affinity_k))
-        per_shard: dict[int, list[int]] = {}
-        for dest in buckets:
-            per_shard.setdefault(dest % self.config.num_shards, []).append(dest)
-        for shard, dests in per_shard.items():
-            # one flat argument per shard: Ray's cost is per object, not per byte, at these sizes
-            payload = np.concatenate([buckets[d] for d in dests])
-            lengths = [len(buckets[d]) for d in dests]
-            ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, lengths, payload)
-            with self._pub_lock:
-                self._inflight_publishes.append((step, shard, ref))
-        return sum(int(b.nbytes) for b in buckets.values()), sum(len(s) for s in seqs), len(buckets)
+        prefs = [self.router.preferences(np.asarray(b.groups, np.int64), self.config.affinity_k) for b in batches]
+        shards = [self._shards_of(p) for p in prefs]
+        try:
+            for members, owed in self._shards_by_batches_owed(batches, shards).items():
+                self._submit_to_shards(step, [batches[i] for i in members], [prefs[i] for i in members], owed, cost)
+        finally:
+            batches[:] = [b for b, needed in zip(batches, shards) if not needed <= b.taken_by]
+
+    def _shards_of(self, prefs: np.ndarray) -> set[int]:
+        """The coordinator shards that hold some destination of ``prefs`` (int[S, k] replicas)."""
+        return set(np.unique(prefs % self.config.num_shards).tolist())
+
+    @staticmethod
+    def _shards_by_batches_owed(batches: list[_Batch], shards: list[set[int]]) -> dict[tuple[int, ...], list[int]]:
+        """Each set of batches (as their indexes) some shard is owed, with those shards in
+        ascending order: a shard is owed a batch that has buckets for it and that it did not take."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for shard in sorted(set().union(*shards)):
+            owed = tuple(i for i, b in enumerate(batches) if shard in shards[i] and shard not in b.taken_by)
+            if owed:
+                groups.setdefault(owed, []).append(shard)
+        return groups
+
+    def _submit_to_shards(self, step: int, batches: list[_Batch], prefs: list[np.ndarray], shards: list[int],
+                          cost: _PublishCost) -> None:
+        """Submit ``batches`` (destinations ``prefs``) to each of ``shards``, one call each, marking
+        them taken by a shard once its call is submitted; the first submit that raises stops.
+
+        A response's tokens count at its first submit to any shard (``counted``), so one that
+        several shards or publishes carry is counted once."""
+        groups = np.asarray([g for b in batches for g in b.groups], np.int64)
+        buckets = split_by_destination(groups, [s for b in batches for s in b.seqs], np.concatenate(prefs))
+        held = [p % self.config.num_shards for p in prefs]  # the shard of each destination
+        lengths = [np.fromiter((len(s) for s in b.seqs), np.int64, len(b.seqs)) for b in batches]
+        counted = [np.isin(h, sorted(b.taken_by)).any(axis=1) for h, b in zip(held, batches)]
+        for shard in shards:
+            dests = [d for d in buckets if d % self.config.num_shards == shard]
+            self._submit_call(step, shard, dests, buckets)
+            cost.bytes += sum(int(buckets[d].nbytes) for d in dests)
+            cost.buckets += len(dests)
+            for batch, shard_of, length, done in zip(batches, held, lengths, counted):
+                here = (shard_of == shard).any(axis=1)
+                cost.tokens += int(length[here & ~done].sum())
+                done |= here
+                batch.taken_by.add(shard)
+
+    def _submit_call(self, step: int, shard: int, dests: list[int], buckets: dict[int, Bucket]) -> None:
+        """Submit the buckets of ``dests`` to coordinator shard ``shard`` as one Ray call and keep
+        its reference for the puller to check; raises when Ray cannot submit it."""
+        # one flat argument per shard: Ray's cost is per object, not per byte, at these sizes
+        payload = np.concatenate([buckets[d] for d in dests])
+        lengths = [len(buckets[d]) for d in dests]
+        ref = self._coords[shard].publish.remote(self.config.replica_id, step, dests, lengths, payload)
+        with self._pub_lock:
+            self._inflight_publishes.append((step, shard, ref))
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until every publish has reached its coordinator (tests, shutdown), then check them
@@ -421,7 +504,9 @@ class SharedIndexClient:
         (``publish_errors``), coordinators found restarted or replaced (``coordinator_resets``),
         responses of steps whose publish raised dropped as older than ``retain_steps``
         (``backlog_sequences_dropped``), sequences waiting in the backlog
-        (``backlog_sequences``). ``publishes`` counts steps sent.
+        (``backlog_sequences``, those some shards took included). ``publishes`` counts steps that
+        every shard took whole; ``published_bytes`` and ``published_tokens`` count what was submitted,
+        a response's tokens once (see :meth:`publish`).
 
         It never raises the puller's error, so an owner can log the counters after a step
         boundary raised it: ``puller_failed`` is 1.0 while the puller is stopped on an error
@@ -431,7 +516,8 @@ class SharedIndexClient:
             out["staged_sequences"] = float(sum(len(s) for _, s in self._staged))
         # list() copies the owner's dict in one step, so a stats() from another thread during a
         # publish cannot meet it mid-resize
-        out["backlog_sequences"] = float(sum(len(seqs) for _, seqs in list(self._backlog.values())))
+        out["backlog_sequences"] = float(sum(len(b.seqs) for batches in list(self._backlog.values())
+                                             for b in list(batches)))
         out["puller_failed"] = float(self._error is not None)
         return out
 
