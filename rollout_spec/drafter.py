@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import asdict
 from itertools import chain
 from numbers import Integral
@@ -120,9 +121,19 @@ def _per_request(name: str, values: object, count: int) -> None:
         raise ValueError(f"{name} must have one entry per request ({count})")
 
 
+_UNORDERED = (Mapping, AbstractSet)
+"""Collections whose iteration order is not their caller's: a set's items (a list per request,
+or a request's tokens) come out in hash order, a mapping's are its keys."""
+_NOT_TOKEN_LISTS = (str, *BYTES_LIKE, *_UNORDERED)
+"""What is refused as one request's token list: text, bytes-like objects (read item by item, as
+numpy reads them, b"\\x07" would be token 7) and unordered collections."""
+
+
 def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate per-request token lists into (int32 tokens, int64 offsets[count+1])."""
-    if not isinstance(lists, (str, bytes)) and not hasattr(lists, "__len__"):
+    """Concatenate per-request token lists into (int32 tokens, int64 offsets[count+1]);
+    TypeError naming ``name`` (or its entry) for an unordered collection of lists or a token list
+    of ``_NOT_TOKEN_LISTS``."""
+    if isinstance(lists, _UNORDERED) or not hasattr(lists, "__len__"):
         raise TypeError(f"{name} must be a sequence of token lists, one per request, got {type(lists).__name__}")
     if isinstance(lists, (str, bytes)) or len(lists) != count:
         raise ValueError(f"{name} must have one token list per request ({count})")
@@ -132,7 +143,7 @@ def _flatten(name: str, lists: Sequence[TokenIds], count: int) -> tuple[np.ndarr
             if part.ndim != 1 or (part.size and part.dtype.kind not in "iu"):
                 raise TypeError(f"{name}[{i}] must be a 1-D integer array, got dtype {part.dtype}")
             any_array = True
-        elif isinstance(part, (str, bytes)) or not hasattr(part, "__len__"):
+        elif isinstance(part, _NOT_TOKEN_LISTS) or not hasattr(part, "__len__"):
             raise TypeError(f"{name}[{i}] must be a sequence of token ids, got {type(part).__name__}")
     offsets = np.zeros(count + 1, np.int64)
     np.cumsum([len(p) for p in lists], out=offsets[1:])

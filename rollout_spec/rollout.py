@@ -23,6 +23,7 @@ from rollout_spec.engine.inputs import check_group_ids, vocab_ids
 from rollout_spec.engine.scheduler import Scheduler
 from rollout_spec.engine.sequence import Sequence
 from rollout_spec.noise import sample_seed
+from rollout_spec.token_ids import BYTES_LIKE
 
 if TYPE_CHECKING:
     from rollout_spec.engine.engine import RolloutEngine
@@ -83,10 +84,11 @@ def attach_shared_index(engine: "RolloutEngine", placement: Any = None, **client
 
 def _is_token_sequence(prompt: Any) -> bool:
     """Whether a prompt entry is read as token ids: a list, tuple or 1-D array. Bytes are not
-    token ids, a set or dict has no token order, None and numbers are not prompts."""
+    token ids (a memoryview too: abc.Sequence counts it as one), a set or dict has no token order,
+    None and numbers are not prompts."""
     if isinstance(prompt, np.ndarray):
         return prompt.ndim == 1
-    return isinstance(prompt, Seq) and not isinstance(prompt, (str, bytes, bytearray))
+    return isinstance(prompt, Seq) and not isinstance(prompt, (str, *BYTES_LIKE))
 
 
 class RolloutSession:
@@ -95,6 +97,8 @@ class RolloutSession:
     def __init__(self, engine: "RolloutEngine", params: SamplingParams, progress: bool = False) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if type(progress) is not bool:  # a truthy "no" would draw the bar
+            raise TypeError(f"progress must be a bool, got {type(progress).__name__} {progress!r}")
         if params.stop_token_ids:
             vocab_ids("stop_token_ids", params.stop_token_ids, engine.model.config.vocab_size)
         self.engine, self.params, self.progress = engine, params, progress

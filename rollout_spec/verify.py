@@ -163,6 +163,8 @@ def verify(
         ValueError) naming the request whose logits are not finite (checked on the emitted
         logprobs, after the walk).
     """
+    _check_optional_types(generator=(generator, torch.Generator), keys=(keys, NoiseKeys),
+                          tree=(tree, TreeInputs))
     table = _check_inputs(logits, batch, sampling, tree)
     if keys is None:
         keys = NoiseKeys.fresh(generator, batch.num_requests, logits.device)
@@ -263,6 +265,14 @@ def use_triton(backend: str, device: torch.device) -> bool:
             raise ImportError("backend='triton' needs the triton package (pip install triton)")
         return False
     return True
+
+
+def _check_optional_types(**args: tuple[object, type]) -> None:
+    """TypeError naming the first argument (name -> (value, expected type)) that is neither None
+    nor of its type: otherwise an attribute lookup deep in the call would fail without naming it."""
+    for name, (value, expected) in args.items():
+        if value is not None and not isinstance(value, expected):
+            raise TypeError(f"{name} must be None or a {expected.__name__}, got {type(value).__name__}")
 
 
 def _check_inputs(

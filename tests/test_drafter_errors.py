@@ -61,6 +61,14 @@ def snapshot(d: NgramDrafter):
         (lambda d: d.add_sequences([None], [[3, 4]], pinned=1), TypeError, "pinned must be a bool, got int"),
         (lambda d: d.finish_batch([0, True]), TypeError, "req_ids .*bool"),
         (lambda d: d.propose([0, 1], budgets=[4, True]), TypeError, "budgets .*bool"),
+        # bytes-like objects, sets and mappings as token lists: read item by item they would be
+        # tokens 7 and 8, tokens in hash order, a dict's keys (the docs refuse them by name)
+        (lambda d: d.start(5, bytearray(b"\x07\x08")), TypeError, r"prompts\[0\] .*got bytearray"),
+        (lambda d: d.extend(0, memoryview(b"\x07")), TypeError, r"token_ids\[0\] .*got memoryview"),
+        (lambda d: d.extend_batch(np.array([0]), [{7: 1}]), TypeError, r"token_ids\[0\] .*got dict"),
+        (lambda d: d.add_sequences([1], [{7, 8}]), TypeError, r"sequences\[0\] .*got set"),
+        (lambda d: d.extend_batch([0, 1], {(3,), (4,)}), TypeError, "token_ids must be a sequence of token lists.*got set"),
+        (lambda d: d.start_batch([5], {0: [1]}), TypeError, "prompts must be a sequence of token lists.*got dict"),
         # arguments that are not sequences at all (a single id, None): named, not len()'s error
         (lambda d: d.propose(0), TypeError, "req_ids must be a sequence of request ids, got int"),
         (lambda d: d.propose(None), TypeError, "req_ids must be a sequence of request ids, got NoneType"),

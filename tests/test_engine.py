@@ -496,13 +496,15 @@ def test_bad_prompts_error_and_the_rest_finish(pair) -> None:
 
 
 def test_entries_that_are_not_token_sequences_are_that_prompts_error(pair) -> None:
-    """None, numbers, bytes (not token ids), sets and dicts (no token order) and 2-D arrays are
+    """None, numbers, bytes-like objects (not token ids), sets and dicts (no token order) and 2-D arrays are
     refused per prompt, naming their type; lists, tuples and 1-D arrays run alike."""
     _, model = pair
     good = mixed_prompts(1, seed=8)[0]
-    prompts = [None, good, 5, b"ab", {9, 5}, {9: 1}, np.array([good]), tuple(good), np.array(good)]
+    prompts = [None, good, 5, b"ab", {9, 5}, {9: 1}, np.array([good]), tuple(good), np.array(good),
+               bytearray(b"ab"), memoryview(b"ab")]
     outs = engine(model).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4))
-    named = ["NoneType", None, "int", "bytes", "set", "dict", f"ndarray of shape (1, {len(good)})", None, None]
+    named = ["NoneType", None, "int", "bytes", "set", "dict", f"ndarray of shape (1, {len(good)})", None, None,
+             "bytearray", "memoryview"]
     for out, name in zip(outs, named):
         if name is None:
             assert out.finish_reason == "length" and out.token_ids == outs[1].token_ids

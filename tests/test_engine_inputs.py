@@ -233,6 +233,13 @@ def test_a_session_refuses_params_that_are_not_sampling_params(model, params) ->
         rollout.RolloutSession(engine(model, SPEC), params)
 
 
+@pytest.mark.parametrize("progress", ["no", None, 1])
+def test_progress_must_be_a_bool(model, progress) -> None:
+    """``generate(progress=...)`` is a switch: a truthy "no" is refused, not read as True."""
+    with pytest.raises(TypeError, match=f"progress must be a bool, got {type(progress).__name__}"):
+        engine(model, SPEC).generate(PROMPTS, GREEDY, progress=progress)
+
+
 @pytest.mark.parametrize("prompts, shown", [("1 2 3", "str"), (b"\x01\x02", "bytes"), (42, "int"),
                                             ({0: [1, 2]}, "dict")])
 def test_a_session_refuses_prompts_that_are_not_a_list_before_queueing(model, prompts, shown) -> None:

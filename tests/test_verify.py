@@ -375,6 +375,16 @@ def test_an_unknown_backend_is_refused_by_name():
         verify(torch.zeros(5, 5), BATCH, SamplingParams(), backend="cuda")
 
 
+@pytest.mark.parametrize("argument, value, message", [
+    ("generator", 5, "generator must be None or a Generator, got int"),
+    ("keys", (0, 0), "keys must be None or a NoiseKeys, got tuple"),
+    ("tree", "tree", "tree must be None or a TreeInputs, got str"),
+])
+def test_optional_arguments_of_another_type_are_refused_by_name(argument, value, message):
+    with pytest.raises(TypeError, match=message):
+        verify(torch.zeros(2, 5), DraftBatch.empty(2), SamplingParams(), **{argument: value})
+
+
 def test_a_tree_of_another_batch_is_refused():
     """A TreeInputs built for another batch (fewer requests here) cannot describe these logits."""
     other = DraftBatch.from_lists([[(1, -1)]])
