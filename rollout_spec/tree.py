@@ -1,7 +1,7 @@
 """Draft trees in CSR form (DESIGN.md's DraftBatch) and what one verify forward needs from them."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import chain
 from numbers import Integral
@@ -87,6 +87,10 @@ class DraftBatch:
         """
         if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
             raise TypeError(f"trees must be a list of per-request node lists, got {type(trees).__name__}")
+        for i, tree in enumerate(trees):  # parents index their tree's nodes: the order is the tree
+            if isinstance(tree, (Set, Mapping)):
+                raise TypeError(f"trees[{i}] must be a list of (token, parent) pairs in node order, "
+                                f"got {type(tree).__name__}")
         try:
             sizes = [len(t) for t in trees]
             flat = [node for tree in trees for node in tree]

@@ -162,6 +162,8 @@ def test_prompt_group_id_is_unchanged_for_valid_prompts():
     ([5], ValueError, r"\(token, parent\) pairs"),
     (None, TypeError, "trees must be a list"),
     ("ab", TypeError, "trees must be a list"),
+    ([[(5, -1)], {(6, -1), (7, 0)}], TypeError, r"trees\[1\] must be a list .* in node order, got set"),
+    ([{5: -1}], TypeError, r"trees\[0\] must be a list .* in node order, got dict"),
 ])
 def test_from_lists_rejects_bad_nodes(trees, error, message):
     with pytest.raises(error, match=message):
