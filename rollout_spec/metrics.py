@@ -504,9 +504,18 @@ def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
 
 
 def tree_depth(parents: Sequence[int]) -> int:
-    """Longest root-to-leaf path of a tree given by parent indices (-1 is the root)."""
+    """Longest root-to-leaf path of a tree given by parent indices (-1 is the root).
+
+    Raises:
+        ValueError / TypeError: ``parents[i]`` is not an integer in [-1, i - 1] (DraftBatch's
+            topological order), naming it, rather than an IndexError or another tree's depth.
+    """
     depths: list[int] = []
-    for parent in parents:
+    # Python ints take the fast test below (the probe's numpy trees as lists: numpy scalars cost
+    # ~1 us a node); anything else goes through check_int, which raises unless it is valid
+    for i, parent in enumerate(parents.tolist() if hasattr(parents, "tolist") else parents):
+        if type(parent) is not int or not -1 <= parent < i:
+            parent = check_int(f"parents[{i}]", parent, -1, i - 1)
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return max(depths, default=0)
 

@@ -159,6 +159,13 @@ class Workload:
             return list(pool.map(self.score, prompts, responses))
 
 
+def _checked_prompt(name: str, value: object) -> Prompt:
+    """``value`` if it is a Prompt (what a trace records of it), else TypeError naming ``name``."""
+    if not isinstance(value, Prompt):
+        raise TypeError(f"{name} must be a Prompt, got {type(value).__name__}")
+    return value
+
+
 def extract_final_answer(response: str) -> Optional[str]:
     """The text after the last ``####`` that has any (its first line, stripped, a final period
     dropped), or None when there is none: "#### 12 #### 13" answers 13, "#### 42 ####" 42."""
@@ -278,7 +285,8 @@ class TraceRecorder:
             raise ValueError(f"seeds must have one entry per response ({len(responses)}), got {len(seeds)}")
         # plain ints in the trace's ranges, so that what is saved loads back (numpy ints would not
         # even serialise)
-        prompts = [replace(p, group_id=check_int(f"prompts[{i}].group_id", p.group_id, 0, GROUP_ID_MAX),
+        prompts = [replace(_checked_prompt(f"prompts[{i}]", p),
+                           group_id=check_int(f"prompts[{i}].group_id", p.group_id, 0, GROUP_ID_MAX),
                            prompt_ids=tuple(token_array(f"prompts[{i}].prompt_ids", p.prompt_ids).tolist()))
                    for i, p in enumerate(prompts)]
         if responses and not prompts:

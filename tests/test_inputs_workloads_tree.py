@@ -86,6 +86,8 @@ def test_eos_token_id_may_be_absent_or_a_numpy_int():
     (Prompt(2**31, "math", "x", "q", (1, 2), "3"), ValueError, r"prompts\[0\].group_id must be in"),
     (Prompt(3, "math", "x", "q", (-7, 2), "3"), ValueError, r"prompts\[0\].prompt_ids .*" + TOKEN_RANGE),
     (Prompt(3, "math", "x", "q", (1, 2.5), "3"), TypeError, r"prompts\[0\].prompt_ids"),
+    ({"group_id": 3, "prompt_ids": [1, 2]}, TypeError, r"^prompts\[0\] must be a Prompt, got dict$"),
+    ((3, "math", "x", "q", (1, 2), "3"), TypeError, r"^prompts\[0\] must be a Prompt, got tuple$"),
 ])
 def test_prompts_outside_the_trace_format_are_refused(prompt, error, message):
     """What ``load_trace`` would refuse is refused when recorded, not after the run at save."""

@@ -270,6 +270,31 @@ def test_external_corpus_budget_and_listing():
         c.load_external_corpus_named("big", [list(range(6))])
 
 
+@pytest.mark.parametrize("corpus_id, count, error, message", [
+    ("docs", -5, ValueError, r"loaded_token_count must be in \[0, inf\], got -5"),
+    ("docs", 3, ValueError, "loaded_token_count of external corpus 'docs' must be 4, .* got 3"),
+    ("docs", 4.0, TypeError, "loaded_token_count must be an integer in .*, got float 4.0"),
+    ("docs", "4", TypeError, "loaded_token_count must be an integer in .*, got str '4'"),
+    ("other", 4, ValueError, "external corpus 'other' has no load to commit"),
+])
+def test_a_corpus_commit_must_match_its_load(corpus_id, count, error, message):
+    """SGLang commits a load with the count ``load_external_corpus_named`` returned; another count
+    or corpus would be recorded as loaded (a negative one raising the budget past
+    ``external_corpus_max_tokens``), and an uncommitted load still counts against the budget."""
+    c = corpus(external_corpus_max_tokens=12)
+    assert c.load_external_corpus_named("docs", [[70, 71, 72, 73]]) == 4
+    assert c.remaining_token_budget == 8 and c.list_external_corpora() == {}
+    with pytest.raises(ValueError, match="'docs' is loaded already"):
+        c.load_external_corpus_named("docs", [[1]])
+    with pytest.raises(error, match=message):
+        c.commit_external_corpus_load(corpus_id, count)
+    assert c.remaining_token_budget == 8 and c.list_external_corpora() == {}
+    c.commit_external_corpus_load("docs", 4)
+    assert c.remaining_token_budget == 8 and c.list_external_corpora() == {"docs": 4}
+    with pytest.raises(ValueError, match="'docs' has no load to commit"):
+        c.commit_external_corpus_load("docs", 4)
+
+
 def test_an_empty_external_corpus_is_refused_as_sglang_refuses_it():
     """SGLang's corpus raises on a corpus without tokens (``Ngram::finishExternalCorpusLoad``:
     "External corpus is empty"), so an empty file fails start-up and ``/add_external_corpus``
@@ -426,6 +451,10 @@ def test_spec_travels_in_env_and_server_args():
         server_args(SpecConfig(num_draft_tokens=0))
     with pytest.raises(ValueError, match=ENV_VAR):
         spec_from_env({ENV_VAR: "{not json"})
+    with pytest.raises(ValueError, match=f"^{ENV_VAR} must hold a JSON object .*recursion"):
+        spec_from_env({ENV_VAR: "[" * 100_000})
+    with pytest.raises(ValueError, match=f"^{ENV_VAR} must hold .*key 'num_draft_tokens' appears twice"):
+        spec_from_env({ENV_VAR: '{"num_draft_tokens": 4, "num_draft_tokens": 6}'})
     with pytest.raises(ValueError, match=f"^{ENV_VAR} has unknown key"):
         spec_from_env({ENV_VAR: json.dumps({"num_draft_token": 3})})
     with pytest.raises(TypeError, match=f"^{ENV_VAR} must be a dict of SpecConfig fields, got list"):

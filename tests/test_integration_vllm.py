@@ -148,7 +148,7 @@ def test_config_errors_name_the_field():
         spec_from_vllm_config(SimpleNamespace(additional_config={"rollout_spec": {1: 2, "a": 3}}))
 
 
-@pytest.mark.parametrize("extra", [["rollout_spec"], "rollout_spec", 3])
+@pytest.mark.parametrize("extra", [["rollout_spec"], "rollout_spec", 3, "", 0, False, []])
 def test_an_additional_config_that_is_no_dict_is_refused_by_type(extra):
     """vLLM's ``additional_config`` carries our options as a dict: another type is named, not read
     as "no options" (which would draft with the defaults)."""

@@ -248,8 +248,24 @@ def test_drafter_probe_counts_acceptance_by_depth(as_lists):
     assert probe.stats() == {"index_tokens": 3} and probe.extended == [[0, 1], [0, 1, 2]]
     assert probe.take_seconds() > 0
     assert metrics.tree_depth([-1, 0, -1, 2, 3]) == 3 and metrics.tree_depth([]) == 0
+    assert metrics.tree_depth((-1, 0, 1)) == 3
     with pytest.raises(ValueError, match="speculation is off"):
         metrics.DrafterProbe(None)
+
+
+@pytest.mark.parametrize("parents, error, message", [
+    ([0], ValueError, r"parents\[0\] must be in \[-1, -1\], got 0"),
+    ([-1, 2, 1], ValueError, r"parents\[1\] must be in \[-1, 0\], got 2"),
+    ([-1, 5], ValueError, r"parents\[1\] must be in \[-1, 0\], got 5"),
+    ([-2, 0], ValueError, r"parents\[0\] must be in \[-1, -1\], got -2"),
+    ([-1, 0.5], TypeError, r"parents\[1\] must be an integer in \[-1, 0\], got float 0.5"),
+    ([True], TypeError, r"parents\[0\] must be an integer in \[-1, -1\], got bool True"),
+])
+def test_tree_depth_refuses_a_parent_outside_the_topological_range(parents, error, message):
+    """A parent must precede its node (DraftBatch's contract): another index was an IndexError, a
+    parent below -1 counted as the root and a bool indexed node 0 or 1."""
+    with pytest.raises(error, match=message):
+        metrics.tree_depth(parents)
 
 
 def test_drafter_probe_passes_background_only_where_the_drafter_indexes_in_background():

@@ -29,17 +29,29 @@ def spec_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[SpecC
     """The SpecConfig stored by ``spec_to_env``, or None when the variable is unset.
 
     Raises:
-        ValueError: the variable is not JSON, or names an unknown/invalid field.
+        ValueError: the variable is not JSON (or nests deeper than Python's recursion limit),
+            names a field twice (JSON would keep the last silently) or names an unknown/invalid
+            field.
         TypeError: the JSON is not an object, or a field has the wrong type.
     """
     text = (os.environ if environ is None else environ).get(ENV_VAR)
     if text is None:
         return None
     try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{ENV_VAR} must hold a JSON object of SpecConfig fields: {exc}") from exc
+        options = json.loads(text, object_pairs_hook=_object_without_repeats)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and repeats are ValueErrors
+        raise ValueError(f"{ENV_VAR} must hold a JSON object of SpecConfig fields: {exc}") from None
     return spec_from_dict(options, source=ENV_VAR)
+
+
+def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; ValueError naming a key it holds twice."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice")
+        obj[key] = value
+    return obj
 
 
 def server_args(spec: SpecConfig) -> dict[str, Any]:

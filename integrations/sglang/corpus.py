@@ -129,6 +129,7 @@ class RolloutSpecCorpus:
         self._last_tails: list[list[int]] = []  # and their tails
         self._next_id = 0
         self._corpora: dict[str, int] = {}
+        self._uncommitted: dict[str, int] = {}  # loaded corpora awaiting SGLang's commit: tokens
         self._counters = dict(requests=0, gets=0, gap_tokens=0, restarts=0, steps=0,
                               put_sequences=0, put_skipped=0, committed_tokens=0,
                               final_tokens=0, prefill_finished=0)
@@ -424,7 +425,9 @@ class RolloutSpecCorpus:
     @property
     def remaining_token_budget(self) -> int:
         """Tokens external corpora may still add (``external_corpus_max_tokens`` minus loaded)."""
-        return self.external_corpus_max_tokens - sum(self._corpora.values())
+        # list(): SGLang's load thread may add a pending corpus while another thread reads this
+        return (self.external_corpus_max_tokens - sum(list(self._corpora.values()))
+                - sum(list(self._uncommitted.values())))
 
     def load_external_corpus_named(self, corpus_id: str, chunks: Iterable[Sequence[int]]) -> int:
         """Index a corpus into the global scope, pinned (never aged or evicted, as SGLang keeps its
@@ -438,12 +441,12 @@ class RolloutSpecCorpus:
         drafter's lock released between batches, so drafting goes on during a run-time load.
 
         Raises:
-            ValueError: ``corpus_id`` is loaded already, the chunks exceed the token budget, hold
+            ValueError: ``corpus_id`` is loaded already (committed or not), the chunks exceed the token budget, hold
                 a value that is neither a token id in [0, 2**31 - 1] nor the separator, or hold
                 no document token (SGLang's corpus refuses an empty one as well).
             TypeError: a chunk is not a 1-D sequence of integers.
         """
-        if corpus_id in self._corpora:
+        if corpus_id in self._corpora or corpus_id in self._uncommitted:
             raise ValueError(f"external corpus {corpus_id!r} is loaded already")
         stream = _corpus_stream(corpus_id, chunks)
         total = len(stream)
@@ -457,11 +460,28 @@ class RolloutSpecCorpus:
             raise ValueError(f"external corpus {corpus_id!r} holds no tokens; SGLang refuses an empty corpus too")
         for batch in _load_batches(docs, self.load_batch_tokens):
             self.drafter.add_sequences([None] * len(batch), batch, pinned=True)
+        self._uncommitted[corpus_id] = total
         return total
 
     def commit_external_corpus_load(self, corpus_id: str, loaded_token_count: int) -> None:
-        """Record a loaded corpus (SGLang calls this after ``load_external_corpus_named``)."""
-        self._corpora[corpus_id] = int(loaded_token_count)
+        """Record a loaded corpus (SGLang calls this with what ``load_external_corpus_named``
+        returned). The count is what the budget and ``list_external_corpora`` report, so it must
+        be the one loaded: another would let later corpora past ``external_corpus_max_tokens``.
+
+        Raises:
+            ValueError: ``corpus_id`` was not loaded or is committed already, or
+                ``loaded_token_count`` is not the count its load returned.
+            TypeError: ``loaded_token_count`` is not an integer.
+        """
+        loaded = self._uncommitted.get(corpus_id)
+        if loaded is None:
+            raise ValueError(f"external corpus {corpus_id!r} has no load to commit "
+                             "(load_external_corpus_named first, and commit it once)")
+        count = check_int("loaded_token_count", loaded_token_count, 0)
+        if count != loaded:
+            raise ValueError(f"loaded_token_count of external corpus {corpus_id!r} must be {loaded}, "
+                             f"the count its load returned, got {count}")
+        self._corpora[corpus_id] = self._uncommitted.pop(corpus_id)
 
     def remove_external_corpus(self, corpus_id: str) -> None:
         """Not supported: the drafter's index cannot take back one corpus's tokens.

@@ -96,8 +96,11 @@ def engine_kwargs(
 
 
 def _additional_config(vllm_config: Any) -> Mapping:
-    """The engine's ``additional_config`` (empty when none was passed); TypeError unless a dict."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
+    """The engine's ``additional_config`` (empty when none was passed); TypeError unless a dict
+    (an empty string, 0 or False too: they are no dict, not "no options")."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if extra is None:
+        return {}
     if not isinstance(extra, Mapping):
         raise TypeError(f"vLLM additional_config must be a dict, got {type(extra).__name__}")
     return extra
