@@ -441,9 +441,9 @@ class RolloutSpecCorpus:
         drafter's lock released between batches, so drafting goes on during a run-time load.
 
         Raises:
-            ValueError: ``corpus_id`` is loaded already (committed or not), the chunks exceed the token budget, hold
-                a value that is neither a token id in [0, 2**31 - 1] nor the separator, or hold
-                no document token (SGLang's corpus refuses an empty one as well).
+            ValueError: ``corpus_id`` is loaded already (committed or not), the chunks exceed the
+                token budget, hold a value that is neither a token id in [0, 2**31 - 1] nor the
+                separator, or hold no document token (SGLang's corpus refuses an empty one too).
             TypeError: a chunk is not a 1-D sequence of integers.
         """
         if corpus_id in self._corpora or corpus_id in self._uncommitted:
