@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from rollout_spec.cli_args import (DefaultsParser, check_device, check_output, check_trace_steps, device_arg, float_arg,
-                                   int_arg, load_trace_arg, model_arg, task_arg, temperature_arg)
+                                   int_arg, load_trace_arg, model_arg, task_arg, temperature_arg,
+                                   wandb_project_arg)
 from rollout_spec.config import DEFAULT_MODEL, SamplingParams
 from rollout_spec.files import replaced_on_success
 from rollout_spec.metrics import (DrafterProbe, SpecStats, plot_dashboard, step_table, stats_from_outputs,
@@ -64,7 +65,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="skip the speculation-off pass (no speedup figure)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                    help="(default: offline when wandb is installed, else disabled)")
-    p.add_argument("--wandb-project", default="rollout-spec", help="the wandb project the run logs to")
+    p.add_argument("--wandb-project", type=wandb_project_arg, default="rollout-spec",
+                   help="the wandb project the run logs to")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a PNG dashboard here")
     p.add_argument("--record", type=Path, metavar="TRACE.json",
                    help="write the rollouts in the shared trace format (.gz for gzip)")
@@ -129,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_bench(args)
         except ContextTooShort as exc:
             parser.error(str(exc))
-        except (StepFailed, ModelNotLoaded) as exc:
+        except (StepFailed, ModelNotLoaded, OutputsNotWritten) as exc:
             print(f"rollout-spec bench: error: {exc}", file=sys.stderr)
             return 1
         return 0
@@ -369,6 +371,11 @@ class ContextTooShort(ValueError):
     argument error, found once the tokenizer and the model's config are read."""
 
 
+class OutputsNotWritten(RuntimeError):
+    """A file of ``--plot``, ``--record`` or ``--json`` could not be written after the steps ran
+    (the others were, and the tables printed hold every figure)."""
+
+
 class StepFailed(RuntimeError):
     """Requests of a bench step ended in error: its figures would have holes, so the bench
     stops there (the finished steps' results are still written)."""
@@ -436,9 +443,14 @@ def run_bench(args: argparse.Namespace, console: Optional[Any] = None,
                 sink.log(wandb_metrics(stats), step=step)
                 tables.print(step_table(stats))
                 progress.advance(bar)
-    finally:
-        sink.finish()
-        _write_results(args, history, recorder, console, status)
+    finally:  # the files first: a sink that fails to close (wandb) cannot lose them
+        try:
+            unwritten = _write_results(args, history, recorder, console, status)
+        finally:
+            sink.finish()
+    if unwritten:
+        raise OutputsNotWritten(f"results not written: {'; '.join(unwritten)} (the tables above "
+                                f"hold them)")
     return history
 
 
@@ -455,24 +467,44 @@ def _one_terminal(console: Any, status: Any) -> bool:
 
 
 def _write_results(args: argparse.Namespace, history: list[SpecStats], recorder: Optional[Any],
-                   console: Any, status: Any) -> None:
+                   console: Any, status: Any) -> list[str]:
     """The summary table (to ``console``), and the plot, trace and JSON asked for, of the steps
-    that finished; what was written, or why not, to ``status``."""
+    that finished; what was written, or why not, to ``status``. A file that cannot be written
+    (a full disk, a folder removed during the run) does not stop the others: returns the
+    failures, each naming its option."""
     if not history:
         status.print("no RL step finished: no summary, plot, trace or JSON written")
-        return
+        return []
     if len(history) < args.steps:
         status.print(f"[bold red]the bench stopped after {len(history)} of {args.steps} RL steps; "
                      f"the results are theirs[/]")
     console.print(summary_table(history))
-    if args.plot is not None:
-        status.print(f"dashboard: {plot_dashboard(history, args.plot, title=_title(args))}")
-    if recorder is not None:
-        status.print(f"trace: {recorder.save(args.record)}")
-    if args.json is not None:
+    failures = []
+    for flag, write in _result_writers(args, history, recorder):
+        try:
+            status.print(write())
+        except OSError as exc:
+            failures.append(f"{flag} {getattr(args, flag[2:])}: {exc}")
+            status.print(f"[bold red]{failures[-1]}[/]", highlight=False)
+    return failures
+
+
+def _result_writers(args: argparse.Namespace, history: list[SpecStats],
+                    recorder: Optional[Any]) -> list[tuple[str, Callable[[], str]]]:
+    """The files asked for, as (option, a function that writes its file and says where)."""
+    def write_json() -> str:
         with replaced_on_success(args.json) as tmp:  # a failed write keeps the file there before
             tmp.write_text(json.dumps([s.to_dict() for s in history], indent=1))
-        status.print(f"figures: {args.json}")
+        return f"figures: {args.json}"
+
+    writers: list[tuple[str, Callable[[], str]]] = []
+    if args.plot is not None:
+        writers.append(("--plot", lambda: f"dashboard: {plot_dashboard(history, args.plot, title=_title(args))}"))
+    if recorder is not None:
+        writers.append(("--record", lambda: f"trace: {recorder.save(args.record)}"))
+    if args.json is not None:
+        writers.append(("--json", write_json))
+    return writers
 
 
 def workload_line(args: argparse.Namespace, num_slots: int, device: str) -> str:

@@ -200,15 +200,53 @@ def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--de
         parser.error(f"{flag}: {exc}")
 
 
+WANDB_PROJECT_MAX_CHARS = 128
+WANDB_PROJECT_BAD_CHARS = "/\\#?%:"
+
+
+def wandb_project_arg(text: str) -> str:
+    """An argparse type: ``--wandb-project`` as wandb accepts it (at most 128 characters, none of
+    ``/ \\ # ? % :``), refused as it is parsed rather than by ``wandb.init`` after the model
+    has loaded."""
+    if len(text) > WANDB_PROJECT_MAX_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"--wandb-project must be at most {WANDB_PROJECT_MAX_CHARS} characters, got {len(text)}")
+    found = sorted({c for c in text if c in WANDB_PROJECT_BAD_CHARS})
+    if found:
+        raise argparse.ArgumentTypeError(
+            f"--wandb-project must not contain any of {' '.join(WANDB_PROJECT_BAD_CHARS)}, got "
+            f"{text!r} (with {' '.join(found)})")
+    return text
+
+
 def unwritable(path: Path) -> Optional[str]:
     """Why a file could not be written at ``path``, or None."""
-    if path.is_dir():
-        return "is a directory"
-    folder = path.parent
-    if not folder.is_dir():
-        return f"folder {folder} does not exist"
+    try:
+        problem = name_too_long(path)
+        if problem:
+            return problem
+        if path.is_dir():
+            return "is a directory"
+        folder = path.parent
+        if not folder.is_dir():
+            return f"folder {folder} does not exist"
+    except OSError as exc:  # a path too long for the system, a loop of symbolic links
+        return exc.strerror
     if not os.access(folder, os.W_OK):
         return f"folder {folder} is not writable"
+    return None
+
+
+def name_too_long(path: Path) -> Optional[str]:
+    """Why the file name of ``path`` is too long for its folder's filesystem, or None (also when
+    the folder does not exist: the caller says that). ``Path.is_dir`` raises for such a name."""
+    try:
+        limit = os.pathconf(path.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):  # no such folder, or a system that does not say
+        return None
+    size = len(os.fsencode(path.name))
+    if size > limit:
+        return f"the file name is {size} bytes, its filesystem allows at most {limit}"
     return None
 
 
@@ -227,10 +265,9 @@ def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
     Steps of only empty responses in a trace with tokens elsewhere are named in a note on stderr."""
     from rollout_spec.replay import load_trace
 
-    if Path(path).is_dir():
-        parser.error(f"{flag} {path}: is a directory, not a trace file")
-    if not Path(path).is_file():
-        parser.error(f"{flag} {path}: trace file not found")
+    problem = unreadable_trace(Path(path))
+    if problem:
+        parser.error(f"{flag} {path}: {problem}")
     try:
         trace = load_trace(path)
     except (OSError, ValueError) as exc:
@@ -238,6 +275,22 @@ def load_trace_arg(parser: argparse.ArgumentParser, flag: str, path: str | Path,
     if need_responses:
         check_trace_responses(parser, flag, path, trace)
     return trace
+
+
+def unreadable_trace(path: Path) -> Optional[str]:
+    """Why ``path`` names no trace file to read, or None: a directory, no file, or a name or
+    path too long for the system (``Path.is_dir`` raises for those)."""
+    try:
+        problem = name_too_long(path)
+        if problem:
+            return problem
+        if path.is_dir():
+            return "is a directory, not a trace file"
+        if not path.is_file():
+            return "trace file not found"
+    except OSError as exc:  # a path too long for the system, a loop of symbolic links
+        return exc.strerror
+    return None
 
 
 def check_trace_responses(parser: argparse.ArgumentParser, flag: str, path: str | Path, trace: "Trace") -> None:

@@ -45,6 +45,16 @@ from rollout_spec.replay import load_trace
     (["bench", "--plot", "d.png", "--json", "d.png", "--wandb", "disabled"], "--plot and --json name the same file"),
     (["bench", "--model", "no-such-model"], "argument --model: model must be one of ['smollm2-135m'], a .gguf"),
     (["bench", "--record", "t.tar.gz", "--wandb", "disabled"], "--record must end in .json or .json.gz, got 't.tar.gz'"),
+    # refused as parsed, not by wandb.init after the model has loaded (a traceback)
+    (["bench", "--wandb-project", "team/runs"],
+     "--wandb-project must not contain any of / \\ # ? % :, got 'team/runs' (with /)"),
+    (["bench", "--wandb-project", "p" * 129], "--wandb-project must be at most 128 characters, got 129"),
+    # a name longer than the filesystem's 255 bytes: was an OSError traceback from Path.is_dir
+    (["bench", "--json", "r" * 300 + ".json", "--wandb", "disabled"],
+     "the file name is 305 bytes, its filesystem allows at most 255"),
+    (["bench", "--plot", "/tmp/" + "d" * 300 + ".png", "--wandb", "disabled"], "the file name is 304 bytes"),
+    (["replay", "t" * 300 + ".json"], "the file name is 305 bytes, its filesystem allows at most 255"),
+    (["replay", "/tmp/" + "/".join(["d" * 200] * 25) + "/t.json"], "File name too long"),
 ])
 def test_argument_errors(capsys, argv, needle):
     assert needle in argument_error(cli.main, argv, capsys)
@@ -245,6 +255,51 @@ def test_a_bench_failing_in_its_first_step_writes_nothing(tmp_path, monkeypatch,
                      "--wandb", "disabled", "--json", str(tmp_path / "r.json")]) == 1
     assert "step 0: 1 requests failed" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists() and "no RL step finished" in console.export_text()
+
+
+def test_an_output_that_fails_to_write_after_the_run_does_not_lose_the_others(tmp_path, monkeypatch, capsys):
+    """The plot fails (say the disk filled) after every step ran: the trace and the JSON are
+    still written, the failure names --plot, and the bench ends with status 1, not a traceback."""
+    from rollout_spec.workloads import Workload
+
+    answer = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)[0].answer
+    engines = cli.Engines(spec=FakeEngine(True, answer), base=None)
+    monkeypatch.setattr(cli, "open_engines", lambda args: engines)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "plot_dashboard", disk_full)
+    argv = ["bench", "--task", "chain_sum", "--steps", "2", "--prompts", "2", "--no-baseline",
+            "--wandb", "disabled", "--plot", str(tmp_path / "d.png"), "--record",
+            str(tmp_path / "t.json.gz"), "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 1
+    out, err = (" ".join(text.split()) for text in capsys.readouterr())
+    assert "summary" in out
+    assert f"--plot {tmp_path / 'd.png'}: [Errno 28] No space left on device" in err
+    assert "rollout-spec bench: error: results not written: --plot" in err
+    assert [r["step"] for r in json.loads((tmp_path / "r.json").read_text())] == [0, 1]
+    assert len(load_trace(tmp_path / "t.json.gz").steps) == 2
+
+
+def test_a_sink_that_fails_to_close_loses_no_file(tmp_path, monkeypatch):
+    """wandb's finish ran before the files were written: a sink that raised there lost the JSON
+    of a run that had finished every step."""
+    from rollout_spec import metrics
+    from rollout_spec.workloads import Workload
+
+    class ClosingFails(metrics.NullSink):
+        def finish(self) -> None:
+            raise RuntimeError("wandb could not close its run")
+
+    answer = Workload("chain_sum", FakeTokenizer(), 2, seed=0).batch(0)[0].answer
+    monkeypatch.setattr(cli, "open_engines", lambda args: cli.Engines(spec=FakeEngine(True, answer), base=None))
+    monkeypatch.setattr(metrics, "make_sink", lambda *args: ClosingFails())
+    argv = ["bench", "--task", "chain_sum", "--steps", "2", "--prompts", "2", "--no-baseline",
+            "--wandb", "disabled", "--json", str(tmp_path / "r.json")]
+    with pytest.raises(RuntimeError, match="wandb could not close its run"):
+        cli.main(argv)
+    assert [r["step"] for r in json.loads((tmp_path / "r.json").read_text())] == [0, 1]
 
 
 def test_drafter_figures_read_stats_and_timer():
