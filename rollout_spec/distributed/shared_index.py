@@ -303,16 +303,14 @@ class SharedIndexClient:
         when a later submit raises."""
         self._published_steps.add(step)
         prefs = [self.router.preferences(np.asarray(b.groups, np.int64), self.config.affinity_k) for b in batches]
-        shards = [self._shards_of(p) for p in prefs]
+        held = [p % self.config.num_shards for p in prefs]  # the shard of each destination
+        shards = [set(np.unique(h).tolist()) for h in held]
         try:
             for members, owed in self._shards_by_batches_owed(batches, shards).items():
-                self._submit_to_shards(step, [batches[i] for i in members], [prefs[i] for i in members], owed, cost)
+                self._submit_to_shards(step, [batches[i] for i in members], [prefs[i] for i in members],
+                                       [held[i] for i in members], owed, cost)
         finally:
             batches[:] = [b for b, needed in zip(batches, shards) if not needed <= b.taken_by]
-
-    def _shards_of(self, prefs: np.ndarray) -> set[int]:
-        """The coordinator shards that hold some destination of ``prefs`` (int[S, k] replicas)."""
-        return set(np.unique(prefs % self.config.num_shards).tolist())
 
     @staticmethod
     def _shards_by_batches_owed(batches: list[_Batch], shards: list[set[int]]) -> dict[tuple[int, ...], list[int]]:
@@ -325,20 +323,23 @@ class SharedIndexClient:
                 groups.setdefault(owed, []).append(shard)
         return groups
 
-    def _submit_to_shards(self, step: int, batches: list[_Batch], prefs: list[np.ndarray], shards: list[int],
-                          cost: _PublishCost) -> None:
-        """Submit ``batches`` (destinations ``prefs``) to each of ``shards``, one call each, marking
-        them taken by a shard once its call is submitted; the first submit that raises stops.
+    def _submit_to_shards(self, step: int, batches: list[_Batch], prefs: list[np.ndarray], held: list[np.ndarray],
+                          shards: list[int], cost: _PublishCost) -> None:
+        """Submit ``batches`` (destinations ``prefs``, held by shards ``held``) to each of
+        ``shards``, one call each, marking them taken by a shard once its call is submitted; the
+        first submit that raises stops.
 
         A response's tokens count at its first submit to any shard (``counted``), so one that
         several shards or publishes carry is counted once."""
         groups = np.asarray([g for b in batches for g in b.groups], np.int64)
         buckets = split_by_destination(groups, [s for b in batches for s in b.seqs], np.concatenate(prefs))
-        held = [p % self.config.num_shards for p in prefs]  # the shard of each destination
         lengths = [np.fromiter((len(s) for s in b.seqs), np.int64, len(b.seqs)) for b in batches]
         counted = [np.isin(h, sorted(b.taken_by)).any(axis=1) for h, b in zip(held, batches)]
+        by_shard: dict[int, list[int]] = {}
+        for dest in buckets:
+            by_shard.setdefault(dest % self.config.num_shards, []).append(dest)
         for shard in shards:
-            dests = [d for d in buckets if d % self.config.num_shards == shard]
+            dests = by_shard.get(shard, [])
             self._submit_call(step, shard, dests, buckets)
             cost.bytes += sum(int(buckets[d].nbytes) for d in dests)
             cost.buckets += len(dests)
