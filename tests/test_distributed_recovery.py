@@ -576,6 +576,70 @@ def test_the_backlog_keeps_the_newest_retain_steps_steps_and_counts_the_dropped(
     client.close()
 
 
+def _replaced_by(handle: _FlakyHandle, retain_steps: int) -> _FlakyHandle:
+    """The driver's new coordinator, created with ``retain_steps``: what a lookup finds from now."""
+    fresh = _FlakyHandle()
+    fresh.coord = IndexCoordinator(retain_steps=retain_steps)
+    handle.lookups["handle"] = fresh
+    return fresh
+
+
+def test_restart_reads_a_larger_retain_steps_and_keeps_the_steps_it_allows(handle: _FlakyHandle) -> None:
+    """restart() kept the retain_steps read at construction: coordinators re-created with a larger
+    one would have kept steps that the client dropped from its backlog at the next publish."""
+    handle.coord = IndexCoordinator(retain_steps=2)
+    client, _ = _stopped_client(handle)
+    for step in range(2):
+        _publish_raising(client, step, (5, [step, 100]))
+    fresh = _replaced_by(handle, retain_steps=3)
+    client.restart()
+    assert client.retain_steps == 3
+    client.record(5, [2, 100])
+    client.publish(2)
+    client.flush()
+    assert _steps_received(fresh.coord, 1) == [(0, [[0, 100]]), (1, [[1, 100]]), (2, [[2, 100]])]
+    assert client.stats()["backlog_sequences_dropped"] == 0
+    client.close()
+
+
+def test_restart_reads_a_smaller_retain_steps_and_trims_the_backlog_at_once(
+        handle: _FlakyHandle, caplog) -> None:
+    """Under the old, larger retain_steps the publish after restart() sent steps that the new
+    coordinators evict as their window moves (or refuse as stale when a peer is ahead)."""
+    client, _ = _stopped_client(handle)  # retain_steps=4
+    for step in range(4):
+        _publish_raising(client, step, (5, [step, 100]))
+    fresh = _replaced_by(handle, retain_steps=2)
+    with caplog.at_level(logging.WARNING, logger=shared_index.__name__):
+        client.restart()
+    assert client.retain_steps == 2 and sorted(client._backlog) == [2, 3]
+    assert client.stats()["backlog_sequences_dropped"] == 2
+    assert sum("outside the newest retain_steps=2 steps" in r.getMessage() for r in caplog.records) == 2
+    client.record(5, [4, 100])
+    client.publish(4)  # step 2 falls out of the new window
+    client.flush()
+    assert _steps_received(fresh.coord, 1) == [(3, [[3, 100]]), (4, [[4, 100]])]
+    assert fresh.coord.stats()["publishes"] == 2  # nothing sent only to be evicted
+    client.close()
+
+
+def test_a_restart_whose_coordinators_keep_another_retain_steps_than_the_config_changes_nothing(
+        handle: _FlakyHandle) -> None:
+    """A config naming retain_steps was checked at construction only: restart() went on with
+    coordinators that keep another number of steps."""
+    client, _ = _stopped_client(handle, retain_steps=4)
+    _publish_raising(client, 0, (5, [1, 2]))
+    _replaced_by(handle, retain_steps=2)
+    with pytest.raises(ValueError, match=r"retain_steps=4 but the coordinators 'rollout-spec-index' keep 2"):
+        client.restart()
+    assert client.retain_steps == 4 and sorted(client._backlog) == [0]
+    assert client.stats()["puller_failed"] == 1.0
+    _replaced_by(handle, retain_steps=4)  # the driver re-creates them as the config says
+    client.restart()
+    assert client.stats()["puller_failed"] == 0.0
+    client.close()
+
+
 class _NgramLike(_Sink):
     """The drafter calls SharingDrafter.stats makes."""
 

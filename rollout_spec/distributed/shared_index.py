@@ -15,8 +15,8 @@ error is raised at the owner's next step boundary (``stats`` still answers, with
 ``puller_failed``). :meth:`SharedIndexClient.restart` starts it again on purpose. A publish the
 coordinator did not acknowledge is reported lost, never retried. A publish that raises (the
 puller's error, or a submit that failed) keeps the responses that some coordinator shard did not
-take, for the coordinators' last ``retain_steps`` steps, and the next publish sends them under
-their own steps to those shards only.
+take, for the coordinators' last ``retain_steps`` steps (read again by ``restart``), and the next
+publish sends them under their own steps to those shards only.
 """
 from __future__ import annotations
 
@@ -93,10 +93,11 @@ class SharedIndexConfig:
     defaults ten failures span about 7 s."""
     retain_steps: Optional[int] = None
     """The coordinators' ``retain_steps``: None (the default) reads it from them when the client
-    is built, as one cheap call per shard; an int in [1, 1048576] must equal theirs (the client
-    refuses another). A publish that raises keeps the responses of at most this many steps, the
-    newest, for the next publish; older ones would be stale there. It is read at construction,
-    not when it is needed: the puller may have stopped on a dead coordinator then."""
+    is built and at each ``restart()``, as one cheap call per shard; an int in [1, 1048576] must
+    equal theirs (the client, and its ``restart()``, refuse another). A publish that raises keeps
+    the responses of at most this many steps, the newest, for the next publish; older ones would
+    be stale there. It is read at those two points, not when a publish raises: the puller may
+    have stopped on a dead coordinator by then."""
 
     def __post_init__(self) -> None:
         def put(field: str, value: object) -> None:  # frozen: store the checked (plain int/float) value
@@ -178,7 +179,7 @@ class SharedIndexClient:
         self.config = config
         self.router = GroupRouter(config.num_replicas, seed=config.router_seed)
         self._coords = self._look_up_coordinators(config.lookup_timeout_s)
-        self._retain_steps = self._agreed_retain_steps()
+        self._retain_steps = self._agreed_retain_steps(self._coords)
         self._recorded: tuple[list[int], list[np.ndarray]] = ([], [])
         # step -> its responses, until every shard took them (a publish that raised keeps what some did
         # not take); the owner's only
@@ -204,13 +205,14 @@ class SharedIndexClient:
 
     @property
     def retain_steps(self) -> int:
-        """The coordinators' ``retain_steps``, read at construction: the backlog keeps at most this
-        many steps."""
+        """The coordinators' ``retain_steps``, read at construction and at each :meth:`restart`: the
+        backlog keeps at most this many steps."""
         return self._retain_steps
 
-    def _agreed_retain_steps(self) -> int:
-        """The coordinators' ``retain_steps``, checked against the config's when it names one."""
-        theirs = coordinators_retain_steps(self._coords, self.config.lookup_timeout_s)
+    def _agreed_retain_steps(self, coords: list[Any]) -> int:
+        """The ``retain_steps`` of the coordinators behind ``coords``, checked against the config's
+        when it names one."""
+        theirs = coordinators_retain_steps(coords, self.config.lookup_timeout_s)
         ours = self.config.retain_steps
         if ours is not None and ours != theirs:
             raise ValueError(f"SharedIndexConfig.retain_steps={ours} but the coordinators {self.config.name!r} "
@@ -288,7 +290,12 @@ class SharedIndexClient:
                 batches[-1].seqs.extend(seqs)
             else:
                 batches.append(_Batch(groups, seqs))
-        oldest_kept = max([step, *self._backlog]) - self._retain_steps + 1
+        self._trim_backlog(max([step, *self._backlog]))
+
+    def _trim_backlog(self, newest: int) -> None:
+        """Drop the backlog's steps older than the newest ``retain_steps`` up to step ``newest``,
+        counted in ``backlog_sequences_dropped`` and logged."""
+        oldest_kept = newest - self._retain_steps + 1
         for old in [s for s in self._backlog if s < oldest_kept]:
             dropped = sum(len(batch.seqs) for batch in self._backlog.pop(old))
             self._add_stats(backlog_sequences_dropped=dropped)
@@ -471,9 +478,21 @@ class SharedIndexClient:
         lost; the responses of steps whose publish raised go out with the next publish.
         ``timeout_s`` (a number in [0, 3600]) bounds the wait for a stopping puller to exit.
 
+        The coordinators' ``retain_steps`` is read again, as at construction: the driver may have
+        re-created them with another value. Under a smaller one, the backlog's steps outside the
+        new window (the ``retain_steps`` steps up to its newest) are dropped at once, counted and
+        logged as :meth:`publish` does, which would drop them next; under a larger one it keeps
+        more steps from then on (those dropped before the restart stay dropped). When it raises,
+        nothing has changed: the puller stays stopped (with its error, if any), and ``restart()``
+        may be called again.
+
         Raises:
             RuntimeError: the puller is running, or the stopping one did not exit in time.
             LookupError: the coordinators are not found within ``lookup_timeout_s``.
+            ValueError: ``config.retain_steps`` is not the coordinators' value, or their shards
+                disagree.
+            ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a coordinator did not
+                tell its ``retain_steps`` within ``lookup_timeout_s``.
         """
         timeout_s = check_float("timeout_s", timeout_s, 0.0, 3600.0)
         old = self._thread
@@ -483,7 +502,11 @@ class SharedIndexClient:
             old.join(timeout=timeout_s)  # it has failed or been told to stop: it is leaving its loop
             if old.is_alive():
                 raise RuntimeError(f"the stopped shared-index puller did not exit within {timeout_s} s")
-        self._coords = self._look_up_coordinators(self.config.lookup_timeout_s)
+        coords = self._look_up_coordinators(self.config.lookup_timeout_s)
+        retain_steps = self._agreed_retain_steps(coords)
+        self._coords, self._retain_steps = coords, retain_steps
+        if self._backlog:
+            self._trim_backlog(max(self._backlog))
         self._error = None
         self._stop.clear()
         self._thread = None
