@@ -192,7 +192,7 @@ def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--de
         if index >= count:
             parser.error(f"{flag} {device}: no CUDA device is visible here (use cpu)" if count == 0 else
                          f"{flag} {device}: torch sees {count} CUDA devices here (cuda:0 to cuda:{count - 1})")
-    from rollout_spec.engine.engine import pick_device
+    from rollout_spec.engine.inputs import pick_device
 
     try:
         return str(pick_device(device))

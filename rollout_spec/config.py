@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Optional
+from typing import Any, Optional
 
 from rollout_spec.token_ids import BYTES_LIKE
 
@@ -101,6 +101,17 @@ def parse_bool(name: str, text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off, got {text!r}")
+
+
+def object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; ValueError naming a key it holds twice (``json.load`` would keep
+    the last silently). Pass it as ``object_pairs_hook``."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice")
+        obj[key] = value
+    return obj
 
 
 def check_token_ids(name: str, value: object, hi: int = 2**31 - 1) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from numbers import Real
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -162,6 +163,34 @@ def _depth_tuple(name: str, counts: Any, highs: Optional[tuple[int, ...]] = None
                  for d, c in enumerate(counts))
 
 
+def _check_outputs(name: str, outputs: Any, counters: tuple[str, ...]) -> None:
+    """TypeError naming ``name`` or its first bad entry unless it is a sequence of
+    RolloutOutput-likes: each with a sized ``token_ids`` and the attributes ``counters`` (their
+    values are checked where they are summed)."""
+    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
+        raise TypeError(f"{name} must be a sequence (list, tuple) of RolloutOutput, "
+                        f"got {type(outputs).__name__}")
+    for i, out in enumerate(outputs):
+        missing = [a for a in ("token_ids", *counters) if not hasattr(out, a)]
+        if missing:
+            raise TypeError(f"{name}[{i}] must be a RolloutOutput, got {type(out).__name__} "
+                            f"without {', '.join(missing)}")
+        if isinstance(out.token_ids, (str, bytes)) or not hasattr(out.token_ids, "__len__"):
+            raise TypeError(f"{name}[{i}].token_ids must be a sequence of token ids, "
+                            f"got {type(out.token_ids).__name__}")
+
+
+def _mean_reward(rewards: Sequence[float]) -> float:
+    """The mean of a non-empty ``rewards``; TypeError naming its first entry that is no number."""
+    try:
+        return sum(rewards) / len(rewards)
+    except TypeError:
+        bad = next((i for i, r in enumerate(rewards) if not isinstance(r, Real)), None)
+        if bad is None:
+            raise
+        raise TypeError(f"rewards[{bad}] must be a number, got {type(rewards[bad]).__name__}") from None
+
+
 def _sum_attr(outputs: Sequence[Any], name: str) -> int:
     return sum(check_int(f"spec_outputs[{i}].{name}", getattr(o, name), 0)
                for i, o in enumerate(outputs))
@@ -172,10 +201,11 @@ def _depth_counts(outputs: Sequence[Any], name: str) -> Optional[tuple[int, ...]
     rows = [getattr(o, name, None) for o in outputs]
     if not rows or any(r is None for r in rows):
         return None
-    totals = [0] * max(len(r) for r in rows)
-    for i, row in enumerate(rows):
+    rows = [_depth_tuple(f"spec_outputs[{i}].{name}", row) for i, row in enumerate(rows)]
+    totals = [0] * max(map(len, rows))
+    for row in rows:
         for d, count in enumerate(row):
-            totals[d] += check_int(f"spec_outputs[{i}].{name}[{d}]", count, 0)
+            totals[d] += count
     return tuple(totals)
 
 
@@ -206,11 +236,18 @@ def stats_from_outputs(
     ``DrafterProbe``, else they are read from the outputs when the engine reports them.
 
     Raises:
-        ValueError/TypeError naming the argument or SpecStats field that is out of range; a
-            ValueError for no ``spec_outputs`` (verl logs no acceptance for an empty batch).
+        ValueError/TypeError naming the argument or SpecStats field that is out of range or of
+            the wrong type (also an output without a RolloutOutput's fields); a ValueError for
+            no ``spec_outputs`` (verl logs no acceptance for an empty batch).
     """
+    _check_outputs("spec_outputs", spec_outputs,
+                   ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens"))
     if not len(spec_outputs):
         raise ValueError("spec_outputs must hold at least one output, got none")
+    if base_outputs is not None:
+        _check_outputs("base_outputs", base_outputs, ())
+    if rewards is not None and (isinstance(rewards, (str, bytes)) or not hasattr(rewards, "__len__")):
+        raise TypeError(f"rewards must be a sequence of numbers, got {type(rewards).__name__}")
     for name, other in (("base_outputs", base_outputs), ("rewards", rewards)):
         if other is not None and len(other) != len(spec_outputs):
             raise ValueError(f"{name} must have one entry per spec output ({len(spec_outputs)}), "
@@ -238,7 +275,7 @@ def stats_from_outputs(
         **counters, verl_accept_rate=rate, verl_accept_length=length, draft_budget=draft_budget,
         base_tokens=None if base_outputs is None else sum(len(o.token_ids) for o in base_outputs),
         base_seconds=base_seconds,
-        mean_reward=None if rewards is None or not len(rewards) else sum(rewards) / len(rewards),
+        mean_reward=None if rewards is None or not len(rewards) else _mean_reward(rewards),
         depth_drafted=depths[0], depth_accepted=depths[1],
         drafter_us_per_request=drafter.get("us_per_request"),
         index_tokens=drafter.get("index_tokens"), index_bytes=drafter.get("index_bytes"),
@@ -253,7 +290,12 @@ def wandb_metrics(stats: SpecStats) -> dict[str, float]:
     Figures that were not measured (no baseline, no per-depth counters, no drafter timing,
     nothing drafted: no acceptance) are left out rather than logged as zeros. verl's two names
     keep verl's own rule, which counts a request without drafts as 0.
+
+    Raises:
+        TypeError: ``stats`` is not a SpecStats.
     """
+    if not isinstance(stats, SpecStats):
+        raise TypeError(f"stats must be SpecStats, got {type(stats).__name__}")
     out: dict[str, float] = {
         "rollout/spec_accept_rate": stats.verl_accept_rate,
         "rollout/spec_accept_length": stats.verl_accept_length,
@@ -371,12 +413,7 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
     Panels whose figures were not measured say so in the panel instead of drawing zeros.
     ``history`` is a non-empty sequence of SpecStats, ``path`` a file path ending in .png.
     """
-    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
-        raise TypeError(f"history must be a sequence (list, tuple) of SpecStats, "
-                        f"got {type(history).__name__}")
-    bad = next((i for i, s in enumerate(history) if not isinstance(s, SpecStats)), None)
-    if bad is not None:
-        raise TypeError(f"history[{bad}] must be SpecStats, got {type(history[bad]).__name__}")
+    _check_history(history)
     if not history:
         raise ValueError("history must hold at least one step to plot")
     if not isinstance(path, (str, Path)) or Path(path).suffix.lower() != ".png":
@@ -411,6 +448,16 @@ def plot_dashboard(history: Sequence[SpecStats], path: str | Path, title: str = 
     finally:
         plt.close(fig)
     return path
+
+
+def _check_history(history: Any) -> None:
+    """TypeError naming ``history`` unless it is a sequence (read more than once) of SpecStats."""
+    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
+        raise TypeError(f"history must be a sequence (list, tuple) of SpecStats, "
+                        f"got {type(history).__name__}")
+    bad = next((i for i, s in enumerate(history) if not isinstance(s, SpecStats)), None)
+    if bad is not None:
+        raise TypeError(f"history[{bad}] must be SpecStats, got {type(history[bad]).__name__}")
 
 
 def _plot_speedup(ax: Any, history: Sequence[SpecStats]) -> None:
@@ -482,7 +529,12 @@ def summary_table(history: Sequence[SpecStats]) -> Any:
 
 
 def pooled(history: Sequence[SpecStats]) -> dict[str, Optional[float]]:
-    """Figures pooled over all steps (sums of tokens, seconds and counters, then ratios)."""
+    """Figures pooled over all steps (sums of tokens, seconds and counters, then ratios).
+
+    Raises:
+        TypeError: ``history`` is not a sequence of SpecStats, naming it or its first bad entry.
+    """
+    _check_history(history)
     spec_tokens = sum(s.spec_tokens for s in history)
     spec_s = sum(s.spec_seconds for s in history)
     based = [s for s in history if s.base_tokens is not None and s.base_seconds]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from rollout_spec.config import MAX_NEW_TOKENS, check_int
+from rollout_spec.config import MAX_NEW_TOKENS, check_int, object_without_repeats
 from rollout_spec.drafter import takes_noise_keys
 from rollout_spec.files import replaced_on_success
 from rollout_spec.groups import GROUP_ID_MAX
@@ -91,14 +91,15 @@ def load_trace(path: str | Path) -> Trace:
     """Read a trace (gzip JSON when the name ends in .gz).
 
     Raises:
-        ValueError: the file is not (gzip) JSON, or a field is missing or malformed; the message
-            names the file and the field (e.g. ``steps[1][4].response_ids[7]``).
+        ValueError: the file is not (gzip) JSON, an object in it repeats a key (JSON would keep
+            the last silently), or a field is missing or malformed; the message names the file
+            and the key or field (e.g. ``steps[1][4].response_ids[7]``).
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt") as f:
-            raw = json.load(f)
+            raw = json.load(f, object_pairs_hook=object_without_repeats)
     # JSON, UTF-8: ValueErrors; JSON nested deeper than Python's recursion limit: RecursionError
     except (ValueError, RecursionError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ValueError(f"{path}: not a {'gzip ' if path.suffix == '.gz' else ''}JSON trace ({exc})") from None

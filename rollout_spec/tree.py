@@ -332,10 +332,12 @@ def build_tree_inputs(
     """Everything one padded tree-verify forward needs, from a DraftBatch (see TreeInputs).
 
     ``root_tokens``/``root_positions`` are integer [B] numpy arrays or tensors (any device);
-    ``device`` defaults to theirs (the CPU for numpy). ``width`` pads every request to a fixed
-    W (e.g. a CUDA-graph bucket) and must be at least 1 + the largest tree. Host roots (numpy
-    or CPU tensors) are cheapest: everything is computed on the host and arrives in one copy
-    with no kernel launched; device roots cost two small kernels.
+    ``device`` defaults to theirs (the CPU for numpy); a name is checked as the engine's
+    (``pick_device``: "auto", "cpu", "cuda[:N]" or "mps", else a ValueError naming ``device``).
+    ``width`` pads every request to a fixed W (e.g. a CUDA-graph bucket) and must be at least
+    1 + the largest tree. Host roots (numpy or CPU tensors) are cheapest: everything is computed
+    on the host and arrives in one copy with no kernel launched; device roots cost two small
+    kernels.
     """
     import torch
 
@@ -350,8 +352,11 @@ def build_tree_inputs(
         raise ValueError(f"width must be an int >= 1 + largest tree = {need}, got {width!r}")
     width = int(width)  # a numpy integer too, as check_int takes them
     if device is None:
-        device = root_tokens.device if isinstance(root_tokens, torch.Tensor) else "cpu"
-    device = torch.device(device)
+        device = root_tokens.device if isinstance(root_tokens, torch.Tensor) else torch.device("cpu")
+    elif not isinstance(device, torch.device):  # the engine passes a torch.device: no check
+        from rollout_spec.engine.inputs import pick_device
+
+        device = pick_device(device)
     host_roots = roots_h is not None and pos_h is not None
     if not host_roots:  # zero roots here, the real ones added on the device below
         roots_h = pos_h = np.zeros(num_req, np.int64)

@@ -148,6 +148,15 @@ def test_triton_backend_without_triton_fails_at_construction(model, monkeypatch)
         engine(model, verify_backend="triton")
 
 
+def test_triton_backend_off_cuda_without_the_interpreter_fails_at_construction(model, monkeypatch) -> None:
+    """It was accepted, and generate failed inside triton (on a CPU box: "0 active drivers")."""
+    monkeypatch.setattr(verify_module, "_triton_installed", lambda: True)  # triton may be absent
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it on a CPU box
+    with pytest.raises(ValueError,
+                       match="^verify_backend='triton' needs a CUDA device or TRITON_INTERPRET=1"):
+        engine(model, verify_backend="triton")
+
+
 @pytest.mark.parametrize("option, value", [
     ("cuda_graphs", "no"), ("cuda_graphs", None), ("batch_aware_budget", "yes"), ("overlap_drafter", 1)])
 def test_switches_must_be_bools(model, option, value) -> None:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from rollout_spec.config import SamplingParams
-from rollout_spec.metrics import SpecStats, plot_dashboard, stats_from_outputs
+from rollout_spec.metrics import SpecStats, plot_dashboard, pooled, stats_from_outputs, wandb_metrics
 from rollout_spec.noise import NoiseKeys, quarter_block, race_uniforms, same_device, sample_seed
 from rollout_spec.sampling import SamplingTable, row_stats
 
@@ -83,6 +84,54 @@ def test_stats_from_outputs_refuses_fractional_output_counters():
                            drafter={"us_per_request": 3.0})
     assert s.depth_drafted == (5,) and s.drafter_us_per_request == 3.0
     hash(s)
+
+
+BY_DEPTH = SimpleNamespace(token_ids=[1], num_verify_steps=2, num_draft_tokens=4, num_accepted_tokens=2,
+                           num_drafted_by_depth=5, num_accepted_by_depth=[1])
+
+
+@pytest.mark.parametrize("spec, kwargs, match", [
+    (5, {}, r"^spec_outputs must be a sequence \(list, tuple\) of RolloutOutput, got int$"),
+    ([object()], {}, r"^spec_outputs\[0\] must be a RolloutOutput, got object without token_ids, "
+                     r"num_verify_steps, num_draft_tokens, num_accepted_tokens$"),
+    ([SPEC[0], {"token_ids": [1]}], {}, r"^spec_outputs\[1\] must be a RolloutOutput, got dict without"),
+    ([Out(5)], {}, r"^spec_outputs\[0\]\.token_ids must be a sequence of token ids, got int$"),
+    ([BY_DEPTH], {}, r"^spec_outputs\[0\]\.num_drafted_by_depth must be a sequence of counts, got int$"),
+    (SPEC, {"base_outputs": 5},
+     r"^base_outputs must be a sequence \(list, tuple\) of RolloutOutput, got int$"),
+    (SPEC, {"base_outputs": [SPEC[0], object()]},
+     r"^base_outputs\[1\] must be a RolloutOutput, got object without token_ids$"),
+    (SPEC, {"rewards": 5}, r"^rewards must be a sequence of numbers, got int$"),
+    (SPEC, {"rewards": [1.0, None]}, r"^rewards\[1\] must be a number, got NoneType$"),
+])
+def test_stats_from_outputs_names_an_output_or_reward_of_the_wrong_type(spec, kwargs, match):
+    """These raised AttributeErrors or TypeErrors from len() and sum() that named nothing."""
+    with pytest.raises(TypeError, match=match):
+        stats_from_outputs(0, spec, 1.0, draft_budget=4, **kwargs)
+
+
+def test_stats_from_outputs_takes_tuples_and_numpy_rewards():
+    s = stats_from_outputs(0, tuple(SPEC), 1.0, draft_budget=4, base_outputs=tuple(SPEC),
+                           rewards=np.array([1.0, 0.0]))
+    assert s.mean_reward == 0.5 and s.same_samples == 2
+
+
+@pytest.mark.parametrize("history, match", [
+    (5, r"^history must be a sequence \(list, tuple\) of SpecStats, got int$"),
+    (SpecStats(**STATS), "^history must be a sequence .*, got SpecStats$"),
+    # a generator's first sum emptied it: the other figures came out 0, without an error
+    ((s for s in [SpecStats(**STATS)]), "^history must be a sequence .*, got generator$"),
+    ([SpecStats(**STATS), {"step": 1}], r"^history\[1\] must be SpecStats, got dict$"),
+])
+def test_pooled_names_a_history_that_is_not_spec_stats(history, match):
+    with pytest.raises(TypeError, match=match):
+        pooled(history)
+
+
+@pytest.mark.parametrize("stats", [None, {"step": 0}, [SpecStats(**STATS)]])
+def test_wandb_metrics_names_stats_that_are_not_spec_stats(stats):
+    with pytest.raises(TypeError, match=f"^stats must be SpecStats, got {type(stats).__name__}$"):
+        wandb_metrics(stats)
 
 
 @pytest.mark.parametrize("first", [

@@ -423,6 +423,13 @@ def test_a_request_id_that_is_not_text_is_refused_by_type(request_id):
         rid_with_group(request_id, [1, 2, 3])
 
 
+@pytest.mark.parametrize("rid", [7, b"a|rsg=00000007", None])
+def test_a_rid_that_is_not_text_is_refused_by_type(rid):
+    """SGLang's rids are str; another type raised an AttributeError (or bytes' own TypeError)."""
+    with pytest.raises(TypeError, match=f"^rid must be a str, got {type(rid).__name__}$"):
+        group_from_rid(rid)
+
+
 def test_a_known_group_id_travels_in_request_id():
     """verl's server tags a later turn with the group of its first prompt, not its own prompt's."""
     rid = rid_with_group_id("abc", 7)

@@ -179,6 +179,12 @@ PROMPT = '{"group_id": 0, "prompt_ids": [1, 2]}'
      "eos_token_id must be null or a token id in [0, 2**31), got -1"),
     ('{"prompts": [], "steps": [], "eos_token_id": 16, "vocab_size": 16}',
      "eos_token_id must be below vocab_size (16), got 16"),
+    # a repeated key, which JSON resolves silently to its last value, at any depth
+    ('{"prompts": [], "steps": [[]], "steps": []}', "not a JSON trace (key 'steps' appears twice)"),
+    ('{"prompts": [{"group_id": 0, "prompt_ids": [1], "group_id": 1}], "steps": []}',
+     "not a JSON trace (key 'group_id' appears twice)"),
+    ('{"prompts": [], "steps": [], "sampling": {"temperature": 0.6, "temperature": 1.0}}',
+     "not a JSON trace (key 'temperature' appears twice)"),
 ])
 def test_load_names_the_malformed_field(tmp_path, text, needle):
     (tmp_path / "bad.json").write_text(text)

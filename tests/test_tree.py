@@ -256,6 +256,11 @@ def test_empty_batch_is_roots_only():
         (dict(root_tokens=np.array([True, False])), "root_tokens"),
         (dict(root_tokens=torch.tensor([True, False])), "root_tokens must be integers"),
         (dict(root_positions=torch.tensor([True, False])), "root_positions must be integers"),
+        # device names are checked as the engine's (were torch's RuntimeError/TypeError)
+        (dict(device="cuda:x"), "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got 'cuda:x'"),
+        (dict(device="gpu"), "device must be .*, got 'gpu'"),
+        (dict(device=3.5), "device must be .*, got 3.5"),
+        (dict(device="cuda:99"), "device 'cuda:99': torch sees \\d+ CUDA devices"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, message):
@@ -265,6 +270,14 @@ def test_bad_arguments_name_the_field(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         build_tree_inputs(**args)
+
+
+def test_a_device_name_means_what_it_means_to_the_engine():
+    """"auto" is the engine's (CUDA where torch sees one, else the CPU), not an error."""
+    batch = DraftBatch.from_lists([[(1, -1)]])
+    ti = build_tree_inputs(batch, np.array([4]), np.array([2]), "auto")
+    assert ti.input_ids.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert ti.input_ids.cpu().tolist() == [[4, 1]] and ti.positions.cpu().tolist() == [[2, 3]]
 
 
 def test_malformed_batch_is_rejected():

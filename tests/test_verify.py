@@ -375,6 +375,17 @@ def test_an_unknown_backend_is_refused_by_name():
         verify(torch.zeros(5, 5), BATCH, SamplingParams(), backend="cuda")
 
 
+def test_triton_off_cuda_without_the_interpreter_is_refused_by_name(monkeypatch):
+    """Was triton's own error from inside the launch (on a CPU box: "0 active drivers")."""
+    import rollout_spec.verify as verify_module
+
+    monkeypatch.setattr(verify_module, "_triton_installed", lambda: True)  # triton may be absent
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it on a CPU box
+    with pytest.raises(ValueError, match=r"^backend='triton' needs a CUDA device or TRITON_INTERPRET=1 "
+                                         r"\(triton's CPU interpreter, .*\), got device cpu$"):
+        verify(torch.zeros(5, 5), BATCH, SamplingParams(), backend="triton")
+
+
 @pytest.mark.parametrize("argument, value, message", [
     ("generator", 5, "generator must be None or a Generator, got int"),
     ("keys", (0, 0), "keys must be None or a NoiseKeys, got tuple"),

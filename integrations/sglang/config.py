@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any, Mapping, MutableMapping, Optional
 
-from rollout_spec.config import SpecConfig
+from rollout_spec.config import SpecConfig, object_without_repeats
 from rollout_spec.integrations.vllm.config import spec_from_dict, spec_to_dict
 
 ENV_VAR = "ROLLOUT_SPEC_SGLANG"
@@ -38,20 +38,10 @@ def spec_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[SpecC
     if text is None:
         return None
     try:
-        options = json.loads(text, object_pairs_hook=_object_without_repeats)
+        options = json.loads(text, object_pairs_hook=object_without_repeats)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and repeats are ValueErrors
         raise ValueError(f"{ENV_VAR} must hold a JSON object of SpecConfig fields: {exc}") from None
     return spec_from_dict(options, source=ENV_VAR)
-
-
-def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object as a dict; ValueError naming a key it holds twice."""
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"key {key!r} appears twice")
-        obj[key] = value
-    return obj
 
 
 def server_args(spec: SpecConfig) -> dict[str, Any]:

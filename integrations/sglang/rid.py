@@ -56,7 +56,12 @@ def group_from_rid(rid: str) -> Optional[int]:
     ``GROUP_SEPARATOR`` is not ours (8 lowercase hex digits of a 31-bit id) carries no group.
     SGLang renames a batch request's one id ``f"{rid}_{i}"``; that index is allowed after the
     digits, so the group survives it.
+
+    Raises:
+        TypeError: ``rid`` is not a str (SGLang's request ids are).
     """
+    if not isinstance(rid, str):
+        raise TypeError(f"rid must be a str, got {type(rid).__name__}")
     _, sep, tail = rid.rpartition(GROUP_SEPARATOR)
     tag, underscore, index = tail.partition("_")
     if (not sep or len(tag) != 8 or any(c not in _HEX for c in tag)

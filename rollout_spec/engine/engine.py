@@ -22,7 +22,7 @@ from rollout_spec.drafter import proposes_ahead, takes_noise_keys
 from rollout_spec.engine.commit import RunningBatch, plan_commit, reason_name, stop_mask
 from rollout_spec.engine.cuda_graphs import default_ladder
 from rollout_spec.engine.drafter_queue import DrafterFeed, DrafterQueue
-from rollout_spec.engine.inputs import check_dtype, check_options, checked_budget, vocab_ids
+from rollout_spec.engine.inputs import check_dtype, check_options, checked_budget, pick_device, vocab_ids
 from rollout_spec.engine.model import Transformer
 from rollout_spec.engine.runner import ModelRunner
 from rollout_spec.engine.scheduler import Scheduler
@@ -47,23 +47,6 @@ steps pass it their per-request figures with the requests' ids; if it has
 ``set_running(req_ids, room, draining)``, every ask is preceded by the running requests' ids,
 the tokens each may still emit, and whether no sample waits for a slot (the call then ends with
 its slowest request)."""
-
-
-def pick_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` means CUDA when available, else CPU; a device torch cannot name, or a CUDA or
-    MPS device this machine lacks, raises ValueError naming ``device``."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from err
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA devices "
-                         "here (use 'cpu')")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r}: MPS is not available here (use 'cpu')")
-    return dev
 
 
 class RolloutEngine:
@@ -108,7 +91,7 @@ class RolloutEngine:
             take them every 8th plain step); their tokens go over in one batch before the next
             proposal or when ``generate`` ends (``DrafterFeed``).
         verify_backend: ``verify``'s backend ("auto": the fused Triton walk on CUDA, "torch",
-            "triton").
+            "triton": off CUDA only through triton's interpreter, TRITON_INTERPRET=1).
         worker_min_batch: with ``overlap_drafter``, the fewest running requests whose plain
             steps use the worker (below it, their hand-offs are a few requests' worth of work).
 

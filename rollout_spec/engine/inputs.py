@@ -24,6 +24,23 @@ DRAFTER_METHODS = ("start_batch", "extend_batch", "propose", "finish_batch", "en
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def pick_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` means CUDA when available, else CPU; a device torch cannot name, or a CUDA or
+    MPS device this machine lacks, raises ValueError naming ``device``."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}") from err
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA devices "
+                         "here (use 'cpu')")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here (use 'cpu')")
+    return dev
+
+
 def check_options(
     device: torch.device, spec: Any, *, num_slots: Any, max_model_len: Any, max_prefill_tokens: Any,
     draft_budget: Any, max_draft_tokens: Any, cuda_graphs: Any, batch_aware_budget: Any,
@@ -36,7 +53,8 @@ def check_options(
     Raises:
         TypeError: a wrong type (also a bool or float for an int, a non-callable draft_budget,
             a spec that is no SpecConfig, None or drafter).
-        ValueError: a number out of range or an unknown verify_backend.
+        ValueError: a number out of range, an unknown verify_backend, or "triton" off CUDA
+            without TRITON_INTERPRET=1.
         ImportError: verify_backend="triton" without the triton package.
     """
     sizes = {name: check_int(name, value, lo, hi) for name, value, lo, hi in (
@@ -56,8 +74,8 @@ def check_options(
         raise ValueError(f"verify_backend must be 'auto', 'torch' or 'triton', got {verify_backend!r}")
     try:  # here rather than at the first verification, after a prefill
         use_triton(verify_backend, device)
-    except ImportError as err:
-        raise ImportError(f"verify_{err}") from None
+    except (ImportError, ValueError) as err:  # "backend='triton' needs ..."
+        raise type(err)(f"verify_{err}") from None
     if spec is not None and not isinstance(spec, SpecConfig):
         missing = [m for m in DRAFTER_METHODS if not callable(getattr(spec, m, None))]
         if missing:
