@@ -21,6 +21,9 @@ from rollout_spec.cli_args import DefaultsParser, int_arg
 from rollout_spec.integrations.sglang.corpus import LOAD_BATCH_TOKENS, SEPARATOR_TOKEN, RolloutSpecCorpus
 
 VOCAB = 32_000
+# Most tokens of the synthetic corpus (each flag allows 10**6, together 10**12): ten times the
+# corpus's default external_corpus_max_tokens, ~4 GB as the Python lists it is built and sent as.
+MAX_CORPUS_TOKENS = 100_000_000
 
 
 def corpus_chunks(documents: int, doc_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--get-every-ms", type=int_arg("--get-every-ms", 0, 1000), default=2)
     ap.add_argument("--rounds", type=int_arg("--rounds", 1, 100), default=3)
     args = ap.parse_args(argv)
+    if args.documents * args.doc_tokens > MAX_CORPUS_TOKENS:
+        ap.error(f"--documents {args.documents} x --doc-tokens {args.doc_tokens} must be at most "
+                 f"{MAX_CORPUS_TOKENS:,} corpus tokens, got {args.documents * args.doc_tokens:,}")
     chunks = corpus_chunks(args.documents, args.doc_tokens)
     tokens = sum(map(len, chunks))
     default_batch = LOAD_BATCH_TOKENS

@@ -128,12 +128,8 @@ DRAFTERS = ("ours", "ours-full", "arctic", "prompt-lookup")
 
 def drafter_names(ap: argparse.ArgumentParser, drafters: list[str], counts: list[int] | None) -> list[str]:
     """Table names of the drafters to run: ``ours``/``ours-full`` once per thread count (``ours@N``);
-    arctic is dropped, with a note, where it is not importable. Refuses (``ap.error``) repeated
-    names or counts, thread counts with no ours drafter, and a list left empty."""
-    for flag, values in (("--drafters", drafters), ("--propose-threads", counts or [])):
-        twice = sorted({str(v) for v in values if values.count(v) > 1})
-        if twice:
-            ap.error(f"{flag} names {', '.join(twice)} more than once")
+    arctic is dropped, with a note, where it is not importable. Refuses (``ap.error``) thread
+    counts with no ours drafter, and a list left empty (their types refuse repeated values)."""
     ours = [n for n in drafters if n in ("ours", "ours-full")]
     if counts is not None and not ours:
         ap.error("--propose-threads sets the threads of ours and ours-full, and --drafters names neither")

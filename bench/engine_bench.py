@@ -40,8 +40,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, int_arg, numbers_arg,
-                                   temperatures_arg)
+from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, check_triton_backend, int_arg,
+                                   numbers_arg, temperatures_arg)
 from rollout_spec.config import DEFAULT_MODEL
 from rollout_spec.engine import triton_attention
 from rollout_spec.engine.cuda_graphs import GraphLadder, verify_input_specs
@@ -618,12 +618,16 @@ def interp_tax(cost: dict[tuple[int, int], float], batch: int, width: float) -> 
     return float(np.interp(width, widths, times) / cost[(batch, 1)])
 
 
+STEP_WIDTHS = (1, 2, 3, 5, 9)  # steps mode's widths W of T(B, W)
+STEPS_PROMPT_LEN = 128  # steps mode's decode loops: random prompts of this length
+
+
 def steps_mode(args: argparse.Namespace) -> None:
     """Random-weight step timings, attention kernels, and the no-spec loop vs transformers."""
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model, hf = random_model(dev, dtype)
-    widths, prompt = [1, 2, 3, 5, 9], 128
+    widths, prompt = list(STEP_WIDTHS), STEPS_PROMPT_LEN
     cache_len = max(args.ctx + max(widths), prompt + args.max_new_tokens) + 16
     bench = StepBench(model, max(args.batch_sizes), args.ctx, cache_len)
     grid = step_grid(bench, args.batch_sizes, widths, iters=5 if args.quick else 20)
@@ -693,16 +697,20 @@ def check_length(ap: argparse.ArgumentParser, prompt_len: int, max_new: int, max
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What parsing alone cannot see, refused before any model is built: the device, the Triton
-    backend, --profile and --max-model-len outside engine mode, --profile against the engines'
-    slots, --model with --random-weights (which loads no checkpoint), the random-weight prompts'
-    length (the checkpoint's prompts are checked once drawn with its tokenizer alone,
-    ``checked_workload``). An unset --max-model-len becomes 1024."""
+    backend (installed, and on CUDA), --profile and --max-model-len outside engine mode, --profile
+    against the engines' slots, --model with --random-weights or in steps mode (neither loads a
+    checkpoint), the random-weight prompts' length and the random model's positions
+    (``check_random_positions``; the checkpoint's prompts are checked once drawn with its tokenizer
+    alone, ``checked_workload``). An unset --max-model-len becomes 1024."""
     if args.random_weights and args.model != DEFAULT_MODEL:
         ap.error(f"--model {args.model}: --random-weights builds {DEFAULT_MODEL}'s shapes and loads no "
                  f"checkpoint; give one of the two")
+    if args.mode == "steps" and args.model != DEFAULT_MODEL:
+        ap.error(f"--model {args.model}: --mode steps times {DEFAULT_MODEL}'s shapes with random weights "
+                 f"and loads no checkpoint (leave out --model)")
     args.device = check_device(ap, args.device)
-    if args.verify_backend == "triton" and not triton_attention.is_available():
-        ap.error("--verify-backend triton: the triton package is not installed (use auto or torch)")
+    if args.verify_backend == "triton":
+        check_triton_backend(ap, "--verify-backend", args.device)
     if args.profile and args.mode != "engine":
         ap.error("--profile is an engine-mode option (add --mode engine)")
     if args.max_model_len is not None and args.mode != "engine":
@@ -719,6 +727,26 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.max_model_len > limit:
             ap.error(f"--max-model-len must be in [2, {limit}] with --random-weights, got {args.max_model_len}")
         check_length(ap, RANDOM_PROMPT_LEN, args.max_new_tokens, args.max_model_len)
+    check_random_positions(ap, args)
+
+
+def check_random_positions(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse steps the random-weight model (steps mode; engine mode with --random-weights) would
+    run past SmolLM2-135M's positions: the step grid's --ctx cached tokens and its widest step
+    (steps mode's widest W, else --draft-tokens + 1), and steps mode's decode loops of
+    --max-new-tokens after a prompt. The model would run there without a word, on a KV cache
+    sized for them (at --ctx 1048576, 24 GB a row in bfloat16)."""
+    if args.mode == "engine" and not args.random_weights:
+        return  # a checkpoint's positions are its own
+    limit = SMOLLM2_135M["max_position_embeddings"]
+    widest = max(STEP_WIDTHS) if args.mode == "steps" else args.draft_tokens + 1
+    if args.ctx + widest > limit:
+        ap.error(f"--ctx {args.ctx}: the step grid's {args.ctx} cached + {widest} new tokens exceed the random "
+                 f"model's {limit} positions (--ctx must be at most {limit - widest})")
+    if args.mode == "steps" and STEPS_PROMPT_LEN + args.max_new_tokens > limit:
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: the decode loops' prompt {STEPS_PROMPT_LEN} + "
+                 f"{args.max_new_tokens} new tokens exceed the random model's {limit} positions "
+                 f"(--max-new-tokens must be at most {limit - STEPS_PROMPT_LEN} in steps mode)")
 
 
 def check_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace, pool: "PromptPool",

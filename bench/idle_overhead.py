@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="KV slots per engine")
     ap.add_argument("--batch-sizes", type=numbers_arg("--batch-sizes", int, 1, 1 << 20), default="1,64,256",
                     help="comma-separated samples decoded at once, each at most --slots")
-    ap.add_argument("--new-tokens", type=int_arg("--new-tokens", 1, MAX_NEW_TOKENS), default=256,
-                    help="tokens per sample")
+    ap.add_argument("--new-tokens", type=int_arg("--new-tokens", 2, MAX_NEW_TOKENS), default=256,
+                    help="tokens per sample (the prefill draws the first; the rest are decode steps)")
     ap.add_argument("--rounds", type=int_arg("--rounds", 2, 1000), default=4,
                     help="rounds per row, the first a warm-up")
     args = ap.parse_args(argv)

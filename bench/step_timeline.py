@@ -185,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bench_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """``engine_bench``'s options for this run (its defaults elsewhere), checked with ``ap`` so that
-    an error names this script's flags."""
+    an error names this script's flags; ``--fixed-budget`` is refused above ``--draft-tokens``
+    (the engine would cut every step's answer to it)."""
+    if args.fixed_budget is not None and args.fixed_budget > args.draft_tokens:
+        ap.error(f"--fixed-budget {args.fixed_budget} must be at most --draft-tokens {args.draft_tokens}, "
+                 f"the engine's most draft nodes per request")
     out = eb.build_parser().parse_args([])
     out.__dict__.update(device=args.device, model=args.model, batch_sizes=[args.batch_size],
                         temperatures=[args.temperature], repeats=args.rounds, max_new_tokens=args.max_new_tokens,

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from rollout_spec.cli_args import check_trace_steps, load_trace_arg
+from rollout_spec.cli_args import check_distinct, check_trace_steps, load_trace_arg
 from rollout_spec.replay import Trace
 
 SHARED = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "*.json.gz")
@@ -38,11 +38,13 @@ def replay_status(label: str) -> Iterator[None]:
 def load_traces(parser: argparse.ArgumentParser, paths: Optional[list[str]], steps: Optional[int] = None,
                 required: bool = True) -> list[tuple[str, Trace]]:
     """(path, trace) for ``paths`` (the ``--trace`` values), or for the shared traces when none
-    were given. Argument errors: no trace at all (with ``required``), a file that is missing,
-    malformed or without responses, and ``steps`` beyond a trace's step count."""
+    were given. Argument errors: no trace at all (with ``required``), a file given twice (its
+    rows would only be replayed again), a file that is missing, malformed or without responses,
+    and ``steps`` beyond a trace's step count."""
     paths = paths or sorted(glob.glob(SHARED))
     if required and not paths:
         parser.error(f"no trace given and none found at {SHARED}")
+    check_distinct(parser, "--trace", [Path(path).resolve() for path in paths])
     traces = [(path, load_trace_arg(parser, "--trace", path, need_responses=True)) for path in paths]
     for path, trace in traces:
         check_trace_steps(parser, "--steps", steps, path, trace)

@@ -42,10 +42,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, float_arg, int_arg, names_arg,
-                                   numbers_arg)
+from rollout_spec.cli_args import (DefaultsParser, add_device_option, check_device, check_triton_backend, float_arg,
+                                   int_arg, names_arg, numbers_arg)
 from rollout_spec.config import SamplingParams
-from rollout_spec.engine import triton_attention
 from rollout_spec.tree import DraftBatch, TreeInputs, build_tree_inputs
 from rollout_spec.verify import verify
 
@@ -169,8 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "(leave out --step-ms or --profile)")
     args.device = check_device(ap, args.device)
     gpu = args.device.startswith("cuda")
-    if "triton" in (args.backends or ()) and not triton_attention.is_available():
-        ap.error("--backends triton: the triton package is not installed (use torch or auto)")
+    if "triton" in (args.backends or ()):
+        check_triton_backend(ap, "--backends", args.device)
     batch_sizes, budgets, reps = DEFAULTS["profile" if args.profile else "cuda" if gpu else "cpu"]
     args.batch_sizes = args.batch_sizes or batch_sizes
     args.budgets = args.budgets or budgets

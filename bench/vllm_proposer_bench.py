@@ -23,6 +23,7 @@ propose the same.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import statistics
@@ -186,6 +187,23 @@ def replay_step(prop: RolloutSpecProposer, trace: Trace, step: int, max_live: in
     return cost
 
 
+def trace_name(path: str) -> str:
+    """A trace's name in the table and its key in the ``--digest`` file: its file name without
+    ``.json`` and what follows."""
+    return Path(path).name.split(".json")[0]
+
+
+def check_digest_names(parser: argparse.ArgumentParser, paths: list[str]) -> None:
+    """Refuse traces that share a name: the ``--digest`` file keys each trace's entries by it, so
+    one trace's entries would silently replace the other's."""
+    first: dict[str, str] = {}
+    for path in paths:
+        other = first.setdefault(trace_name(path), path)
+        if other != path:
+            parser.error(f"--digest: traces {other} and {path} are both named {trace_name(path)!r}, "
+                         f"the key of their entries (rename one)")
+
+
 def make_proposer(spec: SpecConfig, k: int, max_model_len: int = MAX_MODEL_LEN) -> RolloutSpecProposer:
     """A proposer over a fresh drafter, built from the vLLM config ``engine_kwargs`` gives."""
     config = SimpleNamespace(
@@ -210,10 +228,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     check_output(parser, "--digest", args.digest)  # refused now, not after every replay
     spec = SpecConfig(num_draft_tokens=args.k, tree=args.tree, propose_threads=1)
+    traces = load_traces(parser, args.trace)
+    if args.digest is not None:
+        check_digest_names(parser, [path for path, _ in traces])
     digests: dict[str, list[list[str]]] = {}
     print("| trace | step | engine steps | TPF | us/req/step (runs) |\n|---|---|---|---|---|")
-    for path, trace in load_traces(parser, args.trace):
-        name = Path(path).name.split(".json")[0]
+    for path, trace in traces:
+        name = trace_name(path)
         runs: list[list[StepCost]] = []
         with replay_status(f"{name}, {args.repeat} replays" if args.repeat > 1 else name):
             for _ in range(args.repeat):

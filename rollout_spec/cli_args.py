@@ -11,7 +11,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from rollout_spec.config import MIN_TEMPERATURE, check_float, check_int, check_temperature, float_interval, int_interval
 
@@ -88,29 +88,31 @@ def temperature_arg(name: str) -> Callable[[str], float]:
 
 
 def numbers_arg(name: str, kind: type, lo: float, hi: float) -> Callable[[str], list]:
-    """An argparse type: one or more comma-separated ``kind`` (int or float) values in [lo, hi]."""
+    """An argparse type: one or more distinct comma-separated ``kind`` (int or float) values in
+    [lo, hi]."""
 
     def parse(text: str) -> list:
         values = _comma_values(name, text, kind)
         bad = [v for v in values if not lo <= v <= hi]  # NaN fails both comparisons
         if bad:
             raise argparse.ArgumentTypeError(f"every {name} value must be in [{lo}, {hi}], got {bad[0]}")
-        return values
+        return _distinct(name, values)
 
     return parse
 
 
 def temperatures_arg(name: str) -> Callable[[str], list[float]]:
-    """An argparse type: one or more comma-separated sampling temperatures, each 0 (greedy) or in
-    [MIN_TEMPERATURE, 100]; an error names the option and that rule, not a plain [0, 100] range
-    that would let a temperature the sampler refuses through to the run."""
+    """An argparse type: one or more distinct comma-separated sampling temperatures, each 0
+    (greedy) or in [MIN_TEMPERATURE, 100]; an error names the option and that rule, not a plain
+    [0, 100] range that would let a temperature the sampler refuses through to the run."""
 
     def parse(text: str) -> list[float]:
         values = _comma_values(name, text, float)
         try:
-            return [check_temperature(f"every {name} value", v) for v in values]
+            values = [check_temperature(f"every {name} value", v) for v in values]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        return _distinct(name, values)
 
     return parse
 
@@ -125,8 +127,35 @@ def _comma_values(name: str, text: str, kind: type) -> list:
         raise argparse.ArgumentTypeError(f"{name} must be comma-separated {noun}, got {text!r}") from None
 
 
+def repeated(values: Sequence[Any]) -> list[str]:
+    """The values that occur more than once in ``values``, as text, in order of first occurrence."""
+    seen: set = set()
+    twice: dict[str, None] = {}
+    for v in values:
+        if v in seen:
+            twice[str(v)] = None
+        seen.add(v)
+    return list(twice)
+
+
+def _distinct(name: str, values: list) -> list:
+    """``values``, unless one occurs twice: an argparse error naming ``name`` and the value (each
+    value of a bench's list makes its own rows, so a repeat would only run them again)."""
+    twice = repeated(values)
+    if twice:
+        raise argparse.ArgumentTypeError(f"{name} lists {', '.join(twice)} more than once")
+    return values
+
+
+def check_distinct(parser: argparse.ArgumentParser, flag: str, values: Sequence[Any]) -> None:
+    """Refuse ``values`` (the values of ``flag``, e.g. an ``nargs`` option's) with a repeat."""
+    twice = repeated(values)
+    if twice:
+        parser.error(f"{flag} lists {', '.join(twice)} more than once")
+
+
 def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
-    """An argparse type: one or more comma-separated names, each one of ``allowed``."""
+    """An argparse type: one or more distinct comma-separated names, each one of ``allowed``."""
 
     def parse(text: str) -> list[str]:
         values = [x.strip() for x in text.split(",")]
@@ -134,7 +163,7 @@ def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]
         if bad:
             raise argparse.ArgumentTypeError(f"every {name} value must be one of {', '.join(allowed)}; "
                                              f"got {bad[0]!r}")
-        return values
+        return _distinct(name, values)
 
     return parse
 
@@ -200,6 +229,19 @@ def check_device(parser: argparse.ArgumentParser, device: str, flag: str = "--de
         parser.error(f"{flag}: {exc}")
 
 
+def check_triton_backend(parser: argparse.ArgumentParser, flag: str, device: str) -> None:
+    """Refuse the Triton backend (``flag triton``) where its kernels cannot run, before any model
+    is built: without the triton package, or on ``device`` (a resolved ``check_device`` name)
+    other than CUDA, unless ``TRITON_INTERPRET=1`` has triton's interpreter run them on the CPU."""
+    from rollout_spec.engine import triton_attention
+
+    if not triton_attention.is_available():
+        parser.error(f"{flag} triton: the triton package is not installed (use auto or torch)")
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error(f"{flag} triton: the Triton kernels run on CUDA, not on --device {device} (use auto "
+                     f"or torch, or set TRITON_INTERPRET=1 to interpret them on the CPU, slowly)")
+
+
 WANDB_PROJECT_MAX_CHARS = 128
 WANDB_PROJECT_BAD_CHARS = "/\\#?%:"
 
@@ -219,6 +261,14 @@ def wandb_project_arg(text: str) -> str:
     return text
 
 
+def path_arg(text: str) -> Path:
+    """An argparse type: a path, not an empty one (``Path("")`` is the current folder, so an unset
+    shell variable in ``--out "$DIR"`` would write there)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a path, got ''")
+    return Path(text)
+
+
 def unwritable(path: Path) -> Optional[str]:
     """Why a file could not be written at ``path``, or None."""
     try:
@@ -229,7 +279,7 @@ def unwritable(path: Path) -> Optional[str]:
             return "is a directory"
         folder = path.parent
         if not folder.is_dir():
-            return f"folder {folder} does not exist"
+            return f"{folder} is not a folder" if folder.exists() else f"folder {folder} does not exist"
     except OSError as exc:  # a path too long for the system, a loop of symbolic links
         return exc.strerror
     if not os.access(folder, os.W_OK):

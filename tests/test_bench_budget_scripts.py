@@ -60,7 +60,7 @@ def test_draft_size_yield_bad_flags(argv, message, capsys) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cpu", "--slots", "4", "--batch-sizes", "8"], "every --batch-sizes value must be in [1, --slots=4]"),
-    (["--device", "cpu", "--new-tokens", "20000000"], "argument --new-tokens: --new-tokens must be in [1, 8048]"),
+    (["--device", "cpu", "--new-tokens", "20000000"], "argument --new-tokens: --new-tokens must be in [2, 8048]"),
     (["--device", "cpu", "--batch-sizes", "abc"],
      "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
     # a comma list, as engine_bench.py, verify_bench.py and budget_overhead.py take it
@@ -70,6 +70,10 @@ def test_draft_size_yield_bad_flags(argv, message, capsys) -> None:
      "argument --batch-sizes: every --batch-sizes value must be in [1, 1048576], got 0"),
     (["--device", "cpu", "--rounds", "1"], "argument --rounds: --rounds must be in [2, 1000], got 1"),
     (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N"),
+    # one new token is the prefill's: no decode step to time (a ZeroDivisionError after the run)
+    (["--device", "cpu", "--new-tokens", "1"], "argument --new-tokens: --new-tokens must be in [2, 8048], got 1"),
+    (["--device", "cpu", "--batch-sizes", "1,64,1"],
+     "argument --batch-sizes: --batch-sizes lists 1 more than once"),  # the same rows twice
 ])
 def test_idle_overhead_bad_flags(argv, message, monkeypatch, capsys) -> None:
     monkeypatch.setattr(idle_overhead, "random_model", lambda *_: pytest.fail("model built before the error"))
@@ -104,6 +108,7 @@ def test_budget_overhead_prints_a_row_per_batch_size(capsys) -> None:
     (["--batch-sizes", ","], "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
     (["--batch-sizes", "abc"], "argument --batch-sizes: --batch-sizes must be comma-separated integers"),
     (["--batch-sizes", "2000000"], "every --batch-sizes value must be in [1, 1048576], got 2000000"),
+    (["--batch-sizes", "8,128,8"], "argument --batch-sizes: --batch-sizes lists 8 more than once"),
 ])
 def test_budget_overhead_bad_flags(argv, message, capsys) -> None:
     assert message in argument_error(budget_overhead.main, argv, capsys)
@@ -154,12 +159,16 @@ def test_drained_call_reads_a_cost_grid(tmp_path, capsys) -> None:
     (["--draft-tokens", "65"], "argument --draft-tokens: --draft-tokens must be in [1, 64], got 65"),
     (["--trace", "/nonexistent/t.json.gz"], "/nonexistent/t.json.gz"),
     (["--cost-grid", "/nonexistent/cost.json"], "--cost-grid /nonexistent/cost.json"),
+    # the same file twice (here as t.json.gz and ./t.json.gz) printed its rows twice
+    (["--trace", "{trace}", "--trace", "{folder}/./t.json.gz"], "--trace lists {trace} more than once"),
 ])
 def test_drained_call_bad_flags(argv, message, tmp_path, capsys) -> None:
     trace = tmp_path / "t.json.gz"
     save_trace(make_synthetic_trace(SyntheticSpec(prompts=2, n=2, steps=1, max_tokens=120, seed=2)), trace)
+    argv = [a.format(trace=trace, folder=tmp_path) for a in argv]
     if "--trace" not in argv:
         argv = ["--trace", str(trace)] + argv
+    message = message.format(trace=trace.resolve())
     assert message in argument_error(drained_call.main, argv, capsys)
 
 

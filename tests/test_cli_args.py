@@ -3,8 +3,9 @@ import argparse
 
 import pytest
 
-from rollout_spec.cli_args import (DefaultsParser, check_device, check_output, device_arg, float_arg, int_arg,
-                                   load_trace_arg, names_arg, numbers_arg, temperatures_arg)
+from rollout_spec.cli_args import (DefaultsParser, check_device, check_distinct, check_output, check_triton_backend,
+                                   device_arg, float_arg, int_arg, load_trace_arg, names_arg, numbers_arg, path_arg,
+                                   temperatures_arg)
 
 
 @pytest.mark.parametrize("parse, text, needle", [
@@ -21,6 +22,11 @@ from rollout_spec.cli_args import (DefaultsParser, check_device, check_output, d
     (temperatures_arg("temps"), "0.6,", "temps must be comma-separated numbers, got '0.6,'"),
     (names_arg("modes", ("chain", "tree")), "chain,bush", "every modes value must be one of chain, tree; got 'bush'"),
     (device_arg, "gpu", "device must be auto, cpu, mps, cuda or cuda:N, got 'gpu'"),
+    # a repeated value ran its rows twice
+    (numbers_arg("batch_sizes", int, 1, 64), "8,1,8,1", "batch_sizes lists 8, 1 more than once"),
+    (temperatures_arg("temps"), "0.6,0.60", "temps lists 0.6 more than once"),
+    (names_arg("modes", ("chain", "tree")), "tree, tree", "modes lists tree more than once"),
+    (path_arg, "", "must be a path, got ''"),  # Path('') is the current folder
 ])
 def test_types_name_the_option_and_range(parse, text, needle):
     with pytest.raises(argparse.ArgumentTypeError) as got:
@@ -50,6 +56,9 @@ def test_outputs_and_traces_are_checked_before_work(tmp_path):
         check_output(Parser(), "--out", tmp_path / "missing" / "x.json")
     with pytest.raises(Refused, match="is a directory"):
         check_output(Parser(), "--out", tmp_path)
+    (tmp_path / "file").write_text("")  # was "folder .../file does not exist"
+    with pytest.raises(Refused, match=r"--out .*file/x\.json: .*file is not a folder"):
+        check_output(Parser(), "--out", tmp_path / "file" / "x.json")
     with pytest.raises(Refused, match="--trace .*nope.json: trace file not found"):
         load_trace_arg(Parser(), "--trace", tmp_path / "nope.json")
     with pytest.raises(Refused, match="--trace .*: is a directory, not a trace file"):
@@ -138,3 +147,26 @@ def test_a_task_registry_broken_by_another_missing_module_is_not_blamed_on_reaso
     monkeypatch.setattr(workloads, "task_names", missing("reasoning_gym.core"))
     with pytest.raises(argparse.ArgumentTypeError, match=r"needs reasoning-gym, not installed"):
         task_arg("chain_sum")
+
+
+def test_check_distinct_names_the_repeated_values():
+    check_distinct(Parser(), "--tasks", ["a", "b"])
+    with pytest.raises(Refused, match="^--tasks lists b, a more than once$"):
+        check_distinct(Parser(), "--tasks", ["a", "b", "b", "a", "b"])
+
+
+def test_the_triton_backend_is_refused_where_its_kernels_cannot_run(monkeypatch):
+    """Off CUDA the kernels fail in triton's driver ("0 active drivers") once a model is built,
+    unless TRITON_INTERPRET=1 has triton's interpreter run them on the CPU."""
+    from rollout_spec.engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "is_available", lambda: False)
+    with pytest.raises(Refused, match=r"^--backends triton: the triton package is not installed \(use auto"):
+        check_triton_backend(Parser(), "--backends", "cuda:0")
+    monkeypatch.setattr(triton_attention, "is_available", lambda: True)
+    check_triton_backend(Parser(), "--backends", "cuda:0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(Refused, match="^--backends triton: the Triton kernels run on CUDA, not on --device cpu"):
+        check_triton_backend(Parser(), "--backends", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_triton_backend(Parser(), "--backends", "cpu")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from argument_errors import argument_error  # noqa: E402
@@ -38,3 +40,11 @@ def test_bad_flags_are_argument_errors(capsys) -> None:
     for flag, value in (("--documents", "0"), ("--doc-tokens", "x"), ("--get-every-ms", "-1"),
                         ("--rounds", "101")):
         assert f"{flag} must be" in argument_error(corpus_load_wait.main, [flag, value], capsys)
+
+
+def test_a_corpus_too_large_to_build_is_refused_before_it_is_built(monkeypatch, capsys) -> None:
+    """Each flag allows a million: together 10**12 tokens, which the script began to draw as
+    Python lists until it ran out of memory."""
+    monkeypatch.setattr(corpus_load_wait, "corpus_chunks", lambda *_: pytest.fail("corpus built"))
+    err = argument_error(corpus_load_wait.main, ["--documents", "1000000", "--doc-tokens", "101"], capsys)
+    assert "--documents 1000000 x --doc-tokens 101 must be at most 100,000,000 corpus tokens, got 101,000,000" in err

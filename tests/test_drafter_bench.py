@@ -76,7 +76,8 @@ def test_replays_that_drafted_differently_are_an_error() -> None:
     (["--repeat", "0"], "argument --repeat: --repeat must be in [1, 1000], got 0"),
     (["--drafters", "nope"], "every --drafters value must be one of ours, ours-full, arctic, prompt-lookup; got 'nope'"),
     (["--drafters", ","], "every --drafters value must be one of"),  # an empty list ran no drafter
-    (["--drafters", "ours,ours"], "--drafters names ours more than once"),
+    (["--drafters", "ours,ours"], "argument --drafters: --drafters lists ours more than once"),
+    (["--propose-threads", "2,4,2"], "argument --propose-threads: --propose-threads lists 2 more than once"),
     (["--propose-threads", "two"], "--propose-threads must be comma-separated integers"),
     (["--propose-threads", ","], "--propose-threads must be comma-separated integers"),  # dropped every ours row
     (["--propose-threads", "1,300"], "every --propose-threads value must be in [0, 256], got 300"),

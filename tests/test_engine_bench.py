@@ -220,6 +220,23 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     # the random model has SmolLM2-135M's shapes whatever --model names: the flag was ignored
     (["--random-weights", "--device", "cpu", "--model", "/ckpt/qwen"],
      "--model /ckpt/qwen: --random-weights builds smollm2-135m's shapes and loads no checkpoint"),
+    # a repeated value timed its rows twice
+    (["--random-weights", "--device", "cpu", "--batch-sizes", "1,8,1"],
+     "argument --batch-sizes: --batch-sizes lists 1 more than once"),
+    (["--random-weights", "--device", "cpu", "--temperatures", "0.6,1.0,0.60"],
+     "argument --temperatures: --temperatures lists 0.6 more than once"),
+    (["--random-weights", "--device", "cpu", "--profile", "8,8"], "argument --profile: --profile lists 8 more than once"),
+    (["--mode", "steps", "--device", "cpu", "--model", "/ckpt/qwen"],
+     "--model /ckpt/qwen: --mode steps times smollm2-135m's shapes with random weights and loads no checkpoint"),
+    # the random model ran past its 8192 positions without a word, on a cache sized to match
+    (["--mode", "steps", "--device", "cpu", "--ctx", "8184"],
+     "--ctx 8184: the step grid's 8184 cached + 9 new tokens exceed the random model's 8192 positions "
+     "(--ctx must be at most 8183)"),
+    (["--mode", "steps", "--device", "cpu", "--max-new-tokens", "8065"],
+     "--max-new-tokens 8065: the decode loops' prompt 128 + 8065 new tokens exceed the random model's 8192 "
+     "positions (--max-new-tokens must be at most 8064 in steps mode)"),
+    (["--random-weights", "--device", "cpu", "--quick", "--ctx", "8000", "--draft-tokens", "192"],
+     "--ctx 8000: the step grid's 8000 cached + 193 new tokens exceed the random model's 8192 positions"),
 ])
 def test_inconsistent_flags_exit_before_any_model(argv: list[str], message: str, no_model, capsys) -> None:
     assert message in argument_error(eb.main, argv, capsys)
@@ -229,6 +246,18 @@ def test_triton_backend_without_triton_exits(monkeypatch: pytest.MonkeyPatch, no
     monkeypatch.setattr(eb.triton_attention, "is_available", lambda: False)
     err = argument_error(eb.main, ["--verify-backend", "triton", "--device", "cpu"], capsys)
     assert "--verify-backend triton: the triton package is not installed" in err
+
+
+def test_triton_backend_off_cuda_exits_unless_interpreted(monkeypatch: pytest.MonkeyPatch, no_model,
+                                                          capsys) -> None:
+    """Triton's kernels need a CUDA device: on the CPU the run built both engines and died in a
+    traceback from triton's driver ("0 active drivers"). TRITON_INTERPRET=1 runs them there."""
+    monkeypatch.setattr(eb.triton_attention, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = argument_error(eb.main, ["--verify-backend", "triton", "--device", "cpu"], capsys)
+    assert "--verify-backend triton: the Triton kernels run on CUDA, not on --device cpu" in err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert eb.parse_args(["--verify-backend", "triton", "--device", "cpu"]).verify_backend == "triton"
 
 
 @pytest.mark.parametrize("mode", ["engine", "steps"])

@@ -36,6 +36,8 @@ def gsm():
     (["--size", "-3"], "size must be in [1,"),
     (["--tasks", "basic_arithmetic", "nosuch"], "every --tasks value must be a reasoning-gym task"),
     (["--seed", "-1"], "--seed must be in [0,"),
+    # each task's prompts were written twice, the same ones (one seed)
+    (["--tasks", "chain_sum", "basic_arithmetic", "chain_sum"], "--tasks lists chain_sum more than once"),
 ])
 def test_make_prompts_refuses_bad_options_and_keeps_the_old_file(prompts, tmp_path, capsys, argv, message):
     out = tmp_path / "p.jsonl"
@@ -106,6 +108,14 @@ def test_make_gsm_data_refuses_bad_sizes_before_writing(gsm, tmp_path, capsys, a
     (tmp_path / "train.parquet").write_text("old train")
     assert message in argument_error(gsm.main, ["--out", str(tmp_path), *argv], capsys)
     assert (tmp_path / "train.parquet").read_text() == "old train"
+
+
+def test_make_gsm_data_refuses_an_empty_out(gsm, tmp_path, monkeypatch, capsys):
+    """``--out ""`` (an unset variable in ``--out "$DIR"``) wrote both files to the current
+    folder."""
+    monkeypatch.chdir(tmp_path)
+    err = argument_error(gsm.main, ["--out", "", "--train-size", "1", "--test-size", "1"], capsys)
+    assert "argument --out: must be a path, got ''" in err and list(tmp_path.iterdir()) == []
 
 
 def test_make_gsm_data_names_the_missing_packages(gsm, tmp_path, monkeypatch, capsys):

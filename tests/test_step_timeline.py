@@ -71,6 +71,9 @@ def test_bad_batch_size_names_the_flag(capsys) -> None:
     (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N"),
     (["--device", "cpu", "--random-weights", "--max-new-tokens", "1000"],
      "--max-new-tokens 1000: prompt length 128 + 1000 new tokens exceeds --max-model-len 1024"),
+    # the engine cut the fixed answer to --draft-tokens: the table showed 32-node steps as 64's
+    (["--device", "cpu", "--random-weights", "--fixed-budget", "64"],
+     "--fixed-budget 64 must be at most --draft-tokens 32, the engine's most draft nodes per request"),
 ])
 def test_errors_name_this_scripts_flags(argv, message, monkeypatch, capsys) -> None:
     """Its own usage and flags, never engine_bench's (--temperatures, --batch-sizes), and no model."""

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from argument_errors import argument_error, hide_cuda  # noqa: E402
 import verify_bench as vb  # noqa: E402
+from rollout_spec.engine import triton_attention  # noqa: E402
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -25,6 +26,9 @@ import verify_bench as vb  # noqa: E402
     (["--context", "-1"], "argument --context: --context must be in [1, 8190], got -1"),
     (["--context", "8000", "--budgets", "256"], "--context 8000 + the largest --budgets value 256 + 1 exceeds"),
     (["--device", "foo"], "argument --device: device must be auto, cpu, mps, cuda or cuda:N, got 'foo'"),
+    # a repeated value timed its rows twice
+    (["--budgets", "4,8,4"], "argument --budgets: --budgets lists 4 more than once"),
+    (["--modes", "greedy,greedy"], "argument --modes: --modes lists greedy more than once"),
 ])
 def test_bad_flags_exit_naming_the_flag(argv, message, monkeypatch, capsys) -> None:
     monkeypatch.setattr(vb, "make_model", lambda *_: pytest.fail("model built before the error"))
@@ -32,9 +36,21 @@ def test_bad_flags_exit_naming_the_flag(argv, message, monkeypatch, capsys) -> N
 
 
 def test_triton_backend_without_triton_exits(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(vb.triton_attention, "is_available", lambda: False)
+    monkeypatch.setattr(triton_attention, "is_available", lambda: False)
     err = argument_error(vb.main, ["--device", "cpu", "--backends", "torch,triton"], capsys)
     assert "--backends triton: the triton package is not installed" in err
+
+
+def test_triton_backend_off_cuda_exits_unless_interpreted(monkeypatch, capsys) -> None:
+    """Triton's kernels need a CUDA device: on the CPU the first triton row died in a traceback
+    from triton's driver ("0 active drivers"). TRITON_INTERPRET=1 runs them there."""
+    monkeypatch.setattr(triton_attention, "is_available", lambda: True)
+    monkeypatch.setattr(vb, "make_model", lambda *_: pytest.fail("model built before the error"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = argument_error(vb.main, ["--device", "cpu", "--backends", "torch,triton"], capsys)
+    assert "--backends triton: the Triton kernels run on CUDA, not on --device cpu" in err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert vb.parse_args(["--device", "cpu", "--backends", "triton"]).backends == ["triton"]
 
 
 def test_cuda_without_a_gpu_exits(monkeypatch, capsys) -> None:

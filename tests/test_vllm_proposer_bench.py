@@ -62,3 +62,17 @@ def test_a_response_past_the_default_model_length_is_replayed_whole(tmp_path, ca
     vllm_proposer_bench.main(["--trace", str(path), "--max-live", "1"])
     (row,) = table_rows(capsys.readouterr().out)
     assert int(row[2]) < 3000 / 4  # engine steps: drafts go on being accepted past token 2048
+
+
+def test_traces_of_one_name_are_refused_with_a_digest(tmp_path, capsys) -> None:
+    """``--digest`` keys each trace's entries by its name: of two traces named t, the first's
+    entries were silently replaced by the second's. The same file twice is refused as such."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = small_trace(tmp_path / "a", seed=1), small_trace(tmp_path / "b", seed=2)
+    argv = ["--trace", str(first), "--trace", str(second), "--max-live", "8"]
+    err = argument_error(vllm_proposer_bench.main, argv + ["--digest", str(tmp_path / "d.json")], capsys)
+    assert f"--digest: traces {first} and {second} are both named 't', the key of their entries" in err
+    assert not (tmp_path / "d.json").exists()
+    err = argument_error(vllm_proposer_bench.main, ["--trace", str(first), "--trace", str(first)], capsys)
+    assert f"--trace lists {first.resolve()} more than once" in err

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
-from rollout_spec.cli_args import DefaultsParser, check_output, int_arg
+from rollout_spec.cli_args import DefaultsParser, check_distinct, check_output, int_arg
 from rollout_spec.workloads import checked_gym_dataset
 
 INSTRUCTION = "Solve the problem. End your reply with 'Answer: <number>'.\n\n"
@@ -57,6 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--size", type=int_arg("--size", 1, 1_000_000), default=256, help="prompts per task")
     parser.add_argument("--seed", type=int_arg("--seed", 0, 2**62), default=0)
     args = parser.parse_args(argv)
+    check_distinct(parser, "--tasks", args.tasks)  # a task given twice wrote its prompts twice
     for task in args.tasks:  # a task that cannot make its prompts fails here, not mid-write
         try:
             checked_gym_dataset(task, args.size, args.seed)

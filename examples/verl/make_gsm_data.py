@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rollout_spec.cli_args import DefaultsParser, check_output, int_arg
+from rollout_spec.cli_args import DefaultsParser, check_output, int_arg, path_arg
 
 INSTRUCTION = "Think step by step, then give the final answer after '####'."
 SEEDS = {"train": 1, "test": 2}
@@ -61,7 +61,7 @@ def write_splits(out: Path, sizes: dict[str, int]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Write ``train.parquet`` and ``test.parquet`` under ``--out``; returns the exit status."""
     parser = DefaultsParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--out", type=path_arg, required=True, help="output directory")
     parser.add_argument("--train-size", type=int_arg("--train-size", 1, 10_000_000), default=2048)
     parser.add_argument("--test-size", type=int_arg("--test-size", 1, 10_000_000), default=256)
     args = parser.parse_args(argv)
