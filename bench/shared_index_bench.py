@@ -32,6 +32,10 @@ from rollout_spec.replay import Trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "grpo_smollm2_t0.6.json.gz"  # shared/ sits beside the checkout
 NAME = "bench-index"
+MAX_RESPONSES = 1 << 20
+"""Most responses per step (--replicas x --requests): 4x the largest documented run (512 x 512).
+The coordinators keep retain_steps x affinity_k copies of each (about 0.8 KB a copy), 3.3 GB at
+this limit with the defaults; the options' own limits (65536 x 1048576) would ask for terabytes."""
 
 
 def responses_by_group(trace: Trace) -> list[dict[int, list[list[int]]]]:
@@ -203,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--requests {args.requests} must be a multiple of --n {args.n}")
     if args.hosts > args.replicas:
         ap.error(f"--hosts {args.hosts} must be at most --replicas {args.replicas} (a host carries replicas)")
+    if args.shards > args.replicas:
+        ap.error(f"--shards {args.shards} must be at most --replicas {args.replicas} "
+                 "(shard s serves the replicas r with r % shards == s: one beyond them serves none)")
+    if args.replicas * args.requests > MAX_RESPONSES:
+        ap.error(f"--replicas {args.replicas} x --requests {args.requests} = {args.replicas * args.requests} "
+                 f"responses per step; at most {MAX_RESPONSES}")
     recorded = responses_by_group(load_trace_arg(ap, "--trace", args.trace, need_responses=True))
     smallest = min((len(r) for step in recorded for r in step.values()), default=0)
     if args.n > smallest:

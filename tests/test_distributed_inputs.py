@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import rollout_spec.distributed.shared_index as shared_index
 from rollout_spec.distributed import GroupRouter, group_key
 from rollout_spec.distributed.coordinator import IndexCoordinator
+from rollout_spec.distributed.keys import mix64, rendezvous_scores
 from rollout_spec.distributed.packing import pack, split_by_destination, unpack
 from rollout_spec.distributed.placement import ENV_NUM_REPLICAS, ENV_REPLICA_ID, ReplicaPlacement, placement_from_env
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig
@@ -298,8 +300,159 @@ def test_detached_coordinators_are_created_with_a_detached_lifetime(monkeypatch:
 
     monkeypatch.setattr(coordinator, "_live_or_new", live_or_new)
     monkeypatch.setattr(ray, "get", lambda refs: refs)
+    monkeypatch.setattr(ray, "get_actor", _scripted_get_actor([None, None]))  # none runs yet
     monkeypatch.setattr(coordinator, "_KEEP_ALIVE", {})
     handles = coordinator.create_coordinators("kept", num_shards=2, namespace="ns", detached=True)
     assert [h.calls for h in handles] == [1, 1]
     assert made == [{"namespace": "ns", "lifetime": "detached", "shard": coordinator._shard_name("kept", s)}
                     for s in range(2)]
+
+
+def test_a_step_beyond_int64_is_refused_before_anything_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps travel as int64 (a pull's own_steps): a larger one was kept, and the pull from the
+    start after a coordinator reset then raised in the coordinator and stopped the puller."""
+    coord = IndexCoordinator(2)
+    before = _snapshot(coord)
+    with pytest.raises(ValueError, match=r"step must be in \[0, 9223372036854775807\]"):
+        coord.publish(0, 2**63, [1], [len(BUCKET)], BUCKET)
+    assert _snapshot(coord) == before
+    assert coord.publish(0, 2**63 - 1, [1], [len(BUCKET)], BUCKET) == 1
+    client = _client(monkeypatch)
+    client.record(1, [1, 2])
+    with pytest.raises(ValueError, match="step must be in"):
+        client.publish(2**63)
+    assert client._recorded[0] == [1] and client._published_steps == set() and client._backlog == {}
+
+
+def test_the_client_checks_its_config_and_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_index, "coordinator_handles", lambda *a: [None])
+    monkeypatch.setattr(shared_index, "coordinators_retain_steps", lambda *a: 4)
+    with pytest.raises(TypeError, match="config must be a SharedIndexConfig, got dict"):
+        SharedIndexClient(_Sink(), {"replica_id": 0, "num_replicas": 2}, start=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="start must be a bool, got str 'no'"):
+        SharedIndexClient(_Sink(), SharedIndexConfig(0, 2), start="no")  # type: ignore[arg-type]
+
+
+def test_a_config_refuses_shards_that_would_serve_no_replica() -> None:
+    with pytest.raises(ValueError, match=r"num_shards must be in \[1, 2\], got 3"):
+        SharedIndexConfig(0, 2, num_shards=3)
+    assert SharedIndexConfig(0, 2, num_shards=2).num_shards == 2
+
+
+@pytest.mark.parametrize("sequences", [(s for s in [[1]]), {0: [1]}, None], ids=["generator", "dict", "none"])
+def test_packing_names_sequences_that_are_not_a_sequence(sequences: Any) -> None:
+    with pytest.raises(TypeError, match="sequences must be a sequence of 1-D token id arrays"):
+        pack([1], sequences)
+    with pytest.raises(TypeError, match="sequences must be a sequence of 1-D token id arrays"):
+        split_by_destination([1], sequences, [[0]])
+
+
+@pytest.mark.parametrize("call, exc, field", [
+    (lambda: rendezvous_scores(np.array([1.7]), 2), TypeError, "keys"),  # was truncated to 1
+    (lambda: rendezvous_scores(np.array([[1]]), 2), TypeError, "keys"),  # was a 3-D answer
+    (lambda: rendezvous_scores(np.array([1]), 0), ValueError, "num_replicas"),  # was no replica
+    (lambda: rendezvous_scores(np.array([1]), 2.5), TypeError, "num_replicas"),  # was 3 replicas
+    (lambda: rendezvous_scores(np.array([1]), 2, 1.5), TypeError, "seed"),  # was seed 1
+    (lambda: rendezvous_scores(np.array([1]), 2, -1), ValueError, "seed"),  # was an OverflowError
+    (lambda: mix64(np.array([1.5])), TypeError, "integers"),
+])
+def test_rendezvous_scores_refuse_what_they_would_truncate(call: Callable[[], Any], exc: type, field: str) -> None:
+    with pytest.raises(exc, match=field):
+        call()
+    assert np.array_equal(rendezvous_scores([3, 4], 2, 1), rendezvous_scores(np.array([3, 4], np.uint8), 2, 1))
+
+
+def test_placement_names_an_environ_that_is_not_a_mapping() -> None:
+    with pytest.raises(TypeError, match="environ must be a mapping or None, got list"):
+        placement_from_env([(ENV_REPLICA_ID, "0")])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="environ must be a mutable mapping or None, got list"):
+        ReplicaPlacement(0, 2).to_env([])  # type: ignore[arg-type]
+
+
+def test_share_drafter_and_ensure_coordinators_check_their_arguments() -> None:
+    from rollout_spec.config import SpecConfig
+    from rollout_spec.distributed.sharing import ensure_coordinators, share_drafter
+
+    with pytest.raises(TypeError, match=r"placement must be a ReplicaPlacement or None, got tuple \(0, 2\)"):
+        share_drafter(_Sink(), SpecConfig(shared_index="x"), (0, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="spec must be a SpecConfig, got NoneType"):
+        share_drafter(_Sink(), None, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_replicas must be in"):
+        ensure_coordinators(SpecConfig(), -5)  # a hook's bad count shows without shared_index too
+    with pytest.raises(TypeError, match="spec must be a SpecConfig"):
+        ensure_coordinators(None, 2)  # type: ignore[arg-type]
+
+
+class _Coordinator(_Handle):
+    """A stand-in handle that also tells its ``retain_steps`` (the patched ray.get returns it)."""
+
+    def __init__(self, retain_steps: int) -> None:
+        super().__init__()
+        self.get_retain_steps = SimpleNamespace(remote=lambda: retain_steps)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Ray calls answered in-process: ``get`` returns what ``.remote()`` returned, no actor runs
+    under any name, ``_live_or_new`` makes a fresh stand-in with the asked ``retain_steps``."""
+    ray = pytest.importorskip("ray")
+    from rollout_spec.distributed import coordinator
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: (_ for _ in ()).throw(ValueError(name)))
+    monkeypatch.setattr(coordinator, "_live_or_new", lambda cls, shard, options, retain: _Coordinator(retain))
+    monkeypatch.setattr(coordinator, "_KEEP_ALIVE", {})
+    return ray
+
+
+@pytest.mark.parametrize("kwargs, exc, field", [
+    ({"name": None}, TypeError, "name must be a non-empty str, got NoneType"),  # was actors 'None-0'
+    ({"name": ""}, ValueError, "name must be a non-empty str, got ''"),
+    ({"namespace": ""}, ValueError, "namespace must be a non-empty str or None"),  # waited 60 s, then raised
+    ({"namespace": 5}, TypeError, "namespace must be"),
+    ({"detached": "no"}, TypeError, "detached must be a bool, got str 'no'"),  # was detached
+])
+def test_create_coordinators_checks_names_and_detached(fake_ray: Any, kwargs: dict, exc: type, field: str) -> None:
+    from rollout_spec.distributed import coordinator
+
+    with pytest.raises(exc, match=field):
+        coordinator.create_coordinators(**{"name": "job", **kwargs})
+    assert coordinator._KEEP_ALIVE == {}
+
+
+def test_create_coordinators_refuses_another_shape_of_running_ones(fake_ray: Any, monkeypatch) -> None:
+    """Another num_shards dropped the running handles mid-call (Ray killed those actors: an
+    ActorDiedError); another retain_steps returned actors that keep a different window."""
+    from rollout_spec.distributed import coordinator
+
+    kept = coordinator.create_coordinators("job", num_shards=1, retain_steps=4)
+    with pytest.raises(ValueError, match=r"coordinators 'job' run with num_shards=1, not 2"):
+        coordinator.create_coordinators("job", num_shards=2, retain_steps=4)
+    with pytest.raises(ValueError, match=r"coordinators 'job' run with retain_steps=4, not 2"):
+        coordinator.create_coordinators("job", num_shards=1, retain_steps=2)
+    assert coordinator._KEEP_ALIVE == {(None, "job"): kept}
+    assert coordinator.create_coordinators("job", num_shards=1, retain_steps=4) is kept
+    # made by another process (or detached, by an earlier job): found by name before any is created
+    other = _Coordinator(3)
+    monkeypatch.setattr(fake_ray, "get_actor", lambda name, namespace=None: other)
+    with pytest.raises(ValueError, match=r"coordinators 'other' run with retain_steps=3, not 4"):
+        coordinator.create_coordinators("other", num_shards=1, retain_steps=4)
+    assert (None, "other") not in coordinator._KEEP_ALIVE
+
+
+@pytest.mark.parametrize("call, exc, field", [
+    (lambda c: c.coordinator_handles(None, 1), TypeError, "name must be"),  # found 'None-0'
+    (lambda c: c.coordinator_handles("job", 0), ValueError, "num_shards must be in"),  # was []
+    (lambda c: c.coordinator_handles("job", 1.5), TypeError, "num_shards must be an integer"),
+    # NaN: a missing shard was waited for forever
+    (lambda c: c.coordinator_handles("job", 1, timeout_s=float("nan")), ValueError, "timeout_s"),
+    (lambda c: c.coordinators_retain_steps([]), ValueError, "handles must hold at least one"),  # was an IndexError
+    (lambda c: c.coordinators_retain_steps([_Coordinator(2)], timeout_s=-1), ValueError, "timeout_s"),
+    (lambda c: c.destroy_coordinators(None, 1), TypeError, "name must be"),  # did nothing
+])
+def test_the_coordinator_lookups_check_their_arguments(fake_ray: Any, monkeypatch, call, exc, field) -> None:
+    from rollout_spec.distributed import coordinator
+
+    monkeypatch.setattr(fake_ray, "get_actor", lambda name, namespace=None: _Coordinator(2))
+    with pytest.raises(exc, match=field):
+        call(coordinator)

@@ -211,6 +211,19 @@ def test_creating_again_replaces_a_coordinator_that_died(ray_cluster) -> None:
     destroy_coordinators(name, 1)
 
 
+def test_creating_again_with_another_shape_leaves_the_running_coordinators(ray_cluster) -> None:
+    """Another num_shards rebuilt the list and dropped the running handles mid-call: Ray killed
+    those actors (their publications lost) and the call raised an ActorDiedError."""
+    name = f"shape-{uuid.uuid4().hex[:8]}"
+    (first,) = create_coordinators(name, 1, 2)
+    with pytest.raises(ValueError, match="run with num_shards=1, not 2"):
+        create_coordinators(name, 2, 2)
+    with pytest.raises(ValueError, match="run with retain_steps=2, not 3"):
+        create_coordinators(name, 1, 3)
+    assert create_coordinators(name, 1, 2) == [first] and _answers(first)
+    destroy_coordinators(name, 1)
+
+
 def test_destroy_kills_the_shards_left_when_one_died(ray_cluster) -> None:
     """One shard of a job died (its name is free again): destroying the job's coordinators still
     kills the others, instead of raising that they were never created and leaving them running."""

@@ -19,7 +19,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the shared index needs Ray: pip install 'rollout-spec[ray]'")
 
 from rollout_spec.distributed import shared_index  # noqa: E402
-from rollout_spec.distributed.coordinator import IndexCoordinator  # noqa: E402
+from rollout_spec.distributed.coordinator import IndexCoordinator, Pulled  # noqa: E402
 from rollout_spec.distributed.packing import pack, unpack  # noqa: E402
 from rollout_spec.distributed.shared_index import SharedIndexClient, SharedIndexConfig  # noqa: E402
 from rollout_spec.distributed.sharing import SharingDrafter  # noqa: E402
@@ -320,6 +320,42 @@ class _PublishDuringPull(_FlakyHandle):
                 run()
             return inner.remote(*args)
         return SimpleNamespace(remote=remote)
+
+
+class _CorruptOnce(_FlakyHandle):
+    """A handle whose next pull answers with its payload cut short by one element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.corrupt = True
+
+    @property
+    def pull(self) -> Any:
+        inner = super().pull
+
+        def remote(*args: Any) -> Any:
+            ref = inner.remote(*args)
+            if self.corrupt and ref.error is None:
+                self.corrupt, got = False, ref.value
+                ref.value = Pulled(got.head, got.latest_step, got.entries, got.payload[:-1],
+                                                got.over_budget, got.instance)
+            return ref
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_corrupt_pull_moves_no_cursor(handle: _FlakyHandle) -> None:
+    """The cursor moved to the reply's head before its buckets were unpacked: the pull that
+    raised "corrupt bucket" skipped them for good, and the first one also fixed step_at_join."""
+    corrupt = _CorruptOnce()
+    handle.lookups["handle"] = corrupt
+    _publish_for_replica_0(corrupt.coord, 2, 100)
+    client = SharedIndexClient(_Sink(), SharedIndexConfig(replica_id=0, num_replicas=2), start=False)
+    with pytest.raises(ValueError, match="corrupt bucket"):
+        client.poll()
+    assert (client._cursor, client.step_at_join, client.latest_step) == (-1, -1, -1)
+    assert client.poll() == 1 and client.step_at_join == 2
+    client.apply()
+    assert client.drafter.got == [[100, 2, 3]]
 
 
 def test_an_own_publish_that_lands_before_a_pull_from_the_start_is_not_ingested(handle: _FlakyHandle) -> None:

@@ -25,3 +25,17 @@ def test_each_step_prints_a_row_and_a_progress_line(tmp_path, monkeypatch, capsy
     assert [r[0] for r in table_rows(out)] == ["0", "1"]
     assert "[step 1/2: published and ingested in " in err and "[step 2/2: " in err
     assert "published and ingested" not in out  # progress stays off the table's stream
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "2", "--shards", "3"], "--shards 3 must be at most --replicas 2"),  # a shard serving none
+    (["--replicas", "65536", "--requests", "1048576"], "= 68719476736 responses per step; at most 1048576"),
+])
+def test_shards_beyond_the_replicas_and_a_huge_step_are_argument_errors(
+        tmp_path, monkeypatch, capsys, args: list[str], message: str) -> None:
+    """Both ran: coordinator actors that never got a publication, or an allocation of terabytes."""
+    monkeypatch.setattr(shared_index_bench.ray, "init", lambda **kw: pytest.fail("Ray was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        shared_index_bench.main(["--trace", str(small_trace(tmp_path)), "--hosts", "1", "--n", "4", "--requests", "8",
+                                 *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -18,9 +18,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rollout_spec.config import check_int
+from rollout_spec.config import check_float, check_int
 from rollout_spec.distributed.packing import MAX_REPLICA, Bucket, bucket_tokens
 from rollout_spec.token_ids import int_array
+
+MAX_STEP = 2**63 - 1
+"""Largest RL step a publication may carry: steps travel as int64 (a pull's ``own_steps``)."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,13 @@ class IndexCoordinator:
         are not kept, as eviction would drop them; they are counted in ``stale_publishes``.
 
         Raises:
-            TypeError, ValueError: naming the bad argument (``dests`` in [0, 65535], ``lengths`` in
-                [1, len(payload)], a corrupt bucket), before anything is kept.
+            TypeError, ValueError: naming the bad argument (``step`` in [0, MAX_STEP], ``dests`` in
+                [0, 65535], ``lengths`` in [1, len(payload)], a corrupt bucket), before anything
+                is kept.
         """
         t0 = time.perf_counter()
         src = check_int("src", src, 0, MAX_REPLICA)
-        step = check_int("step", step, 0)
+        step = check_int("step", step, 0, MAX_STEP)
         flat = payload
         if not isinstance(flat, np.ndarray) or flat.dtype != np.int32 or flat.ndim != 1:
             raise TypeError(f"payload must be a 1-D int32 array, got {type(payload).__name__} "
@@ -128,7 +132,7 @@ class IndexCoordinator:
         budget = float("inf") if budget_tokens is None else check_int("budget_tokens", budget_tokens, 0)
         if own_steps is not None and (isinstance(own_steps, (str, bytes)) or not isinstance(own_steps, Collection)):
             raise TypeError(f"own_steps must be None or a collection of steps, got {type(own_steps).__name__}")
-        skip = None if own_steps is None else set(int_array("own_steps", list(own_steps), 0, 2**63 - 1).tolist())
+        skip = None if own_steps is None else set(int_array("own_steps", list(own_steps), 0, MAX_STEP).tolist())
         got = [(e, b) for e, b in self._by_dest.get(dest, ()) if e.seq > cursor
                and (e.src != dest or (skip is not None and e.step not in skip))]
         chosen = []
@@ -198,14 +202,33 @@ def create_coordinators(
     ``detached`` keeps them past the driver's exit; then call :func:`destroy_coordinators`.
     Calling it again with the same name returns the running actors (framework hooks may run once
     per replica object in the driver), and replaces any that died.
+
+    Raises:
+        TypeError, ValueError: naming a bad argument (``name`` a non-empty str, ``namespace`` one
+            or None, ``num_shards`` in [1, 4096], ``retain_steps`` in [1, 1048576], ``detached``
+            a bool). ValueError too, before anything is created, when running coordinators of
+            that name keep another ``retain_steps``, or this process made them with another
+            ``num_shards``: :func:`destroy_coordinators` them first.
     """
     import ray
 
+    _check_names(name, namespace)
     check_int("num_shards", num_shards, 1, 4096)
     check_int("retain_steps", retain_steps, 1, 1 << 20)
-    kept = _KEEP_ALIVE.pop((namespace, name), None)
-    if kept is not None and len(kept) == num_shards and _all_alive(kept):
-        _KEEP_ALIVE[(namespace, name)] = kept
+    if not isinstance(detached, bool):
+        raise TypeError(f"detached must be a bool, got {type(detached).__name__} {detached!r}")
+    kept = _KEEP_ALIVE.get((namespace, name))
+    if kept is not None and len(kept) != num_shards:
+        # rebuilt, the dropped handles would kill the running shards mid-call (ActorDiedError)
+        raise ValueError(f"coordinators {name!r} run with num_shards={len(kept)}, not {num_shards}: "
+                         "destroy_coordinators() them first")
+    live = kept if kept is not None else _found_by_name(name, num_shards, namespace)
+    kept_steps = _retain_steps_of(live)
+    other = sorted({s for s in kept_steps if s is not None} - {retain_steps})
+    if other:
+        raise ValueError(f"coordinators {name!r} run with retain_steps={other[0]}, not {retain_steps}: pass "
+                         "that, or destroy_coordinators() them first")
+    if kept is not None and None not in kept_steps:
         return kept
     remote_cls = ray.remote(num_cpus=0, max_concurrency=1)(IndexCoordinator)
     options: dict[str, Any] = {"namespace": namespace}
@@ -215,6 +238,46 @@ def create_coordinators(
     ray.get([h.stats.remote() for h in handles])  # constructed and registered before replicas look
     _KEEP_ALIVE[(namespace, name)] = handles  # a named actor still dies when its handles are dropped
     return handles
+
+
+def _check_names(name: object, namespace: object) -> None:
+    """Refuse a coordinator name that is not a non-empty str, and a namespace that is not one or
+    None (Ray would name the actors ``None-0``, or wait on the empty namespace for good)."""
+    for field, value, allowed in (("name", name, "a non-empty str"),
+                                  ("namespace", namespace, "a non-empty str or None (the caller's)")):
+        if value is None and field == "namespace":
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{field} must be {allowed}, got {type(value).__name__} {value!r}")
+        if not value:
+            raise ValueError(f"{field} must be {allowed}, got ''")
+
+
+def _found_by_name(name: str, num_shards: int, namespace: str | None) -> list[Any]:
+    """The actors now registered under the shards' names (dead ones included), without waiting."""
+    import ray
+
+    found = []
+    for s in range(num_shards):
+        try:
+            found.append(ray.get_actor(_shard_name(name, s), namespace=namespace))
+        except ValueError:  # none: it will be created
+            continue
+    return found
+
+
+def _retain_steps_of(handles: list[Any]) -> list[Optional[int]]:
+    """Each coordinator's ``retain_steps``, None for one that died (it will be replaced)."""
+    import ray
+
+    refs = [h.get_retain_steps.remote() for h in handles]
+    out: list[Optional[int]] = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError:
+            out.append(None)
+    return out
 
 
 def _live_or_new(remote_cls: Any, shard: str, options: dict[str, Any], retain_steps: int,
@@ -256,10 +319,15 @@ def coordinator_handles(name: str, num_shards: int, namespace: str | None = None
     """Look up the coordinators :func:`create_coordinators` made, waiting up to ``timeout_s``.
 
     Raises:
+        TypeError, ValueError: naming a bad argument (``name`` and ``namespace`` as for
+            :func:`create_coordinators`, ``num_shards`` in [1, 4096], ``timeout_s`` in [0, 86400]).
         LookupError: naming the missing actor, when the driver has not created it in time.
     """
     import ray
 
+    _check_names(name, namespace)
+    check_int("num_shards", num_shards, 1, 4096)
+    timeout_s = check_float("timeout_s", timeout_s, 0.0, 86400.0)
     handles = []
     deadline = time.monotonic() + timeout_s
     for s in range(num_shards):
@@ -282,11 +350,18 @@ def coordinators_retain_steps(handles: list[Any], timeout_s: float = 60.0) -> in
     per shard, waiting up to ``timeout_s`` for the answers.
 
     Raises:
+        TypeError, ValueError: ``handles`` is not a non-empty list, or ``timeout_s`` not a
+            number in [0, 86400].
         ValueError: the shards disagree (they were created by calls with different values).
         ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a shard did not answer.
     """
     import ray
 
+    if not isinstance(handles, list):
+        raise TypeError(f"handles must be a list of coordinator handles, got {type(handles).__name__}")
+    if not handles:
+        raise ValueError("handles must hold at least one coordinator handle, got []")
+    timeout_s = check_float("timeout_s", timeout_s, 0.0, 86400.0)
     values = ray.get([h.get_retain_steps.remote() for h in handles], timeout=timeout_s)
     if len(set(values)) > 1:
         raise ValueError(f"the coordinator shards disagree on retain_steps: {values} (shard 0 first); "
@@ -296,9 +371,11 @@ def coordinators_retain_steps(handles: list[Any], timeout_s: float = 60.0) -> in
 
 def destroy_coordinators(name: str, num_shards: int, namespace: str | None = None) -> None:
     """Kill the coordinators (and so free every retained publication); a shard already gone (it
-    died, or was destroyed before) is skipped, so the others are still killed."""
+    died, or was destroyed before) is skipped, so the others are still killed. ``name`` and
+    ``namespace`` are checked as :func:`create_coordinators` checks them."""
     import ray
 
+    _check_names(name, namespace)
     check_int("num_shards", num_shards, 1, 4096)
     for s in range(num_shards):
         try:

@@ -10,6 +10,7 @@ from numbers import Integral
 
 import numpy as np
 
+from rollout_spec.config import check_int
 from rollout_spec.token_ids import BYTES_LIKE, token_array
 from rollout_spec.groups import GROUP_ID_MAX, hashed_group_id, prompt_group_id, text_group_id
 
@@ -57,8 +58,15 @@ def group_keys(groups: Iterable[object]) -> np.ndarray:
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 values: a cheap bijection whose output bits look random."""
-    z = np.asarray(x, dtype=np.uint64).copy()
+    """SplitMix64's finaliser on uint64 values: a cheap bijection whose output bits look random.
+
+    ``x`` holds integers (a signed one is taken as its two's-complement bits); anything else is a
+    TypeError, not truncated to an integer.
+    """
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"mix64 takes integers, got dtype {arr.dtype}")
+    z = arr.astype(np.uint64)  # a copy: shifted in place below
     with np.errstate(over="ignore"):
         z ^= z >> np.uint64(30)
         z *= np.uint64(0xBF58476D1CE4E5B9)
@@ -75,7 +83,16 @@ def rendezvous_scores(keys: np.ndarray, num_replicas: int, seed: int = 0) -> np.
     from it (about 1/N of them), which is what keeps a group's history where it was. The seed is
     mixed before it salts (mix64(0) is 0, so seed 0 keeps its ranking): added to the replica
     index, seeds that differ by less than N would only shift the replicas' salts by a few indices.
+
+    Raises:
+        TypeError, ValueError: ``keys`` is not a 1-D integer array (or sequence), ``num_replicas``
+            not an int in [1, 65536], or ``seed`` not one in [0, 2**63 - 1].
     """
+    keys = np.asarray(keys)
+    if keys.ndim != 1 or (keys.dtype.kind not in "iu" and keys.size):
+        raise TypeError(f"keys must be a 1-D array of integers, got dtype {keys.dtype}, shape {keys.shape}")
+    num_replicas = check_int("num_replicas", num_replicas, 1, 1 << 16)
+    seed = check_int("seed", seed, 0, 2**63 - 1)
     salts = mix64(np.arange(num_replicas, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
     salts ^= mix64(np.uint64(seed))
     hashed = mix64(np.asarray(keys, dtype=np.int64).astype(np.uint64))

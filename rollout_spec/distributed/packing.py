@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rollout_spec.groups import GROUP_ID_MAX
-from rollout_spec.token_ids import int_array, token_array
+from rollout_spec.token_ids import BYTES_LIKE, int_array, token_array
 
 MAX_REPLICA = (1 << 16) - 1
 """Largest replica index (the router takes at most 65536 replicas)."""
@@ -27,6 +27,7 @@ def pack(groups: Sequence[int] | np.ndarray, sequences: Sequence[np.ndarray]) ->
     """Concatenate ``sequences`` (1-D int arrays of token ids) with their group ids (-1: none)
     into one :data:`Bucket`; raises naming the bad argument before building anything."""
     gids = int_array("groups", groups, -1, GROUP_ID_MAX)
+    _check_sequences(sequences)
     if len(gids) != len(sequences):
         raise ValueError(f"groups ({len(gids)}) and sequences ({len(sequences)}) differ in length")
     num = len(sequences)
@@ -40,6 +41,13 @@ def pack(groups: Sequence[int] | np.ndarray, sequences: Sequence[np.ndarray]) ->
     out[1 + num : 1 + 2 * num] = lengths
     out[1 + 2 * num :] = tokens
     return out
+
+
+def _check_sequences(sequences: object) -> None:
+    """Refuse a ``sequences`` that is not a sized sequence of sequences (a generator, a dict, a
+    str), whose ``len`` would fail unnamed or whose items would not be its responses."""
+    if not isinstance(sequences, (Sequence, np.ndarray)) or isinstance(sequences, (str, *BYTES_LIKE)):
+        raise TypeError(f"sequences must be a sequence of 1-D token id arrays, got {type(sequences).__name__}")
 
 
 def _header(bucket: Bucket) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
@@ -85,6 +93,7 @@ def split_by_destination(
     """
     groups = int_array("groups", groups, -1, GROUP_ID_MAX)
     destinations = int_array("destinations", destinations, 0, MAX_REPLICA, ndim=2)
+    _check_sequences(sequences)
     if len(groups) != len(sequences) or destinations.shape[0] != len(sequences):
         raise ValueError(f"groups ({len(groups)}) and destinations (shape {destinations.shape}) must have "
                          f"one entry (row) per sequence ({len(sequences)})")

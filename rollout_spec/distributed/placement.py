@@ -44,8 +44,11 @@ class ReplicaPlacement:
         return ReplicaPlacement(value["replica_id"], value["num_replicas"])
 
     def to_env(self, environ: Optional[MutableMapping[str, str]] = None) -> None:
-        """Store the placement for child processes (default ``os.environ``)."""
+        """Store the placement for child processes (default ``os.environ``; else a mutable
+        mapping, or a TypeError)."""
         env = os.environ if environ is None else environ
+        if not isinstance(env, MutableMapping):
+            raise TypeError(f"environ must be a mutable mapping or None, got {type(environ).__name__}")
         env[ENV_REPLICA_ID] = str(self.replica_id)
         env[ENV_NUM_REPLICAS] = str(self.num_replicas)
 
@@ -54,10 +57,13 @@ def placement_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[
     """The placement stored by :meth:`ReplicaPlacement.to_env`, or None when neither variable is set.
 
     Raises:
+        TypeError: ``environ`` is neither None nor a mapping.
         ValueError: only one of the two is set, or a value is not plain decimal digits (no sign,
             space, underscore or non-ASCII digit) of an integer in range.
     """
     env = os.environ if environ is None else environ
+    if not isinstance(env, Mapping):
+        raise TypeError(f"environ must be a mapping or None, got {type(environ).__name__}")
     rid, num = env.get(ENV_REPLICA_ID), env.get(ENV_NUM_REPLICAS)
     if rid is None and num is None:
         return None

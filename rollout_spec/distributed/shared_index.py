@@ -32,7 +32,13 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from rollout_spec.config import check_float, check_int
-from rollout_spec.distributed.coordinator import Entry, Pulled, coordinator_handles, coordinators_retain_steps
+from rollout_spec.distributed.coordinator import (
+    MAX_STEP,
+    Entry,
+    Pulled,
+    coordinator_handles,
+    coordinators_retain_steps,
+)
 from rollout_spec.distributed.packing import Bucket, split_by_destination, unpack
 from rollout_spec.token_ids import token_array
 from rollout_spec.distributed.router import GroupRouter
@@ -70,7 +76,8 @@ class SharedIndexConfig:
     namespace: Optional[str] = None
     """Ray namespace of the coordinator actors (None: the caller's)."""
     num_shards: int = 1
-    """Coordinator actors; destination r is served by shard r % num_shards (see
+    """Coordinator actors, in [1, min(4096, num_replicas)] (a shard beyond the replicas would
+    serve none); destination r is served by shard r % num_shards (see
     ``coordinator.default_num_shards``)."""
     router_seed: int = 0
     """Seed of the router's ranking; must match the request router's."""
@@ -110,7 +117,7 @@ class SharedIndexConfig:
         put("poll_interval_s", check_float("poll_interval_s", self.poll_interval_s, 0.0, 3600.0))
         put("max_poll_interval_s",
             check_float("max_poll_interval_s", self.max_poll_interval_s, self.poll_interval_s, 3600.0))
-        put("num_shards", check_int("num_shards", self.num_shards, 1, 4096))
+        put("num_shards", check_int("num_shards", self.num_shards, 1, min(4096, self.num_replicas)))
         put("router_seed", check_int("router_seed", self.router_seed, 0, 2**63 - 1))
         put("lookup_timeout_s", check_float("lookup_timeout_s", self.lookup_timeout_s, 0.0, 86400.0))
         put("pull_timeout_s", check_float("pull_timeout_s", self.pull_timeout_s, 0.0, 86400.0, lo_open=True))
@@ -165,7 +172,8 @@ class SharedIndexClient:
         start: start the background puller now (tests may drive :meth:`poll` by hand).
 
     Raises:
-        TypeError: when the drafter has no ``add_sequences``.
+        TypeError: when the drafter has no ``add_sequences``, ``config`` is not a
+            :class:`SharedIndexConfig` or ``start`` not a bool.
         LookupError: the coordinators are not found within ``lookup_timeout_s``.
         ValueError: ``config.retain_steps`` is not the coordinators' value, or their shards disagree.
         ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError: a coordinator did not tell
@@ -175,6 +183,10 @@ class SharedIndexClient:
     def __init__(self, drafter: IngestingDrafter, config: SharedIndexConfig, start: bool = True) -> None:
         if not callable(getattr(drafter, "add_sequences", None)):
             raise TypeError(f"drafter {type(drafter).__name__} has no add_sequences(group_ids, sequences)")
+        if not isinstance(config, SharedIndexConfig):
+            raise TypeError(f"config must be a SharedIndexConfig, got {type(config).__name__}")
+        if not isinstance(start, bool):
+            raise TypeError(f"start must be a bool, got {type(start).__name__} {start!r}")
         self.drafter = drafter
         self.config = config
         self.router = GroupRouter(config.num_replicas, seed=config.router_seed)
@@ -235,7 +247,8 @@ class SharedIndexClient:
         self._recorded[1].append(tokens)
 
     def publish(self, step: int) -> dict[str, float]:
-        """Send what was recorded since the last publish, as step ``step``; returns at once.
+        """Send what was recorded since the last publish, as step ``step`` (an int in
+        [0, MAX_STEP]); returns at once.
 
         The responses go into step ``step``'s backlog entry first; the backlog holds the newest
         ``retain_steps`` steps (older ones are dropped, counted in ``backlog_sequences_dropped``
@@ -252,7 +265,7 @@ class SharedIndexClient:
         ``bytes`` and ``buckets`` (those submitted), ``tokens`` (of the responses submitted to a
         shard for the first time).
         """
-        step = check_int("step", step, 0)
+        step = check_int("step", step, 0, MAX_STEP)
         self._hold_recorded(step)
         self._raise_background_error()
         t0 = time.perf_counter()
@@ -391,7 +404,8 @@ class SharedIndexClient:
         (:meth:`join` takes the first pull on the owner's thread; pulls are serialised). A
         coordinator shard that answers with a new instance id (Ray restarted it, or the driver
         replaced it) numbers its publications from 0 again: the cursor is dropped and everything
-        it holds is pulled, counted in ``coordinator_resets``.
+        it holds is pulled, counted in ``coordinator_resets``. A reply whose buckets do not
+        unpack raises ``ValueError`` ("corrupt bucket") and moves no cursor, so nothing is skipped.
         """
         with self._poll_lock:
             self._reap_publishes()
@@ -405,13 +419,13 @@ class SharedIndexClient:
                 # the old cursor means nothing to the new one, even if this pull fails
                 self._cursor, self._instance = -1, got.instance
                 got = self._pull(-1)
+            kept = self._not_published_here(got)
+            batches = [unpack(bucket) for _, bucket in kept]  # a corrupt reply raises: no cursor moves
             if self._instance is None:
                 self._step_at_join = got.latest_step
             self._instance = got.instance
             self._cursor = got.head
             self._latest_step = max(self._latest_step, got.latest_step)
-            kept = self._not_published_here(got)
-            batches = [unpack(bucket) for _, bucket in kept]
             with self._stage_lock:
                 self._staged.extend(batches)
             fetched = sum(len(seqs) for _, seqs in batches)

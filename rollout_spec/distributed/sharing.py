@@ -135,10 +135,15 @@ def share_drafter(
     is read from the coordinators, whatever the driver gave ``ensure_coordinators``.
 
     Raises:
+        TypeError: ``spec`` is not a SpecConfig, or ``placement`` neither a ReplicaPlacement nor None.
         ValueError: a shared index is asked for but no placement is known, or a ``retain_steps``
             client option is not the coordinators' value.
         LookupError: the coordinators were not created (``create_coordinators`` in the driver).
     """
+    _check_spec(spec)
+    if placement is not None and not isinstance(placement, ReplicaPlacement):
+        raise TypeError(f"placement must be a ReplicaPlacement or None, got {type(placement).__name__} "
+                        f"{placement!r} (from a dict: ReplicaPlacement.from_dict)")
     if spec.shared_index is None:
         return drafter
     placement = placement or placement_from_env()
@@ -160,14 +165,23 @@ def share_drafter(
 def ensure_coordinators(spec: SpecConfig, num_replicas: int, retain_steps: Optional[int] = None) -> list[Any]:
     """Create (or get) the coordinators ``spec.shared_index`` names, sized for ``num_replicas``;
     the framework hooks call it in the driver. ``retain_steps`` None: ``max(1, spec.history_steps)``.
-    Returns [] when no shared index is configured."""
+    Returns [] when no shared index is configured. ``num_replicas`` (in [1, 65536]) is checked
+    either way, and ``spec`` must be a SpecConfig (TypeError, ValueError)."""
+    _check_spec(spec)
+    num_shards = default_num_shards(num_replicas)
     if spec.shared_index is None:
         return []
     from rollout_spec.distributed.coordinator import create_coordinators
 
     _join_ray()
     retain = retain_steps if retain_steps is not None else max(1, spec.history_steps)
-    return create_coordinators(spec.shared_index, default_num_shards(num_replicas), retain, namespace=NAMESPACE)
+    return create_coordinators(spec.shared_index, num_shards, retain, namespace=NAMESPACE)
+
+
+def _check_spec(spec: object) -> None:
+    """Refuse a ``spec`` that is not a SpecConfig (it would fail later as an AttributeError)."""
+    if not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a SpecConfig, got {type(spec).__name__}")
 
 
 def _join_ray() -> None:
