@@ -20,7 +20,7 @@ from triton_device import DEVICE, INTERPRETED  # skips the module where the kern
 
 from rollout_spec import verify_fused as fused
 from rollout_spec.config import SamplingParams
-from rollout_spec.noise import NoiseKeys
+from rollout_spec.noise import NoiseKeys, quarter_block
 from rollout_spec.sampling import SamplingTable
 from rollout_spec.tree import DraftBatch, build_tree_inputs
 from rollout_spec.verify import verify, verify_torch
@@ -305,3 +305,42 @@ def test_tiny_uniforms_decide_as_in_the_reference(pre_stats):
     assert_same(got, ref)
     roots = batch.offsets[:-1] + np.arange(batch.num_requests)  # each request's root row
     assert got.emitted_tokens[got.emitted_offsets[:-1]].tolist() == far[roots].tolist()
+
+
+@pytest.mark.parametrize("waves", [0, 1 << 30], ids=["walk_passes", "pre_stats"])
+@pytest.mark.parametrize("top_k", [-1, 3], ids=["top_p", "top_k_top_p"])
+def test_top_p_cut_at_exactly_top_p(top_k, waves, monkeypatch):
+    """Probabilities 1/2, 1/4, 1/4 (exact in float32: the row sums to 2 times its maximum's
+    term) and top_p = 0.5: the mass before the 1/4 tokens is exactly top_p, and the reference
+    keeps a token only while the mass before it is below top_p, so only the 1/2 token. The
+    kernel's thresholds cut the same, though the uniforms let a 1/4 token win where kept."""
+    from rollout_spec import verify_triton
+
+    monkeypatch.setattr(verify_triton, "PRE_STATS_WAVES", waves)  # thresholds: the kernel's
+    batch = DraftBatch.from_lists([[(0, -1)]] * 2)  # rows: root, child (token 0) per request
+    logits = torch.full((4, 7), -20.0)
+    logits[:, 0] = float(np.float32(math.log(2)))
+    logits[:, 1:3] = 0.0
+    noise = torch.full(logits.shape, 0.5)
+    noise[:, 1:3] = 1e-6
+    table = SamplingTable.from_params(SamplingParams(temperature=1.0, top_k=top_k, top_p=0.5),
+                                      batch.num_requests)
+    keys = keys_of(batch.num_requests, 2)
+    logits, noise = logits.to(DEVICE), noise.to(DEVICE)
+    got, _ = fused.verify_fused(logits, batch, table, keys, None, noise=noise)
+    ref = verify_torch(logits, batch, table, keys, noise=noise)
+    assert ref.emitted_tokens.tolist() == [0] * 4  # accepted at the root, the bonus at the child
+    assert_same(got, ref)
+
+
+def test_greedy_ties_take_the_first_column(pre_stats):
+    """Greedy rows whose maximum ties in every block of one lane (columns 3, 3 + Q, ...) and in
+    a later lane (Q + 8): the kernel takes the first tied column, as torch.argmax does."""
+    q = quarter_block(WIDE)
+    batch = DraftBatch.from_lists([[(3, -1)]] * 2)  # rows: root, child (token 3) per request
+    logits = torch.zeros(4, WIDE)
+    logits[:, 3::q] = 1.0
+    logits[:, q + 8] = 1.0
+    got, ref = both_paths(logits, batch, SamplingParams(temperature=0), 1)
+    assert ref.emitted_tokens.tolist() == [3] * 4
+    assert_same(got, ref)
