@@ -271,23 +271,32 @@ def test_a_replaced_coordinator_is_pulled_from_the_start(handle: _FlakyHandle) -
     client.close()
 
 
-class _FailFromTheStart(_FlakyHandle):
+class _WrappedPull(_FlakyHandle):
+    """A handle whose ``pull.remote`` goes through ``_pull`` (given the plain handle's call), for
+    stand-ins that alter one pull."""
+
+    @property
+    def pull(self) -> Any:
+        inner = super().pull
+        return SimpleNamespace(remote=lambda *args: self._pull(inner.remote, *args))
+
+    def _pull(self, inner: Callable[..., Any], *args: Any) -> Any:
+        """The pull as this stand-in answers it; the plain handle's here."""
+        return inner(*args)
+
+
+class _FailFromTheStart(_WrappedPull):
     """A handle whose first pull from the start (cursor -1) fails as a dying actor's would."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failed = False
 
-    @property
-    def pull(self) -> Any:
-        inner = super().pull
-
-        def remote(dest: int, cursor: int, *args: Any) -> Any:
-            if cursor == -1 and not self.failed:
-                self.failed = True
-                return _Method(self.coord.pull, [ray.exceptions.ActorDiedError()]).remote()
-            return inner.remote(dest, cursor, *args)
-        return SimpleNamespace(remote=remote)
+    def _pull(self, inner: Callable[..., Any], dest: int, cursor: int, *args: Any) -> Any:
+        if cursor == -1 and not self.failed:
+            self.failed = True
+            return _Method(self.coord.pull, [ray.exceptions.ActorDiedError()]).remote()
+        return inner(dest, cursor, *args)
 
 
 def test_a_reset_whose_pull_from_the_start_fails_is_counted_once_and_read_from_the_start(
@@ -302,7 +311,7 @@ def test_a_reset_whose_pull_from_the_start_fails_is_counted_once_and_read_from_t
     client.close()
 
 
-class _PublishDuringPull(_FlakyHandle):
+class _PublishDuringPull(_WrappedPull):
     """A handle whose next pull runs ``before_pull`` once after the client sent its arguments, as
     an owner that publishes while the puller's pull is on its way (its publish arrives first)."""
 
@@ -310,37 +319,27 @@ class _PublishDuringPull(_FlakyHandle):
         super().__init__()
         self.before_pull: Callable[[], Any] | None = None
 
-    @property
-    def pull(self) -> Any:
-        inner = super().pull
-
-        def remote(*args: Any) -> Any:
-            if self.before_pull is not None:
-                run, self.before_pull = self.before_pull, None
-                run()
-            return inner.remote(*args)
-        return SimpleNamespace(remote=remote)
+    def _pull(self, inner: Callable[..., Any], *args: Any) -> Any:
+        if self.before_pull is not None:
+            run, self.before_pull = self.before_pull, None
+            run()
+        return inner(*args)
 
 
-class _CorruptOnce(_FlakyHandle):
+class _CorruptOnce(_WrappedPull):
     """A handle whose next pull answers with its payload cut short by one element."""
 
     def __init__(self) -> None:
         super().__init__()
         self.corrupt = True
 
-    @property
-    def pull(self) -> Any:
-        inner = super().pull
-
-        def remote(*args: Any) -> Any:
-            ref = inner.remote(*args)
-            if self.corrupt and ref.error is None:
-                self.corrupt, got = False, ref.value
-                ref.value = Pulled(got.head, got.latest_step, got.entries, got.payload[:-1],
-                                                got.over_budget, got.instance)
-            return ref
-        return SimpleNamespace(remote=remote)
+    def _pull(self, inner: Callable[..., Any], *args: Any) -> Any:
+        ref = inner(*args)
+        if self.corrupt and ref.error is None:
+            self.corrupt, got = False, ref.value
+            ref.value = Pulled(got.head, got.latest_step, got.entries, got.payload[:-1],
+                               got.over_budget, got.instance)
+        return ref
 
 
 def test_a_corrupt_pull_moves_no_cursor(handle: _FlakyHandle) -> None:
