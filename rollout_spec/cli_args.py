@@ -233,11 +233,14 @@ def check_triton_backend(parser: argparse.ArgumentParser, flag: str, device: str
     """Refuse the Triton backend (``flag triton``) where its kernels cannot run, before any model
     is built: without the triton package, or on ``device`` (a resolved ``check_device`` name)
     other than CUDA, unless ``TRITON_INTERPRET=1`` has triton's interpreter run them on the CPU."""
+    import torch
+
     from rollout_spec.engine import triton_attention
+    from rollout_spec.verify import triton_runs_on
 
     if not triton_attention.is_available():
         parser.error(f"{flag} triton: the triton package is not installed (use auto or torch)")
-    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(torch.device(device)):
         parser.error(f"{flag} triton: the Triton kernels run on CUDA, not on --device {device} (use auto "
                      f"or torch, or set TRITON_INTERPRET=1 to interpret them on the CPU, slowly)")
 

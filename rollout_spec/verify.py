@@ -260,6 +260,12 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can run for ``device``: compiled on CUDA, or anywhere through
+    triton's interpreter (TRITON_INTERPRET=1, read by verify_triton when it is imported)."""
+    return _is_cuda(device) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_triton(backend: str, device: torch.device) -> bool:
     """Resolve ``backend``: "triton" (the fused kernel; an error without triton, or off CUDA
     without triton's interpreter), "torch" (the reference) or "auto" (triton on CUDA when it is
@@ -278,8 +284,7 @@ def use_triton(backend: str, device: torch.device) -> bool:
         if backend == "triton":
             raise ImportError("backend='triton' needs the triton package (pip install triton)")
         return False
-    # "auto" reaches here on CUDA only; verify_triton reads the same variable when it is imported
-    if backend == "triton" and not _is_cuda(device) and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not triton_runs_on(device):  # "auto" reaches here on CUDA only
         raise ValueError(f"backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (triton's CPU "
                          f"interpreter, set before triton is imported), got device {device}")
     return True
