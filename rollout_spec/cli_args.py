@@ -149,9 +149,10 @@ def _distinct(name: str, values: list) -> list:
 
 def check_distinct(parser: argparse.ArgumentParser, flag: str, values: Sequence[Any]) -> None:
     """Refuse ``values`` (the values of ``flag``, e.g. an ``nargs`` option's) with a repeat."""
-    twice = repeated(values)
-    if twice:
-        parser.error(f"{flag} lists {', '.join(twice)} more than once")
+    try:
+        _distinct(flag, list(values))
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
 
 
 def names_arg(name: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
